@@ -17,7 +17,6 @@ compressed-tensors' ``NVFP4PackedCompressor.decompress``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -67,7 +66,7 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str
 
     check_quantizable(weight, name)
     w = weight.detach()
-    gs = global_scale(w) if gscale is None else gscale.detach().to(device=w.device, dtype=torch.float32).reshape(1)
+    gs = global_scale(w) if gscale is None else gscale.detach().to(device=w.device, dtype=torch.float32).reshape(1).clone()
     blocks = w.reshape(w.shape[0], -1, BLOCK)
     args = _nvfp4_args()
     scale, _ = calculate_qparams(blocks.amin(dim=-1), blocks.amax(dim=-1), args, global_scale=gs)
@@ -162,6 +161,10 @@ class _NVFP4Matmul(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
 class NVFP4Linear(nn.Module):
     """A frozen Linear stored as NVFP4 (0.5625 bytes per weight); gradients flow to its input, never to its weight.
 
@@ -179,11 +182,11 @@ class NVFP4Linear(nn.Module):
         if in_features % BLOCK:
             raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK}, got {in_features}.")
         self.in_features, self.out_features, self.kernel = in_features, out_features, kernel
-        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer(
-            "weight_scale", torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device)
-        )
-        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        # Frozen Parameters rather than buffers, as compressed-tensors' CompressedLinear does: tools that place
+        # adapters next to a layer (peft) look for its parameters.
+        self.weight_packed = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = _frozen(torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device))
+        self.weight_global_scale = _frozen(torch.ones(1, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None  # runtime only, never saved
 
@@ -201,7 +204,7 @@ class NVFP4Linear(nn.Module):
             expected = getattr(self, key).shape
             if tuple(tensors[key].shape) != tuple(expected):
                 raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {tuple(expected)}.")
-            setattr(self, key, tensors[key].detach().reshape(expected))
+            setattr(self, key, _frozen(tensors[key].detach().reshape(expected)))
         self._dense_cache = None
         if self.bias is not None:
             if bias is None:
@@ -236,9 +239,3 @@ def nvfp4_bytes(module: nn.Module) -> int:
     return sum(
         m.weight_packed.numel() + m.weight_scale.numel() + 4 for m in module.modules() if isinstance(m, NVFP4Linear)
     )
-
-
-def max_abs_error_bound(weight: torch.Tensor) -> float:
-    """Worst-case |W - dequant(quant(W))| per element: half the widest E2M1 step (2 -> 4 -> 6 spacing 2) at the
-    block scale amax/6, plus fp8 scale rounding (2^-3 relative) of the block amax: amax * (1/6 + 1/16)."""
-    return float(weight.detach().abs().amax()) * (1 / 6 + 1 / 16) * (1 + 2**-7) + math.ulp(1.0)

@@ -1,0 +1,113 @@
+"""The policy: a frozen NVFP4 (or bf16) causal LM with peft LoRA adapters, optionally with trainable RMSNorm weights.
+
+Only LoRA matrices (and the norm weights when ``train_norms``) require grad. The norms are trained through peft's
+``modules_to_save``: a trainable copy sits beside the frozen original, so disabling the adapter (the reference
+policy for KL) also restores the original norms, and the adapter directory in standard PEFT format carries them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model, matches_target
+from qerl.modules.nvfp4 import NVFP4Linear
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """transformers' RMSNorm classes (LlamaRMSNorm, Qwen2RMSNorm, ...) all end in ``RMSNorm``."""
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def norm_names(model: nn.Module) -> list[str]:
+    """The distinct leaf names of the model's RMSNorm modules (``input_layernorm``, ``norm``, ...)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_rms_norm(m) and n})
+
+
+def lora_config(rank: int, alpha: float, dropout: float, targets: Sequence[str], modules_to_save: Sequence[str] | None):
+    """A peft ``LoraConfig`` that also knows how to wrap ``NVFP4Linear`` (peft's Linear LoRA works on any base
+    layer with ``in_features``/``out_features`` whose forward is ``x -> base(x)``; it never touches the weight
+    unless asked to merge, which NVFP4 cannot do)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        modules_to_save=list(modules_to_save) if modules_to_save else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    config._register_custom_module({NVFP4Linear: LoraLinear})
+    return config
+
+
+def build_policy(
+    model: str,
+    quantization: str = "nvfp4",
+    lora_rank: int = 16,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    lora_targets: Sequence[str] = DEFAULT_TARGETS,
+    train_norms: bool = True,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    kernel: str = "auto",
+    adapter: str | None = None,
+    gradient_checkpointing: bool = False,
+):
+    """Load ``model`` (embedded name, HF id, bf16 or NVFP4 directory), wrap it with LoRA and return the PeftModel.
+
+    Args:
+        model: the embedded model's name (``smollm2-135m-instruct``), an HF id or a local directory.
+        quantization: ``nvfp4`` (targets stored as NVFP4, the QeRL setting) or ``bf16`` (16-bit LoRA baseline).
+        lora_rank: LoRA rank r.
+        lora_alpha: LoRA alpha (scaling alpha / r).
+        lora_dropout: LoRA dropout; keep 0 for RL (dropout makes the on-policy ratio differ from 1).
+        lora_targets: module names (leaf names or regexes) that get NVFP4 storage and LoRA.
+        train_norms: also train the RMSNorm weights (the QeRL recipe does).
+        dtype: compute dtype of the dense parts (``bfloat16``, ``float16``, ``float32``).
+        device: where the model lives.
+        kernel: NVFP4 matmul kernel (see ``NVFP4Linear``).
+        adapter: a PEFT adapter directory to resume from instead of fresh LoRA weights.
+        gradient_checkpointing: recompute decoder layers in backward to save activation memory.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    if lora_rank < 1:
+        raise ValueError(f"lora_rank must be >= 1, got {lora_rank}.")
+    base = load_model(model, quantization, lora_targets, DTYPES[dtype], device, kernel)
+    if not any(matches_target(n, lora_targets) for n, _ in base.named_modules()):
+        raise ValueError(f"lora_targets {list(lora_targets)} match no module of {model}.")
+    for p in base.parameters():
+        p.requires_grad_(False)
+    norms = norm_names(base) if train_norms else None
+    if adapter is not None:
+        config = LoraConfig.from_pretrained(adapter)
+        config._register_custom_module({NVFP4Linear: __import__("peft").tuners.lora.layer.Linear})
+        policy = PeftModel.from_pretrained(base, adapter, config=config, is_trainable=True)
+    else:
+        policy = get_peft_model(base, lora_config(lora_rank, lora_alpha, lora_dropout, lora_targets, norms))
+    policy.to(device)
+    if gradient_checkpointing:
+        policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.base_model.model.enable_input_require_grads()
+    return policy
+
+
+def trainable_parameters(policy: nn.Module) -> list[nn.Parameter]:
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def save_adapter(policy, directory: str | Path) -> None:
+    """Save the LoRA adapter (and trained norms) in standard PEFT format: adapter_config.json + safetensors."""
+    policy.save_pretrained(str(directory), safe_serialization=True)

@@ -1,0 +1,53 @@
+"""Quantize a bf16 HF model (or the embedded model) to an NVFP4A16 compressed-tensors checkpoint that vLLM loads.
+
+    python -m qerl.quantize --model Qwen/Qwen2.5-7B-Instruct --output qwen2.5-7b-nvfp4
+    python -m qerl.quantize --model smollm2-135m-instruct --output smollm2-nvfp4
+
+The bytes equal llmcompressor's ``NVFP4A16`` scheme (weights only, lm_head/embeddings/norms stay bf16, q/k/v and
+gate/up share one global scale); the model is quantized layer by layer as it is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model, load_tokenizer, save_nvfp4
+
+
+def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS, force: bool = False, log=print) -> Path:
+    """Read ``model``, quantize its ``targets`` to NVFP4 and write the checkpoint directory ``output``."""
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not force:
+        raise FileExistsError(f"{output} is not empty; pass --force to overwrite it or choose another --output.")
+    count = 0
+
+    def progress(group: str) -> None:
+        nonlocal count
+        count += 1
+        log(f"[{count}] quantized {group}")
+
+    nvfp4 = load_model(model, "nvfp4", targets, progress=progress)
+    save_nvfp4(nvfp4, output, tokenizer=load_tokenizer(model))
+    log(f"wrote {output}")
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qerl.quantize", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="bf16 HF model directory, hub id, or 'smollm2-135m-instruct'")
+    parser.add_argument("--output", required=True, help="directory for the NVFP4A16 checkpoint")
+    parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), help="Linear layers to quantize")
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+    args = parser.parse_args(argv)
+    try:
+        quantize_checkpoint(args.model, args.output, args.targets, args.force)
+    except (FileExistsError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
