@@ -1,0 +1,63 @@
+"""What every rollout engine returns and the interface the trainer calls.
+
+Two engines sit behind it: ``BuiltinRollout`` samples with the training policy itself (no second copy of the weights,
+nothing to sync), ``VLLMRollout`` (the scale-up path) with a colocated vLLM that receives the adapter every step.
+Both apply Adaptive Quantization Noise (AQN) to the rollout model's RMSNorm weights themselves, because only the
+engine knows where its norm weights live.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Rollout(NamedTuple):
+    """G sampled completions for each of B prompts; rows are grouped per prompt (N = B*G)."""
+
+    prompt_ids: Tensor  # [N, P] long, left-padded
+    prompt_mask: Tensor  # [N, P] long, 1 on real prompt tokens
+    completion_ids: Tensor  # [N, L] long, right-padded with the pad id
+    completion_mask: Tensor  # [N, L] long, 1 on generated tokens (EOS included)
+    logprobs: Tensor  # [N, L] fp32, log-probs of the sampled tokens under the sampling policy, 0 on padding
+    entropy: Tensor  # [N, L] fp32, entropy of the sampling distribution at each generated token, 0 on padding
+    truncated: Tensor  # [N] bool, stopped by max_new_tokens before EOS
+
+    @property
+    def lengths(self) -> Tensor:  # [N]
+        return self.completion_mask.sum(-1)
+
+
+class RolloutEngine:
+    """Samples completions for a batch of prompts. Subclasses implement ``generate`` and, if they hold their own copy
+    of the weights, ``sync``.
+
+    Args:
+        max_new_tokens: completion budget; longer completions are truncated (and masked by the trainer if asked).
+        temperature: sampling temperature (the loss recomputes log-probs at the same temperature).
+        top_p: nucleus sampling threshold (1.0 keeps the full distribution, which keeps the IS ratio exact).
+        seed: seed of the sampling generator.
+    """
+
+    def __init__(self, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}.")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.noise_std = 0.0  # AQN sigma for the next rollouts, set by the AQN callback
+        self.noise_generator: torch.Generator | None = None
+
+    def set_noise(self, std: float, generator: torch.Generator | None = None) -> None:
+        """Fresh N(0, std^2) channel noise is added to every RMSNorm weight for each following rollout."""
+        self.noise_std, self.noise_generator = float(std), generator
+
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+        raise NotImplementedError
+
+    def sync(self, policy) -> None:
+        """Push the current adapter (and trained norms) to the engine; nothing to do when it samples the policy itself."""
