@@ -14,11 +14,34 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
+class _LowPrecisionLinearFp32Out(torch.autograd.Function):
+    """``hidden @ weight.T`` of bf16/fp16 operands with an fp32 result (``torch.mm``'s ``out_dtype`` has no autograd).
+
+    On CUDA the MMA accumulates in fp32 and writes fp32 directly, so there is no fp32 copy of the ``[V, H]`` weight.
+    The backward runs in the operands' dtype, as autocast would.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(hidden, weight)
+        if hidden.is_cuda:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return hidden.float() @ weight.float().t()  # CPU has no out_dtype kernel: same numbers, via a copy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)  # [n, V]
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight
+
+
 def _fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    """``hidden [n, H] @ weight.T [H, V]`` with fp32 output: bf16 logits would round by ~0.1 at magnitude 30,
+    """``hidden [n, H] @ weight.T [H, V]`` -> ``[n, V]`` fp32: bf16 logits would round by ~0.1 at magnitude 30,
     which is noise in every probability ratio."""
-    if hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # fp32 accumulate and output, no fp32 copy of W
+    if hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
+        return _LowPrecisionLinearFp32Out.apply(hidden, weight)
     return F.linear(hidden.float(), weight.float())
 
 

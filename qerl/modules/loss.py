@@ -134,7 +134,7 @@ class PolicyLoss(nn.Module):
         if self.beta > 0 and ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs")
         mask = mask.bool()
-        # Masked positions may hold anything (even -inf): zero every log-difference there so exp() stays finite
+        # Masked positions may hold anything (-inf, NaN): zero every log-difference there so exp() stays finite
         # and no NaN reaches the gradient through a weight of 0.
         log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # [n, L]
         ratio = log_ratio.exp()
