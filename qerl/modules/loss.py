@@ -1,0 +1,230 @@
+"""The clipped policy-gradient loss of GRPO / DAPO, one ``nn.Module`` per aggregation (pick it by ``class_path``).
+
+All variants share one per-token term (``PolicyLoss.forward``) and differ only in how tokens are weighted
+into one scalar (``token_weights``):
+
+    ratio     = exp(logp - logp_old)                                   logp_old: the policy before this update
+    surrogate = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+    per_token = surrogate * min(exp(logp_old - logp_rollout), is_cap)  truncated IS, detached (Yao et al. 2025)
+              + beta * k3(logp, logp_ref)                              KL, only when beta > 0
+    loss      = sum(per_token * token_weights)
+
+What each piece keeps and drops:
+- Clip-higher (DAPO): separate ``eps_low`` / ``eps_high`` (0.2 / 0.28 by default) so low-probability tokens
+  with A > 0 can grow further before clipping; ``eps_high = eps_low`` gives PPO's symmetric clip.
+- KL: off by default (beta = 0, as DAPO and the QeRL recipes); with beta > 0 the k3 estimator
+  ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased) is added per token, outside the IS weight.
+- Truncated importance sampling: on by default (``is_cap = 2``). The rollout policy (NVFP4 + AQN noise,
+  maybe another engine) is not the policy the trainer differentiates (clean weights), so the sampled tokens
+  are reweighted by the detached, capped ratio trainer/rollout. ``is_cap=None`` or no ``rollout_logprobs``
+  turns it off. The reference QeRL code has no such correction.
+- Aggregation: ``GRPOLoss`` token mean per sequence then mean over sequences (long answers weigh less per
+  token); ``DAPOLoss`` one token mean over the whole batch (every token weighs the same); ``DrGRPOLoss`` a
+  constant ``N * max_completion_length`` (no length bias at all, Liu et al. 2025).
+
+Gradient accumulation: ``token_weights`` is computed once over the mask of the *whole* accumulated batch and
+sliced per micro-batch, so the sum of the micro-batch losses (and of their gradients) is exactly the full-batch
+loss. Under DDP each rank normalises by its own batch; DDP then averages the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+
+class LossStats(NamedTuple):
+    """Detached float32 scalars, each a *sum* over the unmasked tokens of one micro-batch.
+
+    Sums, not means, so micro-batches (and ranks, with an all-reduce) add up exactly; ``summarize_stats``
+    divides by the token count at the end.
+    """
+
+    tokens: Tensor  # unmasked tokens
+    clip_low: Tensor  # ratio < 1 - eps_low with A < 0: the clipped branch is active, no gradient
+    clip_high: Tensor  # ratio > 1 + eps_high with A > 0: the clipped branch is active, no gradient
+    ratio: Tensor  # sum of exp(logp - logp_old)
+    is_weight: Tensor  # sum of the IS weights applied (1 per token when IS is off)
+    is_capped: Tensor  # tokens whose IS weight was cut to is_cap
+    kl: Tensor  # sum of the per-token k3 KL (0 when no ref_logprobs)
+
+
+def summarize_stats(stats: list[LossStats]) -> dict[str, float]:
+    """Token means of the stats of several micro-batches, for logging.
+
+    Args:
+        stats: one ``LossStats`` per micro-batch (all-reduce their sums first to get global means under DDP).
+
+    Returns:
+        ``clip_frac_low``, ``clip_frac_high``, ``ratio_mean``, ``is_ratio_mean``, ``is_capped_frac``, ``kl``.
+    """
+    total = LossStats(*(torch.stack(field).sum() for field in zip(*stats)))
+    n = total.tokens.clamp(min=1)
+    means = {
+        "clip_frac_low": total.clip_low / n,
+        "clip_frac_high": total.clip_high / n,
+        "ratio_mean": total.ratio / n,
+        "is_ratio_mean": total.is_weight / n,
+        "is_capped_frac": total.is_capped / n,
+        "kl": total.kl / n,
+    }
+    return {k: v.item() for k, v in means.items()}  # .item(): one device sync per value, at log time only
+
+
+class PolicyLoss(nn.Module):
+    """Clipped surrogate + truncated IS + optional KL; subclasses choose the token weights.
+
+    Args:
+        eps_low: lower clip range, the ratio is clipped at ``1 - eps_low`` (0 <= eps_low < 1).
+        eps_high: upper clip range, the ratio is clipped at ``1 + eps_high`` (DAPO's clip-higher: 0.28).
+        beta: weight of the k3 KL to the reference policy; 0 turns the KL off (no reference forward needed).
+        is_cap: cap C of the truncated IS weight ``min(pi_old / pi_rollout, C)`` (> 1); None turns IS off.
+    """
+
+    def __init__(self, eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0, is_cap: float | None = 2.0):
+        super().__init__()
+        if not 0 <= eps_low < 1:
+            raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
+        if eps_high < 0:
+            raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        if is_cap is not None and is_cap <= 1:
+            raise ValueError(f"is_cap must be > 1 or None (IS off), got {is_cap}")
+        self.eps_low, self.eps_high, self.beta, self.is_cap = eps_low, eps_high, beta, is_cap
+
+    def token_weights(self, mask: Tensor) -> Tensor:
+        """Weight of each token in the loss, over the whole accumulated batch.
+
+        Args:
+            mask: ``[N, L]`` 1 for completion tokens that count, 0 for prompt, padding and masked truncations.
+
+        Returns:
+            ``[N, L]`` float32 weights, 0 where ``mask`` is 0. Slice rows per micro-batch.
+        """
+        raise NotImplementedError
+
+    def forward(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        token_weights: Tensor,
+        rollout_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+    ) -> tuple[Tensor, LossStats]:
+        """Loss of one micro-batch of n sequences.
+
+        Args:
+            logprobs: ``[n, L]`` log-probs of the sampled tokens under the policy being trained (requires grad).
+            old_logprobs: ``[n, L]`` the same under the policy before this optimizer step (``logprobs.detach()``
+                on the first update of a rollout, so the ratio is 1).
+            advantages: ``[n]`` one advantage per sequence.
+            mask: ``[n, L]`` bool or 0/1, the tokens that count.
+            token_weights: ``[n, L]`` this micro-batch's rows of ``self.token_weights(full_mask)``.
+            rollout_logprobs: ``[n, L]`` log-probs the rollout engine sampled with; enables truncated IS.
+            ref_logprobs: ``[n, L]`` log-probs under the reference policy; needed when beta > 0.
+
+        Returns:
+            The scalar loss (sum over micro-batches = full-batch loss) and detached ``LossStats`` sums.
+        """
+        if self.beta > 0 and ref_logprobs is None:
+            raise ValueError("beta > 0 needs ref_logprobs")
+        mask = mask.bool()
+        # Masked positions may hold anything (-inf, NaN): zero every log-difference there so exp() stays finite
+        # and no NaN reaches the gradient through a weight of 0.
+        log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # [n, L]
+        ratio = log_ratio.exp()
+        adv = advantages.detach().to(ratio.dtype).unsqueeze(1)  # [n, 1]
+        clipped = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)  # [n, L]
+
+        is_weight = torch.ones_like(ratio)
+        is_capped = torch.zeros_like(mask)
+        if rollout_logprobs is not None and self.is_cap is not None:
+            # Corrects the sampling distribution (rollout engine) to the trainer's old policy; detached, so it
+            # rescales the gradient without being differentiated (Yao et al. 2025, "truncated IS").
+            raw = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0).exp()
+            is_weight = raw.clamp(max=self.is_cap)
+            is_capped = raw > self.is_cap
+            per_token = per_token * is_weight
+
+        kl = torch.zeros_like(ratio)
+        if ref_logprobs is not None:
+            d = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0)
+            kl = d.exp() - d - 1  # k3: >= 0, unbiased for KL(pi || pi_ref) on samples of pi
+            if self.beta > 0:
+                per_token = per_token + self.beta * kl
+
+        loss = (per_token * token_weights).sum()
+
+        with torch.no_grad():
+            m = mask.float()
+            stats = LossStats(
+                tokens=m.sum(),
+                clip_low=((ratio < 1 - self.eps_low) & (adv < 0) & mask).float().sum(),
+                clip_high=((ratio > 1 + self.eps_high) & (adv > 0) & mask).float().sum(),
+                ratio=(ratio * m).sum().float(),
+                is_weight=(is_weight * m).sum().float(),
+                is_capped=(is_capped & mask).float().sum(),
+                kl=(kl * m).sum().float(),
+            )
+        return loss, stats
+
+
+class GRPOLoss(PolicyLoss):
+    """GRPO aggregation: token mean within each sequence, then mean over the N sequences.
+
+    ``w = mask / (len_i * N)``. Every sequence weighs the same, so tokens of long answers weigh less.
+    """
+
+    def token_weights(self, mask: Tensor) -> Tensor:
+        m = mask.float()  # [N, L]
+        lengths = m.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]; an empty row stays all-zero
+        return m / (lengths * m.shape[0])
+
+
+class DAPOLoss(PolicyLoss):
+    """DAPO aggregation: one token mean over the whole accumulated batch.
+
+    ``w = mask / mask.sum()``. Every token weighs the same, whatever the length of its answer.
+    """
+
+    def token_weights(self, mask: Tensor) -> Tensor:
+        m = mask.float()  # [N, L]
+        return m / m.sum().clamp(min=1)
+
+
+class DrGRPOLoss(PolicyLoss):
+    """Dr. GRPO aggregation: token sum divided by a constant, ``w = mask / (N * max_completion_length)``.
+
+    The normaliser does not depend on the sampled lengths, so there is no length bias (Liu et al. 2025,
+    "Understanding R1-Zero-Like Training"); pair it with ``scale_std=False`` advantages as the paper does.
+
+    Args:
+        max_completion_length: the rollout's maximum number of new tokens.
+        eps_low: see ``PolicyLoss``.
+        eps_high: see ``PolicyLoss``.
+        beta: see ``PolicyLoss``.
+        is_cap: see ``PolicyLoss``.
+    """
+
+    def __init__(
+        self,
+        max_completion_length: int,
+        eps_low: float = 0.2,
+        eps_high: float = 0.28,
+        beta: float = 0.0,
+        is_cap: float | None = 2.0,
+    ):
+        super().__init__(eps_low=eps_low, eps_high=eps_high, beta=beta, is_cap=is_cap)
+        if max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+        self.max_completion_length = max_completion_length
+
+    def token_weights(self, mask: Tensor) -> Tensor:
+        m = mask.float()  # [N, L]
+        return m / (m.shape[0] * self.max_completion_length)
