@@ -17,6 +17,7 @@ compressed-tensors' ``NVFP4PackedCompressor.decompress``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -75,7 +76,9 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str
     return {"weight_packed": packed, "weight_scale": scale.to(torch.float8_e4m3fn), "weight_global_scale": gs}
 
 
+@functools.cache
 def _e2m1_table(device: torch.device) -> torch.Tensor:
+    # cached per device: a host-to-device copy on every call would also break CUDA graph capture
     signed = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
     return signed.to(device)
 
