@@ -215,12 +215,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
-    """Hand-picked H100 tiles by M bucket (used until :func:`autotune` has cached a measured winner)."""
+    """The most frequent autotune winners on the H200 per M bucket (until :func:`autotune` caches a measured one)."""
     bucket = m_bucket(m)
     if bucket <= 16:
-        return TileConfig(64, 16, 256, 4, 4, min_programs=264)
+        return TileConfig(128, 16, 128, 4, 3, min_programs=264)
     if bucket <= 64:
-        return TileConfig(64, bucket, 128, 4, 4, min_programs=264)
+        return TileConfig(128, bucket, 128, 4, 4, min_programs=264)
     if bucket <= 256:
         return TileConfig(128, 64, 128, 4, 3, min_programs=132)
     return TileConfig(128, 128, 64, 8, 4)
