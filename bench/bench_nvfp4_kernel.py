@@ -98,8 +98,8 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
 
             # 2. autotune (cached per M bucket and shape; nothing below tunes)
             key = kernels._key(transpose, m, out_dim, red, torch.bfloat16)
-            dense = m >= kernels.DENSE_MIN_M
-            if key not in kernels._TUNED and not dense:
+            dense_path = m >= kernels.DENSE_MIN_M
+            if key not in kernels._TUNED and not dense_path:
                 kernels.autotune(acts, weights, transpose)
             cfg = kernels.config_for(transpose, m, out_dim, red, torch.bfloat16)
 
@@ -127,13 +127,13 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
                 "rel_err_ours": err_ours,
                 "rel_err_bf16": err_bf16,
                 "all_finite": finite,
-                "config": "dense" if dense else {k_: v for k_, v in cfg.__dict__.items()},
+                "config": "dense" if dense_path else {k_: v for k_, v in cfg.__dict__.items()},
             }
             rows.append(row)
             print(f"{row['shape']:>28} M={m:<5} {direction}  ours {ms_ours * 1e3:9.1f}us  bf16 {ms_bf16 * 1e3:9.1f}us  "
                   f"deq {ms_deq * 1e3:9.1f}us  x{row['speedup_vs_bf16']:5.2f} vs bf16  x{row['speedup_vs_dequant']:5.2f}"
                   f" vs deq  {row['weight_gbps']:7.0f} GB/s  err {err_ours:.1e} (bf16 {err_bf16:.1e})"
-                  f"  cfg {'dense' if dense else cfg}", flush=True)
+                  f"  cfg {'dense' if dense_path else cfg}", flush=True)
     return rows
 
 
