@@ -17,6 +17,7 @@ compressed-tensors' ``NVFP4PackedCompressor.decompress``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -74,9 +75,16 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str
     return {"weight_packed": packed, "weight_scale": scale.to(torch.float8_e4m3fn), "weight_global_scale": gs}
 
 
-_SIGNED_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-# byte -> (value of low nibble, value of high nibble): one gather per byte instead of bit twiddling per nibble.
-_BYTE_TO_PAIR = torch.stack((_SIGNED_E2M1[torch.arange(256) & 15], _SIGNED_E2M1[torch.arange(256) >> 4]), dim=-1)
+_SIGNED_E2M1 = (*E2M1_VALUES, *(-v for v in E2M1_VALUES))
+
+
+@functools.cache
+def _byte_to_pair(device: torch.device) -> torch.Tensor:
+    """byte -> (value of its low nibble, value of its high nibble) [256, 2]: one gather per byte instead of bit
+    twiddling per nibble; cached per device (a host-to-device copy per call would also break CUDA graph capture)."""
+    signed = torch.tensor(_SIGNED_E2M1, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((signed[byte & 15], signed[byte >> 4]), dim=-1).to(device)
 
 
 def unpack_codes(weight_packed: torch.Tensor) -> torch.Tensor:
@@ -94,7 +102,7 @@ def dequantize(
 ) -> torch.Tensor:
     """NVFP4 -> dense ``[out, in]``: ``E2M1[code] * (scale / gs)`` in fp32, then cast (compressed-tensors' order)."""
     out = weight_packed.shape[0]
-    values = F.embedding(weight_packed.int(), _BYTE_TO_PAIR.to(weight_packed.device))  # [out, in/2, 2] fp32
+    values = F.embedding(weight_packed.int(), _byte_to_pair(weight_packed.device))  # [out, in/2, 2] fp32
     block_scale = weight_scale.float() / weight_global_scale.float()  # [out, in/16]
     w = values.view(out, -1, BLOCK) * block_scale.unsqueeze(-1)
     return w.view(out, -1).to(dtype)

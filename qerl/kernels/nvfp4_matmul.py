@@ -1,0 +1,487 @@
+"""Fused NVFP4 x {bf16, fp16, fp32} matmuls in Triton that never materialise the dense weight.
+
+One kernel serves both directions on the compressed-tensors layout (``weight_packed`` uint8 ``[N, K/2]``,
+``weight_scale`` e4m3 ``[N, K/16]``, ``weight_global_scale`` fp32 ``[1]``):
+
+    forward   y [M, N] = x  [M, K] @ W.T     (output dim = rows of W,    reduction over its columns)
+    backward dx [M, K] = dy [M, N] @ W       (output dim = columns of W, reduction over its rows)
+
+Each program computes the transposed output tile ``acc [BLOCK_OUT, BLOCK_M] = W_tile @ a_tile.T``: the weight sits on
+the wide (M) side of the MMA, so a decode step with M = 1..16 still fills the MMA rows with weights and the tokens
+only pad 16 columns ("swap AB"). Weight bytes are loaded once, 16 contiguous bytes per thread, unpacked in registers:
+
+    E2M1 code c (4 bits) -> bit pattern of the compute dtype whose value is E2M1[c] * 2^-e   (no table, no branch)
+    e4m3 block scale s   -> s * 2^e' in the compute dtype (exact: s has 3 mantissa bits)
+    W_tile * 2^SHIFT     =  code value * scale value                                         (exact: <= 5 bits)
+
+so the bf16 operand is exactly ``E2M1[c] * s`` (rounded nowhere), the tensor core accumulates in fp32, and the
+per-tensor ``2^SHIFT / weight_global_scale`` multiplies the fp32 accumulator once at the end. The compute dtype is a
+constexpr taken from the activation dtype: bf16 on GPUs, fp16/fp32 where Triton's CPU interpreter is exact (it
+flushes bf16 subnormals, which the code trick needs for E2M1 0.5).
+
+Small M uses split-K (fp32 partials plus a summing kernel) when there are too few output tiles to fill the GPU.
+Tile configurations come from a per-M-bucket default or from :func:`autotune`, which times candidates in CUDA graphs
+over rotated weight copies and caches the winner (call it while warming up, never inside a timed region).
+
+The public entry points are torch custom ops (``torch.ops.qerl.nvfp4_mm``) with fake implementations, so they trace
+under ``torch.compile`` and replay inside CUDA graphs; importing this module registers them as NVFP4Linear's
+``"triton"`` kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.modules.nvfp4 import BLOCK, register_kernel
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+# bf16/fp32 codes come out as E2M1 * 2^-126; times scale * 2^118 that is E2M1 * scale * 2^-8, the scale factor
+# itself staying under the float max (448 * 2^118 < 2^127) and the product far above the subnormals.
+_TWO_POW_118 = tl.constexpr(2.0**118)
+
+
+@triton.jit
+def _unpacked_weight_tile(
+    packed_ptr,
+    scale_ptr,
+    row0,
+    col0,
+    ROWS,
+    COLS,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """``W[row0:row0+BLOCK_R, col0:col0+BLOCK_C] * 2^SHIFT`` in ``COMPUTE`` dtype, exact; zero outside the matrix."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    byte_cols = col0 // 2 + tl.arange(0, BLOCK_C // 2)
+    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
+    row_ok = rows[:, None] < ROWS
+    # 16 contiguous bytes per thread: a row of BLOCK_C/2 packed bytes, then viewed as [blocks, 8 bytes].
+    packed = tl.load(
+        packed_ptr + rows[:, None] * (COLS // 2) + byte_cols[None, :],
+        mask=row_ok & (byte_cols[None, :] < COLS // 2),
+        other=0,
+    )
+    scale_bits = tl.load(
+        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
+        mask=row_ok & (block_cols[None, :] < COLS // 16),
+        other=0,
+    )
+    packed = tl.reshape(packed, (BLOCK_R, BLOCK_C // 16, 8))
+    scale = scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if COMPUTE == tl.float16:
+        # fp16 bits (c & 8) << 12 | (c & 7) << 9 equal E2M1[c] * 2^-14 (index 1 = 0.5 lands on a subnormal);
+        # scale * 2^7 stays below fp16's 65504, and the product E2M1 * s * 2^-7 is exact (subnormal at worst).
+        lo = ((packed & 0x08).to(tl.int16) << 12) | ((packed & 0x07).to(tl.int16) << 9)
+        hi = ((packed & 0x80).to(tl.int16) << 8) | ((packed & 0x70).to(tl.int16) << 5)
+        factor = (scale * 128.0).to(tl.float16)
+    elif COMPUTE == tl.bfloat16:
+        # bf16 bits (c & 8) << 12 | (c & 7) << 6 equal E2M1[c] * 2^-126; the scale carries 2^118 (< bf16 max).
+        lo = ((packed & 0x08).to(tl.int16) << 12) | ((packed & 0x07).to(tl.int16) << 6)
+        hi = ((packed & 0x80).to(tl.int16) << 8) | ((packed & 0x70).to(tl.int16) << 2)
+        factor = (scale * _TWO_POW_118).to(tl.bfloat16)
+    else:
+        # fp32 bits (c & 8) << 28 | (c & 7) << 22 equal E2M1[c] * 2^-126.
+        lo = ((packed & 0x08).to(tl.int32) << 28) | ((packed & 0x07).to(tl.int32) << 22)
+        hi = ((packed & 0x80).to(tl.int32) << 24) | ((packed & 0x70).to(tl.int32) << 18)
+        factor = scale * _TWO_POW_118
+    factor = factor[:, :, None]
+    w_lo = lo.to(COMPUTE, bitcast=True) * factor  # even columns
+    w_hi = hi.to(COMPUTE, bitcast=True) * factor  # odd columns
+    w = tl.join(w_lo, w_hi)  # [BLOCK_R, BLOCK_C/16, 8, 2]
+    return tl.reshape(w, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_kernel(
+    a_ptr,
+    packed_ptr,
+    scale_ptr,
+    global_scale_ptr,
+    out_ptr,
+    M,
+    OUT,
+    RED,
+    TILES_PER_SPLIT,
+    TRANSPOSE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """``out[split, m, o] = sum_r a[m, r] * op(W)[o, r]`` over this program's share of the reduction.
+
+    ``op(W) = W`` (forward, W is ``[OUT, RED]``) or ``W.T`` (backward, W is ``[RED, OUT]``). ``out`` is the final
+    ``[M, OUT]`` tensor when there is one split, else fp32 partials ``[splits, M, OUT]``.
+    """
+    pid_out = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    out0 = pid_out * BLOCK_OUT
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_RED)
+    m_ok = offs_m[None, :] < M
+    acc = tl.zeros((BLOCK_OUT, BLOCK_M), dtype=tl.float32)
+    first = pid_split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(RED, BLOCK_RED))
+    for t in range(first, last):
+        red0 = t * BLOCK_RED
+        if TRANSPOSE_W:
+            w = tl.trans(
+                _unpacked_weight_tile(packed_ptr, scale_ptr, red0, out0, RED, OUT, BLOCK_RED, BLOCK_OUT, COMPUTE)
+            )
+        else:
+            w = _unpacked_weight_tile(packed_ptr, scale_ptr, out0, red0, OUT, RED, BLOCK_OUT, BLOCK_RED, COMPUTE)
+        r = red0 + offs_r
+        a_t = tl.load(a_ptr + offs_m[None, :] * RED + r[:, None], mask=m_ok & (r[:, None] < RED), other=0.0)
+        if COMPUTE == tl.float32:
+            acc = tl.dot(w, a_t.to(COMPUTE), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, a_t.to(COMPUTE), acc)
+    acc = acc * (SHIFT / tl.load(global_scale_ptr))
+    offs_o = out0 + tl.arange(0, BLOCK_OUT)
+    out_ptrs = out_ptr + pid_split * M * OUT + offs_m[None, :] * OUT + offs_o[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_o[:, None] < OUT))
+
+
+@triton.jit
+def _dequantize_kernel(
+    packed_ptr, scale_ptr, global_scale_ptr, out_ptr, ROWS, COLS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, SHIFT: tl.constexpr,
+):
+    """``out [ROWS, COLS] = dequant(W)`` in one pass (0.5625 bytes read, 2 written per weight)."""
+    row0 = tl.program_id(0) * BLOCK_R
+    col0 = tl.program_id(1) * BLOCK_C
+    w = _unpacked_weight_tile(packed_ptr, scale_ptr, row0, col0, ROWS, COLS, BLOCK_R, BLOCK_C, COMPUTE)
+    w = w.to(tl.float32) * (SHIFT / tl.load(global_scale_ptr))
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + rows[:, None] * COLS + cols[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < ROWS) & (cols[None, :] < COLS))
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, SPLITS, NUMEL, BLOCK: tl.constexpr):
+    """``out = sum over the leading dim of partial [SPLITS, NUMEL]`` (fp32), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < NUMEL
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):
+        total += tl.load(partial_ptr + s * NUMEL + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of :func:`_nvfp4_mm_kernel`."""
+
+    block_out: int
+    block_m: int
+    block_red: int
+    num_warps: int = 4
+    num_stages: int = 3
+    min_programs: int = 0
+    """Split the reduction until at least this many programs run (0: never split)."""
+
+
+_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
+_SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}
+_TUNED: dict[tuple, TileConfig] = {}
+
+
+def m_bucket(m: int) -> int:
+    """Tile configurations are chosen per bucket of M: 16 (decode), 32, 64, 128, 256, 512 (prefill/training)."""
+    return min(max(16, triton.next_power_of_2(m)), 512)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
+    """The most frequent autotune winners on the H200 per M bucket (until :func:`autotune` caches a measured one)."""
+    bucket = m_bucket(m)
+    if bucket <= 16:
+        return TileConfig(128, 16, 128, 4, 3, min_programs=264)
+    if bucket <= 64:
+        return TileConfig(128, bucket, 128, 4, 4, min_programs=264)
+    if bucket <= 256:
+        return TileConfig(128, 64, 128, 4, 3, min_programs=132)
+    return TileConfig(128, 128, 64, 8, 4)
+
+
+def candidate_configs(m: int) -> list[TileConfig]:
+    """What :func:`autotune` tries for a given M."""
+    bucket = m_bucket(m)
+    if bucket <= 16:
+        return [
+            TileConfig(bo, 16, br, 4, st, min_programs=mp)
+            for bo, br in ((16, 512), (32, 256), (64, 256), (128, 128))
+            for st in (3, 5)
+            for mp in (264,)
+        ]
+    if bucket <= 64:
+        return [
+            TileConfig(bo, bucket, br, 4, 4, min_programs=mp)
+            for bo, br in ((32, 256), (64, 128), (64, 256), (128, 128))
+            for mp in (132, 264)
+        ]
+    if bucket <= 256:
+        return [
+            TileConfig(bo, bm, br, w, st, min_programs=132)
+            for bo, bm, br, w, st in ((64, 64, 128, 4, 4), (128, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3))
+        ]
+    return [
+        TileConfig(128, 128, 64, 8, 4),
+        TileConfig(128, 256, 64, 8, 3),
+        TileConfig(256, 128, 64, 8, 3),
+        TileConfig(128, 128, 128, 8, 3),
+        TileConfig(128, 256, 64, 4, 3),
+    ]
+
+
+def _key(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype) -> tuple:
+    return (transpose_w, m_bucket(m), out, red, dtype)
+
+
+def config_for(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype) -> TileConfig:
+    return _TUNED.get(_key(transpose_w, m, out, red, dtype)) or default_config(transpose_w, m, out, red)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch
+
+
+# From this many rows on, the weight is dequantized once per call into a transient dense tensor (one fused pass at
+# memory speed) and the library GEMM runs on it: on Hopper the fused tiled kernel's in-loop unpack and register
+# layout shuffles cost more than the dense weight's extra bytes once the GEMM is compute-bound (measured on H200:
+# fused 0.3-0.45x of cuBLAS for M >= 256).
+DENSE_MIN_M = 128
+
+
+def dequantize_dense(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.modules.nvfp4.dequantize``)."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    block_r, block_c = 16, 256
+    _dequantize_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
+        weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k,
+        BLOCK_R=block_r, BLOCK_C=block_c, COMPUTE=_COMPUTE[dtype], SHIFT=_SHIFT[dtype], num_warps=4,
+    )
+    return out
+
+
+def _launch(
+    a: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    transpose_w: bool,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    if a.dtype not in _COMPUTE:
+        raise TypeError(f"NVFP4 triton kernels take bf16, fp16 or fp32 activations, got {a.dtype}.")
+    a = a.contiguous()
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    out_dim, red = (k, n) if transpose_w else (n, k)
+    if a.shape[1] != red:
+        raise ValueError(f"Activation has {a.shape[1]} columns, the NVFP4 weight expects {red}.")
+    m = a.shape[0]
+    if config is None and m >= DENSE_MIN_M:
+        w = dequantize_dense(weight_packed, weight_scale, weight_global_scale, a.dtype)
+        return a @ w if transpose_w else a @ w.t()
+    cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
+    out = torch.empty(m, out_dim, device=a.device, dtype=a.dtype)
+    if m == 0:
+        return out
+    tiles = triton.cdiv(out_dim, cfg.block_out) * triton.cdiv(m, cfg.block_m)
+    red_tiles = triton.cdiv(red, cfg.block_red)
+    splits = 1
+    if cfg.min_programs and tiles < cfg.min_programs:
+        # each split keeps >= 2 reduction tiles so the software pipeline has something to overlap
+        splits = max(1, min(triton.cdiv(cfg.min_programs, tiles), red_tiles // 2))
+    tiles_per_split = triton.cdiv(red_tiles, splits)
+    splits = triton.cdiv(red_tiles, tiles_per_split)
+    target = out if splits == 1 else torch.empty(splits, m, out_dim, device=a.device, dtype=torch.float32)
+    grid = (triton.cdiv(out_dim, cfg.block_out), triton.cdiv(m, cfg.block_m), splits)
+    _nvfp4_mm_kernel[grid](
+        a,
+        weight_packed,
+        weight_scale.view(torch.uint8),
+        weight_global_scale,
+        target,
+        m,
+        out_dim,
+        red,
+        tiles_per_split,
+        TRANSPOSE_W=transpose_w,
+        BLOCK_M=cfg.block_m,
+        BLOCK_OUT=cfg.block_out,
+        BLOCK_RED=cfg.block_red,
+        COMPUTE=_COMPUTE[a.dtype],
+        SHIFT=_SHIFT[a.dtype],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        numel = m * out_dim
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Torch custom ops
+
+
+@torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
+def nvfp4_mm(
+    a: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    transpose_weight: bool,
+) -> torch.Tensor:
+    """``a [M, K] @ W.T -> [M, N]`` (``transpose_weight=False``) or ``a [M, N] @ W -> [M, K]`` on NVFP4 ``W [N, K]``."""
+    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+
+
+@nvfp4_mm.register_fake
+def _nvfp4_mm_fake(a, weight_packed, weight_scale, weight_global_scale, transpose_weight):
+    out_dim = weight_packed.shape[1] * 2 if transpose_weight else weight_packed.shape[0]
+    return a.new_empty(a.shape[0], out_dim)
+
+
+def _nvfp4_mm_setup(ctx, inputs, output):
+    _, weight_packed, weight_scale, weight_global_scale, transpose_weight = inputs
+    ctx.save_for_backward(weight_packed, weight_scale, weight_global_scale)
+    ctx.transpose_weight = transpose_weight
+
+
+def _nvfp4_mm_backward(ctx, grad):
+    weight_packed, weight_scale, weight_global_scale = ctx.saved_tensors
+    grad_a = nvfp4_mm(grad.contiguous(), weight_packed, weight_scale, weight_global_scale, not ctx.transpose_weight)
+    return grad_a, None, None, None, None
+
+
+nvfp4_mm.register_autograd(_nvfp4_mm_backward, setup_context=_nvfp4_mm_setup)
+
+
+def forward(x, weight_packed, weight_scale, weight_global_scale):
+    """``x [M, in] @ W.T -> [M, out]`` (NVFP4Linear's forward kernel)."""
+    return nvfp4_mm(x, weight_packed, weight_scale, weight_global_scale, False)
+
+
+def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
+    """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
+    return nvfp4_mm(dy, weight_packed, weight_scale, weight_global_scale, True)
+
+
+register_kernel("triton", forward, backward_input)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autotuning (CUDA only)
+
+
+def _graph_time_ms(fn: Callable[[int], object], calls: int, replays: int = 5) -> float:
+    """Median time of one ``fn(i)`` call, i = 0..calls-1 captured in a CUDA graph (no launch overhead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(calls, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def autotune(
+    activations: Sequence[torch.Tensor],
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    transpose_weight: bool,
+    candidates: Sequence[TileConfig] | None = None,
+) -> tuple[TileConfig, float]:
+    """Time every candidate over rotated (activation, weight) sets and cache the fastest for this key.
+
+    Args:
+        activations: inputs ``[M, red]`` of one shape, cycled through so weights and inputs leave L2 between calls.
+        weights: ``(weight_packed, weight_scale, weight_global_scale)`` copies of one shape, cycled likewise.
+        transpose_weight: False for the forward product, True for the backward one.
+        candidates: configurations to try (default :func:`candidate_configs`).
+
+    Returns:
+        The winning configuration and its time per call in ms.
+    """
+    a0, (p0, _, _) = activations[0], weights[0]
+    n, k = p0.shape[0], p0.shape[1] * 2
+    out_dim, red = (k, n) if transpose_weight else (n, k)
+    calls = max(len(activations), len(weights))
+    best: tuple[TileConfig, float] | None = None
+    for cfg in candidates or candidate_configs(a0.shape[0]):
+        def call(i, cfg=cfg):
+            return _launch(activations[i % len(activations)], *weights[i % len(weights)], transpose_weight, cfg)
+
+        try:
+            ms = _graph_time_ms(call, calls)
+        except (triton.runtime.errors.OutOfResources, RuntimeError):  # e.g. shared memory over the limit
+            continue
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    if best is None:
+        raise RuntimeError("No NVFP4 tile configuration ran.")
+    _TUNED[_key(transpose_weight, a0.shape[0], out_dim, red, a0.dtype)] = best[0]
+    return best
+
+
+def tuned_table() -> list[dict]:
+    """The cached autotune winners, as JSON-ready rows."""
+    return [
+        {"transpose_weight": t, "m_bucket": b, "out": o, "red": r, "dtype": str(d), **dataclasses.asdict(c)}
+        for (t, b, o, r, d), c in _TUNED.items()
+    ]
+
+
+__all__ = [
+    "TileConfig",
+    "autotune",
+    "backward_input",
+    "candidate_configs",
+    "config_for",
+    "DENSE_MIN_M",
+    "default_config",
+    "dequantize_dense",
+    "forward",
+    "m_bucket",
+    "nvfp4_mm",
+    "tuned_table",
+]
