@@ -8,6 +8,7 @@ policy for KL) also restores the original norms, and the adapter directory in st
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -111,3 +112,62 @@ def trainable_parameters(policy: nn.Module) -> list[nn.Parameter]:
 def save_adapter(policy, directory: str | Path) -> None:
     """Save the LoRA adapter (and trained norms) in standard PEFT format: adapter_config.json + safetensors."""
     policy.save_pretrained(str(directory), safe_serialization=True)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What ``build_policy`` needs, as one nested config group (``--model.policy.lora_rank 32``).
+
+    Args:
+        model: the embedded model's name (``smollm2-135m-instruct``), an HF id or a local directory (bf16, or an
+            NVFP4A16 checkpoint written by ``python -m qerl.quantize``).
+        quantization: ``nvfp4`` (QeRL) or ``bf16`` (the 16-bit LoRA baseline).
+        lora_rank: LoRA rank r.
+        lora_alpha: LoRA alpha.
+        lora_dropout: LoRA dropout (keep 0 for RL).
+        lora_targets: module names that get NVFP4 storage and LoRA.
+        train_norms: also train RMSNorm weights (the QeRL recipe does).
+        dtype: compute dtype (``bfloat16`` on GPU; ``float32`` is faster on CPU).
+        kernel: NVFP4 matmul kernel (``auto``, ``torch``, ``cached``, ``triton``).
+        adapter: start from this PEFT adapter directory.
+        gradient_checkpointing: recompute decoder layers in backward to save activation memory.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    quantization: str = "nvfp4"
+    lora_rank: int = 16
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    train_norms: bool = True
+    dtype: str = "bfloat16"
+    kernel: str = "auto"
+    adapter: str | None = None
+    gradient_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Fail before any weight is read: bad values name the option and the fix."""
+        if self.quantization not in ("nvfp4", "bf16"):
+            raise ValueError(f"model.policy.quantization must be 'nvfp4' or 'bf16', got {self.quantization!r}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if self.lora_rank < 1:
+            raise ValueError(f"model.policy.lora_rank must be >= 1, got {self.lora_rank}.")
+        if not self.lora_targets:
+            raise ValueError("model.policy.lora_targets is empty: name the Linear layers to adapt (e.g. q_proj).")
+        if self.adapter is not None and not (Path(self.adapter) / "adapter_config.json").exists():
+            raise FileNotFoundError(f"model.policy.adapter={self.adapter!r} has no adapter_config.json.")
+        local = Path(self.model)
+        looks_local = self.model.startswith((".", "/", "~")) or local.exists()
+        if looks_local and not (local.expanduser() / "config.json").exists():
+            raise FileNotFoundError(
+                f"model.policy.model={self.model!r}: no config.json there. Point it at a model directory, an HF id "
+                "or 'smollm2-135m-instruct'."
+            )
+
+    def build(self, device: str | torch.device = "cpu"):
+        self.validate()
+        return build_policy(
+            self.model, self.quantization, self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets,
+            self.train_norms, self.dtype, device, self.kernel, self.adapter, self.gradient_checkpointing,
+        )

@@ -1,0 +1,319 @@
+"""GRPOModule: one RL step of GRPO / DAPO on an NVFP4 (or bf16) LoRA policy, with manual optimization.
+
+One ``training_step`` = one batch of B prompts:
+
+    (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
+    (2) rewards     answer checking (+ DAPO overlong shaping)
+    (3) advantages  group-normalized; DAPO dynamic sampling drops groups whose rewards are all equal
+    (4) loss        clipped surrogate with truncated IS, micro-batched, log-probs from hidden states in chunks
+    (5) optimizer   clip grad-norm, AdamW step, warmup + cosine; ``num_iterations`` updates per rollout
+
+What this keeps and drops, against the QeRL reference: no critic, no reference model unless the loss's beta > 0
+(then the base with the adapter disabled); truncated-completion masking and dynamic sampling as in DAPO; the IS
+correction between the rollout policy (NVFP4 + noise) and the clean training policy is on by default; the
+training forward never materializes a dequantized weight (the NVFP4 kernels run on packed storage).
+
+``trainer.global_step`` counts optimizer steps (``num_iterations`` per batch), so ``max_steps``, the LR schedule and
+the AQN stages are all in optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from qerl.data.rewards import MathReward, overlong_penalty
+from qerl.modules.advantages import group_advantages, informative_groups
+from qerl.modules.checkpoint_io import load_tokenizer
+from qerl.modules.logprobs import token_logprobs
+from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
+from qerl.modules.policy import PolicyConfig, save_adapter, trainable_parameters
+from qerl.rollout.base import Rollout, RolloutEngine
+from qerl.rollout.builtin import BuiltinRollout, position_ids
+
+
+class GRPOModule(L.LightningModule):
+    """The policy, its loss and the RL step.
+
+    Args:
+        policy: the model and its LoRA (see ``PolicyConfig``).
+        loss: the policy loss; its class picks the aggregation (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``).
+        reward: scores completions against reference answers.
+        rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
+        group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
+        micro_batch_size: sequences per forward/backward (gradient accumulation within a step).
+        num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
+        lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_ratio: fraction of ``trainer.max_steps`` spent in linear warmup.
+        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        max_grad_norm: gradient-norm clip (0 disables).
+        scale_std: divide advantages by the group's reward std (GRPO); False keeps mean-centering only (Dr. GRPO).
+        dynamic_sampling: drop groups whose rewards are all equal from the loss (DAPO).
+        mask_truncated: completions cut by ``max_new_tokens`` get no loss (DAPO's overlong filtering).
+        overlong_buffer: DAPO soft overlong punishment over the last ``overlong_buffer`` tokens (0 disables).
+        overlong_penalty: the punishment at the maximum length.
+        logprob_chunk_size: tokens per chunk of the LM head in the loss (memory vs speed).
+        log_samples_every: write a few prompt/completion texts to TensorBoard every this many steps (0 disables).
+    """
+
+    def __init__(
+        self,
+        policy: PolicyConfig = PolicyConfig(),
+        loss: PolicyLoss | None = None,
+        reward: MathReward | None = None,
+        rollout: RolloutEngine | None = None,
+        group_size: int = 8,
+        micro_batch_size: int = 8,
+        num_iterations: int = 1,
+        lr: float = 1e-5,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        warmup_ratio: float = 0.1,
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float = 0.2,
+        scale_std: bool = True,
+        dynamic_sampling: bool = False,
+        mask_truncated: bool = True,
+        overlong_buffer: int = 0,
+        overlong_penalty: float = 1.0,
+        logprob_chunk_size: int = 1024,
+        log_samples_every: int = 10,
+    ):
+        super().__init__()
+        if group_size < 2:
+            raise ValueError(f"model.group_size must be >= 2 (advantages compare samples of one prompt), got {group_size}.")
+        if micro_batch_size < 1 or num_iterations < 1:
+            raise ValueError("model.micro_batch_size and model.num_iterations must be >= 1.")
+        if not 0 <= warmup_ratio < 1:
+            raise ValueError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        policy.validate()
+        self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
+        self.policy_config = policy
+        self.loss = loss if loss is not None else DAPOLoss()
+        self.reward = reward if reward is not None else MathReward()
+        self.rollout = rollout if rollout is not None else BuiltinRollout()
+        if overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError("model.overlong_buffer must be smaller than the rollout's max_new_tokens.")
+        self.policy = None
+        self.tokenizer = None
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy = self.policy_config.build(self.device)
+            self.tokenizer = load_tokenizer(self.policy_config.model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        G = self.hparams.group_size
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs
+        start = time.perf_counter()
+        rollout = self.rollout.generate(
+            self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
+        )
+        rollout_s = time.perf_counter() - start
+
+        # (2) rewards: answer checking, then DAPO's soft overlong punishment
+        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        answers = [a for a in batch["answers"] for _ in range(G)]
+        correct = self.reward(completions, answers).to(self.device)  # [N]
+        rewards = correct.clone()
+        if self.hparams.overlong_buffer > 0:
+            rewards += overlong_penalty(
+                rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
+            ).to(rewards)
+
+        # (3) advantages within each group; uninformative groups and truncated completions get no loss
+        advantages = group_advantages(rewards, G, self.hparams.scale_std)  # [N]
+        informative = informative_groups(rewards, G)  # [B]
+        loss_mask = rollout.completion_mask.clone()  # [N, L]
+        if self.hparams.dynamic_sampling:
+            loss_mask *= informative.repeat_interleave(G)[:, None]
+        if self.hparams.mask_truncated:
+            loss_mask *= (~rollout.truncated)[:, None]
+
+        # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
+        start = time.perf_counter()
+        stats, entropy = self._policy_update(rollout, advantages, loss_mask)
+        train_s = time.perf_counter() - start
+
+        self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s)
+        if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
+            self._log_samples(batch, completions, rewards)
+        return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor) -> tuple[list[LossStats], Tensor]:
+        """``num_iterations`` optimizer steps over the rows that carry loss; returns the loss stats of the last
+        iteration and the per-token entropy of the clean policy on the sampled completions (first iteration)."""
+        opt, scheduler = self.optimizers(), self.lr_schedulers()
+        sequences = torch.cat((rollout.prompt_ids, rollout.completion_ids), dim=1)  # [N, P+L]
+        attention = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)  # [N, P+L]
+        rows = loss_mask.sum(-1).nonzero().squeeze(-1)  # rows with any loss token: the others cost nothing
+        weights = self.loss.token_weights(loss_mask[rows])  # [n, L], over the whole accumulated batch
+        chunks = rows.split(self.hparams.micro_batch_size)
+        old = self._logprobs_no_grad(sequences, attention, rollout, chunks) if self.hparams.num_iterations > 1 else None
+        ref = None
+        if self.loss.beta > 0:
+            with self.policy.disable_adapter():
+                ref = self._logprobs_no_grad(sequences, attention, rollout, chunks)
+        entropies, stats = [], []
+        for iteration in range(self.hparams.num_iterations):
+            stats = []
+            for i, idx in enumerate(chunks):
+                last = i == len(chunks) - 1
+                with opt.toggle_model(sync_grad=last):  # one gradient all-reduce per step under DDP
+                    logprobs, entropy = self._logprobs(sequences[idx], attention[idx], rollout, idx, with_entropy=iteration == 0)
+                    offset = sum(len(c) for c in chunks[:i])
+                    local = slice(offset, offset + len(idx))
+                    loss, st = self.loss(
+                        logprobs,
+                        logprobs.detach() if old is None else old[idx],
+                        advantages[idx],
+                        loss_mask[idx],
+                        weights[local],
+                        rollout_logprobs=rollout.logprobs[idx],
+                        ref_logprobs=None if ref is None else ref[idx],
+                    )
+                    self.manual_backward(loss)
+                stats.append(st)
+                if entropy is not None:
+                    entropies.append(entropy[rollout.completion_mask[idx].bool()])
+            if self.hparams.max_grad_norm > 0:
+                self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            scheduler.step()
+        if not rows.numel():
+            stats = [LossStats(*(torch.zeros((), device=self.device) for _ in LossStats._fields))]
+        entropy = torch.cat(entropies) if entropies else torch.zeros(0, device=self.device)
+        return stats, entropy
+
+    def _logprobs(self, sequences, attention, rollout: Rollout, idx, with_entropy: bool):
+        """Log-probs (and entropy) of the completion tokens of rows ``idx`` under the clean policy."""
+        model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
+        prompt_len = rollout.prompt_ids.shape[1]
+        hidden = model.get_decoder()(
+            input_ids=sequences, attention_mask=attention, position_ids=position_ids(attention)
+        ).last_hidden_state  # [n, P+L, H]
+        return token_logprobs(
+            hidden[:, prompt_len - 1 : -1],
+            model.get_output_embeddings().weight,
+            rollout.completion_ids[idx],
+            temperature=self.rollout.temperature,
+            chunk_size=self.hparams.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, sequences, attention, rollout: Rollout, chunks) -> Tensor:
+        out = torch.zeros_like(rollout.logprobs)
+        for idx in chunks:
+            out[idx] = self._logprobs(sequences[idx], attention[idx], rollout, idx, with_entropy=False)[0]
+        return out
+
+    def _eos_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = getattr(self.policy.get_base_model().generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return sorted(i for i in ids if i is not None)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s) -> None:
+        lengths = rollout.lengths.float()
+        n_groups = informative.numel()
+        G = self.hparams.group_size
+        loss_stats = summarize_stats(stats)
+        metrics = {
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.view(n_groups, G).std(dim=1).mean(),
+            "train/accuracy": (correct > 0.5).float().mean(),
+            "train/entropy": entropy.float().mean() if entropy.numel() else torch.zeros(()),
+            "rollout/entropy": rollout.entropy.sum() / rollout.completion_mask.sum().clamp(min=1),
+            "train/completion_length": lengths.mean(),
+            "train/truncated_frac": rollout.truncated.float().mean(),
+            "train/zero_std_groups_frac": 1.0 - informative.float().mean(),
+            "train/clip_frac_low": loss_stats["clip_frac_low"],
+            "train/clip_frac_high": loss_stats["clip_frac_high"],
+            "train/ratio_mean": loss_stats["ratio_mean"],
+            "train/is_ratio_mean": loss_stats["is_ratio_mean"],
+            "train/is_capped_frac": loss_stats["is_capped_frac"],
+            "train/lr": self.lr_schedulers().get_last_lr()[0],
+            "perf/rollout_s": rollout_s,
+            "perf/train_s": train_s,
+            "perf/rollout_tokens_per_s": float(rollout.completion_mask.sum()) / max(rollout_s, 1e-9),
+        }
+        if self.loss.beta > 0:
+            metrics["train/kl"] = loss_stats["kl"]
+        if self.device.type == "cuda":
+            metrics["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        batch_size = n_groups
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        # The progress bar shows the two numbers a user watches.
+        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+        self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
+
+    def _log_samples(self, batch, completions, rewards) -> None:
+        experiment = getattr(self.logger, "experiment", None)
+        if not hasattr(experiment, "add_text"):
+            return
+        G = self.hparams.group_size
+        lines = []
+        for i, prompt in enumerate(batch["prompts"][:2]):
+            for j in range(min(G, 2)):
+                k = i * G + j
+                lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
+                             f"    {prompt[-300:]}\n\n    {completions[k][:1000]}")
+        experiment.add_text("samples", "\n\n---\n\n".join(lines), self.global_step)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = trainable_parameters(self.policy)
+        if not params:
+            raise ValueError("The policy has no trainable parameter: check model.policy.lora_targets.")
+        opt = torch.optim.AdamW(
+            params, lr=self.hparams.lr, betas=tuple(self.hparams.betas), weight_decay=self.hparams.weight_decay
+        )
+        total = self.trainer.max_steps
+        if total is None or total < 1:
+            raise ValueError("Set trainer.max_steps: the prompt stream is endless and the LR/AQN schedules need it.")
+        warmup = int(self.hparams.warmup_ratio * total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: warmup_cosine(step, total, warmup, self.hparams.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # Checkpoints keep only what training changes (LoRA + norms), the RNG and a PEFT export of the adapter.
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["qerl_rng"] = {"torch": torch.get_rng_state(),
+                                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        if self.trainer.is_global_zero and self.trainer.log_dir:
+            save_adapter(self.policy, Path(self.trainer.log_dir) / "adapter")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rng = checkpoint.get("qerl_rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from 1 down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
