@@ -7,6 +7,7 @@ policy for KL) also restores the original norms, and the adapter directory in st
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ def build_policy(
         gradient_checkpointing: recompute decoder layers in backward to save activation memory.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
@@ -92,13 +94,16 @@ def build_policy(
     for p in base.parameters():
         p.requires_grad_(False)
     norms = norm_names(base) if train_norms else None
-    if adapter is not None:
-        config = LoraConfig.from_pretrained(adapter)
-        config._register_custom_module({NVFP4Linear: __import__("peft").tuners.lora.layer.Linear})
-        policy = PeftModel.from_pretrained(base, adapter, config=config, is_trainable=True)
-    else:
-        policy = get_peft_model(base, lora_config(lora_rank, lora_alpha, lora_dropout, lora_targets, norms))
+    with warnings.catch_warnings():  # peft warns about any custom layer type, even a registered one
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        if adapter is not None:
+            config = LoraConfig.from_pretrained(adapter)
+            config._register_custom_module({NVFP4Linear: LoraLinear})
+            policy = PeftModel.from_pretrained(base, adapter, config=config, is_trainable=True)
+        else:
+            policy = get_peft_model(base, lora_config(lora_rank, lora_alpha, lora_dropout, lora_targets, norms))
     policy.to(device)
+    policy.train()  # dropout is 0 for RL; train mode only keeps Lightning's mode checks quiet
     if gradient_checkpointing:
         policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.base_model.model.enable_input_require_grads()
