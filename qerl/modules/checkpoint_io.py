@@ -199,7 +199,9 @@ def _fill(model, files: _TensorFiles, nvfp4: bool, prequantized: bool, dtype, de
             done.add(name)
             continue
         group = _fused_siblings(name, quantized)
-        weights = {n: files.get(f"{n}.weight").to(device=device, dtype=dtype) for n in group}
+        # Quantize in the checkpoint's own dtype, not the compute dtype: the global scale is computed in the weight's
+        # dtype, so casting first would give other bytes than the quantize CLI (and llmcompressor) write.
+        weights = {n: files.get(f"{n}.weight").to(device=device) for n in group}
         gscale = global_scale(*weights.values())
         for n, w in weights.items():
             quantized[n].load_nvfp4(quantize(w, gscale, name=n), _maybe(files, f"{n}.bias", dtype, device))

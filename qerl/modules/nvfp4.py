@@ -233,7 +233,11 @@ class NVFP4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
-        key = (self.weight_packed.data_ptr(), self.weight_packed.device, dtype)
+        # _version counts in-place writes (load_state_dict copies into the existing tensors, keeping data_ptr);
+        # inference tensors have no version counter.
+        storage = (self.weight_packed, self.weight_scale, self.weight_global_scale)
+        versions = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in storage)
+        key = (versions, self.weight_packed.device, dtype)
         if self._dense_cache is None or self._dense_cache[0] != key:
             self._dense_cache = (key, self.dequantize(dtype))
         return self._dense_cache[1]

@@ -1,0 +1,42 @@
+"""Session fixtures. The embedded SmolLM2 is quantized once per session (10-60 s on 2 shared cores) and every NVFP4 use
+of it loads that checkpoint; tiny random-init models serve everything that does not need real weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_model, load_tokenizer
+from qerl.modules.tiny_models import save_tiny_model
+from qerl.quantize import quantize_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """bf16 HF directories of a 2-layer Llama and a 2-layer Qwen2 (q/k/v biases), hidden size 64."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(("llama", "qwen2"))}
+
+
+@pytest.fixture(scope="session")
+def embedded_nvfp4_dir(tmp_path_factory) -> Path:
+    """The embedded model written by the quantize entry point, as `python -m qerl.quantize` would."""
+    return quantize_checkpoint(EMBEDDED_MODEL, tmp_path_factory.mktemp("smollm2-nvfp4"), log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def embedded_nvfp4(embedded_nvfp4_dir):
+    # float32 compute: on CPU it is faster than bf16 and leaves weight quantization as the only difference to bf16.
+    return load_model(str(embedded_nvfp4_dir), "nvfp4", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def embedded_bf16():
+    return load_model(EMBEDDED_MODEL, "bf16", dtype=torch.float32)
