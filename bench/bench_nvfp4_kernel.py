@@ -98,10 +98,14 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
 
             # 2. autotune (cached per M bucket and shape; nothing below tunes)
             key = kernels._key(transpose, m, out_dim, red, torch.bfloat16)
-            dense_path = m >= kernels.DENSE_MIN_M
-            if key not in kernels._TUNED and not dense_path:
+            if key not in kernels._TUNED and len(kernels.candidate_configs(m)) > 1:
                 kernels.autotune(acts, weights, transpose)
             cfg = kernels.config_for(transpose, m, out_dim, red, torch.bfloat16)
+            dense_path = cfg.dense
+            # the tuned configuration must be correct too (the check above ran the default one)
+            ours_tuned = kernels.nvfp4_mm(x, *weights[0], transpose)
+            err_ours = max(err_ours, rel_err(ours_tuned[pick], ref))
+            finite = finite and bool(torch.isfinite(ours_tuned).all())
 
             # 3. timing
             calls = max(len(weights), len(acts), 8)
@@ -231,17 +235,18 @@ def main() -> None:
     print(f"{name}: copy {copy:.0f} GB/s", flush=True)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernel_{tag}.json"
     for model in args.models.split(","):
         for shape_name, n, k in SHAPES[model]:
             rows += bench_shape(model, shape_name, n, k, ms_list, device)
+            path.write_text(json.dumps({"device": name, "copy_gbps": copy, "partial": True, "rows": rows}, indent=1))
     summary = summarize(rows)
     train = [] if args.no_train_step else bench_training_step(device)
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
               "rows": rows, "summary": summary, "training_step": train, "tuned_configs": kernels.tuned_table()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernel_{tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {copy:.0f} GB/s; geomean over shapes (weight GB/s = NVFP4 bytes / our time)")
     print(f"{'M':>6} {'dir':>4} {'x bf16':>8} {'x deq':>8} {'GB/s':>7} {'max err':>9}")

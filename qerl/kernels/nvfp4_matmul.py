@@ -31,6 +31,7 @@ under ``torch.compile`` and replay inside CUDA graphs; importing this module reg
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -100,6 +101,121 @@ def _unpacked_weight_tile(
     return tl.reshape(w, (BLOCK_R, BLOCK_C))
 
 
+# Marlin-style unpack, 2 codes per 32-bit op: one packed word holds the 8 codes of 8 consecutive columns, nibble n at
+# bits 4n. Pair i (i = 0..3) takes nibble i into the low and nibble i + 4 into the high half of a bf16x2 register:
+# magnitude bits (shifted to bf16 bits 6..8 / 22..24) | sign bits (to 15 / 31), then one packed bf16x2 multiply by the
+# block scale (which carries the 2^118 that the bit trick's 2^-126 needs). ~2 integer ops + 1/2 bf16x2 op per weight,
+# no table, no per-element shift. Output element j of a word is column n = (j >> 1) + 4 * (j & 1) of its 8 columns
+# ("pair order"); the kernel applies the same permutation to the activation rows (forward) or undoes it on the output
+# columns (backward), so the weight never moves.
+_UNPACK_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, r, z;
+.reg .b32 m1, m2;
+mov.b32 z, 0x80008000;
+mov.b32 m1, 0x01C001C0;
+mov.b32 m2, 0x80008000;
+shl.b32 a, $8, 6; shl.b32 b, $8, 12; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
+shl.b32 a, $8, 2; shl.b32 b, $8, 8; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$2, $3}, r;
+shr.b32 a, $8, 2; shl.b32 b, $8, 4; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$4, $5}, r;
+shr.b32 a, $8, 6; and.b32 a, a, m1; and.b32 b, $8, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$6, $7}, r;
+}
+""")
+
+
+@triton.jit
+def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
+    """8 tensors [R, W] -> [R, 8 W], element j of each group of 8 from ej (all in-thread: join adds a minor dim).
+
+    ``join(x, y)`` stacks along a new last dim, so three nested joins put f_(4c + 2b + a) at [a, b, c], flat index
+    4a + 2b + c: the arguments go in bit-reversed order.
+    """
+    q0 = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+    q1 = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+    x = tl.join(q0, q1)  # [R, W, 2, 2, 2]
+    return tl.reshape(x, (x.shape[0], x.shape[1] * 8))
+
+
+@triton.jit
+def _pair_order_tile(
+    packed32_ptr,
+    scale_ptr,
+    row0,
+    col0,
+    ROWS,
+    COLS,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """``W[row0:+BLOCK_R, col0:+BLOCK_C] * 2^SHIFT`` in ``COMPUTE``, exact, columns in pair order within each 8.
+
+    ``packed32_ptr`` is ``weight_packed`` viewed as int32 ``[ROWS, COLS/8]`` (word w of a row = codes 8w..8w+7).
+    """
+    rows = row0 + tl.arange(0, BLOCK_R)
+    word_cols = col0 // 8 + tl.arange(0, BLOCK_C // 8)
+    row_ok = rows[:, None] < ROWS
+    words = tl.load(
+        packed32_ptr + rows[:, None] * (COLS // 8) + word_cols[None, :],
+        mask=row_ok & (word_cols[None, :] < COLS // 8),
+        other=0,
+    )
+    # the block scale of each word (two words per block of 16), loaded per block and duplicated in registers
+    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
+    scale_bits = tl.load(
+        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
+        mask=row_ok & (block_cols[None, :] < COLS // 16),
+        other=0,
+    )
+    scale = scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if USE_ASM:
+        f16 = (scale * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        f2 = f16 | (f16 << 16)  # bf16x2 (factor, factor)
+        f2 = tl.reshape(tl.join(f2, f2), (BLOCK_R, BLOCK_C // 8))
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            _UNPACK_ASM,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [words, f2],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
+    else:
+        # the same values and order in plain Triton (the CPU interpreter runs no inline asm): element j of a word is
+        # nibble (j >> 1) + 4 * (j & 1); assembled by _join8 as the asm path does, so the interpreter tests cover it
+        c = _join8(words & 0xF, (words >> 16) & 0xF, (words >> 4) & 0xF, (words >> 20) & 0xF,
+                   (words >> 8) & 0xF, (words >> 24) & 0xF, (words >> 12) & 0xF, (words >> 28) & 0xF)
+        if COMPUTE == tl.float16:
+            bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
+            factor = (scale * 128.0).to(tl.float16)
+        elif COMPUTE == tl.bfloat16:
+            bits = (((c & 8) << 12) | ((c & 7) << 6)).to(tl.int16)
+            factor = (scale * _TWO_POW_118).to(tl.bfloat16)
+        else:
+            bits = ((c & 8) << 28) | ((c & 7) << 22)
+            factor = scale * _TWO_POW_118
+        w = tl.reshape(bits.to(COMPUTE, bitcast=True), (BLOCK_R, BLOCK_C // 16, 16)) * factor[:, :, None]
+        return tl.reshape(w, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _to_pair_order(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows of ``x [ROWS, COLS]`` from natural to pair order within each 8 (row 8g + 4h + l -> 8g + 2l + h)."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS // 8, 2, 4, COLS)), (0, 2, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit
+def _from_pair_order(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Inverse of :func:`_to_pair_order`."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS // 8, 4, 2, COLS)), (0, 2, 1, 3)), (ROWS, COLS))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_mm_kernel(
     a_ptr,
@@ -117,11 +233,14 @@ def _nvfp4_mm_kernel(
     BLOCK_RED: tl.constexpr,
     COMPUTE: tl.constexpr,
     SHIFT: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     """``out[split, m, o] = sum_r a[m, r] * op(W)[o, r]`` over this program's share of the reduction.
 
     ``op(W) = W`` (forward, W is ``[OUT, RED]``) or ``W.T`` (backward, W is ``[RED, OUT]``). ``out`` is the final
-    ``[M, OUT]`` tensor when there is one split, else fp32 partials ``[splits, M, OUT]``.
+    ``[M, OUT]`` tensor when there is one split, else fp32 partials ``[splits, M, OUT]``. ``packed_ptr`` points at the
+    packed codes viewed as int32. The weight tile comes out in pair order along W's columns: the forward permutes the
+    activation rows the same way, the backward undoes it on the accumulator.
     """
     pid_out = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -135,19 +254,23 @@ def _nvfp4_mm_kernel(
     last = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(RED, BLOCK_RED))
     for t in range(first, last):
         red0 = t * BLOCK_RED
-        if TRANSPOSE_W:
-            w = tl.trans(
-                _unpacked_weight_tile(packed_ptr, scale_ptr, red0, out0, RED, OUT, BLOCK_RED, BLOCK_OUT, COMPUTE)
-            )
-        else:
-            w = _unpacked_weight_tile(packed_ptr, scale_ptr, out0, red0, OUT, RED, BLOCK_OUT, BLOCK_RED, COMPUTE)
         r = red0 + offs_r
         a_t = tl.load(a_ptr + offs_m[None, :] * RED + r[:, None], mask=m_ok & (r[:, None] < RED), other=0.0)
-        if COMPUTE == tl.float32:
-            acc = tl.dot(w, a_t.to(COMPUTE), acc, input_precision="ieee")
+        a_t = a_t.to(COMPUTE)
+        if TRANSPOSE_W:
+            w = tl.trans(
+                _pair_order_tile(packed_ptr, scale_ptr, red0, out0, RED, OUT, BLOCK_RED, BLOCK_OUT, COMPUTE, USE_ASM)
+            )
         else:
-            acc = tl.dot(w, a_t.to(COMPUTE), acc)
+            w = _pair_order_tile(packed_ptr, scale_ptr, out0, red0, OUT, RED, BLOCK_OUT, BLOCK_RED, COMPUTE, USE_ASM)
+            a_t = _to_pair_order(a_t, BLOCK_RED, BLOCK_M)
+        if COMPUTE == tl.float32:
+            acc = tl.dot(w, a_t, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, a_t, acc)
     acc = acc * (SHIFT / tl.load(global_scale_ptr))
+    if TRANSPOSE_W:
+        acc = _from_pair_order(acc, BLOCK_OUT, BLOCK_M)
     offs_o = out0 + tl.arange(0, BLOCK_OUT)
     out_ptrs = out_ptr + pid_split * M * OUT + offs_m[None, :] * OUT + offs_o[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_o[:, None] < OUT))
@@ -195,8 +318,13 @@ class TileConfig:
     num_stages: int = 3
     min_programs: int = 0
     """Split the reduction until at least this many programs run (0: never split)."""
+    use_asm: bool = True
+    """Marlin-style inline-PTX unpack (bf16 on CUDA only; the interpreter and fp16/fp32 always take plain Triton)."""
+    dense: bool = False
+    """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}
@@ -214,46 +342,57 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+DENSE = TileConfig(0, 0, 0, dense=True)
+
+
 def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
-    """The most frequent autotune winners on the H200 per M bucket (until :func:`autotune` caches a measured one)."""
+    """Defaults per M bucket until :func:`autotune` caches a measured winner."""
     bucket = m_bucket(m)
     if bucket <= 16:
-        return TileConfig(128, 16, 128, 4, 3, min_programs=264)
+        return TileConfig(128, 16, 256, 4, 3, min_programs=264)
     if bucket <= 64:
         return TileConfig(128, bucket, 128, 4, 4, min_programs=264)
-    if bucket <= 256:
-        return TileConfig(128, 64, 128, 4, 3, min_programs=132)
-    return TileConfig(128, 128, 64, 8, 4)
+    if m < DENSE_MIN_M:
+        return TileConfig(128, bucket, 128, 8, 3, min_programs=132)
+    return DENSE
 
 
 def candidate_configs(m: int) -> list[TileConfig]:
-    """What :func:`autotune` tries for a given M."""
+    """What :func:`autotune` tries for a given M (plain-Triton unpack kept as a candidate for comparison)."""
     bucket = m_bucket(m)
     if bucket <= 16:
         return [
-            TileConfig(bo, 16, br, 4, st, min_programs=mp)
-            for bo, br in ((16, 512), (32, 256), (64, 256), (128, 128))
-            for st in (3, 5)
-            for mp in (264,)
+            TileConfig(bo, 16, br, w, st, min_programs=264, use_asm=asm)
+            for bo, br, w, st, asm in (
+                (128, 128, 4, 3, False),
+                (128, 128, 4, 2, True),
+                (128, 256, 4, 2, True),
+                (128, 256, 4, 3, True),
+                (64, 256, 4, 2, True),
+                (256, 128, 8, 2, True),
+                (128, 256, 8, 2, True),
+            )
         ]
     if bucket <= 64:
         return [
-            TileConfig(bo, bucket, br, 4, 4, min_programs=mp)
-            for bo, br in ((32, 256), (64, 128), (64, 256), (128, 128))
-            for mp in (132, 264)
+            TileConfig(bo, bucket, br, w, st, min_programs=mp, use_asm=asm)
+            for bo, br, w, st, mp, asm in (
+                (128, 128, 4, 4, 264, False),
+                (128, 128, 4, 3, 264, True),
+                (128, 128, 8, 3, 132, True),
+                (64, 128, 4, 3, 264, True),
+                (256, 128, 8, 2, 132, True),
+                (128, 64, 4, 4, 264, True),
+            )
         ]
     if bucket <= 256:
         return [
-            TileConfig(bo, bm, br, w, st, min_programs=132)
-            for bo, bm, br, w, st in ((64, 64, 128, 4, 4), (128, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3))
+            DENSE,
+            TileConfig(128, 128, 64, 8, 4, min_programs=132),
+            TileConfig(128, 128, 128, 8, 3, min_programs=132),
+            TileConfig(256, 128, 64, 8, 3, min_programs=132),
         ]
-    return [
-        TileConfig(128, 128, 64, 8, 4),
-        TileConfig(128, 256, 64, 8, 3),
-        TileConfig(256, 128, 64, 8, 3),
-        TileConfig(128, 128, 128, 8, 3),
-        TileConfig(128, 256, 64, 4, 3),
-    ]
+    return [DENSE]
 
 
 def _key(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype) -> tuple:
@@ -268,10 +407,10 @@ def config_for(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype
 # Launch
 
 
-# From this many rows on, the weight is dequantized once per call into a transient dense tensor (one fused pass at
-# memory speed) and the library GEMM runs on it: on Hopper the fused tiled kernel's in-loop unpack and register
-# layout shuffles cost more than the dense weight's extra bytes once the GEMM is compute-bound (measured on H200:
-# fused 0.3-0.45x of cuBLAS for M >= 256).
+# From this many rows on, the default (until autotune measures otherwise) dequantizes the weight once per call into a
+# transient dense tensor (one fused pass at memory speed) and runs the library GEMM on it: once the GEMM is
+# compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes (measured on H200
+# with the first kernel: fused 0.3-0.45x of cuBLAS for M >= 256).
 DENSE_MIN_M = 128
 
 
@@ -305,10 +444,10 @@ def _launch(
     if a.shape[1] != red:
         raise ValueError(f"Activation has {a.shape[1]} columns, the NVFP4 weight expects {red}.")
     m = a.shape[0]
-    if config is None and m >= DENSE_MIN_M:
+    cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
+    if cfg.dense:
         w = dequantize_dense(weight_packed, weight_scale, weight_global_scale, a.dtype)
         return a @ w if transpose_w else a @ w.t()
-    cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
     out = torch.empty(m, out_dim, device=a.device, dtype=a.dtype)
     if m == 0:
         return out
@@ -324,7 +463,7 @@ def _launch(
     grid = (triton.cdiv(out_dim, cfg.block_out), triton.cdiv(m, cfg.block_m), splits)
     _nvfp4_mm_kernel[grid](
         a,
-        weight_packed,
+        weight_packed.view(torch.int32),
         weight_scale.view(torch.uint8),
         weight_global_scale,
         target,
@@ -338,6 +477,7 @@ def _launch(
         BLOCK_RED=cfg.block_red,
         COMPUTE=_COMPUTE[a.dtype],
         SHIFT=_SHIFT[a.dtype],
+        USE_ASM=cfg.use_asm and a.dtype == torch.bfloat16 and not _INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -453,7 +593,8 @@ def autotune(
 
         try:
             ms = _graph_time_ms(call, calls)
-        except (triton.runtime.errors.OutOfResources, RuntimeError):  # e.g. shared memory over the limit
+        except Exception as err:  # e.g. shared memory over the limit, or a candidate that does not compile
+            print(f"nvfp4 autotune: {cfg} failed: {type(err).__name__}: {str(err)[:200]}")
             continue
         if best is None or ms < best[1]:
             best = (cfg, ms)
