@@ -11,7 +11,8 @@ Run on a CUDA machine from the repository root:
 3. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
-   Every time is from a second call after a warm-up call that captured the graphs.
+   Every time is from a second call after a warm-up call that captured the graphs. 256 new tokens by default (not
+   1024) to fit the device-time budget; with prompt 256 the whole completion then uses one length bucket (512).
 Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
 """
 
