@@ -159,6 +159,10 @@ class CUDAGraphRollout(RolloutEngine):
         length_bucket: cache columns are attended in multiples of this many tokens (one graph per multiple).
         min_bucket: the smallest batch bucket (buckets are the request's row count and the powers of two below it).
         use_graphs: capture CUDA graphs (default: on CUDA devices); otherwise the same steps run eagerly.
+        adapter_in_model_dtype: run the LoRA matrices in the model's dtype (bf16) during the rollout: peft keeps them
+            fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts (~5 ms of a 7B step on the H100).
+            The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
+            valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
     """
 
     def __init__(
@@ -171,12 +175,15 @@ class CUDAGraphRollout(RolloutEngine):
         length_bucket: int = 256,
         min_bucket: int = 1,
         use_graphs: bool | None = None,
+        adapter_in_model_dtype: bool = True,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
             raise ValueError("check_every, length_bucket and min_bucket must be >= 1.")
         self.check_every, self.length_bucket, self.min_bucket, self.use_graphs = (
             check_every, length_bucket, min_bucket, use_graphs)
+        self.adapter_in_model_dtype = adapter_in_model_dtype
+        self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._generator: torch.Generator | None = None
@@ -215,7 +222,8 @@ class CUDAGraphRollout(RolloutEngine):
         policy.eval()
         steps = 1
         try:
-            with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION):
+            with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
+                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype):
                 cache = s["cache"]
                 cache.mode = "prefill"
                 m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
@@ -268,6 +276,25 @@ class CUDAGraphRollout(RolloutEngine):
         )
 
     # ------------------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _adapter_copies(self, policy, dtype):
+        """Point the LoRA parameters at copies in ``dtype`` (same buffers every call) for the block; restore after."""
+        swapped = []
+        if self.adapter_in_model_dtype:
+            for name, p in policy.named_parameters():
+                if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
+                    copy = self._shadows.get(id(p))
+                    if copy is None or copy.shape != p.shape or copy.device != p.device or copy.dtype != dtype:
+                        copy = self._shadows[id(p)] = torch.empty(p.shape, dtype=dtype, device=p.device)
+                    copy.copy_(p.detach())
+                    swapped.append((p, p.data))
+                    p.data = copy
+        try:
+            yield
+        finally:
+            for p, data in swapped:
+                p.data = data
+
     def _ensure_state(self, policy, base, rows: int, length: int, device) -> dict:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
         config = base.config

@@ -121,3 +121,18 @@ def test_random_nvfp4_builder_makes_a_working_policy():
     assert not any(p.device.type == "meta" for p in policy.parameters())
     r = CUDAGraphRollout(max_new_tokens=4).generate(policy, PROMPTS, 2, PAD, [])
     assert r.completion_ids.shape == (6, 4) and torch.isfinite(r.logprobs).all()
+
+
+def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="bfloat16")
+    lora = [p for n, p in policy.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in lora:
+            p.data = p.data.float()  # peft's usual fp32 adapter on a bf16 model
+            p.normal_(std=0.05)
+    before = [(p.data_ptr(), p.dtype) for p in lora]
+    engine = CUDAGraphRollout(max_new_tokens=4)
+    r = engine.generate(policy, PROMPTS, 2, PAD, [])
+    assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
+    assert all(s.dtype == torch.bfloat16 for s in engine._shadows.values()) and len(engine._shadows) == len(lora)
