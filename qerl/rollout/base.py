@@ -2,6 +2,9 @@
 
 Two engines sit behind it: ``BuiltinRollout`` samples with the training policy itself (no second copy of the weights,
 nothing to sync), ``VLLMRollout`` (the scale-up path) with a colocated vLLM that receives the adapter every step.
+``CUDAGraphRollout`` (``qerl.rollout.cuda_graph``) is the built-in engine's fast form for CUDA: same policy, same
+``Rollout``, decode steps replayed from CUDA graphs over a preallocated KV cache; pick it by ``class_path`` in the
+config (on CPU it runs the same steps eagerly).
 Both apply Adaptive Quantization Noise (AQN) to the rollout model's RMSNorm weights themselves, because only the
 engine knows where its norm weights live.
 """

@@ -1,0 +1,138 @@
+"""CPU checks of the graph engine's device-independent logic (the same step function runs eagerly on CPU)."""
+
+import pytest
+import torch
+
+from qerl.modules.aqn import rms_norms
+from qerl.modules.policy import build_policy
+from qerl.modules.tiny_models import save_tiny_model
+from qerl.rollout.builtin import position_ids
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+
+PAD, EOS = 0, 7
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def policy(request, tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
+    with torch.no_grad():  # non-zero LoRA B so the adapter changes the outputs
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(hash(name) % 1000))
+    return policy
+
+
+PROMPTS = [[5, 9, 11, 3, 4], [12, 13], [20, 21, 22]]
+
+
+def recompute(policy, rollout, temperature):
+    """Log-probs of the sampled tokens from one plain full forward over prompt + completion."""
+    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
+    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), 1)
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
+    P = rollout.prompt_ids.shape[1]
+    lp = (logits[:, P - 1 : -1] / temperature).log_softmax(-1)
+    token_lp = lp.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    return token_lp * rollout.completion_mask, entropy * rollout.completion_mask
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_logprobs_equal_full_forward_recomputation(policy, top_p):
+    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=1, check_every=3)
+    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9])
+    assert r.completion_ids.shape == r.logprobs.shape == r.entropy.shape and r.prompt_ids.shape[0] == 12
+    lp, entropy = recompute(policy, r, 0.7)
+    if top_p == 1.0:
+        torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
+    else:  # nucleus: the kept tokens' log-probs are renormalised, never below the full distribution's
+        assert (r.logprobs >= lp - 1e-5).all()
+    # mask runs up to and including the first EOS; truncated rows have none
+    is_eos = torch.isin(r.completion_ids, torch.tensor([EOS, 9])) & r.completion_mask.bool()
+    assert (is_eos.sum(-1) <= 1).all()
+    assert torch.equal(r.truncated, ~is_eos.any(-1))
+    for row in range(12):
+        n = int(r.lengths[row])
+        assert r.completion_mask[row, :n].all() and not r.completion_mask[row, n:].any()
+        assert r.truncated[row] or r.completion_ids[row, n - 1] in (EOS, 9)
+        assert (r.completion_ids[row, n:] == PAD).all() and (r.logprobs[row, n:] == 0).all()
+
+
+def test_compaction_and_early_stop_keep_rows_exact(policy):
+    """Many EOS ids finish rows early: the batch shrinks into smaller buckets and stops before max_new_tokens."""
+    eos = list(range(40, 48))
+    engine = CUDAGraphRollout(max_new_tokens=40, temperature=1.0, seed=3, check_every=2)
+    calls = []
+    original = engine._compact
+    engine._compact = lambda s, b, written: (calls.append(b), original(s, b, written))[1]
+    r = engine.generate(policy, PROMPTS, group_size=5, pad_id=PAD, eos_ids=eos)
+    assert calls, "no compaction happened"
+    assert r.completion_ids.shape[1] == int(r.lengths.max())
+    lp, entropy = recompute(policy, r, 1.0)
+    torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
+
+
+def test_state_is_reused_and_lora_change_is_live(policy):
+    engine = CUDAGraphRollout(max_new_tokens=6, seed=0)
+    a = engine.generate(policy, PROMPTS, 2, PAD, [])
+    state = engine._state
+    engine.reset_generator()
+    b = engine.generate(policy, PROMPTS[:2], 2, PAD, [])  # smaller request: same buffers
+    assert engine._state is state and a.truncated.all() and a.completion_ids.shape[1] == 6
+    engine.reset_generator()
+    c = engine.generate(policy, PROMPTS, 2, PAD, [])
+    assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.logprobs, c.logprobs)
+    lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b.add_(0.5)  # what an optimizer step does: same storage
+    engine.reset_generator()
+    d = engine.generate(policy, PROMPTS, 2, PAD, [])
+    with torch.no_grad():
+        lora_b.sub_(0.5)
+    assert engine._state is state
+    assert not torch.allclose(a.logprobs, d.logprobs)
+
+
+def test_noise_applied_for_rollout_and_removed_exactly(policy):
+    clean = [m.weight.detach().clone() for m in rms_norms(policy)]
+    engine = CUDAGraphRollout(max_new_tokens=5, seed=0)
+    a = engine.generate(policy, PROMPTS, 2, PAD, [])
+    engine.set_noise(0.5, torch.Generator().manual_seed(0))
+    engine.reset_generator()
+    b = engine.generate(policy, PROMPTS, 2, PAD, [])
+    assert not torch.allclose(a.logprobs, b.logprobs)
+    for m, w in zip(rms_norms(policy), clean):
+        assert torch.equal(m.weight, w)
+    engine.set_noise(0.0)
+
+
+def test_random_nvfp4_builder_makes_a_working_policy():
+    from qerl.modules.nvfp4 import NVFP4Linear
+    from qerl.modules.random_models import build_random_policy, qwen25_config
+
+    config = qwen25_config("qwen2.5-7b", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+    policy = build_random_policy(config, "nvfp4", lora_rank=4, device="cpu", kernel="torch")
+    assert sum(isinstance(m, NVFP4Linear) for m in policy.modules()) == 14
+    assert not any(p.device.type == "meta" for p in policy.parameters())
+    r = CUDAGraphRollout(max_new_tokens=4).generate(policy, PROMPTS, 2, PAD, [])
+    assert r.completion_ids.shape == (6, 4) and torch.isfinite(r.logprobs).all()
+
+
+def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="bfloat16")
+    lora = [p for n, p in policy.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in lora:
+            p.data = p.data.float()  # peft's usual fp32 adapter on a bf16 model
+            p.normal_(std=0.05)
+    before = [(p.data_ptr(), p.dtype) for p in lora]
+    engine = CUDAGraphRollout(max_new_tokens=4)
+    r = engine.generate(policy, PROMPTS, 2, PAD, [])
+    assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
+    assert all(s.dtype == torch.bfloat16 for s in engine._shadows.values()) and len(engine._shadows) == len(lora)
