@@ -156,7 +156,11 @@ def load_model(
     if quantization not in (None, "none", "bf16", "nvfp4"):
         raise ValueError(f"quantization must be 'nvfp4' or 'bf16', got {quantization!r}.")
     nvfp4 = quantization == "nvfp4"
-    path = resolve_model(name_or_path)
+    targets = tuple(targets)
+    if nvfp4 and name_or_path == EMBEDDED_MODEL and targets == DEFAULT_TARGETS:
+        path = str(_embedded_nvfp4())  # quantized once, then read as a checkpoint like any other
+    else:
+        path = resolve_model(name_or_path)
     files = _TensorFiles(path)
     prequantized = is_nvfp4_checkpoint(files.folder)
     if prequantized and not nvfp4:
@@ -167,7 +171,6 @@ def load_model(
         del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    targets = tuple(targets)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches_target(n, targets)}
     if nvfp4 and not linears:
         raise ValueError(f"No Linear layer of {path} matches the NVFP4 targets {targets}.")
@@ -180,6 +183,17 @@ def load_model(
     model.tie_weights()
     model.eval()
     return model
+
+
+def _embedded_nvfp4() -> Path:
+    """The embedded model as an NVFP4A16 checkpoint in the cache, written on first use."""
+    target = cache_dir() / f"{EMBEDDED_MODEL}-nvfp4"
+    if not (target / "config.json").exists():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_nvfp4(load_model(resolve_model(EMBEDDED_MODEL), "nvfp4"), tmp, load_tokenizer(EMBEDDED_MODEL))
+        tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
+    return target
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -190,6 +190,7 @@ class GRPOModule(L.LightningModule):
                 stats.append(st)
                 if entropy is not None:
                     entropies.append(entropy[rollout.completion_mask[idx].bool()])
+            self._lr = scheduler.get_last_lr()[0]  # the LR this step uses, logged below
             if self.hparams.max_grad_norm > 0:
                 self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             opt.step()
@@ -249,7 +250,7 @@ class GRPOModule(L.LightningModule):
             "train/ratio_mean": loss_stats["ratio_mean"],
             "train/is_ratio_mean": loss_stats["is_ratio_mean"],
             "train/is_capped_frac": loss_stats["is_capped_frac"],
-            "train/lr": self.lr_schedulers().get_last_lr()[0],
+            "train/lr": self._lr,
             "perf/rollout_s": rollout_s,
             "perf/train_s": train_s,
             "perf/rollout_tokens_per_s": float(rollout.completion_mask.sum()) / max(rollout_s, 1e-9),
