@@ -123,10 +123,35 @@ def weight_bytes(policy) -> int:
     return total
 
 
-def time_engine(policy, batch: int, new: int) -> dict:
+def fused_kernel_checks() -> dict:
+    """The fused decode kernels on the GPU vs fp64 / the exact transformers code, fresh random bf16 inputs."""
+    from qerl.kernels.fused_decode import rms_norm, rms_norm_torch, rotary, rotary_torch
+
+    res = {}
+    for rows in (1, 64, 300):
+        x = torch.randn(rows, 1, 3584, device="cuda", dtype=torch.bfloat16) * 3
+        w = (1 + 0.1 * torch.randn(3584, device="cuda")).bfloat16()
+        out = rms_norm(x, w, 1e-6)
+        ref64 = rms_norm_torch(x.double(), w.double(), 1e-6)
+        res[f"rms_norm_rel_err_vs_fp64_rows{rows}"] = float((out.double() - ref64).norm() / ref64.norm())
+        res[f"rms_norm_rel_err_torch_bf16_vs_fp64_rows{rows}"] = float(
+            (rms_norm_torch(x, w, 1e-6).double() - ref64).norm() / ref64.norm())
+    for b, s in ((16, 1), (2, 256)):
+        q = torch.randn(b, s, 28, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(b, s, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        ang = torch.rand(b, s, 64, device="cuda") * 100
+        cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+        qo, ko = rotary(q, k, cos, sin)
+        qr, kr = rotary_torch(q, k, cos, sin)
+        res[f"rotary_max_abs_diff_vs_transformers_b{b}_s{s}"] = float(max((qo - qr).abs().max(), (ko - kr).abs().max()))
+    log("fused kernel checks", json.dumps(res))
+    return res
+
+
+def time_engine(policy, batch: int, new: int, fused: bool = True) -> dict:
     group = min(8, batch)
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch // group)]
-    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16)
+    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused)
     torch.cuda.reset_peak_memory_stats()
     eng.stop_after = 16
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
@@ -170,6 +195,8 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--unfused", default="7b", help="also time the unfused engine for these models ('' for none)")
+    ap.add_argument("--models", default="7b,32b,7b-r64,14b")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -181,10 +208,15 @@ def main():
             result["checks"] = checks()
         except Exception:
             traceback.print_exc()
+        try:
+            result["fused_kernel_checks"] = fused_kernel_checks()
+        except Exception:
+            traceback.print_exc()
     bw = copy_bandwidth()
     result["copy_gbps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     measured: dict = {}  # (model, rank, quant) -> {batch: stats}
+    unfused: dict = {}  # the same for the engine without fused_decode
 
     def run(model, quant, rank, bs):
         if time.time() - T0 > args.budget_s:
@@ -202,6 +234,11 @@ def main():
                 st["floor_ms"] = wb / bw * 1e3
                 measured.setdefault((model, rank, quant), {})[b] = st
                 log(model, quant, f"r{rank}", f"batch {b}", json.dumps({k: round(v, 3) for k, v in st.items()}))
+                if args.unfused and model.endswith(tuple(args.unfused.split(","))) and rank == 16:
+                    st = time_engine(policy, b, args.new, fused=False)
+                    unfused.setdefault((model, rank, quant), {})[b] = st
+                    log(model, quant, f"r{rank}", f"batch {b} UNFUSED",
+                        json.dumps({k: round(v, 3) for k, v in st.items()}))
             if model == "qwen2.5-7b" and quant == "bf16" and rank == 16 and time.time() - T0 < args.budget_s:
                 ms = hf_generate(policy, 64)
                 result["hf_generate_static_eager_ms_step_b64"] = ms
@@ -211,13 +248,18 @@ def main():
             traceback.print_exc()
         free()
 
+    models = args.models.split(",")
     for quant in ("nvfp4", "bf16"):  # most important first: the budget may cut the tail
-        run("qwen2.5-7b", quant, 16, batches)
-    run("qwen2.5-32b", "nvfp4", 16, batches)
+        if "7b" in models:
+            run("qwen2.5-7b", quant, 16, batches)
+    if "32b" in models:
+        run("qwen2.5-32b", "nvfp4", 16, batches)
     for quant in ("nvfp4", "bf16"):
-        run("qwen2.5-7b", quant, 64, batches)
+        if "7b-r64" in models:
+            run("qwen2.5-7b", quant, 64, batches)
     for quant in ("nvfp4", "bf16"):
-        run("qwen2.5-14b", quant, 16, [64])
+        if "14b" in models:
+            run("qwen2.5-14b", quant, 16, [64])
 
     for (model, rank, quant), per_batch in sorted(measured.items()):
         if quant != "nvfp4":
@@ -230,6 +272,10 @@ def main():
                 nvfp4_over_bf16=o and st["tok_s"] / o["tok_s"], ms_step_nvfp4=st["ms_step"],
                 ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
                 peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"]))
+            un, unb = unfused.get((model, rank, quant), {}).get(b), unfused.get((model, rank, "bf16"), {}).get(b)
+            if un or unb:
+                result["rows"][-1].update(ms_step_nvfp4_unfused=un and un["ms_step"],
+                                          ms_step_bf16_unfused=unb and unb["ms_step"])
     hf = result.get("hf_generate_static_eager_ms_step_b64")
     b64 = measured.get(("qwen2.5-7b", 16, "bf16"), {}).get(64)
     if hf and b64:
@@ -242,6 +288,10 @@ def main():
         print(f"{r['model']:12} {r['batch']:>5} {r['lora_rank']:>3} {f(r['tok_s_nvfp4'], 0):>12} "
               f"{f(r['tok_s_bf16'], 0):>11} {f(r['nvfp4_over_bf16']):>6} {f(r['ms_step_nvfp4']):>9} "
               f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
+    for r in result["rows"]:
+        if "ms_step_nvfp4_unfused" in r:
+            print(f"unfused engine {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_unfused'])} "
+                  f"bf16 {f(r['ms_step_bf16_unfused'])}  (fused: {f(r['ms_step_nvfp4'])} / {f(r['ms_step_bf16'])})")
     if hf:
         print(f"transformers generate, static cache (eager), 7B bf16 + LoRA r16, batch 64: {hf:.2f} ms/step; "
               f"ours {f(b64 and b64['ms_step'])} ms/step")

@@ -348,10 +348,14 @@ DENSE = TileConfig(0, 0, 0, dense=True)
 def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
     """Defaults per M bucket until :func:`autotune` caches a measured winner."""
     bucket = m_bucket(m)
+    # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
+    # rollout (which does not autotune) ran the first guesses
     if bucket <= 16:
-        return TileConfig(128, 16, 256, 4, 3, min_programs=264)
+        return TileConfig(128 if red > 8192 else 64, 16, 256, 4, 2, min_programs=264)
     if bucket <= 64:
-        return TileConfig(128, bucket, 128, 4, 4, min_programs=264)
+        if out == red or red > 8192:
+            return TileConfig(128, bucket, 64, 4, 4, min_programs=264)
+        return TileConfig(64, bucket, 128, 4, 3, min_programs=264)
     if m < DENSE_MIN_M:
         return TileConfig(128, bucket, 128, 8, 3, min_programs=132)
     return DENSE

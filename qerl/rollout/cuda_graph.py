@@ -163,6 +163,9 @@ class CUDAGraphRollout(RolloutEngine):
             fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts (~5 ms of a 7B step on the H100).
             The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
             valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
+        fused: run the step with ``qerl.kernels.fused_decode`` installed (one Triton kernel per RMSNorm and per
+            rotary of q/k, the LoRA term as one addmm; default: on CUDA). The log-probs returned are those of the
+            distribution sampled (the fused step rounds like the unfused one except the order of fp32 sums).
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class CUDAGraphRollout(RolloutEngine):
         min_bucket: int = 1,
         use_graphs: bool | None = None,
         adapter_in_model_dtype: bool = True,
+        fused: bool | None = None,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
@@ -183,6 +187,7 @@ class CUDAGraphRollout(RolloutEngine):
         self.check_every, self.length_bucket, self.min_bucket, self.use_graphs = (
             check_every, length_bucket, min_bucket, use_graphs)
         self.adapter_in_model_dtype = adapter_in_model_dtype
+        self.fused = fused
         self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -223,7 +228,8 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 1
         try:
             with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
-                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype):
+                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype), \
+                    self._fused(policy, device):
                 cache = s["cache"]
                 cache.mode = "prefill"
                 m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
@@ -276,6 +282,16 @@ class CUDAGraphRollout(RolloutEngine):
         )
 
     # ------------------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _fused(self, policy, device):
+        if not (device.type == "cuda" if self.fused is None else self.fused):
+            yield
+            return
+        from qerl.kernels.fused_decode import fused_decode
+
+        with fused_decode(policy):
+            yield
+
     @contextmanager
     def _adapter_copies(self, policy, dtype):
         """Point the LoRA parameters at copies in ``dtype`` (same buffers every call) for the block; restore after."""
