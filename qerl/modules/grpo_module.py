@@ -206,7 +206,7 @@ class GRPOModule(L.LightningModule):
         model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
         prompt_len = rollout.prompt_ids.shape[1]
         hidden = model.get_decoder()(
-            input_ids=sequences, attention_mask=attention, position_ids=position_ids(attention)
+            input_ids=sequences, attention_mask=attention, position_ids=position_ids(attention), use_cache=False
         ).last_hidden_state  # [n, P+L, H]
         return token_logprobs(
             hidden[:, prompt_len - 1 : -1],
