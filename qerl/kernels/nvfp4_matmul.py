@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels import nvfp4_mma_gemv as mma_gemv
 from qerl.modules.nvfp4 import BLOCK, register_kernel
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -322,6 +323,11 @@ class TileConfig:
     """Marlin-style inline-PTX unpack (bf16 on CUDA only; the interpreter and fp16/fp32 always take plain Triton)."""
     dense: bool = False
     """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
+    mma_gemv: bool = False
+    """Forward, M <= 16, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``nvfp4_mma_gemv``);
+    ``num_warps`` warps per program, split-K up to ``min_programs`` warps (0: one full wave), the splits reduced in
+    the kernel when ``fused_reduce``. Anything else (backward, other dtypes, CPU) takes the default config instead."""
+    fused_reduce: bool = True
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -343,11 +349,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 DENSE = TileConfig(0, 0, 0, dense=True)
+GEMV = TileConfig(0, 16, 64, 0, 1, min_programs=0, mma_gemv=True)  # 0 warps/programs: chosen per shape
 
 
-def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
-    """Defaults per M bucket until :func:`autotune` caches a measured winner."""
+def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = True) -> TileConfig:
+    """Defaults per M bucket until :func:`autotune` caches a measured winner (``gemv=False``: the Triton kernels only).
+
+    Forward with M <= 16 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
+    where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
     bucket = m_bucket(m)
+    if gemv and not transpose_w and m <= 16:
+        return GEMV
     # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
     # rollout (which does not autotune) ran the first guesses
     if bucket <= 16:
@@ -361,11 +373,17 @@ def default_config(transpose_w: bool, m: int, out: int, red: int) -> TileConfig:
     return DENSE
 
 
-def candidate_configs(m: int) -> list[TileConfig]:
+def gemv_configs() -> list[TileConfig]:
+    """The mma GEMV candidates (forward, M <= 16); the first is the default."""
+    return [GEMV] + [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f)
+                     for w, tw, f in ((4, 0, True), (8, 0, True), (4, 2048, True), (4, 2048, False))]
+
+
+def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
     """What :func:`autotune` tries for a given M (plain-Triton unpack kept as a candidate for comparison)."""
     bucket = m_bucket(m)
     if bucket <= 16:
-        return [
+        return ([] if transpose_w or m > 16 else gemv_configs()) + [
             TileConfig(bo, 16, br, w, st, min_programs=264, use_asm=asm)
             for bo, br, w, st, asm in (
                 (128, 128, 4, 3, False),
@@ -449,6 +467,11 @@ def _launch(
         raise ValueError(f"Activation has {a.shape[1]} columns, the NVFP4 weight expects {red}.")
     m = a.shape[0]
     cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
+    if cfg.mma_gemv:
+        out = _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg)
+        if out is not None:
+            return out
+        cfg = default_config(transpose_w, m, out_dim, red, gemv=False)
     if cfg.dense:
         w = dequantize_dense(weight_packed, weight_scale, weight_global_scale, a.dtype)
         return a @ w if transpose_w else a @ w.t()
@@ -489,6 +512,23 @@ def _launch(
         numel = m * out_dim
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out
+
+
+def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg):
+    """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] > 16
+            or a.shape[0] == 0 or not mma_gemv.supported(n, k)):
+        return None
+    # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
+    capturing = torch.cuda.is_current_stream_capturing()
+    cached = mma_gemv.repacked(weight_packed, weight_scale, build=not capturing)
+    if cached is None:
+        return None
+    counter = mma_gemv.counters(a.device, n // 16, build=not capturing) if cfg.fused_reduce else None
+    return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
+                           target_warps=cfg.min_programs, cached=cached, fused=counter is not None,
+                           counter=counter)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -591,7 +631,12 @@ def autotune(
     out_dim, red = (k, n) if transpose_weight else (n, k)
     calls = max(len(activations), len(weights))
     best: tuple[TileConfig, float] | None = None
-    for cfg in candidates or candidate_configs(a0.shape[0]):
+    candidates = candidates or candidate_configs(a0.shape[0], transpose_weight)
+    if any(c.mma_gemv for c in candidates) and mma_gemv.supported(n, k) and a0.is_cuda:
+        for w in weights:  # build the repacks (and the split-K counters) before any graph capture
+            mma_gemv.repacked(w[0], w[1])
+        mma_gemv.counters(a0.device, n // 16)
+    for cfg in candidates:
         def call(i, cfg=cfg):
             return _launch(activations[i % len(activations)], *weights[i % len(weights)], transpose_weight, cfg)
 
