@@ -76,7 +76,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
         mp.chdir(root)
         mp.setattr(GRPOModule, "training_step", recording)
         out = {"A": fit("A")}
-        out["A2"] = fit("A2", "--trainer.max_steps", "4", "--ckpt_path", str(out["A"]["log_dir"] / "checkpoints" / "last.ckpt"))
+        last = out["A"]["log_dir"] / "checkpoints" / "last.ckpt"
+        out["A2"] = fit("A2", "--trainer.max_steps", "4", "--ckpt_path", str(last))
         out["S"] = fit("S", "--trainer.max_steps", "4", *KL)
         step2 = out["S"]["log_dir"] / "checkpoints" / "epoch=0-step=2.ckpt"
         out["R"] = fit("R", "--trainer.max_steps", "4", *KL, "--ckpt_path", str(step2))

@@ -31,4 +31,3 @@ class EntropyLogger(L.Callback):
             values = outputs.get(key)
             if values is not None and values.numel():
                 experiment.add_histogram(tag, values.float(), step)
-

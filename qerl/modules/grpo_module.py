@@ -303,7 +303,7 @@ class GRPOModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["qerl_rng"] = {"torch": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        checkpoint["qerl_rollout"] = self.rollout.state_dict()  # the sampling generator: resumed runs sample on
+        checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
         if self.trainer.is_global_zero and self.trainer.log_dir:
             save_adapter(self.policy, Path(self.trainer.log_dir) / "adapter")
 

@@ -61,7 +61,7 @@ def test_recipe_schedule_by_hand():
     # K = 10 over 100 steps: stage k covers steps 10k..10k+9; stages 1..9 go geometrically 1e-2 -> 1e-4, i.e. the
     # exponent of 10 drops by 2/8 = 0.25 per stage.
     expected = [0.0] + [10 ** (-2 - 0.25 * (k - 1)) for k in range(1, 10)]
-    assert expected[1] == pytest.approx(1e-2) and expected[5] == pytest.approx(1e-3) and expected[9] == pytest.approx(1e-4)
+    assert [expected[1], expected[5], expected[9]] == pytest.approx([1e-2, 1e-3, 1e-4])
     for step in range(100):
         assert aqn_sigma(step, 100, 1e-2, 1e-4, 10) == pytest.approx(expected[step // 10], rel=1e-12)
     assert aqn_sigma(100, 100) == pytest.approx(1e-4)  # past the end stays in the last stage (defaults = recipe)

@@ -17,7 +17,8 @@ from qerl.modules.grpo_module import GRPOModule, warmup_cosine
 from qerl.modules.policy import PolicyConfig, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 
-QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?", "Compute 6 times 7.", "What is 9 - 5?")
+QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?", "Compute 6 times 7.",
+             "What is 9 - 5?")
 
 
 class HashReward:
