@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 
+from qerl.modules.grpo_module import logged_step
+
 
 class EntropyLogger(L.Callback):
     """Writes ``train/entropy_hist`` and ``rollout/entropy_hist`` histograms to TensorBoard every ``every_n_steps``.
@@ -24,7 +26,8 @@ class EntropyLogger(L.Callback):
         experiment = getattr(trainer.logger, "experiment", None)
         if not hasattr(experiment, "add_histogram") or not outputs or batch_idx % self.every_n_steps:
             return
+        step = logged_step(trainer)
         for tag, key in (("train/entropy_hist", "entropy"), ("rollout/entropy_hist", "rollout_entropy")):
             values = outputs.get(key)
             if values is not None and values.numel():
-                experiment.add_histogram(tag, values.float(), trainer.global_step)
+                experiment.add_histogram(tag, values.float(), step)

@@ -137,6 +137,26 @@ def matches_target(name: str, targets: Iterable[str]) -> bool:
     return any(leaf == t or re.fullmatch(t, name) for t in targets)
 
 
+def check_targets(path: str, targets: Iterable[str]) -> None:
+    """Raise unless some module of the model at ``path`` matches ``targets``. Reads config.json only (the skeleton is
+    built on the meta device), so a bad ``lora_targets`` fails before any weight is read or downloaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    targets = tuple(targets)
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = [n for n, _ in skeleton.named_modules() if n]
+    if not any(matches_target(n, targets) for n in names):
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"model.policy.lora_targets {list(targets)} match no module of {path}: use leaf names of its Linear "
+            f"layers ({', '.join(linears)}) or regexes over full module names."
+        )
+
+
 def load_model(
     name_or_path: str,
     quantization: str | None = "nvfp4",

@@ -144,11 +144,12 @@ class GRPOModule(L.LightningModule):
             loss_mask *= (~rollout.truncated)[:, None]
 
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
+        lr = self.lr_schedulers().get_last_lr()[0]  # this step's LR: the update below steps the scheduler
         start = time.perf_counter()
         stats, entropy = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
 
-        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s)
+        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr)
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
@@ -162,7 +163,9 @@ class GRPOModule(L.LightningModule):
         attention = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)  # [N, P+L]
         rows = loss_mask.sum(-1).nonzero().squeeze(-1)  # rows with any loss token: the others cost nothing
         weights = self.loss.token_weights(loss_mask[rows])  # [n, L], over the whole accumulated batch
-        chunks = rows.split(self.hparams.micro_batch_size)
+        # No row with loss (all truncated, or all groups uninformative) means no chunk: `split` of an empty tensor
+        # would give one empty chunk, and a forward over zero rows fails.
+        chunks = rows.split(self.hparams.micro_batch_size) if rows.numel() else ()
         old = self._logprobs_no_grad(sequences, attention, rollout, chunks) if self.hparams.num_iterations > 1 else None
         ref = None
         if self.loss.beta > 0:
@@ -190,7 +193,6 @@ class GRPOModule(L.LightningModule):
                 stats.append(st)
                 if entropy is not None:
                     entropies.append(entropy[rollout.completion_mask[idx].bool()])
-            self._lr = scheduler.get_last_lr()[0]  # the LR this step uses, logged below
             if self.hparams.max_grad_norm > 0:
                 self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             opt.step()
@@ -231,7 +233,7 @@ class GRPOModule(L.LightningModule):
         return sorted(i for i in ids if i is not None)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s) -> None:
+    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr) -> None:
         lengths = rollout.lengths.float()
         n_groups = informative.numel()
         G = self.hparams.group_size
@@ -250,7 +252,7 @@ class GRPOModule(L.LightningModule):
             "train/ratio_mean": loss_stats["ratio_mean"],
             "train/is_ratio_mean": loss_stats["is_ratio_mean"],
             "train/is_capped_frac": loss_stats["is_capped_frac"],
-            "train/lr": self._lr,
+            "train/lr": lr,
             "perf/rollout_s": rollout_s,
             "perf/train_s": train_s,
             "perf/rollout_tokens_per_s": float(rollout.completion_mask.sum()) / max(rollout_s, 1e-9),
@@ -276,7 +278,7 @@ class GRPOModule(L.LightningModule):
                 k = i * G + j
                 lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
                              f"    {prompt[-300:]}\n\n    {completions[k][:1000]}")
-        experiment.add_text("samples", "\n\n---\n\n".join(lines), self.global_step)
+        experiment.add_text("samples", "\n\n---\n\n".join(lines), logged_step(self.trainer))
 
     # ------------------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -301,6 +303,7 @@ class GRPOModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["qerl_rng"] = {"torch": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
         if self.trainer.is_global_zero and self.trainer.log_dir:
             save_adapter(self.policy, Path(self.trainer.log_dir) / "adapter")
 
@@ -310,6 +313,8 @@ class GRPOModule(L.LightningModule):
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        if "qerl_rollout" in checkpoint:
+            self.rollout.load_state_dict(checkpoint["qerl_rollout"])
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
@@ -318,3 +323,9 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) ->
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def logged_step(trainer: L.Trainer) -> int:
+    """The x-axis value Lightning gives this batch's ``self.log`` scalars (batches, not optimizer steps; at
+    ``on_train_batch_end`` ``trainer.global_step`` is already past this batch's update), so extras line up with them."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model, matches_target
+from qerl.modules.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
 from qerl.modules.nvfp4 import NVFP4Linear
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -88,9 +88,8 @@ def build_policy(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
     if lora_rank < 1:
         raise ValueError(f"lora_rank must be >= 1, got {lora_rank}.")
+    check_targets(resolve_model(model), lora_targets)  # before any weight is read
     base = load_model(model, quantization, lora_targets, DTYPES[dtype], device, kernel)
-    if not any(matches_target(n, lora_targets) for n, _ in base.named_modules()):
-        raise ValueError(f"lora_targets {list(lora_targets)} match no module of {model}.")
     for p in base.parameters():
         p.requires_grad_(False)
     norms = norm_names(base) if train_norms else None
@@ -169,6 +168,8 @@ class PolicyConfig:
                 f"model.policy.model={self.model!r}: no config.json there. Point it at a model directory, an HF id "
                 "or 'smollm2-135m-instruct'."
             )
+        if looks_local:  # config.json only; hub ids and the embedded model are checked by build_policy, still
+            check_targets(str(local.expanduser()), self.lora_targets)  # before their weights are read
 
     def build(self, device: str | torch.device = "cpu"):
         self.validate()

@@ -54,6 +54,8 @@ class RolloutEngine:
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.noise_std = 0.0  # AQN sigma for the next rollouts, set by the AQN callback
         self.noise_generator: torch.Generator | None = None
+        self._generator: torch.Generator | None = None  # the sampling generator, created on the policy's device
+        self._generator_state: tuple[str, torch.Tensor] | None = None  # (device type, state) from a checkpoint
 
     def set_noise(self, std: float, generator: torch.Generator | None = None) -> None:
         """Fresh N(0, std^2) channel noise is added to every RMSNorm weight for each following rollout."""
@@ -61,6 +63,27 @@ class RolloutEngine:
 
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         raise NotImplementedError
+
+    def _sampling_generator(self, device: torch.device) -> torch.Generator:
+        """The sampling generator on ``device``: seeded with ``seed``, or set to a checkpoint's state when resuming."""
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            if self._generator_state is not None and self._generator_state[0] == device.type:
+                self._generator.set_state(self._generator_state[1])
+            self._generator_state = None
+        return self._generator
+
+    def state_dict(self) -> dict:
+        """The sampling generator's position, so that a resumed run draws what the uninterrupted run would have."""
+        g = self._generator
+        return {"generator": None if g is None else (g.device.type, g.get_state())}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("generator")
+        if self._generator is None:
+            self._generator_state = saved  # applied when the generator is created on the policy's device
+        elif saved is not None and saved[0] == self._generator.device.type:
+            self._generator.set_state(saved[1])  # in place: captured CUDA graphs keep the generator they registered
 
     def sync(self, policy) -> None:
         """Push the current adapter (and trained norms) to the engine; nothing to do when it samples the policy itself."""

@@ -50,15 +50,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 class BuiltinRollout(RolloutEngine):
     """Samples with the policy being trained (see ``RolloutEngine`` for the arguments)."""
 
-    _generator: torch.Generator | None = None
-
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         from transformers import DynamicCache
 
         device = next(policy.parameters()).device
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        self._sampling_generator(device)
         # Prefill each prompt once, then copy its KV cache to the G samples of its group.
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         n = ids.shape[0] * group_size

@@ -208,7 +208,7 @@ class CUDAGraphRollout(RolloutEngine):
         device = next(policy.parameters()).device
         graphs = device.type == "cuda" if self.use_graphs is None else self.use_graphs
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._sampling_generator(device)
             self._graphs.clear()
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")

@@ -1,0 +1,264 @@
+"""GRPOModule's training_step with a real tiny policy under a real Trainer: where gradients go, gradient accumulation,
+PPO epochs, masking; the LR schedule by hand; bad configuration failing before any weight is read."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from qerl.cli import cli_main
+from qerl.modules.grpo_module import GRPOModule, warmup_cosine
+from qerl.modules.policy import PolicyConfig, trainable_parameters
+from qerl.rollout.builtin import BuiltinRollout
+
+QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?", "Compute 6 times 7.",
+             "What is 9 - 5?")
+
+
+class HashReward:
+    """Deterministic rewards in [0, 1] from the completion text: random completions get varied rewards."""
+
+    def __init__(self):
+        self.last_stats = Counter()
+
+    def __call__(self, completions, answers):
+        self.last_stats = Counter(correct=0)
+        return torch.tensor([sum(map(ord, c)) % 7 / 6 for c in completions])
+
+
+class ScriptedReward:
+    """The same given rewards at every call, so a test picks which groups have zero variance."""
+
+    def __init__(self, values):
+        self.values, self.last_stats = values, Counter()
+
+    def __call__(self, completions, answers):
+        assert len(completions) == len(self.values)
+        self.last_stats = Counter(correct=sum(v == 1 for v in self.values))
+        return torch.tensor(self.values, dtype=torch.float32)
+
+
+class GradRecorder(L.Callback):
+    """Clones every gradient of the policy right before each optimizer step (after clipping)."""
+
+    def __init__(self):
+        self.steps: list[dict[str, torch.Tensor | None]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        def hook(optimizer, args, kwargs):
+            self.steps.append({n: None if p.grad is None else p.grad.detach().clone()
+                               for n, p in pl_module.policy.named_parameters()})
+
+        trainer.optimizers[0].register_step_pre_hook(hook)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    # Bare questions, no chat template: short prompts keep each step cheap; lengths differ, so left padding is used.
+    return [tokenizer(q)["input_ids"] for q in QUESTIONS]
+
+
+def make_module(model_dir, tokenizer, reward=None, max_new_tokens=2, **hparams) -> GRPOModule:
+    """A module with its policy built now (LoRA init from seed 0), trainable weights moved off their init so that
+    every one of them gets a gradient (LoRA B starts at 0, which zeroes the gradient of A)."""
+    hparams = {"group_size": 2, "log_samples_every": 0, "max_grad_norm": 0.0, "mask_truncated": False, **hparams}
+    torch.manual_seed(0)
+    module = GRPOModule(
+        policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
+        reward=reward or HashReward(), rollout=BuiltinRollout(max_new_tokens=max_new_tokens), **hparams,
+    )
+    module.tokenizer = tokenizer
+    module.configure_model()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainable_parameters(module.policy):
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return module
+
+
+def fit(module, prompt_ids, steps=1, n_prompts=2, callbacks=()) -> L.Trainer:
+    batches = [{"prompts": list(QUESTIONS[:n_prompts]), "prompt_ids": prompt_ids[:n_prompts],
+                "answers": ["0"] * n_prompts}] * steps
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    return trainer
+
+
+def spy(obj, name: str, record: list):
+    """Wrap ``obj.name`` so each call appends (args, kwargs, result) to ``record``."""
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        out = original(*args, **kwargs)
+        record.append((args, kwargs, out))
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+@pytest.fixture
+def qwen2(tiny_model_dirs):
+    return tiny_model_dirs["qwen2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients and updates
+
+
+def test_gradients_reach_only_lora_and_norms_and_a_step_moves_the_adapter(qwen2, tokenizer, prompt_ids):
+    module = make_module(qwen2, tokenizer, lr=1e-2)
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    grads = GradRecorder()
+    trainer = fit(module, prompt_ids, callbacks=[grads])
+
+    (step,) = grads.steps
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n or ".modules_to_save." in n for n in trainable)
+    assert {n for n, g in step.items() if g is not None} == trainable  # frozen weights get no gradient at all
+    assert all(step[n].abs().sum() > 0 for n in trainable)  # every LoRA matrix and trained norm gets one
+    after = dict(module.policy.named_parameters())
+    assert all(not torch.equal(after[n], before[n]) for n in trainable)
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in trainable)
+    assert trainer.logged_metrics["train/ratio_mean"].item() == pytest.approx(1.0, abs=1e-6)  # one epoch: on-policy
+
+
+def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids):
+    grads, forwards = {}, {}
+    for mbs in (3, 8):  # 8 rows: one micro-batch, or three uneven ones (3 + 3 + 2)
+        module = make_module(qwen2, tokenizer, micro_batch_size=mbs)
+        calls = []
+        spy(module, "_logprobs", calls)
+        recorder = GradRecorder()
+        fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
+        grads[mbs], forwards[mbs] = recorder.steps[0], len(calls)
+    assert forwards == {3: 3, 8: 1}
+    reference = grads[8]
+    assert all(reference[n].abs().sum() > 0 for n, g in reference.items() if g is not None)
+    for mbs in (3,):
+        for name, g in grads[mbs].items():
+            if g is None:
+                assert reference[name] is None
+                continue
+            # float32 sums in another order: relative differences of a few ulps of the largest entry
+            torch.testing.assert_close(g, reference[name], rtol=1e-5, atol=1e-6 * reference[name].abs().max().item())
+
+
+def test_num_iterations_does_that_many_optimizer_steps_per_batch(qwen2, tokenizer, prompt_ids):
+    module = make_module(qwen2, tokenizer, num_iterations=2, lr=1e-2)
+    steps, recorder = [], GradRecorder()
+    spy(module, "training_step", steps)
+    trainer = fit(module, prompt_ids, steps=2, callbacks=[recorder])
+    assert len(steps) == 1  # max_steps counts optimizer steps: one rollout batch gives two
+    assert trainer.global_step == 2 and len(recorder.steps) == 2
+    # The second epoch compares with the stored old log-probs: after one update the ratio is no longer 1.
+    assert trainer.logged_metrics["train/ratio_mean"].item() != pytest.approx(1.0, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks
+
+
+def test_dynamic_sampling_masks_zero_variance_groups(qwen2, tokenizer, prompt_ids):
+    # group 0 all correct (no signal), group 1 mixed, group 2 all wrong, group 3 mixed
+    module = make_module(qwen2, tokenizer, reward=ScriptedReward([1, 1, 0, 1, 0, 0, 1, 0]),
+                         dynamic_sampling=True)
+    rollouts, updates = [], []
+    spy(module.rollout, "generate", rollouts)
+    spy(module, "_policy_update", updates)
+    trainer = fit(module, prompt_ids, n_prompts=4)
+    completion_mask = rollouts[0][2].completion_mask
+    loss_mask = updates[0][0][2]
+    kept = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
+    assert torch.equal(loss_mask, completion_mask * kept[:, None])
+    assert trainer.logged_metrics["train/zero_std_groups_frac"].item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_truncated_completions_get_no_loss_when_masked(qwen2, tokenizer, prompt_ids, monkeypatch, mask_truncated):
+    module = make_module(qwen2, tokenizer, mask_truncated=mask_truncated)
+    # A third of the vocabulary ends a completion, so 2 new tokens give both finished and truncated samples.
+    module._eos_ids = lambda: list(range(0, tokenizer.vocab_size, 3))
+    rollouts, updates = [], []
+    spy(module.rollout, "generate", rollouts)
+    spy(module, "_policy_update", updates)
+    trainer = fit(module, prompt_ids, n_prompts=4)
+    ro, loss_mask = rollouts[0][2], updates[0][0][2]
+    assert 0 < ro.truncated.sum() < len(ro.truncated), "the seed should give both kinds"
+    expected = ro.completion_mask * (~ro.truncated if mask_truncated else torch.ones_like(ro.truncated))[:, None]
+    assert torch.equal(loss_mask, expected)
+    assert trainer.logged_metrics["train/truncated_frac"].item() == pytest.approx(ro.truncated.float().mean().item())
+
+
+def test_a_batch_without_any_loss_token_still_steps(qwen2, tokenizer, prompt_ids):
+    """All completions truncated and masked: no forward, no gradient, but the step (and the schedules) advance."""
+    module = make_module(qwen2, tokenizer, mask_truncated=True)
+    module._eos_ids = lambda: [tokenizer.vocab_size + 5]  # nothing ever stops
+    trainer = fit(module, prompt_ids)
+    assert trainer.global_step == 1
+    assert trainer.logged_metrics["train/truncated_frac"].item() == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LR schedule
+
+
+def test_warmup_cosine_by_hand():
+    # 10 steps, 2 of warmup: 1/2, 2/2, then cos over the 8 remaining steps
+    assert [warmup_cosine(s, 10, 2) for s in (0, 1)] == [0.5, 1.0]
+    assert warmup_cosine(2, 10, 2) == 1.0
+    assert warmup_cosine(4, 10, 2) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert warmup_cosine(6, 10, 2) == pytest.approx(0.5)
+    assert warmup_cosine(10, 10, 2) == pytest.approx(0.0, abs=1e-12)
+    assert warmup_cosine(6, 10, 2, min_ratio=0.1) == pytest.approx(0.55)
+    assert warmup_cosine(10, 10, 2, min_ratio=0.1) == pytest.approx(0.1)
+    assert warmup_cosine(50, 10, 2, min_ratio=0.1) == pytest.approx(0.1)  # past the end: stays at the floor
+    assert warmup_cosine(0, 4, 0) == 1.0  # no warmup: starts at the peak
+    assert warmup_cosine(1, 4, 0) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad configuration fails at instantiation, before any weight is read
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Any attempt to read model weights (or build the policy) fails the test."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("model weights were read before the configuration error")
+
+    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.modules.policy.load_model", forbidden)
+    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
+
+
+@pytest.mark.parametrize(
+    "override,error,option",
+    [
+        (["--model.group_size", "1"], ValueError, "model.group_size"),
+        (["--aqn.num_stages", "1"], ValueError, "aqn.num_stages"),
+        (["--model.policy.lora_targets", "[no_such_proj]"], ValueError, "model.policy.lora_targets"),
+        (["--model.policy.model", "/nonexistent/qwen"], FileNotFoundError, "model.policy.model"),
+    ],
+)
+def test_bad_config_fails_before_any_model_loads(qwen2, tmp_path, no_weight_reads, override, error, option):
+    args = ["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), *override]
+    start = time.perf_counter()
+    with pytest.raises(error) as info:
+        cli_main(args)
+    assert option in str(info.value)
+    assert time.perf_counter() - start < 20  # parse + instantiate only (generous: 2 shared CPU cores)
+
+
+def test_unknown_loss_class_is_rejected_by_the_parser(qwen2, tmp_path, no_weight_reads):
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
+                  "--model.loss", "qerl.modules.loss.NoSuchLoss"])
