@@ -180,3 +180,21 @@ def test_resumed_run_ends_with_the_weights_of_the_straight_run(runs):
     for tag in ("train/reward", "train/entropy", "train/kl", "train/completion_length"):
         straight, resumed = scalars(s["events"], tag), scalars(r["events"], tag)
         assert [resumed[2], resumed[3]] == [straight[2], straight[3]], tag
+
+
+def test_ddp_on_two_cpu_processes_trains_and_checkpoints(tiny_model_dirs, tmp_path):
+    """Lightning's DDP strategy (gloo, 2 processes): the prompt stream is sharded per rank, frozen NVFP4 weights are
+    left out of DDP's broadcast (gloo has no fp8), and the rank-0 checkpoint/adapter export does not deadlock."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train.py", "fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+           "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    version = tmp_path / "debug" / "version_0"
+    checkpoint = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    assert (version / "adapter" / "adapter_model.safetensors").exists()
+    assert scalars(events(version), "train/reward").keys() == {0, 1}

@@ -110,6 +110,10 @@ class GRPOModule(L.LightningModule):
         if self.policy is None:
             self.policy = self.policy_config.build(self.device)
             self.tokenizer = load_tokenizer(self.policy_config.model)
+            # Every rank loads the same frozen weights: DDP need not broadcast them (nor can it: gloo has no fp8).
+            self._ddp_params_and_buffers_to_ignore = [
+                n for n, p in self.named_parameters() if not p.requires_grad
+            ] + [n for n, _ in self.named_buffers()]
 
     # ------------------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
@@ -172,6 +176,8 @@ class GRPOModule(L.LightningModule):
             with self.policy.disable_adapter():
                 ref = self._logprobs_no_grad(sequences, attention, rollout, chunks)
         entropies, stats = [], []
+        if not chunks and self.trainer.world_size > 1:  # still join the other ranks' gradient all-reduce
+            self.manual_backward(sum(p.sum() for p in trainable_parameters(self.policy)) * 0.0)
         for iteration in range(self.hparams.num_iterations):
             stats = []
             for i, idx in enumerate(chunks):
@@ -304,8 +310,9 @@ class GRPOModule(L.LightningModule):
         checkpoint["qerl_rng"] = {"torch": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
-        if self.trainer.is_global_zero and self.trainer.log_dir:
-            save_adapter(self.policy, Path(self.trainer.log_dir) / "adapter")
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
+        if self.trainer.is_global_zero and log_dir:
+            save_adapter(self.policy, Path(log_dir) / "adapter")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         rng = checkpoint.get("qerl_rng")
