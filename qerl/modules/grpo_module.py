@@ -127,8 +127,8 @@ class GRPOModule(L.LightningModule):
         # (2) rewards: answer checking, then DAPO's soft overlong punishment
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         answers = [a for a in batch["answers"] for _ in range(G)]
-        correct = self.reward(completions, answers).to(self.device)  # [N]
-        rewards = correct.clone()
+        rewards = self.reward(completions, answers).to(self.device)  # [N]
+        accuracy = self.reward.last_stats["correct"] / len(completions)
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(
                 rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
@@ -148,7 +148,7 @@ class GRPOModule(L.LightningModule):
         stats, entropy = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
 
-        self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s)
+        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s)
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
@@ -230,7 +230,7 @@ class GRPOModule(L.LightningModule):
         return sorted(i for i in ids if i is not None)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s) -> None:
+    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s) -> None:
         lengths = rollout.lengths.float()
         n_groups = informative.numel()
         G = self.hparams.group_size
@@ -238,7 +238,7 @@ class GRPOModule(L.LightningModule):
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.view(n_groups, G).std(dim=1).mean(),
-            "train/accuracy": (correct > 0.5).float().mean(),
+            "train/accuracy": accuracy,
             "train/entropy": entropy.float().mean() if entropy.numel() else torch.zeros(()),
             "rollout/entropy": rollout.entropy.sum() / rollout.completion_mask.sum().clamp(min=1),
             "train/completion_length": lengths.mean(),

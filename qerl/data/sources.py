@@ -1,0 +1,451 @@
+"""Prompt sources: iterables of rows ``{"question": str, "answer": str, "source": str}`` (+ ``"subject"``, ``"level"``).
+
+- ``HubSource``: any hub dataset through ``datasets.load_dataset(..., streaming=True)``, or local jsonl / parquet files
+  in the same schema (``data_files=``), with mappable field names and the filters of the reference recipes (solve-rate
+  range, level). Presets: ``GSM8K``, ``MATH500``, ``MATH`` (MATH-lighteval), ``BigMath``, ``BigMathProcessed``.
+- ``ArithmeticSource``: an embedded, seeded, endless generator that needs no network (the CPU default).
+- ``Mixture``: weighted interleaving of sources.
+
+A source yields one pass over its data (``infinite`` sources never stop); ``endless`` cycles finite ones. Rows with a
+missing or empty question/answer are skipped and counted in ``source.stats``, never raised.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+from qerl.data.answers import extract_boxed
+
+Row = dict  # {"question": str, "answer": str, "source": str, "subject"?: str, "level"?: int}
+
+_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class PromptSource:
+    """What the data module accepts as a source: iterating yields rows; ``stats`` counts what was read and skipped."""
+
+    infinite: bool = False
+    stats: Counter
+
+    def __iter__(self) -> Iterator[Row]:
+        raise NotImplementedError
+
+
+def endless(source: PromptSource) -> Iterator[Row]:
+    """Rows forever: a finite source starts again when it ends (``stats["epochs"]`` counts the restarts)."""
+    while True:
+        empty = True
+        for row in source:
+            empty = False
+            yield row
+        if empty:
+            raise ValueError(f"{type(source).__name__} yielded no rows: check its files, split and filters.")
+        source.stats["epochs"] += 1
+
+
+class HubSource(PromptSource):
+    """Rows of a hub dataset (streamed) or of local jsonl/parquet files in a hub schema.
+
+    Args:
+        path: Hub dataset id (``openai/gsm8k``), a builder (``json``, ``parquet``) with ``data_files``, or a local
+            ``.jsonl`` / ``.parquet`` file.
+        name: Dataset config (``main`` for GSM8K).
+        split: Split to read. Local files given as a path or list are always the ``train`` split of their builder.
+        data_files: Local (or remote) files, read by the ``json``/``parquet`` builder chosen from their extension;
+            overrides the hub files of ``path``.
+        question_field: Column holding the question.
+        answer_field: Column holding the answer (or a solution, see ``answer_parser``).
+        answer_parser: How to get the answer from ``answer_field``: ``raw``; ``gsm8k`` (text after ``####``, commas
+            dropped); ``boxed`` (last ``\\boxed{}`` of a worked solution).
+        subject_field: Optional column copied to ``subject``.
+        level_field: Optional column copied to ``level`` (``3`` or ``"Level 3"``).
+        levels: Keep only these levels (needs ``level_field``).
+        solve_rate_field: Column with a solve rate (BigMath: ``llama8b_solve_rate``).
+        min_solve_rate: Keep rows with solve rate >= this (needs ``solve_rate_field``).
+        max_solve_rate: Keep rows with solve rate <= this (needs ``solve_rate_field``).
+        streaming: Stream rows instead of downloading and preparing the whole dataset first.
+        label: Value of each row's ``source`` (defaults to ``path``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        split: str = "train",
+        data_files: str | list[str] | None = None,
+        question_field: str = "question",
+        answer_field: str = "answer",
+        answer_parser: Literal["raw", "gsm8k", "boxed"] = "raw",
+        subject_field: str | None = None,
+        level_field: str | None = None,
+        levels: list[int] | None = None,
+        solve_rate_field: str | None = None,
+        min_solve_rate: float | None = None,
+        max_solve_rate: float | None = None,
+        streaming: bool = True,
+        label: str | None = None,
+    ):
+        if answer_parser not in ("raw", "gsm8k", "boxed"):
+            raise ValueError(f"HubSource(answer_parser={answer_parser!r}): use 'raw', 'gsm8k' or 'boxed'.")
+        if levels is not None and level_field is None:
+            raise ValueError("HubSource(levels=...) needs level_field: name the column that holds the level.")
+        if (min_solve_rate is not None or max_solve_rate is not None) and solve_rate_field is None:
+            raise ValueError("HubSource(min/max_solve_rate=...) needs solve_rate_field, e.g. 'llama8b_solve_rate'.")
+        if Path(path).suffix in _LOCAL_BUILDERS and data_files is None:
+            data_files = path
+        if data_files is not None:
+            _check_local_files(data_files)
+            first = data_files if isinstance(data_files, str) else data_files[0]
+            builder = path if path in ("json", "parquet", "csv") else _LOCAL_BUILDERS.get(Path(first).suffix, "json")
+            self.load_args = {"path": builder, "data_files": data_files, "split": "train"}
+        else:
+            self.load_args = {"path": path, "name": name, "split": split}
+        self.question_field, self.answer_field, self.answer_parser = question_field, answer_field, answer_parser
+        self.subject_field, self.level_field, self.levels = subject_field, level_field, levels
+        self.solve_rate_field, self.min_solve_rate, self.max_solve_rate = (
+            solve_rate_field,
+            min_solve_rate,
+            max_solve_rate,
+        )
+        self.streaming = streaming
+        self.label = label or path
+        self.stats = Counter()
+        self._dataset = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_dataset": None}  # DataLoader workers open the files themselves
+
+    def __iter__(self) -> Iterator[Row]:
+        if self._dataset is None:  # once per process: an endless stream restarts small sources often
+            import datasets  # slow to import: only where rows are read
+
+            self._dataset = datasets.load_dataset(**self.load_args, streaming=self.streaming)
+        dataset = self._dataset
+        # Iterating a streaming dataset inside a DataLoader worker splits its *files* among the workers (a worker
+        # with no file gets nothing); PromptStream shards by row instead, and ``.iter()`` reads everything.
+        for columns in dataset.iter(batch_size=256):
+            for values in zip(*columns.values()):
+                row = self._convert(dict(zip(columns, values)))
+                if row is not None:
+                    self.stats["rows"] += 1
+                    yield row
+
+    def _convert(self, raw: dict) -> Row | None:
+        """The row in our schema, or ``None`` (counted) when it is incomplete or filtered out."""
+        question, answer = raw.get(self.question_field), raw.get(self.answer_field)
+        if answer is not None and self.answer_parser != "raw":
+            answer = str(answer)
+            answer = (
+                answer.split("####")[-1].replace(",", "") if self.answer_parser == "gsm8k" else extract_boxed(answer)
+            )
+        if not question or answer is None or not str(answer).strip():
+            self.stats["missing_answer" if question else "missing_question"] += 1
+            return None
+        row = {"question": str(question), "answer": str(answer).strip(), "source": self.label}
+        if self.level_field is not None:
+            row["level"] = _level(raw.get(self.level_field))
+            if self.levels is not None and row["level"] not in self.levels:
+                self.stats["filtered"] += 1
+                return None
+        if self.solve_rate_field is not None:
+            rate = raw.get(self.solve_rate_field)
+            low = self.min_solve_rate if self.min_solve_rate is not None else float("-inf")
+            high = self.max_solve_rate if self.max_solve_rate is not None else float("inf")
+            if (self.min_solve_rate is not None or self.max_solve_rate is not None) and (
+                rate is None or not low <= rate <= high
+            ):
+                self.stats["filtered"] += 1
+                return None
+        if self.subject_field is not None and raw.get(self.subject_field) is not None:
+            row["subject"] = str(raw[self.subject_field])
+        return row
+
+
+def _check_local_files(data_files: str | list[str]) -> None:
+    for pattern in [data_files] if isinstance(data_files, str) else data_files:
+        if "://" not in pattern and not glob.glob(pattern):
+            raise FileNotFoundError(
+                f"data_files: no file matches {pattern!r} (relative to {Path.cwd()}). "
+                "Fix: give an existing .jsonl/.json/.parquet path, or drop data_files to stream from the hub."
+            )
+
+
+def _level(value) -> int | None:
+    """``3``, ``"3"``, ``"Level 3"`` -> 3; anything else (``"Level ?"``, missing) -> None."""
+    if isinstance(value, int):
+        return value
+    match = re.search(r"\d+", str(value)) if value is not None else None
+    return int(match.group()) if match else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets: the hub datasets of the reference recipes, each readable from local files in the same schema.
+
+
+class GSM8K(HubSource):
+    """GSM8K (``openai/gsm8k``, config ``main``): the answer is the number after ``####`` of the worked solution.
+
+    Args:
+        split: ``train`` (7473) or ``test`` (1319).
+        data_files: Local jsonl/parquet in the hub schema (``question``, ``answer``) instead of the hub.
+        streaming: Stream rows.
+    """
+
+    def __init__(self, split: str = "train", data_files: str | list[str] | None = None, streaming: bool = True):
+        super().__init__(
+            "openai/gsm8k",
+            name="main",
+            split=split,
+            data_files=data_files,
+            answer_parser="gsm8k",
+            streaming=streaming,
+            label="gsm8k",
+        )
+
+
+class MATH500(HubSource):
+    """MATH-500 (``HuggingFaceH4/MATH-500``, split ``test``): ``problem``, ``answer``, ``subject``, ``level`` 1-5.
+
+    Args:
+        levels: Keep only these levels.
+        data_files: Local jsonl/parquet in the hub schema instead of the hub.
+        streaming: Stream rows.
+    """
+
+    def __init__(
+        self, levels: list[int] | None = None, data_files: str | list[str] | None = None, streaming: bool = True
+    ):
+        super().__init__(
+            "HuggingFaceH4/MATH-500",
+            split="test",
+            data_files=data_files,
+            question_field="problem",
+            subject_field="subject",
+            level_field="level",
+            levels=levels,
+            streaming=streaming,
+            label="math500",
+        )
+
+
+class MATH(HubSource):
+    """MATH for training (``DigitalLearningGmbH/MATH-lighteval``): the answer is the last ``\\boxed{}`` of ``solution``;
+    ``type`` is the subject, ``level`` reads ``"Level 3"``.
+
+    Args:
+        split: ``train`` (7500) or ``test`` (5000).
+        levels: Keep only these levels.
+        data_files: Local jsonl/parquet in the hub schema instead of the hub.
+        streaming: Stream rows.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        levels: list[int] | None = None,
+        data_files: str | list[str] | None = None,
+        streaming: bool = True,
+    ):
+        super().__init__(
+            "DigitalLearningGmbH/MATH-lighteval",
+            split=split,
+            data_files=data_files,
+            question_field="problem",
+            answer_field="solution",
+            answer_parser="boxed",
+            subject_field="type",
+            level_field="level",
+            levels=levels,
+            streaming=streaming,
+            label="math",
+        )
+
+
+class BigMath(HubSource):
+    """BigMath (``SynthLabsAI/Big-Math-RL-Verified``): ``problem``, ``answer``, ``llama8b_solve_rate``.
+
+    Args:
+        min_solve_rate: Keep problems Llama-3.1-8B solves at least this often (drops the hardest).
+        max_solve_rate: Keep problems it solves at most this often (drops the easiest).
+        data_files: Local jsonl/parquet in the hub schema instead of the hub.
+        streaming: Stream rows.
+    """
+
+    def __init__(
+        self,
+        min_solve_rate: float | None = None,
+        max_solve_rate: float | None = None,
+        data_files: str | list[str] | None = None,
+        streaming: bool = True,
+    ):
+        super().__init__(
+            "SynthLabsAI/Big-Math-RL-Verified",
+            data_files=data_files,
+            question_field="problem",
+            solve_rate_field="llama8b_solve_rate",
+            min_solve_rate=min_solve_rate,
+            max_solve_rate=max_solve_rate,
+            subject_field="source",
+            streaming=streaming,
+            label="bigmath",
+        )
+
+
+class BigMathProcessed(HubSource):
+    """BigMath as processed by open-r1 (``open-r1/Big-Math-RL-Verified-Processed``): ``prompt``, ``solution`` (the
+    answer), ``llama8b_solve_rate``; configs select difficulty (``level_3_4_5``, ``all``, ...).
+
+    Args:
+        name: Dataset config.
+        min_solve_rate: Keep rows with solve rate >= this.
+        max_solve_rate: Keep rows with solve rate <= this.
+        data_files: Local jsonl/parquet in the hub schema instead of the hub.
+        streaming: Stream rows.
+    """
+
+    def __init__(
+        self,
+        name: str = "level_3_4_5",
+        min_solve_rate: float | None = None,
+        max_solve_rate: float | None = None,
+        data_files: str | list[str] | None = None,
+        streaming: bool = True,
+    ):
+        super().__init__(
+            "open-r1/Big-Math-RL-Verified-Processed",
+            name=name,
+            data_files=data_files,
+            question_field="prompt",
+            answer_field="solution",
+            solve_rate_field="llama8b_solve_rate",
+            min_solve_rate=min_solve_rate,
+            max_solve_rate=max_solve_rate,
+            subject_field="source",
+            streaming=streaming,
+            label="bigmath",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The embedded source.
+
+_NAMES = ["Tom", "Anna", "Lena", "Sam", "Omar", "Mia", "Ravi", "Yuki"]
+_ITEMS = ["apples", "marbles", "books", "stickers", "coins", "pencils"]
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class ArithmeticSource(PromptSource):
+    """Endless seeded arithmetic questions (``What is 3 + 5?``) or word problems, no network needed.
+
+    Defaults are the easiest level because that is what the embedded 135M model can learn from on a CPU: with
+    a, b in 1..9 and ``+`` it answers 20% right and 62% of groups of 4 samples are mixed (some right, some wrong);
+    at 1..20 it is 9%/28%, at 1..99 2%/3%, subtraction within 20 6%/22%, two-step word problems under 2%.
+
+    Args:
+        seed: Seed of the question sequence (the same seed gives the same questions).
+        min_value: Smallest operand.
+        max_value: Largest operand.
+        operations: Operators to draw from: ``+``, ``-``, ``*``.
+        steps: Operations per question (``steps=2``: ``3 + 4 - 2``).
+        word_problems: Phrase questions as short stories instead of ``What is ...?``.
+        num_rows: Stop after this many questions (a fixed evaluation set); ``None``: endless.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        min_value: int = 1,
+        max_value: int = 9,
+        operations: Sequence[str] = ("+",),
+        steps: int = 1,
+        word_problems: bool = False,
+        num_rows: int | None = None,
+    ):
+        if not 0 <= min_value <= max_value:
+            raise ValueError(f"ArithmeticSource needs 0 <= min_value <= max_value, got {min_value}, {max_value}.")
+        if not operations or set(operations) - set(_OPS):
+            raise ValueError(f"ArithmeticSource(operations={list(operations)}): use some of {list(_OPS)}.")
+        if steps < 1:
+            raise ValueError(f"ArithmeticSource(steps={steps}): needs at least 1 operation.")
+        self.seed, self.min_value, self.max_value = seed, min_value, max_value
+        self.operations, self.steps, self.word_problems = list(operations), steps, word_problems
+        self.num_rows, self.infinite = num_rows, num_rows is None
+        self.stats = Counter()
+
+    def __iter__(self) -> Iterator[Row]:
+        rng = random.Random(self.seed)
+        for _ in itertools.count() if self.num_rows is None else range(self.num_rows):
+            self.stats["rows"] += 1
+            yield self._story(rng) if self.word_problems else self._expression(rng)
+
+    def _expression(self, rng: random.Random) -> Row:
+        values = [rng.randint(self.min_value, self.max_value) for _ in range(self.steps + 1)]
+        ops = [rng.choice(self.operations) for _ in range(self.steps)]
+        if self.steps == 1 and ops[0] == "-":  # one subtraction stays non-negative: "within 20" means 0..20
+            values.sort(reverse=True)
+        # Usual precedence: fold products first, then add and subtract left to right.
+        terms, signs = [values[0]], [1]
+        for op, v in zip(ops, values[1:]):
+            if op == "*":
+                terms[-1] *= v
+            else:
+                terms.append(v)
+                signs.append(1 if op == "+" else -1)
+        text = " ".join([str(values[0])] + [f"{op} {v}" for op, v in zip(ops, values[1:])])
+        answer = sum(s * t for s, t in zip(signs, terms))
+        return {"question": f"What is {text}?", "answer": str(answer), "source": "arithmetic"}
+
+    def _story(self, rng: random.Random) -> Row:
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        total = rng.randint(self.min_value, self.max_value)
+        sentences = [f"{name} has {total} {item}."]
+        for _ in range(self.steps):
+            op, v = rng.choice(self.operations), rng.randint(self.min_value, self.max_value)
+            if op == "-":
+                v = min(v, total)  # a story never gives away more than there is
+                sentences.append(f"{name} gives {v} {item} to a friend.")
+            elif op == "+":
+                sentences.append(f"{name} gets {v} more {item}.")
+            else:
+                sentences.append(f"Then {name} ends up with {v} times as many {item}.")
+            total = _OPS[op](total, v)
+        sentences.append(f"How many {item} does {name} have now?")
+        return {"question": " ".join(sentences), "answer": str(total), "source": "arithmetic"}
+
+
+class Mixture(PromptSource):
+    """Interleaves sources at random with the given weights, forever (finite sources restart when they end).
+
+    Args:
+        sources: The sources to mix.
+        weights: Relative sampling weights, one per source (default: equal).
+        seed: Seed of the choice of source.
+    """
+
+    infinite = True
+
+    def __init__(self, sources: list[PromptSource], weights: list[float] | None = None, seed: int = 0):
+        if not sources:
+            raise ValueError("Mixture needs at least one source.")
+        weights = [1.0] * len(sources) if weights is None else list(weights)
+        if len(weights) != len(sources) or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"Mixture weights {weights} must be one non-negative number per source, not all zero.")
+        self.sources, self.weights, self.seed = list(sources), weights, seed
+
+    @property
+    def stats(self) -> Counter:
+        return sum((s.stats for s in self.sources), Counter())
+
+    def __iter__(self) -> Iterator[Row]:
+        rng = random.Random(self.seed)
+        streams = [endless(s) if not s.infinite else iter(s) for s in self.sources]
+        while True:
+            (stream,) = rng.choices(streams, weights=self.weights)
+            yield next(stream)

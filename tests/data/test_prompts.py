@@ -1,0 +1,178 @@
+import itertools
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from qerl.data.prompts import MathPromptDataModule, PromptStream, collate
+from qerl.data.sources import GSM8K, ArithmeticSource, HubSource
+
+from .helpers import write_jsonl
+
+
+def loader(stream: PromptStream, batch_size: int = 4, num_workers: int = 0) -> DataLoader:
+    return DataLoader(stream, batch_size=batch_size, num_workers=num_workers, collate_fn=collate)
+
+
+def take(stream: PromptStream, batches: int, num_workers: int = 0) -> list[list[str]]:
+    """The questions of ``batches`` batches, committing each batch's position as training would."""
+    seen = []
+    for batch in itertools.islice(loader(stream, num_workers=num_workers), batches):
+        stream.update(batch.pop("stream_state"))
+        seen.append(batch["prompts"])
+    return seen
+
+
+def test_chat_template_and_instructions(tokenizer):
+    stream = PromptStream(ArithmeticSource(), tokenizer, answer_format="boxed", system_prompt="Be brief.")
+    batch = next(iter(loader(stream)))
+    assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "stream_state"}
+    prompt = batch["prompts"][0]
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is ")
+    assert "\\boxed{}" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert batch["prompt_ids"][0] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert batch["prompt_ids"][0].count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # no doubled specials
+    assert int(batch["answers"][0]) == sum(map(int, prompt.split("What is ")[1].split("?")[0].split(" + ")))
+    with pytest.raises(ValueError, match="read once"):
+        PromptStream(ArithmeticSource(), tokenizer, endless=False)
+    default = next(iter(loader(PromptStream(ArithmeticSource(num_rows=3), tokenizer, endless=False))))["prompts"][0]
+    assert "SmolLM" in default and "boxed" not in default  # the template's own system prompt, no instruction
+
+
+def test_length_filter_counts_skipped_prompts(tokenizer, tmp_path):
+    rows = [{"question": "short?", "answer": "1"}, {"question": "long " * 300, "answer": "2"}] * 5
+    stream = PromptStream(
+        HubSource(str(write_jsonl(tmp_path / "x.jsonl", rows))), tokenizer, max_prompt_tokens=64, endless=False
+    )
+    batches = take(stream, 10)
+    assert sum(len(b) for b in batches) == 5
+    assert stream.stats["too_long"] == 5 and stream.stats["prompts"] == 5
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sharding_covers_a_finite_source_once(tokenizer, tmp_path, num_workers):
+    rows = [{"question": f"Question {i}?", "answer": str(i)} for i in range(53)]
+    source = HubSource(str(write_jsonl(tmp_path / "rows.jsonl", rows)))
+    seen = []
+    for rank in range(2):
+        stream = PromptStream(source, tokenizer, shuffle_buffer=8, seed=3, endless=False, rank=rank, world_size=2)
+        seen += [a for b in loader(stream, batch_size=5, num_workers=num_workers) for a in b["answers"]]
+    assert sorted(seen, key=int) == [str(i) for i in range(53)]  # no duplicates, nothing missing
+    assert seen != [str(i) for i in range(53)]  # and the shuffle buffer did shuffle
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_round_trip_continues_the_stream(tokenizer, num_workers):
+    def stream():
+        return PromptStream(ArithmeticSource(max_value=99), tokenizer, shuffle_buffer=16, seed=1)
+
+    reference = take(stream(), 8, num_workers)
+    first = stream()
+    assert take(first, 5, num_workers) == reference[:5]
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    assert take(resumed, 3, num_workers) == reference[5:]
+    assert resumed.stats["prompts"] == 8 * 4
+
+
+def test_datamodule_errors_name_the_option():
+    with pytest.raises(ValueError, match="answer_format"):
+        MathPromptDataModule(answer_format="latex")
+    with pytest.raises(ValueError, match="batch_size"):
+        MathPromptDataModule(batch_size=0)
+    with pytest.raises(ValueError, match="weights"):
+        MathPromptDataModule(weights=[1.0, 2.0])
+    with pytest.raises(FileNotFoundError, match="data_files"):
+        MathPromptDataModule(sources=[GSM8K(data_files="no/such/file.jsonl")])
+    with pytest.raises(ValueError, match="num_rows"):
+        MathPromptDataModule(val_sources=[ArithmeticSource()])
+
+
+def test_datamodule_builds_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(MathPromptDataModule, "data")
+    config = parser.parse_string("""
+    data:
+      batch_size: 4
+      answer_format: gsm8k
+      sources:
+        - class_path: qerl.data.sources.ArithmeticSource
+          init_args: {max_value: 20, operations: ["+", "-"]}
+        - class_path: qerl.data.sources.BigMathProcessed
+      weights: [3, 1]
+    """)
+    data = parser.instantiate(config).data
+    assert data.batch_size == 4 and data.source.weights == [3, 1]
+    assert data.source.sources[0].operations == ["+", "-"]
+
+
+class _Recorder(L.LightningModule):
+    """Steps an optimizer once per batch and records the prompts it trained and validated on."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.trained, self.validated = [], []
+
+    def training_step(self, batch, batch_idx):
+        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources"}
+        self.trained.append(batch["prompts"])
+        self.manual_backward(self.weight.sum() * 0)
+        self.optimizers().step()
+
+    def validation_step(self, batch, batch_idx):
+        self.validated += batch["answers"]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([self.weight], lr=0.1)
+
+
+def test_trainer_checkpoint_resumes_the_stream(tokenizer, tmp_path):
+    val = HubSource(
+        str(write_jsonl(tmp_path / "val.jsonl", [{"question": f"V{i}", "answer": str(i)} for i in range(5)]))
+    )
+
+    def fit(steps: int, ckpt_path=None, val_sources=None):
+        data = MathPromptDataModule(batch_size=2, shuffle_buffer=8, val_sources=val_sources)
+        data.tokenizer = tokenizer  # skip loading it again
+        model = _Recorder()
+        # The endless stream never ends an epoch, so checkpoints must be step-based.
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / f"ckpt{steps}", every_n_train_steps=3)
+        trainer = L.Trainer(
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[checkpoint],
+            default_root_dir=tmp_path,
+            val_check_interval=2,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return model, trainer
+
+    straight, _ = fit(5, val_sources=[val])
+    assert straight.validated == [str(i) for i in range(5)] * 2  # after steps 2 and 4, read once each, in order
+    first, trainer = fit(3)
+    assert first.trained == straight.trained[:3]
+    state = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)["MathPromptDataModule"]
+    assert state["train_stream"]["rounds"] == {0: 3 * 2}  # the batches trained on, not the one Lightning prefetched
+    resumed, _ = fit(5, ckpt_path=trainer.checkpoint_callback.best_model_path)
+    assert resumed.trained == straight.trained[3:]
+
+
+def test_resume_with_another_worker_count_skips_nothing(tokenizer, tmp_path):
+    rows = [{"question": f"Q{i}", "answer": str(i)} for i in range(40)]
+    source = HubSource(str(write_jsonl(tmp_path / "rows.jsonl", rows)))
+    reference = [a for b in take(PromptStream(source, tokenizer, shuffle_buffer=8), 5) for a in b]  # global order
+    first = PromptStream(source, tokenizer, shuffle_buffer=8)
+    take(first, 3, num_workers=2)  # worker 0 built batches 1 and 3 (global 0, 2, ..., 14), worker 1 batch 2 (1..7)
+    resumed = PromptStream(source, tokenizer, shuffle_buffer=8)
+    resumed.load_state_dict(first.state_dict())
+    # One consumer now: it restarts at the first row some worker had not reached (global 9); 10, 12, 14 repeat.
+    assert take(resumed, 1) == [reference[9:13]]

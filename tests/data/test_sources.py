@@ -1,0 +1,145 @@
+import itertools
+from collections import Counter
+
+import pytest
+
+from qerl.data.answers import extract_gsm8k
+from qerl.data.sources import (
+    GSM8K,
+    MATH,
+    MATH500,
+    ArithmeticSource,
+    BigMath,
+    BigMathProcessed,
+    HubSource,
+    Mixture,
+    endless,
+)
+
+from .helpers import read_jsonl, write_jsonl
+
+
+def test_gsm8k_local_jsonl_skips_and_counts_bad_rows(tmp_path):
+    files = write_jsonl(
+        tmp_path / "gsm8k.jsonl",
+        [
+            {"question": "Q1", "answer": "work\n#### 1,234"},
+            {"question": "Q2", "answer": None},
+            {"question": "Q3", "answer": ""},
+            {"question": "", "answer": "#### 5"},
+            {"question": "Q5", "answer": "#### 5"},
+        ],
+    )
+    source = GSM8K(data_files=str(files))
+    rows = list(source)
+    assert [(r["question"], r["answer"], r["source"]) for r in rows] == [("Q1", "1234", "gsm8k"), ("Q5", "5", "gsm8k")]
+    assert source.stats["missing_answer"] == 2 and source.stats["missing_question"] == 1 and source.stats["rows"] == 2
+
+
+def test_math_lighteval_parquet_boxed_answers_and_levels(tmp_path):
+    import datasets
+
+    path = tmp_path / "math.parquet"
+    datasets.Dataset.from_list(
+        [
+            {"problem": "P1", "solution": r"So $\boxed{\frac{1}{2}}$.", "level": "Level 3", "type": "Algebra"},
+            {"problem": "P2", "solution": r"\boxed{2} then \boxed{x^{2}}", "level": "Level 5", "type": "Geometry"},
+            {"problem": "P3", "solution": "no box", "level": "Level 3", "type": "Algebra"},
+            {"problem": "P4", "solution": r"\boxed{4}", "level": "Level ?", "type": "Algebra"},
+        ]
+    ).to_parquet(str(path))
+    rows = list(MATH(data_files=str(path)))
+    assert [(r["answer"], r["level"], r["subject"]) for r in rows] == [
+        (r"\frac{1}{2}", 3, "Algebra"),
+        ("x^{2}", 5, "Geometry"),
+        ("4", None, "Algebra"),
+    ]
+    source = MATH(levels=[3, 4], data_files=str(path))
+    assert [r["question"] for r in source] == ["P1"]
+    assert source.stats["filtered"] == 2 and source.stats["missing_answer"] == 1
+
+
+def test_bigmath_solve_rate_filters(tmp_path):
+    rows = [
+        {"problem": f"P{i}", "answer": str(i), "source": "orca", "domain": ["x"], "llama8b_solve_rate": rate}
+        for i, rate in enumerate([0.0, 0.2, 0.5, 0.9, None])
+    ]
+    path = str(write_jsonl(tmp_path / "bigmath.jsonl", rows))
+    source = BigMath(min_solve_rate=0.1, max_solve_rate=0.6, data_files=path)
+    assert [r["answer"] for r in source] == ["1", "2"] and source.stats["filtered"] == 3
+    assert len(list(BigMath(data_files=path))) == 5  # no filter: rows without a rate stay
+    processed = [{"prompt": "Q", "solution": "7", "source": "s", "domain": [], "llama8b_solve_rate": 0.3}]
+    path = str(write_jsonl(tmp_path / "processed.jsonl", processed))
+    assert list(BigMathProcessed(data_files=path)) == [
+        {"question": "Q", "answer": "7", "source": "bigmath", "subject": "s"}
+    ]
+
+
+def test_hub_source_mapped_fields_and_file_path(tmp_path):
+    path = str(write_jsonl(tmp_path / "mine.jsonl", [{"q": "What?", "a": 3}]))
+    assert list(HubSource(path, question_field="q", answer_field="a")) == [
+        {"question": "What?", "answer": "3", "source": path}
+    ]
+    assert list(HubSource("json", data_files=[path], question_field="q", answer_field="a", label="mine")) == [
+        {"question": "What?", "answer": "3", "source": "mine"}
+    ]
+    assert next(iter(HubSource(path, question_field="q", answer_field="a", streaming=False)))["answer"] == "3"
+
+
+def test_bad_configuration_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_files.*Fix"):
+        GSM8K(data_files=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="level_field"):
+        HubSource("x/y", levels=[1])
+    with pytest.raises(ValueError, match="solve_rate_field"):
+        HubSource("x/y", min_solve_rate=0.1)
+    with pytest.raises(ValueError, match="operations"):
+        ArithmeticSource(operations=["/"])
+    with pytest.raises(ValueError, match="weights"):
+        Mixture([ArithmeticSource()], weights=[1.0, 2.0])
+    empty = HubSource(str(write_jsonl(tmp_path / "empty.jsonl", [{"question": "Q", "answer": ""}])))
+    with pytest.raises(ValueError, match="no rows"):
+        next(endless(empty))
+
+
+def test_real_files(shared_data):
+    gsm8k = list(GSM8K(data_files=str(shared_data / "gsm8k" / "test.jsonl")))
+    raw = read_jsonl(shared_data / "gsm8k" / "test.jsonl")
+    assert len(gsm8k) == 1319
+    assert [r["answer"] for r in gsm8k] == [extract_gsm8k(r["answer"], fallback_last_number=False) for r in raw]
+    math500 = list(MATH500(data_files=str(shared_data / "math500" / "test.jsonl")))
+    assert len(math500) == 500 and {r["level"] for r in math500} == {1, 2, 3, 4, 5}
+    hard = MATH500(levels=[5], data_files=str(shared_data / "math500" / "test.jsonl"))
+    assert 0 < len(list(hard)) == hard.stats["rows"] and hard.stats["filtered"] == 500 - hard.stats["rows"]
+
+
+def test_arithmetic_is_seeded_correct_and_endless():
+    first = list(itertools.islice(ArithmeticSource(seed=1), 200))
+    assert first == list(itertools.islice(ArithmeticSource(seed=1), 200))
+    assert first != list(itertools.islice(ArithmeticSource(seed=2), 200))
+    for row in first:
+        a, b = map(int, row["question"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 1 <= a <= 9 and 1 <= b <= 9 and int(row["answer"]) == a + b
+    assert len(list(itertools.islice(ArithmeticSource(), 20_000))) == 20_000
+    assert len(list(ArithmeticSource(num_rows=7))) == 7 and not ArithmeticSource(num_rows=7).infinite
+
+
+def test_arithmetic_difficulty_knobs():
+    for row in itertools.islice(ArithmeticSource(max_value=20, operations=["-"]), 300):
+        a, b = map(int, row["question"].removeprefix("What is ").removesuffix("?").split(" - "))
+        assert 20 >= a >= b >= 1 and row["answer"] == str(a - b)
+    for row in itertools.islice(ArithmeticSource(operations=["+", "-", "*"], steps=2), 300):
+        expression = row["question"].removeprefix("What is ").removesuffix("?")
+        assert int(row["answer"]) == eval(expression)  # usual precedence
+    stories = list(itertools.islice(ArithmeticSource(steps=2, operations=["+", "-"], word_problems=True), 300))
+    assert all(r["question"].endswith("have now?") and int(r["answer"]) >= 0 for r in stories)
+
+
+def test_mixture_weights_cycling_and_seed(tmp_path):
+    tiny = HubSource(str(write_jsonl(tmp_path / "t.jsonl", [{"question": "T", "answer": "1"}] * 10)), label="tiny")
+    mixture = Mixture([ArithmeticSource(), tiny], weights=[3, 1], seed=0)
+    draws = [r["source"] for r in itertools.islice(mixture, 4000)]
+    assert abs(Counter(draws)["tiny"] / 4000 - 0.25) < 0.03
+    assert mixture.stats["epochs"] > 90  # the 10-row file restarts when it ends
+    assert draws == [r["source"] for r in itertools.islice(Mixture([ArithmeticSource(), tiny], [3, 1], seed=0), 4000)]
+    assert {r["source"] for r in itertools.islice(Mixture([ArithmeticSource(), tiny], [1, 0]), 500)} == {"arithmetic"}
