@@ -43,6 +43,27 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
         VLLMRollout()
 
 
+def test_vllm_outputs_become_a_builtin_layout_rollout():
+    """Fake vLLM outputs: completion ids/mask up to and including EOS, -logprob as entropy, samples in index order."""
+    from types import SimpleNamespace as NS
+
+    def completion(index, tokens, logps):
+        return NS(index=index, token_ids=tokens, logprobs=[{t: NS(logprob=lp)} for t, lp in zip(tokens, logps)])
+
+    eos, pad = 9, 0
+    outputs = [NS(outputs=[completion(1, [5, 6, 7], [-1.0, -2.0, -3.0]), completion(0, [4, eos], [-0.5, -0.25])]),
+               NS(outputs=[completion(0, [eos], [-0.1]), completion(1, [3, 3, 3], [-1.0, -1.0, -1.0])])]
+    r = VLLMRollout._to_rollout(outputs, [[11, 12], [13]], 2, pad, [eos], "cpu")
+    assert r.prompt_ids.tolist() == [[11, 12], [11, 12], [pad, 13], [pad, 13]]
+    assert r.prompt_mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
+    assert r.completion_ids.tolist() == [[4, eos, pad], [5, 6, 7], [eos, pad, pad], [3, 3, 3]]
+    assert r.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
+    expected = torch.tensor([[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0], [-0.1, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    assert torch.equal(r.logprobs, expected)
+    assert torch.equal(r.entropy, -r.logprobs)
+    assert r.truncated.tolist() == [False, True, False, True]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy():
@@ -128,6 +149,23 @@ def test_logprobs_match_the_policy_and_layout_matches_builtin(engine, policy, pr
 
 @needs_vllm
 @pytest.mark.slow
+def test_completions_stop_at_eos_and_keep_it(engine, policy, tokenizer):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say just 'yes'."}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    engine.max_new_tokens = 48
+    try:
+        rollout = sample(engine, policy, [prompt], tokenizer)
+    finally:
+        engine.max_new_tokens = MAX_NEW
+    ended = ~rollout.truncated
+    assert ended.any()  # the chat model ends short answers with <|im_end|>
+    last = rollout.completion_ids.gather(1, (rollout.lengths - 1)[:, None]).squeeze(1)
+    assert (last[ended] == tokenizer.eos_token_id).all() and (rollout.lengths[ended] < 48).all()
+    assert (rollout.logprobs[ended].sum(-1) < 0).all()  # the EOS token's log-prob is kept too
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_changed_adapter_reaches_vllm_at_the_next_step(engine, policy, prompts, tokenizer):
     before = sample(engine, policy, prompts, tokenizer)
     saved = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
@@ -186,3 +224,40 @@ def test_aqn_noise_reaches_vllm_norms_and_is_removed(engine, policy, prompts, to
 def test_prompt_too_long_for_max_model_len(engine, policy, tokenizer):
     with pytest.raises(ValueError, match="exceeds vLLM's max_model_len=256"):
         engine.generate(policy, [[1] * 250], G, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def fit(tmp_path, name: str, *overrides: str) -> tuple[set[str], str]:
+    """A 2-step ``train.py fit`` of the smoke config, in a subprocess (vLLM keeps process-wide state); returns the
+    TensorBoard scalar tags it wrote and the rollout engine's class path from the saved config."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, str(root / "train.py"), "fit", "--config", str(root / "configs" / "smoke.yaml"),
+            "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--trainer.logger.init_args.name", name, "--data.batch_size", "2", "--model.group_size", "2",
+            "--model.policy.quantization", "bf16", "--model.rollout.init_args.max_new_tokens", "8", *overrides]
+    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    import yaml
+
+    version = next((tmp_path / name).glob("version_*"))
+    events = EventAccumulator(str(version))
+    events.Reload()
+    config = yaml.safe_load((version / "config.yaml").read_text())
+    return set(events.Tags()["scalars"]), config["model"]["rollout"]["class_path"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_fit_with_vllm_logs_the_builtin_tags(tmp_path):
+    builtin, builtin_engine = fit(tmp_path, "builtin")
+    vllm, vllm_engine = fit(tmp_path, "vllm", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
+               "--model.rollout.init_args.enforce_eager", "true", "--model.rollout.init_args.max_model_len", "256")
+    assert {"train/reward", "rollout/entropy", "train/entropy", "perf/rollout_s"} <= builtin
+    assert (builtin_engine, vllm_engine) == ("qerl.rollout.builtin.BuiltinRollout", "qerl.rollout.vllm.VLLMRollout")
+    assert vllm == builtin
