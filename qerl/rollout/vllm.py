@@ -204,6 +204,7 @@ class VLLMRollout(RolloutEngine):
                     top_p=self.top_p,
                     max_tokens=self.max_new_tokens,
                     stop_token_ids=list(eos_ids),
+                    ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
                     logprobs=0,
                     seed=self._seeds.randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
                     skip_special_tokens=False,
@@ -234,6 +235,9 @@ class VLLMRollout(RolloutEngine):
         except ImportError as error:
             raise ImportError(f"{INSTALL_HINT} (importing vllm failed: {error})") from error
 
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise NotImplementedError("VLLMRollout runs one in-process vLLM per training process and supports a single "
+                                      "GPU (devices: 1) for now; use the built-in engine for DDP.")
         base = policy.get_base_model()
         path = resolve_model(self.model or base.config._name_or_path)
         quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())

@@ -149,19 +149,22 @@ def test_logprobs_match_the_policy_and_layout_matches_builtin(engine, policy, pr
 
 @needs_vllm
 @pytest.mark.slow
-def test_completions_stop_at_eos_and_keep_it(engine, policy, tokenizer):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say just 'yes'."}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
+def test_completions_stop_at_a_stop_id_and_keep_it(engine, policy, prompts, tokenizer):
+    period = tokenizer.convert_tokens_to_ids(".")  # a second "EOS" that comes within 48 tokens
+    eos = [tokenizer.eos_token_id, period]
+    engine._seeds = random.Random(5)
     engine.max_new_tokens = 48
     try:
-        rollout = sample(engine, policy, [prompt], tokenizer)
+        rollout = engine.generate(policy, prompts, 4, tokenizer.pad_token_id, eos)
     finally:
         engine.max_new_tokens = MAX_NEW
     ended = ~rollout.truncated
-    assert ended.any()  # the chat model ends short answers with <|im_end|>
+    assert ended.any()
     last = rollout.completion_ids.gather(1, (rollout.lengths - 1)[:, None]).squeeze(1)
-    assert (last[ended] == tokenizer.eos_token_id).all() and (rollout.lengths[ended] < 48).all()
-    assert (rollout.logprobs[ended].sum(-1) < 0).all()  # the EOS token's log-prob is kept too
+    assert torch.isin(last[ended], torch.tensor(eos)).all() and (rollout.lengths[ended] < 48).all()
+    assert (rollout.logprobs.gather(1, (rollout.lengths - 1)[:, None]) < 0).all()  # the stop token's log-prob is kept
+    for row in range(rollout.completion_ids.shape[0]):  # no stop id before the last token
+        assert not torch.isin(rollout.completion_ids[row, : rollout.lengths[row] - 1], torch.tensor(eos)).any()
 
 
 @needs_vllm
