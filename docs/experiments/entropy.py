@@ -8,7 +8,7 @@ for several seeds (each seed = a different sampling stream and a different noise
 
     python docs/experiments/entropy.py --out docs/results/entropy          # 32 prompts x 4 samples x 32 tokens, 3 seeds
     python docs/experiments/entropy.py --prompts 16 --samples 2 --new_tokens 16 --seeds 3 --threads 1   # what ran
-    python docs/experiments/entropy.py --summarize docs/results/entropy   # JSON -> summary + PNG (a partial run too)
+    python docs/experiments/entropy.py --summarize a.json b.json --out docs/results/entropy   # merge, summary, PNG
 
 Writes ``<out>.json`` (every measurement) and ``<out>.png`` (mean +- std over seeds, per sigma) when matplotlib is
 installed (``pip install -e ".[docs]"``).
@@ -58,6 +58,33 @@ def measure(policy, tokenizer, prompt_ids, answers, sigma: float, seed: int, sam
     }
 
 
+@torch.no_grad()
+def teacher_forced(policies: dict, tokenizer, prompt_ids, sigmas, seed: int, samples: int, new_tokens: int) -> list[dict]:
+    """Entropy of every policy (and noise level) on the *same* token sequences: completions sampled once by the
+    first policy without noise. Separates "the distribution is flatter" from "it wandered into other text"."""
+    from qerl.modules.aqn import noisy_norms
+    from qerl.rollout.builtin import position_ids
+
+    first = next(iter(policies.values()))
+    engine = BuiltinRollout(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    eos = sorted({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    r = engine.generate(first, prompt_ids, samples, tokenizer.pad_token_id, eos)
+    ids = torch.cat((r.prompt_ids, r.completion_ids), 1)
+    mask = torch.cat((r.prompt_mask, r.completion_mask), 1)
+    P, out = r.prompt_ids.shape[1], []
+    for name, policy in policies.items():
+        policy.eval()
+        for sigma in sigmas:
+            with noisy_norms(policy, sigma, torch.Generator().manual_seed(20_000 + seed)):
+                logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+            logp = torch.log_softmax(logits[:, P - 1 : -1].float(), -1)
+            entropy = -(logp.exp() * logp).sum(-1)  # [N, L]
+            value = float(entropy[r.completion_mask.bool()].mean())
+            out.append({"quantization": name, "sigma": sigma, "seed": seed, "entropy": value})
+            print(f"teacher-forced {name:6s} sigma={sigma:.2e} seed={seed} entropy={value:.4f}", flush=True)
+    return out
+
+
 def plot(results: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -97,15 +124,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first_seed", type=int, default=0, help="seeds are first_seed .. first_seed + seeds - 1")
     parser.add_argument("--sigmas", type=float, nargs="*", default=None, help="default: 0 and the K=10 schedule")
     parser.add_argument("--quantizations", nargs="*", default=["nvfp4", "bf16"])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--summarize", default=None, help="only summarize and plot an existing <out>.json")
+    parser.add_argument("--teacher_forced", action="store_true",
+                        help="instead: every policy's entropy on the same completions (sampled by the first one)")
+    parser.add_argument("--summarize", nargs="*", default=None,
+                        help="only summarize and plot existing JSONs (runs of several processes merged) into --out")
     args = parser.parse_args(argv)
     if args.summarize:
-        out = Path(args.summarize)
-        results = json.loads(out.with_suffix(".json").read_text())
-        finish(results, out)
+        parts = [json.loads(Path(path).read_text()) for path in args.summarize]
+        results = {**parts[0], "runs": [r for part in parts for r in part["runs"]]}
+        finish(results, Path(args.out))
         return results
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,12 +146,19 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_ids = [tokenizer(format_prompt(tokenizer, r["question"]), add_special_tokens=False)["input_ids"] for r in rows]
     answers = [r["answer"] for r in rows]
     results = {"model": EMBEDDED_MODEL, "prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
-               "seeds": list(range(args.seeds)), "sigmas": sigmas, "zero_at": 3e-5, "runs": []}
+               "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "sigmas": sigmas, "zero_at": 3e-5, "runs": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # float32 compute for both: weight quantization is then the only difference between the two policies.
     # LoRA B = 0, so each policy is exactly its base model.
     policies = {q: build_policy(EMBEDDED_MODEL, q, dtype="float32") for q in args.quantizations}
+    if args.teacher_forced:
+        for seed in results["seeds"]:
+            results["runs"] += teacher_forced(policies, tokenizer, prompt_ids, sigmas, seed, args.samples,
+                                              args.new_tokens)
+            out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        finish(results, out)
+        return results
     # Seeds outermost: every finished seed is a complete, balanced sweep (the JSON is rewritten after each run).
     for seed in results["seeds"]:
         for sigma in sigmas:
