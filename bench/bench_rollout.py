@@ -90,7 +90,7 @@ def checks() -> dict:
     c = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
     r = c.generate(policy, prompts, 8, 0, list(range(100, 108)))
     res["compaction_lengths"] = r.lengths.tolist()
-    res["compaction_graphs"] = sorted(c._graphs)
+    res["compaction_graphs"] = sorted(k[:2] for k in c._graphs)  # (batch bucket, length bucket)
     res["compaction_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
     log("checks", json.dumps(res))
     del policy

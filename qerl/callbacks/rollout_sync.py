@@ -6,7 +6,8 @@ import lightning as L
 
 
 class RolloutSync(L.Callback):
-    """Calls ``pl_module.rollout.sync(policy)`` once before training and after every training batch.
+    """Calls ``pl_module.rollout.sync(policy)`` once before training, after every training batch, and before each
+    evaluation run (``validate``/``test`` may never have trained: the engine must still hold this adapter).
 
     The built-in engine samples the policy itself, so its ``sync`` does nothing; an engine with its own copy of the
     weights (vLLM) loads the new adapter there.
@@ -16,4 +17,10 @@ class RolloutSync(L.Callback):
         pl_module.rollout.sync(pl_module.policy)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        pl_module.rollout.sync(pl_module.policy)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.rollout.sync(pl_module.policy)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.rollout.sync(pl_module.policy)

@@ -71,7 +71,8 @@ def shuffled(rows: Iterator, buffer: int, rng: random.Random) -> Iterator:
 class PromptStream(IterableDataset):
     """Chat-formatted, tokenized prompts from a source, sharded by rank and DataLoader worker, resumable.
 
-    Items are dicts with ``prompt``, ``prompt_ids``, ``answer``, ``source`` and ``stream_state``.
+    Items are dicts with ``prompt``, ``prompt_ids``, ``answer``, ``source``, ``question`` (the raw text), ``level`` and
+    ``subject`` (``None`` when the source has none) and ``stream_state``.
 
     Args:
         source: Where rows come from.
@@ -145,6 +146,9 @@ class PromptStream(IterableDataset):
                 "prompt_ids": ids,
                 "answer": row["answer"],
                 "source": row["source"],
+                "question": row["question"],
+                "level": row.get("level"),
+                "subject": row.get("subject"),
                 "stream_state": state,
             }
 
@@ -195,12 +199,16 @@ class PromptStream(IterableDataset):
 
 
 def collate(items: list[dict], with_state: bool = True) -> dict:
-    """Items -> a batch: ``prompts`` (chat text), ``prompt_ids`` (ragged lists, unpadded), ``answers``, ``sources``."""
+    """Items -> a batch: ``prompts`` (chat text), ``prompt_ids`` (ragged lists, unpadded), ``answers``, ``sources``,
+    and for evaluation breakdowns ``questions`` (raw text), ``levels`` and ``subjects`` (``None`` entries if absent)."""
     batch = {
         "prompts": [x["prompt"] for x in items],
         "prompt_ids": [x["prompt_ids"] for x in items],
         "answers": [x["answer"] for x in items],
         "sources": [x["source"] for x in items],
+        "questions": [x.get("question") for x in items],
+        "levels": [x.get("level") for x in items],
+        "subjects": [x.get("subject") for x in items],
     }
     if with_state:
         batch["stream_state"] = items[-1]["stream_state"]  # one worker builds a whole batch: its last position
@@ -212,7 +220,8 @@ class MathPromptDataModule(L.LightningDataModule):
     of each). The training stream is endless and never ends an epoch: ``trainer.max_steps`` bounds training, and
     validation needs an integer ``val_check_interval`` with ``check_val_every_n_epoch: null``.
 
-    Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``.
+    Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``
+    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject).
     The stream position is part of ``state_dict`` (saved in checkpoints), so ``fit --ckpt_path`` continues the stream.
 
     Args:
@@ -227,7 +236,8 @@ class MathPromptDataModule(L.LightningDataModule):
         shuffle_buffer: Size of the seeded shuffle buffer.
         seed: Seed of shuffling and mixing.
         num_workers: DataLoader worker processes (0: tokenize in the main process).
-        val_sources: Evaluation sources, each read once in order (one validation dataloader each).
+        val_sources: Evaluation sources, each read once in order (one validation dataloader each; ``test`` reads
+            the same sources).
         val_batch_size: Prompts per validation batch (default: ``batch_size``).
     """
 
@@ -326,6 +336,10 @@ class MathPromptDataModule(L.LightningDataModule):
             )
             for s in self.val_sources
         ]
+
+    def test_dataloader(self) -> list[DataLoader]:
+        """The ``val_sources`` again (``python train.py test``)."""
+        return self.val_dataloader()
 
     def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # Lightning calls this for the batch it is about to train on (after prefetching the next one), so committing

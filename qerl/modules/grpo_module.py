@@ -15,6 +15,12 @@ training forward never materializes a dequantized weight (the NVFP4 kernels run 
 
 ``trainer.global_step`` counts optimizer steps (``num_iterations`` per batch), so ``max_steps``, the LR schedule and
 the AQN stages are all in optimizer steps.
+
+``validation_step`` / ``test_step`` score the policy (adapter applied, no noise) on the data module's ``val_sources``
+with an ``Evaluator``: greedy pass@1 and mean accuracy over k samples, logged as ``val/<source>_acc`` and
+``val/<source>_mean@k`` (``test/...`` for ``test``) with per-level / per-subject breakdowns, plus a JSONL of every
+completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_interval: N`` and
+``trainer.check_val_every_n_epoch: null`` (the prompt stream never ends an epoch).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import Tensor
 from qerl.data.rewards import MathReward, overlong_penalty
 from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.checkpoint_io import load_tokenizer
+from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
 from qerl.modules.policy import PolicyConfig, save_adapter, trainable_parameters
@@ -61,6 +68,11 @@ class GRPOModule(L.LightningModule):
         overlong_penalty: the punishment at the maximum length.
         logprob_chunk_size: tokens per chunk of the LM head in the loss (memory vs speed).
         log_samples_every: write a few prompt/completion texts to TensorBoard every this many steps (0 disables).
+        eval_samples: k completions per evaluation question at ``eval_temperature`` (``val/<source>_mean@k``); 0: none.
+        eval_temperature: sampling temperature of those k completions.
+        eval_greedy: decode each evaluation question greedily too (``val/<source>_acc``, pass@1).
+        eval_seed: seed of the evaluation samples (separate from training's stream, which evaluation never moves).
+        eval_jsonl: write every evaluation completion to ``<log_dir>/eval/<stage>_step<N>.jsonl``.
     """
 
     def __init__(
@@ -85,6 +97,11 @@ class GRPOModule(L.LightningModule):
         overlong_penalty: float = 1.0,
         logprob_chunk_size: int = 1024,
         log_samples_every: int = 10,
+        eval_samples: int = 0,
+        eval_temperature: float = 1.0,
+        eval_greedy: bool = True,
+        eval_seed: int = 1234,
+        eval_jsonl: bool = True,
     ):
         super().__init__()
         if group_size < 2:
@@ -103,6 +120,7 @@ class GRPOModule(L.LightningModule):
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         if overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError("model.overlong_buffer must be smaller than the rollout's max_new_tokens.")
+        self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
         self.policy = None
         self.tokenizer = None
 
@@ -285,6 +303,52 @@ class GRPOModule(L.LightningModule):
                 lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
                              f"    {prompt[-300:]}\n\n    {completions[k][:1000]}")
         experiment.add_text("samples", "\n\n---\n\n".join(lines), logged_step(self.trainer))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation: one Evaluator pass per batch, metrics and the JSONL at the end of the run.
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step(batch, dataloader_idx)
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step(batch, dataloader_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        self.evaluator.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self.evaluator.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._evaluation_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._evaluation_end("test")
+
+    def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
+        # `validate`/`test` run under torch.inference_mode by default (fit's validation does not); tensors made there
+        # (an engine's KV buffers, CUDA-graph state, kept across calls) could never be updated by a later training
+        # rollout. Plain no_grad avoids that.
+        with torch.inference_mode(False), torch.no_grad():
+            self.evaluator.step(
+                self.policy, self.rollout, self.reward, batch,
+                lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+                self.tokenizer.pad_token_id, self._eos_ids(), dataloader_idx,
+            )
+
+    def _evaluation_end(self, stage: str) -> None:
+        if self.trainer.sanity_checking:  # the pre-fit check of a few batches: neither logged nor written
+            self.evaluator.reset()
+            return
+        values = self.evaluator.compute()  # synced across ranks
+        self.log_dict({f"{stage}/{k}": v for k, v in values.items()}, on_step=False, on_epoch=True,
+                      add_dataloader_idx=False, sync_dist=False)
+        if self.hparams.eval_jsonl:
+            directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
+            path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",
+                                              self.trainer.is_global_zero)
+            if path is not None:
+                self.print(f"{stage}: {len(self.evaluator.records)} completions (this rank) written to {path}")
+        self.evaluator.reset()
 
     # ------------------------------------------------------------------------------------------------------------
     def configure_optimizers(self):

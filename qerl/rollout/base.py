@@ -11,6 +11,8 @@ engine knows where its norm weights live.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -52,6 +54,7 @@ class RolloutEngine:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.greedy = False  # argmax decoding instead of sampling (evaluation; see ``sampling``)
         self.noise_std = 0.0  # AQN sigma for the next rollouts, set by the AQN callback
         self.noise_generator: torch.Generator | None = None
         self._generator: torch.Generator | None = None  # the sampling generator, created on the policy's device
@@ -60,6 +63,34 @@ class RolloutEngine:
     def set_noise(self, std: float, generator: torch.Generator | None = None) -> None:
         """Fresh N(0, std^2) channel noise is added to every RMSNorm weight for each following rollout."""
         self.noise_std, self.noise_generator = float(std), generator
+
+    @contextmanager
+    def sampling(self, temperature: float | None = None, greedy: bool = False, seed: int | None = None) -> Iterator[None]:
+        """Sample differently inside the block (evaluation): another ``temperature``, or ``greedy`` (argmax) decoding,
+        always without AQN noise, and from a separate random stream started at ``seed`` (default: the engine's).
+        On exit the training settings come back and the training stream continues exactly where it was, so
+        evaluating never changes what training samples."""
+        if temperature is not None and temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature} (use greedy=True for argmax decoding).")
+        saved = (self.temperature, self.greedy, self.noise_std, self.noise_generator)
+        generator, pending = self._generator, self._generator_state
+        state = generator.get_state() if generator is not None else None
+        if generator is not None:
+            generator.manual_seed(self.seed if seed is None else seed)
+        self.seed, training_seed = (self.seed if seed is None else seed), self.seed  # a stream made inside uses it
+        self.temperature = saved[0] if temperature is None else temperature
+        self.greedy, self.noise_std, self.noise_generator = greedy, 0.0, None
+        try:
+            yield
+        finally:
+            self.temperature, self.greedy, self.noise_std, self.noise_generator = saved
+            self.seed = training_seed
+            if generator is None:
+                # Made inside the block: the next rollout makes the training one (from seed, or a checkpoint's state).
+                self._generator, self._generator_state = None, pending
+            else:
+                self._generator = generator
+                generator.set_state(state)
 
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         raise NotImplementedError

@@ -31,9 +31,11 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+           greedy: bool = False):
     """Sample one token per row; returns (tokens [N], log-probs of the sampled tokens [N], entropy [N]) of the
-    distribution actually sampled from (temperature and top-p applied)."""
+    distribution actually sampled from (temperature and top-p applied). ``greedy`` takes the most likely token
+    (log-prob and entropy still those of the tempered distribution) and draws nothing from ``generator``."""
     logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
     if top_p < 1.0:
         sorted_lp, order = logprobs.sort(dim=-1, descending=True)
@@ -42,7 +44,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
         logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)
     probs = logprobs.exp()
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = logprobs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
@@ -74,7 +76,7 @@ class BuiltinRollout(RolloutEngine):
                 ids, mask, positions = (t.repeat_interleave(group_size, dim=0) for t in (ids, mask, positions))
                 logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)
                 for _ in range(self.max_new_tokens):
-                    token, logprob, entropy = sample(logits, self.temperature, self.top_p, self._generator)
+                    token, logprob, entropy = sample(logits, self.temperature, self.top_p, self._generator, self.greedy)
                     token = token.masked_fill(finished, pad_id)
                     alive = ~finished
                     tokens.append(token)

@@ -40,9 +40,11 @@ ATTENTION = "qerl_decode"
 MAX_EOS = 8
 
 
-def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+                  greedy: bool = False):
     """``sample`` of the built-in engine without a host sync: Gumbel-max (argmax of p / Exp(1), exactly a draw from p)
-    instead of ``multinomial``. Returns (tokens [N], log-probs of the sampled tokens [N], entropy [N])."""
+    instead of ``multinomial``; ``greedy`` is the plain argmax. Returns (tokens [N], log-probs of the sampled tokens
+    [N], entropy [N])."""
     logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
     if top_p < 1.0:
         sorted_lp, order = logprobs.sort(dim=-1, descending=True)
@@ -51,7 +53,10 @@ def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, genera
         logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
         logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)
     probs = logprobs.exp()
-    tokens = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
+    if greedy:
+        tokens = logprobs.argmax(-1)
+    else:
+        tokens = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
     entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
@@ -190,8 +195,9 @@ class CUDAGraphRollout(RolloutEngine):
         self.fused = fused
         self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._generator: torch.Generator | None = None
+        # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
+        # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.last_timing: dict[str, float] = {}  # prefill_ms, decode_ms, decode_steps of the last call (CUDA)
         self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
@@ -316,7 +322,7 @@ class CUDAGraphRollout(RolloutEngine):
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
         pointers = tuple(p.data_ptr() for p in policy.parameters())
-        key = (pointers, self.temperature, self.top_p, id(policy))
+        key = (pointers, self.top_p, id(policy))
         s = self._state
         if s is not None and s["key"] == key and s["rows"] >= rows and s["length"] >= length:
             return s
@@ -373,7 +379,7 @@ class CUDAGraphRollout(RolloutEngine):
 
     def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
-        token, logprob, entropy = sample_gumbel(logits, self.temperature, self.top_p, self._generator)
+        token, logprob, entropy = sample_gumbel(logits, self.temperature, self.top_p, self._generator, self.greedy)
         done = s["finished"][:b]
         token = torch.where(done, s["pad"], token)
         index = (s["slot_row"][:b], s["step"].expand(b))
@@ -398,7 +404,8 @@ class CUDAGraphRollout(RolloutEngine):
         cache.position += 1
 
     def _run_step(self, s: dict, policy, b: int, length: int, graphs: bool) -> None:
-        graph = self._graphs.get((b, length)) if graphs else None
+        graph_key = (b, length, self.temperature, self.greedy)
+        graph = self._graphs.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()
             return
@@ -411,7 +418,7 @@ class CUDAGraphRollout(RolloutEngine):
                 self._generator = torch.cuda.default_generators[s["step"].device.index or 0]
             with torch.cuda.graph(graph, pool=self._pool):
                 self._step(s, policy, b, length)
-            self._graphs[(b, length)] = graph
+            self._graphs[graph_key] = graph
             self.graphs_captured += 1
 
     def _compact(self, s: dict, b: int, written: int) -> None:

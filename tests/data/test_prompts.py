@@ -27,7 +27,7 @@ def take(stream: PromptStream, batches: int, num_workers: int = 0) -> list[list[
 def test_chat_template_and_instructions(tokenizer):
     stream = PromptStream(ArithmeticSource(), tokenizer, answer_format="boxed", system_prompt="Be brief.")
     batch = next(iter(loader(stream)))
-    assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "stream_state"}
+    assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects", "stream_state"}
     prompt = batch["prompts"][0]
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is ")
     assert "\\boxed{}" in prompt and prompt.endswith("<|im_start|>assistant\n")
@@ -119,7 +119,7 @@ class _Recorder(L.LightningModule):
         self.trained, self.validated = [], []
 
     def training_step(self, batch, batch_idx):
-        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources"}
+        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects"}
         self.trained.append(batch["prompts"])
         self.manual_backward(self.weight.sum() * 0)
         self.optimizers().step()
