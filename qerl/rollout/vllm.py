@@ -202,8 +202,8 @@ class VLLMRollout(RolloutEngine):
             params = [
                 SamplingParams(
                     n=group_size,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
+                    temperature=0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
+                    top_p=1.0 if self.greedy else self.top_p,
                     max_tokens=self.max_new_tokens,
                     stop_token_ids=list(eos_ids),
                     ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
