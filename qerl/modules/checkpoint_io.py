@@ -253,12 +253,16 @@ def _fill(model, files: _TensorFiles, nvfp4: bool, prequantized: bool, dtype, de
             continue
         value = files.get(key).to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
         _set_tensor(model, key, value)
-    # Non-persistent buffers (rotary inverse frequencies) were created on meta: recompute them on the device.
+    materialize_rotary(model, device)
+
+
+def materialize_rotary(model: nn.Module, device) -> None:
+    """Rotary inverse frequencies are non-persistent buffers: a model built on meta has none, so compute them on
+    ``device`` with the model's own rope function (scaled rope types included)."""
     for module in model.modules():
         if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
-            rope_fn = module.rope_init_fn if hasattr(module, "rope_init_fn") else None
-            inv_freq, scaling = rope_fn(module.config, device) if rope_fn else module.compute_default_rope_parameters(
-                module.config, device)
+            rope_fn = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
+            inv_freq, scaling = rope_fn(module.config, device)
             module.register_buffer("inv_freq", inv_freq, persistent=False)
             module.original_inv_freq = inv_freq
             module.attention_scaling = scaling
@@ -314,6 +318,9 @@ def save_nvfp4(model: nn.Module, output: str | Path, tokenizer=None, max_shard_b
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
+    # Shards of an earlier model in the same directory would be read back with this one (loaders glob them).
+    for stale in [*output.glob("*.safetensors"), *output.glob("*.safetensors.index.json")]:
+        stale.unlink()
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

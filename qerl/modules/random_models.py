@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, matches_target
+from qerl.modules.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
 from qerl.modules.nvfp4 import BLOCK, NVFP4Linear
 
 # From the Qwen2.5-*-Instruct config.json files (all: vocab 152064, untied LM head, q/k/v bias, rope theta 1e6).
@@ -78,11 +78,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
         for key, buf in list(module.named_buffers(recurse=False)):
             if buf.device.type == "meta" and key != "inv_freq":
                 module.register_buffer(key, torch.zeros(buf.shape, dtype=buf.dtype, device=device), persistent=False)
-        if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
-            inv_freq, scaling = module.compute_default_rope_parameters(module.config, device)
-            module.register_buffer("inv_freq", inv_freq, persistent=False)
-            module.original_inv_freq = inv_freq
-            module.attention_scaling = scaling
+    materialize_rotary(model, device)
     model.eval()
     return model
 

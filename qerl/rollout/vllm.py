@@ -168,6 +168,15 @@ class VLLMRollout(RolloutEngine):
         self._seeds = random.Random(seed)  # per-request seeds: reproducible and distinct across prompts and steps
 
     # ------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The per-request seed stream, so that a resumed run sends vLLM the seeds the uninterrupted run would."""
+        return {**super().state_dict(), "seeds": self._seeds.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("seeds") is not None:
+            self._seeds.setstate(state["seeds"])
+
     def sync(self, policy) -> None:
         """Snapshot the adapter (to RAM, PEFT format) and the trained norms; vLLM takes both before the next rollout
         (it may be asleep now, with no weights on the GPU to write into)."""

@@ -160,9 +160,12 @@ def test_quantize_cli(tiny_model_dirs, tmp_path, capsys):
     assert quantize_cli.main(["--model", str(tiny_model_dirs["qwen2"]), "--output", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    # ... unless --force is given.
+    # ... unless --force is given; shards of the earlier model must not survive (loaders read every shard).
+    (out / "model-00002-of-00002.safetensors").write_bytes((out / "model.safetensors").read_bytes())
     assert quantize_cli.main(["--model", str(tiny_model_dirs["qwen2"]), "--output", str(out), "--force"]) == 0
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    load_model(str(out), "nvfp4")
 
 
 # --------------------------------------------------------------------------------------------------------------

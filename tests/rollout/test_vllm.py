@@ -44,6 +44,20 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
         VLLMRollout()
 
 
+@needs_vllm
+def test_seed_stream_survives_a_checkpoint():
+    """A resumed run must send vLLM the per-request seeds the uninterrupted run would have sent."""
+    from qerl.rollout.vllm import VLLMRollout
+
+    engine = VLLMRollout(seed=3)
+    engine._seeds.random()
+    state = engine.state_dict()
+    expected = engine._seeds.random()
+    resumed = VLLMRollout(seed=3)
+    resumed.load_state_dict(state)
+    assert resumed._seeds.random() == expected
+
+
 def test_vllm_outputs_become_a_builtin_layout_rollout():
     """Fake vLLM outputs: completion ids/mask up to and including EOS, -logprob as entropy, samples in index order."""
     from types import SimpleNamespace as NS
