@@ -139,13 +139,19 @@ def kernel_name(name: str, device: torch.device) -> str:
         if name not in KERNELS and name != "cached":
             raise ValueError(f"Unknown NVFP4 kernel {name!r}; available: {sorted(KERNELS) + ['cached']} or 'auto'.")
         return name
-    if device.type == "cuda":
+    return _auto_kernel(device.type)
+
+
+@functools.cache
+def _auto_kernel(device_type: str) -> str:
+    # Cached: resolved on every forward of every layer, so the import attempt happens once, not per token.
+    if device_type == "cuda":
         try:
             import qerl.kernels.nvfp4_matmul  # noqa: F401  (registers "triton")
         except ImportError:
             pass
         return "triton" if "triton" in KERNELS else "torch"
-    return "cached" if device.type == "cpu" else "torch"
+    return "cached" if device_type == "cpu" else "torch"
 
 
 def resolve_kernel(name: str, device: torch.device) -> tuple[Forward, BackwardInput]:
