@@ -2,7 +2,7 @@
 
 Run on a CUDA machine from the repository root:
 
-    PYTHONPATH=. python bench/bench_rollout.py [--out bench/results] [--new 256] [--budget-s 420]
+    PYTHONPATH=. python bench/bench_rollout.py [--out bench/results] [--new 1024] [--budget-s 440]
 
 1. Checks on a small random model on the GPU: graph replay == eager steps (same draws), log-probs == a full forward
    recomputation of the sampled tokens, an in-place LoRA change and AQN noise change the graph's output and the noise
@@ -11,8 +11,9 @@ Run on a CUDA machine from the repository root:
 3. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
-   Every time is from a second call after a warm-up call that captured the graphs. 256 new tokens by default (not
-   1024) to fit the device-time budget; with prompt 256 the whole completion then uses one length bucket (512).
+   The engine runs its default step (``FusedDecoder``); the 7B r16 model is also timed with the transformers step
+   at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot fit is skipped and
+   listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
 Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
 """
 
@@ -124,28 +125,69 @@ def weight_bytes(policy) -> int:
 
 
 def fused_kernel_checks() -> dict:
-    """The fused decode kernels on the GPU vs fp64 / the exact transformers code, fresh random bf16 inputs."""
-    from qerl.kernels.fused_decode import rms_norm, rms_norm_torch, rotary, rotary_torch
+    """The fused decode kernels on the GPU (7B shapes, bf16, fresh random inputs) vs their torch twins (same
+    roundings, run by torch on the same GPU) and the attention vs float64."""
+    from qerl.kernels import fused_decode as K
 
     res = {}
-    for rows in (1, 64, 300):
-        x = torch.randn(rows, 1, 3584, device="cuda", dtype=torch.bfloat16) * 3
-        w = (1 + 0.1 * torch.randn(3584, device="cuda")).bfloat16()
-        out = rms_norm(x, w, 1e-6)
-        ref64 = rms_norm_torch(x.double(), w.double(), 1e-6)
-        res[f"rms_norm_rel_err_vs_fp64_rows{rows}"] = float((out.double() - ref64).norm() / ref64.norm())
-        res[f"rms_norm_rel_err_torch_bf16_vs_fp64_rows{rows}"] = float(
-            (rms_norm_torch(x, w, 1e-6).double() - ref64).norm() / ref64.norm())
-    for b, s in ((16, 1), (2, 256)):
-        q = torch.randn(b, s, 28, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        k = torch.randn(b, s, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        ang = torch.rand(b, s, 64, device="cuda") * 100
-        cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
-        qo, ko = rotary(q, k, cos, sin)
-        qr, kr = rotary_torch(q, k, cos, sin)
-        res[f"rotary_max_abs_diff_vs_transformers_b{b}_s{s}"] = float(max((qo - qr).abs().max(), (ko - kr).abs().max()))
+    dev, bf = "cuda", torch.bfloat16
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=dev) * scale).to(bf)  # noqa: E731
+    diff = lambda a, b: float((a.double() - b.double()).abs().max())  # noqa: E731
+    for b in (1, 64):
+        y = rnd(b, 4608)
+        yq, yk, yv = y.split([3584, 512, 512], 1)
+        biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
+        xa, aa = rnd(b, 3584), rnd(48, 3584, scale=0.02)
+        u = K.lora_a(xa, aa)  # split-K partials [S, b, 48]
+        ref_u = xa.double() @ aa.double().t()
+        res[f"lora_a_rel_err_vs_fp64_b{b}"] = float((u.double().sum(0) - ref_u).norm() / ref_u.norm())
+        lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
+        pos = torch.randint(0, 4000, (b,), device=dev)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
+        col = torch.tensor([300], device=dev)
+        c = [torch.zeros(b, 4, 512, 128, device=dev, dtype=bf) for _ in range(4)]
+        q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
+        q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+        res[f"qkv_epilogue_max_abs_diff_b{b}"] = max(diff(q1, q2), diff(c[0], c[2]), diff(c[1], c[3]))
+        kc, vc = rnd(b, 4, 1280, 128), rnd(b, 4, 1280, 128)
+        q = rnd(b, 28, 128)
+        mask = torch.ones(b, 1280, dtype=torch.bool, device=dev)
+        mask[:, :40] = False
+        out = K.decode_attention(q, kc, vc, mask, 1100, 128**-0.5)
+        ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, 1100, 128**-0.5)
+        res[f"attention_rel_err_vs_fp64_b{b}"] = float((out.double() - ref).norm() / ref.norm())
+        h = rnd(b, 3584, scale=3)
+        h2 = h.clone()
+        w = (1 + 0.1 * torch.randn(3584, device=dev)).to(bf)
+        yo, uo, lo = rnd(b, 3584), K.lora_a(rnd(b, 3584), rnd(16, 3584, scale=0.02)), rnd(3584, 16, scale=0.05)
+        x1 = K.residual_rms_norm(h, w, 1e-6, yo, None, uo, lo)
+        x2 = K.residual_rms_norm_torch(h2, w, 1e-6, yo, None, uo, lo)
+        res[f"residual_norm_max_abs_diff_b{b}"] = max(diff(x1, x2), diff(h, h2))
+        yg, yu, ug = rnd(b, 18944), rnd(b, 18944), K.lora_a(rnd(b, 3584), rnd(32, 3584, scale=0.02))
+        lg = (rnd(18944, 16, scale=0.05), rnd(18944, 16, scale=0.05))
+        res[f"silu_mul_max_abs_diff_b{b}"] = diff(K.silu_mul_epilogue(yg, yu, ug, lg),
+                                                   K.silu_mul_epilogue_torch(yg, yu, ug, lg))
     log("fused kernel checks", json.dumps(res))
     return res
+
+
+def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
+    """CUDA kernels launched per decode step (profiler, eager steps: what a captured graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch)]
+    counts = {}
+    for steps in (4, 12):
+        eng = CUDAGraphRollout(max_new_tokens=64, seed=0, fused=fused, use_graphs=False)
+        eng.stop_after = 2
+        eng.generate(policy, prompts, 1, 0, [])  # warm-up (Triton compiles, repacks)
+        eng.stop_after = steps
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(policy, prompts, 1, 0, [])
+            torch.cuda.synchronize()
+        counts[steps] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return (counts[12] - counts[4]) / 8
 
 
 def time_engine(policy, batch: int, new: int, fused: bool = True) -> dict:
@@ -191,12 +233,12 @@ def free():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--unfused", default="7b", help="also time the unfused engine for these models ('' for none)")
-    ap.add_argument("--models", default="7b,32b,7b-r64,14b")
+    ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
+    ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -227,14 +269,31 @@ def main():
             policy = build_random_policy(qwen25_config(model), quant, lora_rank=rank)
             wb = weight_bytes(policy)
             log(f"built {model} {quant} r{rank} in {time.time() - t:.1f}s, {wb / 1e9:.2f} GB read per step")
+            cfg = policy.config
             for b in bs:
                 if time.time() - T0 > args.budget_s:
                     break
+                head_dim = cfg.hidden_size // cfg.num_attention_heads
+                kv = 2 * cfg.num_hidden_layers * b * (PROMPT + args.new) * cfg.num_key_value_heads * head_dim * 2
+                free_b, _ = torch.cuda.mem_get_info()
+                if kv > free_b:
+                    msg = f"KV cache {kv / 2**30:.1f} GiB > {free_b / 2**30:.1f} GiB free"
+                    result.setdefault("skipped", []).append(dict(model=model, quant=quant, batch=b, why=msg))
+                    log("skip", model, quant, f"batch {b}:", msg)
+                    continue
                 st = time_engine(policy, b, args.new)
                 st["floor_ms"] = wb / bw * 1e3
                 measured.setdefault((model, rank, quant), {})[b] = st
                 log(model, quant, f"r{rank}", f"batch {b}", json.dumps({k: round(v, 3) for k, v in st.items()}))
-                if args.unfused and model.endswith(tuple(args.unfused.split(","))) and rank == 16:
+                if b == bs[0] and rank == 16 and model == "qwen2.5-7b":
+                    for fz in (True, False):
+                        try:
+                            kps = kernels_per_step(policy, fz)
+                            result.setdefault("kernels_per_decode_step_b1", {})[f"{quant}_{'fused' if fz else 'transformers'}"] = kps
+                            log(model, quant, "fused" if fz else "transformers step", f"{kps:.0f} kernels per step")
+                        except Exception:
+                            traceback.print_exc()
+                if args.unfused and model.endswith(tuple(args.unfused.split(","))) and rank == 16 and b in (1, 64):
                     st = time_engine(policy, b, args.new, fused=False)
                     unfused.setdefault((model, rank, quant), {})[b] = st
                     log(model, quant, f"r{rank}", f"batch {b} UNFUSED",
@@ -290,7 +349,7 @@ def main():
               f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
     for r in result["rows"]:
         if "ms_step_nvfp4_unfused" in r:
-            print(f"unfused engine {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_unfused'])} "
+            print(f"transformers step {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_unfused'])} "
                   f"bf16 {f(r['ms_step_bf16_unfused'])}  (fused: {f(r['ms_step_nvfp4'])} / {f(r['ms_step_bf16'])})")
     if hf:
         print(f"transformers generate, static cache (eager), 7B bf16 + LoRA r16, batch 64: {hf:.2f} ms/step; "

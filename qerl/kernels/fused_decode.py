@@ -1,29 +1,25 @@
-"""Fewer kernels per decode step: one Triton kernel where transformers/peft launch many small ones.
+"""The glue of one decode step as a few Triton kernels (one token per row; used by ``qerl.rollout.fused_decoder``).
 
-A 7B decode step launched ~3,000 kernels with LoRA (each 1.5-3 us inside a CUDA graph, ~6 ms of a 9.6 ms step):
+A 7B decode step run through transformers + peft launched ~1,900 kernels with LoRA (each 1.5-3 us even inside a
+CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs and:
 
-    RMSNorm (transformers)   cast, pow, mean, add, rsqrt, mul, cast, mul     8 kernels -> 1 (``rms_norm``)
-    rotary on q and k        mul, neg, cat, mul, add per tensor              10 kernels -> 1 (``rotary``)
-    peft LoRA term           A matmul, B matmul, * scaling, + result        4 kernels -> 2 (``lora_forward``: addmm)
+    qkv_epilogue        bias + LoRA-B of q, k, v; rotary on q and k; k, v written into the KV cache     (1 kernel)
+    decode_attention    GQA flash-decoding over the cache, split along the length, then merged        (2 kernels)
+    residual_rms_norm   LoRA-B + bias of o / down, residual add, the next RMSNorm                        (1 kernel)
+    silu_mul_epilogue   LoRA-B of gate and up, silu(gate) * up                                           (1 kernel)
 
-The kernels reproduce the module they replace rounding for rounding where it is cheap (RMSNorm: fp32 statistics, the
-normalized value rounded to the input dtype, then the product with the weight rounded once; rotary: each product
-rounded to the dtype, then the sum). Measured on an H200 (bench_rollout.py, bf16): RMSNorm's error vs fp64 equals
-transformers' own (2.3e-3); rotary differs from transformers by at most 1 bf16 ulp on some elements (the interpreter
-test is exact, so the compiled kernel's fp32 arithmetic is contracted somewhere); log-probs still match a full
-recomputation to bf16 noise. The LoRA addmm adds ``scaling * (h @ B.T)`` to the base output in one fp32-accumulated GEMM
-(one rounding instead of three).
+Each kernel rounds where transformers rounds (bf16 after every module output, RMSNorm statistics in fp32, the
+normalized value rounded before the weight product, rotary products rounded before their sum), so the step samples
+from the model's own distribution up to the order of fp32 sums. Every kernel has a torch twin (``*_torch``): the CPU
+path of the decoder, and the reference of the interpreter tests (``TRITON_INTERPRET=1``).
 
-``fused_decode(policy)`` installs them on the modules of one policy for the duration of a block (instance-level
-``forward`` overrides and the attention module's ``apply_rotary_pos_emb`` global), and removes them after: the
-training forward never sees them. Off CUDA the same wrappers run torch code (the CPU tests cover the wiring; the
-kernels themselves are checked by Triton's interpreter in ``tests/kernels``).
+LoRA-B matrices arrive with the LoRA scaling already folded in (``B * scaling``) and the LoRA-A outputs ``u``
+of a group side by side (``[b, r * members]``); every LoRA argument is optional (``None``: no adapter).
 """
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,208 +27,451 @@ import triton
 import triton.language as tl
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(max(int(n), 1)))
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, eps, BLOCK: tl.constexpr, XDT: tl.constexpr):
+def _lora_b(u_ptr, s_split, S, b_ptr, offs, ok, r, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr):
+    """sum_j u[j] * B[offs, j] in fp32 for a vector of output features (B row-major [N, r]); ``u`` is the LoRA-A
+    output as ``S`` fp32 split-K partials ``s_split`` apart (summed, then rounded like the bf16 LoRA-A output)."""
+    j = tl.arange(0, RP)
+    jok = j < r
+    sp = tl.arange(0, SP)
+    part = tl.load(u_ptr + sp[:, None] * s_split + j[None, :], mask=(sp < S)[:, None] & jok[None, :], other=0.0)
+    u = tl.sum(part.to(tl.float32), axis=0).to(DT).to(tl.float32)
+    bm = tl.load(b_ptr + offs[:, None] * r + j[None, :], mask=ok[:, None] & jok[None, :], other=0.0).to(tl.float32)
+    return tl.sum(bm * u[None, :], axis=1)
+
+
+@triton.jit
+def _module_output(y_ptr, bias_ptr, u_ptr, s_split, S, b_ptr, offs, ok, r,
+                   HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+                   DT: tl.constexpr):
+    """A peft LoRA module's output from its base GEMM's: (base + bias) rounded, + LoRA-B rounded (fp32 values)."""
+    v = tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v = (v + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+    if HAS_LORA:
+        v = (v + _lora_b(u_ptr, s_split, S, b_ptr, offs, ok, r, RP, SP, DT)).to(DT).to(tl.float32)
+    return v
+
+
+def _u_args(u: torch.Tensor | None, like: torch.Tensor) -> tuple:
+    """Kernel arguments for a LoRA-A output ``[S, b, n]`` (split-K partials, or S = 1): pointer, strides, S, SP."""
+    if u is None:
+        return like, 0, 0, 1, 1
+    return u, u.stride(0), u.stride(1), u.shape[0], _pow2(u.shape[0])
+
+
+def _u(u: torch.Tensor | None, start: int, r: int, dtype) -> torch.Tensor | None:
+    """Torch twin of the partial sum + rounding: columns ``start .. start + r`` of the LoRA-A output."""
+    return None if u is None else u.float().sum(0).to(dtype)[:, start:start + r]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA-A: x @ A.T as split-K partials (one launch; the epilogues sum them)
+
+
+@triton.jit
+def _lora_a_kernel(x_ptr, sx, a_ptr, out_ptr, B, NA, K, CHUNK,
+                   BP: tl.constexpr, NAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    split = tl.program_id(0)
+    rows = tl.arange(0, BP)
+    cols = tl.arange(0, NAP)
+    acc = tl.zeros([BP, NAP], tl.float32)
+    start = split * CHUNK
+    for k0 in range(start, tl.minimum(start + CHUNK, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kok = k < K
+        x = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=(rows < B)[:, None] & kok[None, :], other=0.0)
+        a = tl.load(a_ptr + cols[None, :] * K + k[:, None], mask=(cols < NA)[None, :] & kok[:, None], other=0.0)
+        acc += tl.dot(x, a.to(x.dtype))
+    tl.store(out_ptr + split * B * NA + rows[:, None] * NA + cols[None, :], acc,
+             mask=(rows < B)[:, None] & (cols < NA)[None, :])
+
+
+def lora_a(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
+    """``x [b, K] @ a.T`` for the stacked LoRA-A matrices ``a [n, K]``: fp32 split-K partials ``[S, b, n]`` (b <= 16,
+    one launch, no reduction kernel: the consumers sum them); larger batches: one GEMM, ``[1, b, n]``."""
+    b, K = x.shape
+    n = a.shape[0]
+    if b > 16 or n > 256 or not x.is_cuda and not _INTERPRET:
+        return F.linear(x, a)[None]
+    if not max_splits:
+        from qerl.kernels.nvfp4_matmul import _sm_count
+
+        max_splits = min(32, _sm_count(x.device))  # the consumers sum the partials: keep them few
+    block_k = 64
+    chunk = triton.cdiv(triton.cdiv(K, min(max_splits, triton.cdiv(K, block_k))), block_k) * block_k
+    splits = triton.cdiv(K, chunk)
+    out = torch.empty(splits, b, n, dtype=torch.float32, device=x.device)
+    _lora_a_kernel[(splits,)](x, x.stride(0), a, out, b, n, K, chunk, BP=16, NAP=_pow2(n, 16), BLOCK_K=block_k,
+                              num_warps=4)
+    return out
+
+
+def lora_a_torch(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
+    return F.linear(x, a)[None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# q, k, v: bias + LoRA-B, rotary, KV-cache write
+
+
+@triton.jit
+def _qkv_epilogue_kernel(
+    yq_ptr, yk_ptr, yv_ptr, sy_q, sy_k, sy_v,
+    bq_ptr, bk_ptr, bv_ptr, u_ptr, s_us, s_ub, S, lq_ptr, lk_ptr, lv_ptr, r,
+    pos_ptr, inv_freq_ptr, attn_scaling, column_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, sc_row, sc_head, sc_pos,
+    HQ, HKV,
+    HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+    DT: tl.constexpr,
+):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
+    j = tl.program_id(1)  # 0..HQ-1: q heads, then HKV k heads, then HKV v heads
+    lo = tl.arange(0, HALF)
+    ok = lo < HALF
+    column = tl.load(column_ptr)
+    if j < HQ + HKV:
+        if j < HQ:
+            head = j
+            y = yq_ptr + row * sy_q
+            bias, lb, uo = bq_ptr, lq_ptr, r * 0
+        else:
+            head = j - HQ
+            y = yk_ptr + row * sy_k
+            bias, lb, uo = bk_ptr, lk_ptr, r
+        base = head * 2 * HALF
+        u = u_ptr + row * s_ub + uo
+        x1 = _module_output(y, bias, u, s_us, S, lb, base + lo, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
+        x2 = _module_output(y, bias, u, s_us, S, lb, base + HALF + lo, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
+        # transformers: cos/sin = cos/sin(pos * inv_freq) * attention_scaling in fp32, cast to the dtype;
+        # out = x * cos + rotate_half(x) * sin with every product rounded, then the sum
+        ang = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + lo)
+        c = (tl.cos(ang) * attn_scaling).to(DT).to(tl.float32)
+        s = (tl.sin(ang) * attn_scaling).to(DT).to(tl.float32)
+        o1 = ((x1 * c).to(DT).to(tl.float32) + (-x2 * s).to(DT).to(tl.float32)).to(DT)
+        o2 = ((x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)).to(DT)
+        if j < HQ:
+            dst = q_out_ptr + (row * HQ + head) * 2 * HALF
+        else:
+            dst = k_cache_ptr + row * sc_row + head * sc_head + column * sc_pos
+        tl.store(dst + lo, o1)
+        tl.store(dst + HALF + lo, o2)
+    else:
+        head = j - HQ - HKV
+        y = yv_ptr + row * sy_v
+        u = u_ptr + row * s_ub + 2 * r
+        dst = v_cache_ptr + row * sc_row + head * sc_head + column * sc_pos
+        for h in tl.static_range(2):
+            offs = head * 2 * HALF + h * HALF + lo
+            v = _module_output(y, bv_ptr, u, s_us, S, lv_ptr, offs, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
+            tl.store(dst + h * HALF + lo, v.to(DT))
+
+
+def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: float, column, k_cache, v_cache,
+                 heads: int, kv_heads: int) -> torch.Tensor:
+    """q/k/v module outputs from their base GEMMs ``y* [b, H*D]`` (row-strided views allowed): ``+ bias`` (``biases``:
+    (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled, or None), rotary on q
+    and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows, kv_heads, L, D]`` at
+    column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``."""
+    b = yq.shape[0]
+    D = yq.shape[1] // heads
+    q = torch.empty(b, heads, D, dtype=yq.dtype, device=yq.device)
+    if b == 0:
+        return q
+    r = lora_b[0].shape[1] if lora_b is not None else 0
+    dummy = yq
+    bq, bk, bv = biases if biases is not None else (dummy, dummy, dummy)
+    lq, lk, lv = lora_b if lora_b is not None else (dummy, dummy, dummy)
+    u_ptr, s_us, s_ub, S, SP = _u_args(u, dummy)
+    _qkv_epilogue_kernel[(b, heads + 2 * kv_heads)](
+        yq, yk, yv, yq.stride(0), yk.stride(0), yv.stride(0), bq, bk, bv, u_ptr, s_us, s_ub, S, lq, lk, lv, r,
+        pos, inv_freq, float(attn_scaling), column, q, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
+        HALF=D // 2, HAS_BIAS=biases is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
+        DT=_TL[yq.dtype], num_warps=1)
+    return q
+
+
+def _module_output_torch(y, bias, u, lora_b):
+    v = y if bias is None else (y.float() + bias.float()).to(y.dtype)
+    if lora_b is not None:
+        v = (v.float() + u.float() @ lora_b.float().t()).to(y.dtype)
+    return v
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, attn_scaling: float) -> torch.Tensor:
+    """transformers' rotary embedding of ``x [b, heads, D]`` at position ids ``pos [b]`` (same roundings)."""
+    ang = pos.float()[:, None] * inv_freq.float()[None, :]  # [b, D/2]
+    cos = (ang.cos() * attn_scaling).to(x.dtype).float()[:, None, :]
+    sin = (ang.sin() * attn_scaling).to(x.dtype).float()[:, None, :]
+    x1, x2 = x[..., : x.shape[-1] // 2].float(), x[..., x.shape[-1] // 2:].float()
+    r = lambda t: t.to(x.dtype).float()  # noqa: E731
+    return torch.cat((r(r(x1 * cos) + r(-x2 * sin)), r(r(x2 * cos) + r(x1 * sin))), -1).to(x.dtype)
+
+
+def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling, column, k_cache, v_cache,
+                       heads, kv_heads):
+    b = yq.shape[0]
+    r = lora_b[0].shape[1] if lora_b is not None else 0
+    outs = []
+    for i, y in enumerate((yq, yk, yv)):
+        outs.append(_module_output_torch(y, None if biases is None else biases[i], _u(u, i * r, r, y.dtype),
+                                         None if lora_b is None else lora_b[i]))
+    D = yq.shape[1] // heads
+    q = rotate(outs[0].view(b, heads, D), pos, inv_freq, attn_scaling)
+    k = rotate(outs[1].view(b, kv_heads, D), pos, inv_freq, attn_scaling)
+    k_cache[:b].index_copy_(2, column, k[:, :, None])
+    v_cache[:b].index_copy_(2, column, outs[2].view(b, kv_heads, 1, D))
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode attention (flash-decoding: split along the cache length, then a merge)
+
+
+@triton.jit
+def _attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, o_ptr,
+    sc_row, sc_head, sc_pos, s_mask, L, SPLIT_LEN, S, HQ, scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    gok = g < G
+    q = tl.load(q_ptr + (row * HQ + kvh * G + g)[:, None] * D + d[None, :], mask=gok[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    kv = row * sc_row + kvh * sc_head
+    start = split * SPLIT_LEN
+    for off in range(start, tl.minimum(start + SPLIT_LEN, L), BLOCK_L):
+        p = off + tl.arange(0, BLOCK_L)
+        pok = p < L
+        live = tl.load(mask_ptr + row * s_mask + p, mask=pok, other=0) != 0
+        k = tl.load(k_ptr + kv + p[None, :] * sc_pos + d[:, None], mask=pok[None, :], other=0.0)  # [D, BLOCK_L]
+        s = tl.dot(q, k) * scale_log2  # [GP, BLOCK_L], log2 units
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v = tl.load(v_ptr + kv + p[:, None] * sc_pos + d[None, :], mask=pok[:, None], other=0.0)  # [BLOCK_L, D]
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m_i = m_new
+    head = row * HQ + kvh * G + g
+    tl.store(m_ptr + head * S + split, m_i, mask=gok)
+    tl.store(l_ptr + head * S + split, l_i, mask=gok)
+    tl.store(o_ptr + (head * S + split)[:, None] * D + d[None, :], acc, mask=gok[:, None])
+
+
+@triton.jit
+def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, S, D: tl.constexpr, SP: tl.constexpr):
+    head = tl.program_id(0)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    sok = s < S
+    m = tl.load(m_ptr + head * S + s, mask=sok, other=float("-inf"))
+    l = tl.load(l_ptr + head * S + s, mask=sok, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
+    o = tl.load(o_ptr + (head * S + s)[:, None] * D + d[None, :], mask=sok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def attention_splits(b: int, kv_heads: int, length: int, sms: int, block: int = 64) -> int:
+    """Positions per program: enough programs for ~4 per SM, each a multiple of ``block`` positions."""
+    blocks = triton.cdiv(length, block)
+    want = max(1, min(blocks, (4 * sms) // max(1, b * kv_heads)))
+    return triton.cdiv(blocks, want) * block
+
+
+def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, split_len: int = 0) -> torch.Tensor:
+    """softmax(q K^T * scaling) V for one query per row, GQA (query heads ``kv_head * G .. + G - 1`` share a KV head).
+
+    q ``[b, Hq, D]``, caches ``[rows, Hkv, Lmax, D]`` (rows 0..b-1 and columns 0..length-1 are read), ``mask``
+    ``[b, >= length]`` bool (False: not attended, e.g. left padding). Returns ``[b, Hq * D]``."""
+    b, hq, D = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty(b, hq * D, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    if not split_len:
+        from qerl.kernels.nvfp4_matmul import _sm_count
+
+        split_len = attention_splits(b, hkv, length, _sm_count(q.device))
+    S = triton.cdiv(length, split_len)
+    m = torch.empty(b * hq, S, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    o = torch.empty(b * hq, S, D, dtype=torch.float32, device=q.device)
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    G = hq // hkv
+    _attention_split_kernel[(b, hkv, S)](
+        q, k_cache, v_cache, mask, m, lsum, o, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
+        G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), num_warps=4)
+    _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), num_warps=4)
+    return out
+
+
+def decode_attention_torch(q, k_cache, v_cache, mask, length, scaling, split_len=0):
+    b, hq, D = q.shape
+    hkv = k_cache.shape[1]
+    k = k_cache[:b, :, :length].float()  # [b, Hkv, L, D]
+    v = v_cache[:b, :, :length].float()
+    qg = q.float().view(b, hkv, hq // hkv, D)
+    s = (qg @ k.transpose(-1, -2)) * scaling  # [b, Hkv, G, L]
+    s = s.masked_fill(~mask[:b, None, None, :length].bool(), float("-inf"))
+    return (s.softmax(-1) @ v).reshape(b, hq * D).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# o / down: LoRA-B + bias, residual add, then the next RMSNorm
+
+
+@triton.jit
+def _residual_norm_kernel(
+    y_ptr, sy, bias_ptr, u_ptr, s_us, s_ub, S, lb_ptr, r, h_ptr, w_ptr, x_ptr, part_ptr, count_ptr, H, eps, C,
+    ADD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+    DT: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, OUT_BLOCK: tl.constexpr,
+):
+    """Programs (row, c) each add the module output into their chunk of the residual and store its sum of squares;
+    the last of a row to arrive (acq_rel counter, reset by it) normalizes the whole row (loads bypass L1)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    h_row = h_ptr + row * H
+    offs = c * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / H
-    y = (x * (1.0 / tl.sqrt(var + eps))).to(XDT)  # rounded to the input dtype, as transformers does
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + offs, (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    h = tl.load(h_row + offs, mask=ok, other=0.0).to(tl.float32)
+    if ADD:
+        y = _module_output(y_ptr + row * sy, bias_ptr, u_ptr + row * s_ub, s_us, S, lb_ptr, offs, ok, r,
+                           HAS_BIAS, HAS_LORA, RP, SP, DT)
+        h = (h + y).to(DT).to(tl.float32)  # residual + module output, rounded
+        tl.store(h_row + offs, h.to(DT), mask=ok)
+    tl.store(part_ptr + row * C + c, tl.sum(h * h, axis=0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == C - 1:
+        cs = tl.arange(0, CP)
+        total = tl.sum(tl.load(part_ptr + row * C + cs, mask=cs < C, other=0.0, cache_modifier=".cg"), axis=0)
+        rs = 1.0 / tl.sqrt(total / H + eps)
+        for o in range(0, H, OUT_BLOCK):
+            oo = o + tl.arange(0, OUT_BLOCK)
+            ook = oo < H
+            hv = tl.load(h_row + oo, mask=ook, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(w_ptr + oo, mask=ook, other=0.0).to(tl.float32)
+            tl.store(x_ptr + row * H + oo, (w * (hv * rs).to(DT).to(tl.float32)).to(DT), mask=ook)
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim, statistics in fp32, one kernel."""
-    H = x.shape[-1]
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if x2.shape[0]:
-        block = triton.next_power_of_2(H)
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, H, x2.stride(0), eps, BLOCK=block, XDT=_TL[x.dtype],
-                                         num_warps=4 if block <= 4096 else 8)
-    return out.view(x.shape)
+_COUNTS: dict = {}
+_RETIRED: list = []
+
+
+def _row_counters(device, rows: int) -> torch.Tensor:
+    """Zeroed arrival counters per row (each launch leaves them zeroed); built outside graph captures."""
+    c = _COUNTS.get(device)
+    if c is None or c.numel() < rows:
+        if c is not None:  # captured graphs may still point at the old buffer: keep it alive
+            _RETIRED.append(c)
+        c = _COUNTS[device] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+    return c
+
+
+def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=None) -> torch.Tensor:
+    """``h += module output`` (``y`` + ``bias`` + LoRA-B of ``u [S, b, r]``, rounded like peft; skipped when ``y``
+    is None), in place on the residual stream ``h [b, H]``; returns ``RMSNorm(h) [b, H]`` (transformers' roundings).
+    Kernels using it must not run concurrently on several streams (shared arrival counters)."""
+    b, H = h.shape
+    x = torch.empty_like(h)
+    if b == 0:
+        return x
+    r = lora_b.shape[1] if lora_b is not None else 0
+    dummy = h
+    block = 256
+    chunks = triton.cdiv(H, block)
+    part = torch.empty(b, chunks, dtype=torch.float32, device=h.device)
+    u_ptr, s_us, s_ub, S, SP = _u_args(u, dummy)
+    _residual_norm_kernel[(b, chunks)](
+        y if y is not None else dummy, y.stride(0) if y is not None else 0, bias if bias is not None else dummy,
+        u_ptr, s_us, s_ub, S, lora_b if lora_b is not None else dummy, r, h, weight, x, part,
+        _row_counters(h.device, b), H, eps, chunks,
+        ADD=y is not None, HAS_BIAS=bias is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
+        DT=_TL[h.dtype], BLOCK=block, CP=_pow2(chunks), OUT_BLOCK=min(8192, _pow2(H)), num_warps=4)
+    return x
+
+
+def residual_rms_norm_torch(h, weight, eps, y=None, bias=None, u=None, lora_b=None):
+    if y is not None:
+        r = lora_b.shape[1] if lora_b is not None else 0
+        h.copy_((h.float() + _module_output_torch(y, bias, _u(u, 0, r, y.dtype), lora_b).float()).to(h.dtype))
+    return rms_norm_torch(h, weight, eps)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama/Qwen2 RMSNorm, the reference."""
+    """transformers' Llama/Qwen2 RMSNorm."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-@triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-    HQ, HK, S,
-    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sc_b, sc_s,
-    HALF: tl.constexpr, DT: tl.constexpr,
-):
-    """One program per (batch, head, position) row of q, then of k: out = x * cos + rotate_half(x) * sin."""
-    pid = tl.program_id(0)
-    nq = tl.num_programs(0) // (HQ + HK) * HQ  # rows of q = B * HQ * S
-    is_q = pid < nq
-    r = tl.where(is_q, pid, pid - nq)
-    heads = tl.where(is_q, HQ, HK)
-    s = r % S
-    h = (r // S) % heads
-    b = r // (S * heads)
-    offs = tl.arange(0, HALF)
-    src = tl.where(is_q, b * sq_b + h * sq_h + s * sq_s, b * sk_b + h * sk_h + s * sk_s)
-    dst = r * (2 * HALF)
-    if is_q:
-        x1 = tl.load(q_ptr + src + offs)
-        x2 = tl.load(q_ptr + src + HALF + offs)
-    else:
-        x1 = tl.load(k_ptr + src + offs)
-        x2 = tl.load(k_ptr + src + HALF + offs)
-    c = b * sc_b + s * sc_s
-    c1 = tl.load(cos_ptr + c + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + c + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + c + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + c + HALF + offs).to(tl.float32)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    # transformers: (x * cos) + (cat(-x2, x1) * sin), each product rounded to the dtype, then the sum
-    o1 = (x1 * c1).to(DT).to(tl.float32) + (-x2 * s1).to(DT).to(tl.float32)
-    o2 = (x2 * c2).to(DT).to(tl.float32) + (x1 * s2).to(DT).to(tl.float32)
-    if is_q:
-        tl.store(qo_ptr + dst + offs, o1.to(DT))
-        tl.store(qo_ptr + dst + HALF + offs, o2.to(DT))
-    else:
-        tl.store(ko_ptr + dst + offs, o1.to(DT))
-        tl.store(ko_ptr + dst + HALF + offs, o2.to(DT))
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``apply_rotary_pos_emb(q, k, cos, sin)`` of transformers (unsqueeze_dim=1) for q ``[B, Hq, S, D]``,
-    k ``[B, Hk, S, D]`` (any strides with a unit last stride), cos/sin ``[B, S, D]``; one kernel for both."""
-    B, HQ, S, D = q.shape
-    HK = k.shape[1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    cos, sin = cos.expand(B, S, D), sin.expand(B, S, D)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    qo = torch.empty((B, HQ, S, D), dtype=q.dtype, device=q.device)
-    ko = torch.empty((B, HK, S, D), dtype=k.dtype, device=k.device)
-    rows = B * (HQ + HK) * S
-    if rows:
-        _rotary_kernel[(rows,)](
-            q, k, cos, sin, qo, ko, HQ, HK, S,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
-            HALF=D // 2, DT=_TL[q.dtype], num_warps=1,
-        )
-    return qo, ko
-
-
-def rotary_torch(q, k, cos, sin):
-    """transformers' ``apply_rotary_pos_emb`` (unsqueeze_dim=1), the reference."""
-    def rot(x):
-        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Installing them on a policy
+# gate / up: LoRA-B, silu(gate) * up
 
 
-def _use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in _TL
+@triton.jit
+def _silu_mul_kernel(
+    yg_ptr, yu_ptr, sy_g, sy_u, u_ptr, s_us, s_ub, S, lg_ptr, lu_ptr, r, out_ptr, N,
+    HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    u = u_ptr + row * s_ub
+    gate = _module_output(yg_ptr + row * sy_g, yg_ptr, u, s_us, S, lg_ptr, offs, ok, r, False, HAS_LORA, RP, SP, DT)
+    up = _module_output(yu_ptr + row * sy_u, yu_ptr, u + r, s_us, S, lu_ptr, offs, ok, r, False, HAS_LORA, RP, SP,
+                        DT)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (act * up).to(DT), mask=ok)
 
 
-def _norm_forward(module):
-    eps = module.variance_epsilon
-
-    def forward(hidden_states):
-        if _use_kernels(hidden_states) and hidden_states.shape[-1] == module.weight.shape[-1]:
-            return rms_norm(hidden_states, module.weight, eps)
-        return rms_norm_torch(hidden_states, module.weight, eps)
-
-    return forward
-
-
-def _rotary_fn(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
-        if (unsqueeze_dim == 1 and not kwargs and _use_kernels(q) and q.dim() == 4 and cos.dim() == 3
-                and q.dtype == k.dtype == cos.dtype == sin.dtype and q.shape[-1] % 2 == 0
-                and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2):
-            return rotary(q, k, cos, sin)
-        return original(q, k, cos, sin, unsqueeze_dim, **kwargs)
-
-    return apply_rotary_pos_emb
+def silu_mul_epilogue(yg, yu, u=None, lora_b=None) -> torch.Tensor:
+    """``silu(gate) * up`` from the base outputs ``yg, yu [b, N]`` (+ ``u[:, :r] @ Bg.T``, ``u[:, r:] @ Bu.T`` when
+    ``lora_b`` = (Bg, Bu) scaled; ``u [S, b, 2r]``), rounded like transformers (each module output, the silu, the product)."""
+    b, N = yg.shape
+    out = torch.empty(b, N, dtype=yg.dtype, device=yg.device)
+    if b == 0:
+        return out
+    r = lora_b[0].shape[1] if lora_b is not None else 0
+    lg, lu = lora_b if lora_b is not None else (yg, yg)
+    block = 256 if r <= 16 else 128
+    u_ptr, s_us, s_ub, S, SP = _u_args(u, yg)
+    _silu_mul_kernel[(b, triton.cdiv(N, block))](
+        yg, yu, yg.stride(0), yu.stride(0), u_ptr, s_us, s_ub, S, lg, lu, r, out, N,
+        HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP, DT=_TL[yg.dtype], BLOCK=block, num_warps=4)
+    return out
 
 
-def _lora_forward(module):
-    """peft ``lora.Linear.forward`` for the plain case (one vanilla adapter, no dropout, not merged): the base output
-    plus ``scaling * B(A(x))`` as one addmm; anything else goes to peft's own forward."""
-    original = type(module).forward
-
-    def forward(x, *args, **kwargs):
-        active = module.active_adapters
-        if (args or kwargs or module.disable_adapters or module.merged or len(active) != 1
-                or active[0] not in module.lora_A or active[0] in getattr(module, "lora_variant", {})
-                or not isinstance(module.lora_dropout[active[0]], torch.nn.Identity)):
-            return original(module, x, *args, **kwargs)
-        name = active[0]
-        a, b = module.lora_A[name].weight, module.lora_B[name].weight
-        result = module.base_layer(x)
-        if a.dtype != x.dtype or b.dtype != result.dtype or module.lora_A[name].bias is not None \
-                or module.lora_B[name].bias is not None:
-            return original(module, x, *args, **kwargs)
-        h = F.linear(x, a).reshape(-1, a.shape[0])
-        out = torch.addmm(result.reshape(-1, result.shape[-1]), h, b.t(), alpha=module.scaling[name])
-        return out.view(result.shape)
-
-    return forward
+def silu_mul_epilogue_torch(yg, yu, u=None, lora_b=None):
+    r = lora_b[0].shape[1] if lora_b is not None else 0
+    gate = _module_output_torch(yg, None, _u(u, 0, r, yg.dtype), None if lora_b is None else lora_b[0])
+    up = _module_output_torch(yu, None, _u(u, r, r, yu.dtype), None if lora_b is None else lora_b[1])
+    return F.silu(gate) * up
 
 
-def _is_rms_norm(m) -> bool:
-    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight") \
-        and type(m).forward.__qualname__.endswith("RMSNorm.forward")
-
-
-@contextmanager
-def fused_decode(policy, enabled: bool = True):
-    """Install the fused RMSNorm, rotary and LoRA forwards on ``policy``'s modules for the block (see module doc)."""
-    if not enabled:
-        yield
-        return
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:  # pragma: no cover
-        LoraLinear = ()
-    patched, globals_patched = [], []
-    try:
-        for m in policy.modules():
-            if "forward" in m.__dict__:
-                continue
-            if _is_rms_norm(m):
-                m.forward = _norm_forward(m)
-                patched.append(m)
-            elif LoraLinear and type(m) is LoraLinear:
-                m.forward = _lora_forward(m)
-                patched.append(m)
-            elif type(m).__name__.endswith("Attention"):
-                mod = sys.modules.get(type(m).__module__)
-                fn = getattr(mod, "apply_rotary_pos_emb", None)
-                if fn is not None and not getattr(fn, "_qerl_fused", False):
-                    new = _rotary_fn(fn)
-                    new._qerl_fused = True
-                    setattr(mod, "apply_rotary_pos_emb", new)
-                    globals_patched.append((mod, fn))
-        yield
-    finally:
-        for m in patched:
-            del m.forward
-        for mod, fn in reversed(globals_patched):
-            setattr(mod, "apply_rotary_pos_emb", fn)
+__all__ = [
+    "attention_splits", "lora_a", "lora_a_torch", "decode_attention", "decode_attention_torch", "qkv_epilogue", "qkv_epilogue_torch",
+    "residual_rms_norm", "residual_rms_norm_torch", "rms_norm_torch", "rotate", "silu_mul_epilogue",
+    "silu_mul_epilogue_torch",
+]

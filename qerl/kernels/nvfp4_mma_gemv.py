@@ -448,7 +448,8 @@ def auto_warps(n: int, k: int, nt: int) -> int:
 def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, warps: int = 4,
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
            counter: torch.Tensor | None = None) -> torch.Tensor:
-    """``a [M, K] @ W.T`` for M <= 16, bf16, on CUDA (the caller checks :func:`supported`).
+    """``a [M, K] @ W.T`` for M <= 16, bf16, on CUDA (the caller checks :func:`supported`); ``cached``: the repacked
+    (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has none).
 
     ``target_warps``: split K until about this many warps run (each warp owns 16 rows), each split keeping at least
     ``min_chunks`` chunks of 64; 0: :func:`auto_splits` (one full wave). ``fused``: reduce the splits inside the
@@ -457,13 +458,13 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
-    n = weight_packed.shape[0]
+    words, factors = cached or repacked(weight_packed, weight_scale)
+    n = words.shape[0] * 16
     if m > 16 or a.dtype != torch.bfloat16:
         raise ValueError("the mma GEMV takes bf16 activations with at most 16 rows")
     a = a.contiguous()
     if a.data_ptr() % 16:
         a = a.clone()
-    words, factors = cached or repacked(weight_packed, weight_scale)
     nt = 1 if m <= 8 else 2
     row_blocks = n // 16
     chunks = k // CHUNK

@@ -229,14 +229,17 @@ class NVFP4Linear(nn.Module):
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` without the bias, with this layer's kernel."""
         name = kernel_name(self.kernel, x.device)
         if name == "cached":
-            y = F.linear(x, self._cached_dense(x.dtype))
-        else:
-            y = _NVFP4Matmul.apply(x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale,
-                                   self.weight_global_scale, KERNELS[name])
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+            return F.linear(x, self._cached_dense(x.dtype))
+        y = _NVFP4Matmul.apply(x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale,
+                               self.weight_global_scale, KERNELS[name])
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
         # _version counts in-place writes (load_state_dict copies into the existing tensors, keeping data_ptr);

@@ -16,8 +16,10 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
   eagerly first and doubles as the warm-up), kept across calls. They read the LoRA matrices and RMSNorm weights from
   their storage at replay time, so an optimizer step (in place) and AQN noise (added in place, restored exactly by
   ``noisy_norms``) are live; if any parameter is *replaced* (a new storage), the graphs are dropped and recaptured.
-- Decode attention is a GQA matmul over the cache views (``qerl_decode``), registered with transformers only for the
-  rollout: transformers' SDPA path with a mask would repeat K/V for every query head at every step.
+- The decode step itself is ``qerl.rollout.fused_decoder.FusedDecoder`` for Llama/Qwen2-family models (~15 kernels
+  per layer: stacked GEMMs, fused epilogues, flash-decoding attention over the cache rows). Other models go through
+  the transformers forward, whose decode attention is a GQA matmul over the cache views (``qerl_decode``, registered
+  with transformers' AttentionInterface: its SDPA path with a mask would repeat K/V for every query head).
 - Masks are passed as ready 4-D bool tensors, which transformers' mask builders return as they are.
 - On CPU (or ``use_graphs=False``) the same step function runs eagerly: that is what the CPU tests check.
 
@@ -27,6 +29,7 @@ Selected in place of ``BuiltinRollout`` by config (``class_path: qerl.rollout.cu
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -168,9 +171,10 @@ class CUDAGraphRollout(RolloutEngine):
             fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts (~5 ms of a 7B step on the H100).
             The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
             valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
-        fused: run the step with ``qerl.kernels.fused_decode`` installed (one Triton kernel per RMSNorm and per
-            rotary of q/k, the LoRA term as one addmm; default: on CUDA). The log-probs returned are those of the
-            distribution sampled (the fused step rounds like the unfused one except the order of fp32 sums).
+        fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (~14 kernels per layer instead of
+            ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA). Llama/Qwen2-family
+            models only: others keep the transformers step (with a warning). The log-probs returned are those of the
+            distribution sampled (it rounds like transformers except the order of fp32 sums).
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class CUDAGraphRollout(RolloutEngine):
         self.last_timing: dict[str, float] = {}  # prefill_ms, decode_ms, decode_steps of the last call (CUDA)
         self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
+        self._decoder = None  # (model id, fast) -> FusedDecoder, built on first use
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -222,6 +227,7 @@ class CUDAGraphRollout(RolloutEngine):
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
+        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         s = self._ensure_state(policy, base, N, P + new, device)
         self._reset_state(s, mask, group_size, pad_id, eos_ids)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
@@ -234,8 +240,10 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 1
         try:
             with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
-                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype), \
-                    self._fused(policy, device):
+                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype):
+                if decoder is not None:
+                    decoder.prepare(base.get_input_embeddings().weight.dtype)
+                s["decoder"] = decoder
                 cache = s["cache"]
                 cache.mode = "prefill"
                 m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
@@ -288,15 +296,21 @@ class CUDAGraphRollout(RolloutEngine):
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    @contextmanager
-    def _fused(self, policy, device):
-        if not (device.type == "cuda" if self.fused is None else self.fused):
-            yield
-            return
-        from qerl.kernels.fused_decode import fused_decode
+    def _fused_decoder(self, base, device):
+        from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
-        with fused_decode(policy):
-            yield
+        if not (device.type == "cuda" if self.fused is None else self.fused):
+            return None
+        fast = device.type == "cuda"
+        if self._decoder is not None and self._decoder[0] == (id(base), fast):
+            return self._decoder[1]
+        try:
+            decoder = FusedDecoder(base, fast)
+        except Unsupported as e:
+            warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); using the transformers step.")
+            decoder = None
+        self._decoder = ((id(base), fast), decoder)
+        return decoder
 
     @contextmanager
     def _adapter_copies(self, policy, dtype):
@@ -396,15 +410,21 @@ class CUDAGraphRollout(RolloutEngine):
         cache.mode, cache.b, cache.L = "decode", b, length
         mask = s["mask"][:b]
         mask.index_fill_(3, cache.position, True)
-        m = mask[:, :, :, :length]
-        out = policy(input_ids=s["last"][:b, None], attention_mask=m,
-                     position_ids=s["pos"][:b, None], past_key_values=s["hf_cache"], use_cache=True, logits_to_keep=1)
-        self._record(s, out.logits[:, -1], b)
+        if s["decoder"] is not None:
+            logits = s["decoder"].step(s["last"][:b], s["pos"][:b], cache.keys, cache.values, cache.position,
+                                       mask[:, 0, 0], length)
+        else:
+            out = policy(input_ids=s["last"][:b, None], attention_mask=mask[:, :, :, :length],
+                         position_ids=s["pos"][:b, None], past_key_values=s["hf_cache"], use_cache=True,
+                         logits_to_keep=1)
+            logits = out.logits[:, -1]
+        self._record(s, logits, b)
         s["pos"][:b] += 1
         cache.position += 1
 
     def _run_step(self, s: dict, policy, b: int, length: int, graphs: bool) -> None:
-        graph_key = (b, length, self.temperature, self.greedy)
+        decoder = s["decoder"]
+        graph_key = (b, length, self.temperature, self.greedy, decoder.key() if decoder is not None else None)
         graph = self._graphs.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()

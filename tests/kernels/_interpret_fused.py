@@ -1,26 +1,79 @@
-"""Run by test_fused_decode.py under TRITON_INTERPRET=1: the fused decode kernels vs their torch references."""
+"""Run by test_fused_decode.py under TRITON_INTERPRET=1: the fused decode kernels vs their torch twins."""
 
 import json
 
 import torch
 
-from qerl.kernels.fused_decode import rms_norm, rms_norm_torch, rotary, rotary_torch
+from qerl.kernels import fused_decode as K
 
 res = {}
 g = torch.Generator().manual_seed(0)
+
+
+def rnd(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def diff(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
 for dtype in (torch.float32, torch.float16):
-    for rows, H in ((3, 64), (5, 96)):
-        x = torch.randn(rows, 1, H, generator=g).to(dtype)
+    # q/k/v epilogue: bias, LoRA-B, rotary, cache write (strided views of one stacked output, like the GEMV's)
+    for b, hq, hkv, D, r, bias in ((2, 4, 2, 16, 4, True), (3, 6, 2, 32, 0, False), (1, 2, 1, 16, 3, False)):
+        y = rnd(b, (hq + 2 * hkv) * D + 8, dtype=dtype)  # +8: a row stride wider than the three outputs
+        yq, yk, yv = y[:, : hq * D], y[:, hq * D:(hq + hkv) * D], y[:, (hq + hkv) * D:(hq + 2 * hkv) * D]
+        biases = tuple(rnd(n, dtype=dtype, scale=0.1) for n in (hq * D, hkv * D, hkv * D)) if bias else None
+        u = rnd(3, b, 3 * r, dtype=torch.float32) if r else None  # split-K partials of the LoRA-A output
+        lora = tuple(rnd(n, r, dtype=dtype, scale=0.1) for n in (hq * D, hkv * D, hkv * D)) if r else None
+        pos = torch.tensor([5, 0, 17][:b])
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        column = torch.tensor([3])
+        caches = [torch.zeros(b + 1, hkv, 6, D, dtype=dtype) for _ in range(4)]
+        q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, column, caches[0], caches[1], hq, hkv)
+        q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, column, caches[2], caches[3],
+                                  hq, hkv)
+        key = f"qkv-{dtype}-{b}-{hq}-{hkv}-{D}-{r}-{bias}"
+        res[key] = max(diff(q1, q2), diff(caches[0], caches[2]), diff(caches[1], caches[3]))
+        res[key + "-written"] = float(caches[0][:b, :, 3].abs().sum() > 0 and caches[1][:b, :, 3].abs().sum() > 0
+                                      and caches[0][:, :, :3].abs().sum() == 0 and caches[0][b:].abs().sum() == 0)
+
+    # decode attention: GQA groups 2 and 3, left padding, splits of the length, rows beyond b untouched
+    for b, hq, hkv, D, L, split in ((2, 4, 2, 16, 37, 16), (3, 6, 2, 32, 64, 0), (1, 3, 1, 16, 20, 8)):
+        q = rnd(b, hq, D, dtype=dtype)
+        kc, vc = rnd(b + 1, hkv, L + 5, D, dtype=dtype), rnd(b + 1, hkv, L + 5, D, dtype=dtype)
+        mask = torch.ones(b, L + 5, dtype=torch.bool)
+        mask[0, :7] = False  # left padding of row 0
+        out = K.decode_attention(q, kc, vc, mask, L, D**-0.5, split_len=split)
+        ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, L, D**-0.5)
+        res[f"attn-{dtype}-{b}-{hq}-{hkv}-{L}-{split}"] = diff(out, ref)
+
+    # residual + LoRA-B + RMSNorm, H not a power of two and above one block
+    for b, H, r, add, bias in ((2, 96, 4, True, True), (1, 1500, 8, True, False), (3, 64, 0, False, False)):
+        h0 = rnd(b, H, dtype=dtype)
         w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-        out, ref = rms_norm(x, w, 1e-6), rms_norm_torch(x.double(), w.double(), 1e-6)
-        res[f"norm-{dtype}-{H}"] = float((out.double() - ref).norm() / ref.norm())
-        res[f"norm-exact-{dtype}-{H}"] = float((out - rms_norm_torch(x, w, 1e-6)).abs().max())
-    for B, HQ, HK, S, D in ((2, 4, 2, 1, 16), (1, 2, 1, 5, 32)):
-        q = torch.randn(B, S, HQ, D, generator=g).to(dtype).transpose(1, 2)  # a strided view, as in the models
-        k = torch.randn(B, S, HK, D, generator=g).to(dtype).transpose(1, 2)
-        ang = torch.randn(B, S, D // 2, generator=g)
-        cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
-        qo, ko = rotary(q, k, cos, sin)
-        qr, kr = rotary_torch(q, k, cos, sin)
-        res[f"rotary-{dtype}-{S}"] = float(max((qo - qr).abs().max(), (ko - kr).abs().max()))
+        y = rnd(b, H + 3, dtype=dtype)[:, :H] if add else None
+        bb = rnd(H, dtype=dtype, scale=0.1) if bias else None
+        u = rnd(2, b, r, dtype=torch.float32) if r else None
+        lb = rnd(H, r, dtype=dtype, scale=0.1) if r else None
+        h1, h2 = h0.clone(), h0.clone()
+        x1 = K.residual_rms_norm(h1, w, 1e-6, y, bb, u, lb)
+        x2 = K.residual_rms_norm_torch(h2, w, 1e-6, y, bb, u, lb)
+        res[f"resnorm-{dtype}-{b}-{H}-{r}-{add}-{bias}"] = max(diff(x1, x2), diff(h1, h2))
+        res[f"resnorm-changed-{dtype}-{H}"] = float(add == (not torch.equal(h1, h0)))
+
+    # silu(gate) * up with LoRA-B, N not a multiple of the block
+    for b, N, r in ((2, 300, 4), (1, 64, 0), (3, 520, 16)):
+        yg, yu = rnd(b, N, dtype=dtype), rnd(b, N, dtype=dtype)
+        u = rnd(1, b, 2 * r, dtype=dtype) if r else None  # one GEMM's output (S = 1)
+        lb = (rnd(N, r, dtype=dtype, scale=0.1), rnd(N, r, dtype=dtype, scale=0.1)) if r else None
+        res[f"silu-{dtype}-{b}-{N}-{r}"] = diff(K.silu_mul_epilogue(yg, yu, u, lb),
+                                                 K.silu_mul_epilogue_torch(yg, yu, u, lb))
+    # LoRA-A as split-K partials (b <= 16), summed by the consumers
+    for b, K_, n, splits in ((1, 200, 48, 3), (5, 512, 16, 0), (16, 96, 192, 2)):
+        x, a = rnd(b, K_ + 4, dtype=dtype)[:, :K_], rnd(n, K_, dtype=dtype)
+        part = K.lora_a(x, a, max_splits=splits or 4)
+        ref = x.double() @ a.double().t()
+        res[f"lora_a-{dtype}-{b}-{K_}-{n}"] = float((part.double().sum(0) - ref).abs().max() / ref.abs().max())
+        res[f"lora_a-splits-{dtype}-{b}-{K_}-{n}"] = float(part.shape[0] > 1)
 print(json.dumps(res))

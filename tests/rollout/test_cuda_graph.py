@@ -26,6 +26,16 @@ def policy(request, tmp_path_factory):
 PROMPTS = [[5, 9, 11, 3, 4], [12, 13], [20, 21, 22]]
 
 
+@pytest.fixture(params=[False, True], ids=["transformers-step", "fused-step"])
+def fused(request):
+    """Both decode steps: the transformers forward, and qerl's FusedDecoder (its torch twins on CPU)."""
+    return request.param
+
+
+def used_decoder(engine) -> bool:
+    return engine._decoder is not None and engine._decoder[1] is not None and engine._state["decoder"] is not None
+
+
 def recompute(policy, rollout, temperature):
     """Log-probs of the sampled tokens from one plain full forward over prompt + completion."""
     ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
@@ -40,9 +50,10 @@ def recompute(policy, rollout, temperature):
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_logprobs_equal_full_forward_recomputation(policy, top_p):
-    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=1, check_every=3)
+def test_logprobs_equal_full_forward_recomputation(policy, top_p, fused):
+    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=1, check_every=3, fused=fused)
     r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9])
+    assert used_decoder(engine) == fused
     assert r.completion_ids.shape == r.logprobs.shape == r.entropy.shape and r.prompt_ids.shape[0] == 12
     lp, entropy = recompute(policy, r, 0.7)
     if top_p == 1.0:
@@ -61,10 +72,10 @@ def test_logprobs_equal_full_forward_recomputation(policy, top_p):
         assert (r.completion_ids[row, n:] == PAD).all() and (r.logprobs[row, n:] == 0).all()
 
 
-def test_compaction_and_early_stop_keep_rows_exact(policy):
+def test_compaction_and_early_stop_keep_rows_exact(policy, fused):
     """Many EOS ids finish rows early: the batch shrinks into smaller buckets and stops before max_new_tokens."""
     eos = list(range(40, 48))
-    engine = CUDAGraphRollout(max_new_tokens=40, temperature=1.0, seed=3, check_every=2)
+    engine = CUDAGraphRollout(max_new_tokens=40, temperature=1.0, seed=3, check_every=2, fused=fused)
     calls = []
     original = engine._compact
     engine._compact = lambda s, b, written: (calls.append(b), original(s, b, written))[1]
@@ -76,8 +87,8 @@ def test_compaction_and_early_stop_keep_rows_exact(policy):
     torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
 
 
-def test_state_is_reused_and_lora_change_is_live(policy):
-    engine = CUDAGraphRollout(max_new_tokens=6, seed=0)
+def test_state_is_reused_and_lora_change_is_live(policy, fused):
+    engine = CUDAGraphRollout(max_new_tokens=6, seed=0, fused=fused)
     a = engine.generate(policy, PROMPTS, 2, PAD, [])
     state = engine._state
     engine.reset_generator()
@@ -97,9 +108,9 @@ def test_state_is_reused_and_lora_change_is_live(policy):
     assert not torch.allclose(a.logprobs, d.logprobs)
 
 
-def test_noise_applied_for_rollout_and_removed_exactly(policy):
+def test_noise_applied_for_rollout_and_removed_exactly(policy, fused):
     clean = [m.weight.detach().clone() for m in rms_norms(policy)]
-    engine = CUDAGraphRollout(max_new_tokens=5, seed=0)
+    engine = CUDAGraphRollout(max_new_tokens=5, seed=0, fused=fused)
     a = engine.generate(policy, PROMPTS, 2, PAD, [])
     engine.set_noise(0.5, torch.Generator().manual_seed(0))
     engine.reset_generator()
@@ -138,12 +149,61 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
     assert all(s.dtype == torch.bfloat16 for s in engine._shadows.values()) and len(engine._shadows) == len(lora)
 
 
-def test_fused_step_logprobs_equal_recomputation(policy):
-    """The fused decode step (fused RMSNorm/rotary wrappers, LoRA as one addmm; torch code on CPU) samples the same
-    distribution as the plain model: its log-probs match a full forward recomputation."""
-    engine = CUDAGraphRollout(max_new_tokens=10, temperature=0.7, seed=3, check_every=3, fused=True)
-    r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[EOS])
-    lp, entropy = recompute(policy, r, 0.7)
+def test_fused_step_follows_the_adapter_state(policy):
+    """With the adapter disabled (peft's context) the fused step samples the base model: LoRA off, original norms."""
+    engine = CUDAGraphRollout(max_new_tokens=8, temperature=0.7, seed=3, fused=True)
+    with_adapter = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+    key = engine._state["decoder"].key()
+    engine.reset_generator()
+    with policy.disable_adapter():
+        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        lp, entropy = recompute(policy, r, 0.7)
+    assert used_decoder(engine) and engine._state["decoder"].key() != key
     torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
     torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
-    assert not any("forward" in m.__dict__ for m in policy.modules())
+    assert not torch.allclose(with_adapter.logprobs, r.logprobs)
+
+
+def test_unsupported_model_falls_back_with_a_warning(policy):
+    from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
+
+    base = policy.get_base_model()
+    old = base.config.hidden_act
+    base.config.hidden_act = "gelu"
+    try:
+        with pytest.raises(Unsupported, match="hidden_act"):
+            FusedDecoder(base, fast=False)
+        engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
+        with pytest.warns(UserWarning, match="fused decoding off"):
+            engine._fused_decoder(base, torch.device("cpu"))
+    finally:
+        base.config.hidden_act = old
+
+
+def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
+    """Frozen bf16 q|k|v and gate|up weights move into one buffer each (modules keep views: no extra memory); the
+    model's outputs are unchanged and a second decoder on the same model finds them already stacked."""
+    from qerl.rollout.fused_decoder import FusedDecoder
+
+    path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="float32")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = policy(input_ids=ids).logits
+    base = policy.get_base_model()
+    att = base.model.layers[0].self_attn
+    params = sum(p.numel() for p in policy.parameters())
+    decoder = FusedDecoder(base, fast=True)
+    w = [att.q_proj.base_layer.weight, att.k_proj.base_layer.weight, att.v_proj.base_layer.weight]
+    assert len({t.untyped_storage().data_ptr() for t in w}) == 1
+    stacked = decoder.layers[0]["qkv"].gemm.dense
+    assert stacked.shape[0] == sum(t.shape[0] for t in w) and stacked.data_ptr() == w[0].data_ptr()
+    assert sum(p.numel() for p in policy.parameters()) == params
+    with torch.no_grad():
+        torch.testing.assert_close(policy(input_ids=ids).logits, before, rtol=0, atol=0)
+    again = FusedDecoder(base, fast=True).layers[0]["qkv"].gemm.dense
+    assert again.data_ptr() == stacked.data_ptr() and torch.equal(again, stacked)
+    x = torch.randn(3, 64)
+    ys = decoder.layers[0]["qkv"].gemm(x)
+    for y, t in zip(ys, w):
+        torch.testing.assert_close(y, x @ t.t())

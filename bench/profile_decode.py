@@ -1,0 +1,81 @@
+"""Where a decode step's GPU time goes: per-kernel time and count per step (torch profiler, eager steps).
+
+    PYTHONPATH=. python bench/profile_decode.py [--out bench/results] [--batches 1,16] [--quants nvfp4,bf16]
+
+For each model/batch: two eager rollouts (stop after 4 and after 12 decode steps) under the profiler; the difference
+divided by 8 is one decode step's kernels (prefill and warm-up cancel). Prints the top kernels by GPU time and the
+total kernel time per step (compare with the graph-replayed ms/step of bench_rollout.py: the rest is launch gaps).
+Writes ``<out>/decode_profile_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qerl.modules.random_models import build_random_policy, qwen25_config
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+
+
+def kernel_table(policy, batch: int, fused: bool = True) -> dict:
+    group = min(8, batch)
+    prompts = [[int(x) for x in torch.randint(0, 150000, (256,))] for _ in range(batch // group)]
+    per = {}
+    for steps in (4, 12):
+        eng = CUDAGraphRollout(max_new_tokens=64, seed=0, fused=fused, use_graphs=False)
+        eng.stop_after = 3
+        eng.generate(policy, prompts, group, 0, [])
+        eng.stop_after = steps
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(policy, prompts, group, 0, [])
+            torch.cuda.synchronize()
+        agg = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                a = agg[e.name[:90]]
+                a[0] += 1
+                a[1] += e.device_time  # us
+        per[steps] = agg
+    rows = []
+    for name, (n12, t12) in per[12].items():
+        n4, t4 = per[4].get(name, (0, 0.0))
+        if n12 - n4 > 0:
+            rows.append(dict(kernel=name, per_step=(n12 - n4) / 8, us_per_step=(t12 - t4) / 8))
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return dict(kernels_per_step=sum(r["per_step"] for r in rows), kernel_ms_per_step=sum(r["us_per_step"] for r in rows) / 1e3,
+                top=rows[:30])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--quants", default="nvfp4,bf16")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    result = {"device": device, "runs": []}
+    for quant in args.quants.split(","):
+        policy = build_random_policy(qwen25_config("qwen2.5-7b"), quant, lora_rank=16)
+        for b in (int(x) for x in args.batches.split(",")):
+            t = kernel_table(policy, b)
+            result["runs"].append(dict(model="qwen2.5-7b", quant=quant, batch=b, **t))
+            print(f"\n== 7B {quant} batch {b}: {t['kernels_per_step']:.0f} kernels, {t['kernel_ms_per_step']:.3f} ms "
+                  f"of kernel time per step")
+            for r in t["top"][:22]:
+                print(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
+        del policy
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "h100" if "H100" in device else "h200" if "H200" in device else device.replace(" ", "_").lower()
+    (out / f"decode_profile_{tag}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in ~14 kernels per layer.
+
+The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is ~1,900 small
+kernels for a 7B model (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the
+step's time at small batch. This module runs the same mathematics from the model's own parameters, per layer:
+
+    x = RMSNorm(h)                                    (fused into the previous layer's residual kernel)
+    u = x @ [A_q; A_k; A_v].T                         LoRA-A of the three projections at once
+    y_q, y_k, y_v = base GEMM(s)                      one launch when the weights can be stacked
+    q, cache k/v <- qkv_epilogue(...)                 bias, LoRA-B, rotary, KV-cache write
+    a = decode_attention(q, cache)                    GQA flash-decoding (split + merge)
+    u = a @ A_o.T ; y_o = base GEMM
+    h += o-output ; x = RMSNorm(h)                    residual_rms_norm (LoRA-B included)
+    u = x @ [A_g; A_u].T ; y_g, y_u = base GEMM(s)
+    act = silu(gate) * up                             silu_mul_epilogue (LoRA-B included)
+    u = act @ A_d.T ; y_d = base GEMM
+    h += down-output ; x = next RMSNorm(h)            residual_rms_norm
+
+Base GEMMs: NVFP4 weights at batch <= 16 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
+copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
+instead of three or two); larger batches call each NVFP4Linear's kernel. Frozen bf16 weights of a group are moved
+into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
+
+Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
+buffers by :meth:`FusedDecoder.prepare` before each rollout, RMSNorm weights (with their AQN noise) are read in
+place. On CPU the same step runs with the kernels' torch twins (the tests compare it with the transformers forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.kernels import fused_decode as K
+from qerl.modules.nvfp4 import NVFP4Linear
+
+SUPPORTED_TYPES = ("llama", "qwen2")
+
+
+class Unsupported(Exception):
+    """The model (or its adapter state) needs the transformers forward; the message says why."""
+
+
+def _active(module: nn.Module) -> nn.Module:
+    """The module peft actually runs for a ``modules_to_save`` wrapper (trainable norms), else the module."""
+    inner = getattr(module, "modules_to_save", None)
+    if inner is None:
+        return module
+    if module.disable_adapters or any(a not in inner for a in module.active_adapters):
+        return module.original_module
+    return inner[module.active_adapters[0]]
+
+
+def _lora(module: nn.Module):
+    """(base layer, A, B, scaling) of a peft LoRA layer with its adapter active, (module, None, None, 1) otherwise."""
+    if not hasattr(module, "lora_A"):
+        return module, None, None, 1.0
+    base = module.base_layer
+    if module.disable_adapters or module.merged:
+        return base, None, None, 1.0
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) > 1:
+        raise Unsupported("more than one active LoRA adapter")
+    if not active:
+        return base, None, None, 1.0
+    name = active[0]
+    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
+        raise Unsupported("LoRA variants (DoRA, ...) are not fused")
+    a, b = module.lora_A[name], module.lora_B[name]
+    if getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
+        raise Unsupported("LoRA with bias terms is not fused")
+    return base, a.weight, b.weight, float(module.scaling[name])
+
+
+def _weight_version(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), -1 if t.is_inference() else t._version
+
+
+class BaseGEMM:
+    """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
+
+    On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
+    (batch <= 16); frozen ``nn.Linear`` weights are moved into one buffer (views handed back to the modules)."""
+
+    def __init__(self, layers: list[nn.Module], fast: bool):
+        self.layers = layers
+        self.sizes = [m.out_features for m in layers]
+        self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
+            "dense" if all(type(m) is nn.Linear for m in layers) else None
+        if self.kind is None:
+            raise Unsupported(f"base layers of types {sorted({type(m).__name__ for m in layers})}")
+        self.fast = fast
+        self._repacked = None
+        self._versions = None
+        self.dense = None
+        if self.kind == "dense":
+            self.dense = self._stack_dense() if fast and len(layers) > 1 else None
+
+    def _stack_dense(self):
+        ws = [m.weight for m in self.layers]
+        if any(w.requires_grad for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) > 1:
+            return None
+        first = ws[0]
+        if all(w.is_contiguous() for w in ws) and all(
+                w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for w in ws) and all(
+                ws[i + 1].data_ptr() == ws[i].data_ptr() + ws[i].numel() * ws[i].element_size()
+                for i in range(len(ws) - 1)):  # already stacked (an earlier decoder on this model)
+            return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+                first.untyped_storage(), first.storage_offset(), (sum(self.sizes), first.shape[1]), (first.shape[1], 1))
+        stacked = torch.empty(sum(self.sizes), first.shape[1], dtype=first.dtype, device=first.device)
+        row = 0
+        for m, n in zip(self.layers, self.sizes):
+            stacked[row:row + n].copy_(m.weight.detach())
+            m.weight.data = stacked[row:row + n]  # same Parameter, storage now shared: no extra memory
+            row += n
+        return stacked
+
+    def _mma_weight(self):
+        from qerl.kernels import nvfp4_mma_gemv as mma
+
+        ms = self.layers
+        k = ms[0].in_features
+        if not all(mma.supported(m.out_features, k) and m.in_features == k for m in ms):
+            return None
+        gs = ms[0].weight_global_scale
+        if any(not torch.equal(m.weight_global_scale, gs) for m in ms[1:]):
+            return None
+        versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale))
+        if self._repacked is None or self._versions != versions:
+            if len(ms) == 1:
+                words, factors = mma.repacked(ms[0].weight_packed, ms[0].weight_scale)
+            else:
+                parts = [mma.repack(m.weight_packed, m.weight_scale) for m in ms]
+                words = torch.cat([p[0] for p in parts])
+                factors = torch.cat([p[1] for p in parts])
+                del parts
+            self._repacked, self._versions = (words, factors, gs), versions
+        return self._repacked
+
+    def prepare(self, dtype) -> None:
+        """Build (or revalidate) the stacked NVFP4 copy: never inside a graph capture."""
+        if self.kind == "nvfp4" and self.fast and dtype == torch.bfloat16 and self._mma_weight() is not None:
+            from qerl.kernels import nvfp4_mma_gemv as mma
+
+            mma.counters(self._repacked[0].device, self._repacked[0].shape[0])  # the split-K arrival counters
+
+    def key(self) -> tuple:
+        return (id(self._repacked[0]),) if self._repacked is not None else ()
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.kind == "dense":
+            if self.dense is not None:
+                return list(F.linear(x, self.dense).split(self.sizes, dim=1))
+            return [F.linear(x, m.weight) for m in self.layers]
+        if self._repacked is not None and x.shape[0] <= 16 and x.dtype == torch.bfloat16 and x.is_cuda:
+            from qerl.kernels import nvfp4_mma_gemv as mma
+
+            words, factors, gs = self._repacked
+            counter = mma.counters(x.device, words.shape[0], build=False)
+            y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
+                           counter=counter)
+            return list(y.split(self.sizes, dim=1))
+        return [m.matmul(x) for m in self.layers]
+
+
+class _Group:
+    """The modules of one group (q/k/v, o, gate/up, down): base GEMM, biases, LoRA-A stacked, LoRA-B scaled."""
+
+    def __init__(self, modules: list[nn.Module], fast: bool):
+        self.modules = modules
+        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast)
+        self.a = self.b = None
+
+    def prepare(self, dtype) -> None:
+        parts = [_lora(m) for m in self.modules]
+        self.gemm.prepare(dtype)
+        self.biases = tuple(p[0].bias for p in parts) if any(p[0].bias is not None for p in parts) else None
+        if self.biases is not None and any(bb is None for bb in self.biases):
+            ref = next(bb for bb in self.biases if bb is not None)
+            self.biases = tuple(bb if bb is not None else torch.zeros(p[0].out_features, dtype=ref.dtype,
+                                                                    device=ref.device)
+                                for bb, p in zip(self.biases, parts))
+        has = [p[1] is not None for p in parts]
+        if not any(has):
+            self.a = self.b = None
+            return
+        if not all(has) or len({p[1].shape[0] for p in parts}) > 1:
+            raise Unsupported("LoRA on only some modules of a group, or different ranks within a group")
+        r, device = parts[0][1].shape[0], parts[0][1].device
+        a_shape = (r * len(parts), parts[0][1].shape[1])
+        if self.a is None or self.a.shape != a_shape or self.a.dtype != dtype or self.a.device != device:
+            self.a = torch.empty(a_shape, dtype=dtype, device=device)
+            self.b = [torch.empty(p[2].shape, dtype=dtype, device=device) for p in parts]
+        with torch.no_grad():
+            for i, (_, a, b, s) in enumerate(parts):
+                self.a[i * r:(i + 1) * r].copy_(a)
+                self.b[i].copy_(b.float() * s)
+
+    def key(self) -> tuple:
+        return (self.a is not None, self.biases is not None) + self.gemm.key()
+
+    def lora_a(self, x: torch.Tensor):
+        """LoRA-A outputs of the group's modules side by side, as ``[S, b, r * members]`` split-K partials."""
+        if self.a is None:
+            return None
+        return K.lora_a(x, self.a) if self.gemm.fast else K.lora_a_torch(x, self.a)
+
+    def lora_b(self):
+        return tuple(self.b) if self.a is not None else None
+
+
+class FusedDecoder:
+    """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
+    or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests).
+
+    Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
+
+    def __init__(self, model: nn.Module, fast: bool):
+        config = model.config
+        if config.model_type not in SUPPORTED_TYPES:
+            raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise Unsupported(f"hidden_act {config.hidden_act!r}")
+        if getattr(config, "use_sliding_window", False) or any(
+                t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+            raise Unsupported("sliding-window attention")
+        if getattr(config, "mlp_bias", False):
+            raise Unsupported("MLP biases")
+        inner = model.model
+        rotary = inner.rotary_emb
+        if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+            raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
+        self.model, self.fast = model, fast
+        self.embed = model.get_input_embeddings()
+        self.rotary = rotary
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.layers = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
+                    hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
+            self.layers.append(dict(
+                ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling),
+                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast), o=_Group([att.o_proj], fast),
+                gu=_Group([mlp.gate_proj, mlp.up_proj], fast), down=_Group([mlp.down_proj], fast)))
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        self._key = None
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights."""
+        for layer in self.layers:
+            for g in ("qkv", "o", "gu", "down"):
+                layer[g].prepare(dtype)
+        self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
+        self._key = tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
+            k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
+
+    def key(self) -> tuple:
+        """Identifies what a captured step reads (graphs are keyed on it)."""
+        return self._key
+
+    def _ops(self):
+        if self.fast:
+            return K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue
+        return K.qkv_epilogue_torch, K.decode_attention_torch, K.residual_rms_norm_torch, K.silu_mul_epilogue_torch
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list, column: torch.Tensor,
+             mask: torch.Tensor, length: int) -> torch.Tensor:
+        """Logits ``[b, V]`` of the next token for ``tokens [b]`` at position ids ``pos [b]``; writes their K/V into
+        ``keys[i]/values[i] [rows, Hkv, L, D]`` at column ``column`` (1-element tensor) of rows 0..b-1 and attends to
+        columns 0..length-1 where ``mask [b, >= length]`` is True (the new column included)."""
+        qkv_epilogue, attention, residual_norm, silu_mul = self._ops()
+        h = self.embed(tokens)
+        inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
+        norms = self._norms
+        x = residual_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            g = layer["qkv"]
+            u = g.lora_a(x)
+            yq, yk, yv = g.gemm(x)
+            q = qkv_epilogue(yq, yk, yv, g.biases, u, g.lora_b(), pos, inv_freq, attn_scaling, column, keys[i],
+                             values[i], self.heads, self.kv_heads)
+            a = attention(q, keys[i], values[i], mask, length, layer["scaling"])
+            g = layer["o"]
+            u = g.lora_a(a)
+            (y,) = g.gemm(a)
+            ln2 = norms[i][1]
+            x = residual_norm(h, ln2.weight, ln2.variance_epsilon, y, g.biases and g.biases[0], u,
+                              g.lora_b() and g.lora_b()[0])
+            g = layer["gu"]
+            u = g.lora_a(x)
+            yg, yu = g.gemm(x)
+            act = silu_mul(yg, yu, u, g.lora_b())
+            g = layer["down"]
+            u = g.lora_a(act)
+            (y,) = g.gemm(act)
+            nxt = norms[i + 1][0]
+            x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, g.biases and g.biases[0], u,
+                              g.lora_b() and g.lora_b()[0])
+        return self.lm_head(x)
+
+
+__all__ = ["BaseGEMM", "FusedDecoder", "Unsupported"]
