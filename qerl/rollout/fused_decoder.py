@@ -93,6 +93,8 @@ class BaseGEMM:
         self.fast = fast
         self._repacked = None
         self._versions = None
+        self._no_mma = False
+        self._rebuilds = 0  # bumped when a built repack is replaced (graphs holding the old one must go)
         self.dense = None
         if self.kind == "dense":
             self.dense = self._stack_dense() if fast and len(layers) > 1 else None
@@ -128,6 +130,7 @@ class BaseGEMM:
             return None
         versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale))
         if self._repacked is None or self._versions != versions:
+            self._rebuilds += self._repacked is not None
             if len(ms) == 1:
                 words, factors = mma.repacked(ms[0].weight_packed, ms[0].weight_scale)
             else:
@@ -139,21 +142,35 @@ class BaseGEMM:
         return self._repacked
 
     def prepare(self, dtype) -> None:
-        """Build (or revalidate) the stacked NVFP4 copy: never inside a graph capture."""
-        if self.kind == "nvfp4" and self.fast and dtype == torch.bfloat16 and self._mma_weight() is not None:
+        """Revalidate a built NVFP4 repack (rebuilt if the weights changed). Never inside a graph capture."""
+        if self._repacked is not None:
+            self._mma_weight()
+
+    def _ensure_mma(self, x: torch.Tensor) -> bool:
+        """The repacked copy is built on the first batch <= 16 step (eager: the warm-up before its capture), so
+        rollouts that never decode at batch <= 16 do not hold it (+0.625 bytes per weight)."""
+        if self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda or x.shape[0] > 16:
+            return False
+        if self._repacked is None:
+            if self._no_mma or torch.cuda.is_current_stream_capturing():
+                return False
+            if self._mma_weight() is None:  # shapes or distinct global scales: the per-layer kernels
+                self._no_mma = True
+                return False
             from qerl.kernels import nvfp4_mma_gemv as mma
 
-            mma.counters(self._repacked[0].device, self._repacked[0].shape[0])  # the split-K arrival counters
+            mma.counters(x.device, self._repacked[0].shape[0])  # the split-K arrival counters
+        return True
 
     def key(self) -> tuple:
-        return (id(self._repacked[0]),) if self._repacked is not None else ()
+        return (self._rebuilds,)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.kind == "dense":
             if self.dense is not None:
                 return list(F.linear(x, self.dense).split(self.sizes, dim=1))
             return [F.linear(x, m.weight) for m in self.layers]
-        if self._repacked is not None and x.shape[0] <= 16 and x.dtype == torch.bfloat16 and x.is_cuda:
+        if self._ensure_mma(x):
             from qerl.kernels import nvfp4_mma_gemv as mma
 
             words, factors, gs = self._repacked
