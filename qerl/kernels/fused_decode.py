@@ -1,7 +1,7 @@
 """The glue of one decode step as a few Triton kernels (one token per row; used by ``qerl.rollout.fused_decoder``).
 
-A 7B decode step run through transformers + peft launched ~1,900 kernels with LoRA (each 1.5-3 us even inside a
-CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs and:
+A 7B decode step run through transformers + peft launched 2,460 kernels with LoRA (H100 profile; each ~2 us even
+inside a CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs and:
 
     qkv_epilogue        bias + LoRA-B of q, k, v; rotary on q and k; k, v written into the KV cache     (1 kernel)
     decode_attention    GQA flash-decoding over the cache, split along the length, then merged        (2 kernels)
@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from qerl.kernels.nvfp4_mma_gemv import counters
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -375,20 +377,6 @@ def _residual_norm_kernel(
         tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTS: dict = {}
-_RETIRED: list = []
-
-
-def _row_counters(device, rows: int) -> torch.Tensor:
-    """Zeroed arrival counters per row (each launch leaves them zeroed); built outside graph captures."""
-    c = _COUNTS.get(device)
-    if c is None or c.numel() < rows:
-        if c is not None:  # captured graphs may still point at the old buffer: keep it alive
-            _RETIRED.append(c)
-        c = _COUNTS[device] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
-    return c
-
-
 def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=None) -> torch.Tensor:
     """``h += module output`` (``y`` + ``bias`` + LoRA-B of ``u [S, b, r]``, rounded like peft; skipped when ``y``
     is None), in place on the residual stream ``h [b, H]``; returns ``RMSNorm(h) [b, H]`` (transformers' roundings).
@@ -406,7 +394,7 @@ def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=N
     _residual_norm_kernel[(b, chunks)](
         y if y is not None else dummy, y.stride(0) if y is not None else 0, bias if bias is not None else dummy,
         u_ptr, s_us, s_ub, S, lora_b if lora_b is not None else dummy, r, h, weight, x, part,
-        _row_counters(h.device, b), H, eps, chunks,
+        counters(h.device, b), H, eps, chunks,
         ADD=y is not None, HAS_BIAS=bias is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
         DT=_TL[h.dtype], BLOCK=block, CP=_pow2(chunks), OUT_BLOCK=min(8192, _pow2(H)), num_warps=4)
     return x

@@ -403,20 +403,26 @@ def _mma_gemv_kernel(
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-# resident 4-warp programs per SM (registers per thread from the sm_90 build: 56 at NT = 1, 90 at NT = 2 fused)
-_CTAS_PER_SM = {1: 9, 2: 5}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured earlier still point at them
 
 
 def counters(device: torch.device, size: int, build: bool = True) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters per row block for the fused split-K reduction (each use resets its own)."""
+    """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (this GEMV's split-K reduction,
+    ``fused_decode.residual_rms_norm``): each use leaves its entries zero, so one buffer serves every kernel on a
+    stream. Built outside graph captures (``build=False`` returns None when it is missing or too small)."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < size:
         if not build:
             return None
+        if c is not None:
+            _RETIRED.append(c)
         c = torch.zeros(max(size, 8192), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c
 
+
+# resident 4-warp programs per SM (registers per thread from the sm_90 build: 56 at NT = 1, 90 at NT = 2 fused)
+_CTAS_PER_SM = {1: 9, 2: 5}
 
 # registers per thread of each built variant, read off the compiled kernel after its first launch
 _REGS: dict[tuple, int] = {}

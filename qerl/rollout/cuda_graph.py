@@ -64,7 +64,7 @@ def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, genera
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
 
-def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """One query token per row: softmax(q K^T) V with the KV heads shared by their query heads (no repeat of K/V).
 
     query [b, Hq, 1, D], key/value [b, Hkv, L, D] (views of the cache), attention_mask bool [b, 1, 1, L].
@@ -85,7 +85,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION, decode_attention)
+    AttentionInterface.register(ATTENTION, gqa_attention)
 
 
 class SlotCache:

@@ -226,6 +226,10 @@ class _Group:
     def lora_b(self):
         return tuple(self.b) if self.a is not None else None
 
+    def single(self, u) -> tuple:
+        """(bias, u, LoRA-B) of a one-module group, as ``residual_rms_norm`` takes them."""
+        return (self.biases[0] if self.biases else None, u, self.b[0] if self.a is not None else None)
+
 
 class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
@@ -305,8 +309,7 @@ class FusedDecoder:
             u = g.lora_a(a)
             (y,) = g.gemm(a)
             ln2 = norms[i][1]
-            x = residual_norm(h, ln2.weight, ln2.variance_epsilon, y, g.biases and g.biases[0], u,
-                              g.lora_b() and g.lora_b()[0])
+            x = residual_norm(h, ln2.weight, ln2.variance_epsilon, y, *g.single(u))
             g = layer["gu"]
             u = g.lora_a(x)
             yg, yu = g.gemm(x)
@@ -315,8 +318,7 @@ class FusedDecoder:
             u = g.lora_a(act)
             (y,) = g.gemm(act)
             nxt = norms[i + 1][0]
-            x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, g.biases and g.biases[0], u,
-                              g.lora_b() and g.lora_b()[0])
+            x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, *g.single(u))
         return self.lm_head(x)
 
 
