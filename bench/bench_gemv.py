@@ -1,6 +1,6 @@
-"""Decode-size NVFP4 forward: the repacked-weight mma GEMV vs the current Triton kernel (default config) vs cuBLAS bf16.
+"""Decode-size NVFP4 forward (M <= 64): the repacked-weight mma GEMV vs the Triton tile kernel vs cuBLAS bf16.
 
-    PYTHONPATH=. python bench/bench_gemv.py --out DIR [--ms 1,4,16,64] [--models 7b,32b]
+    PYTHONPATH=. python bench/bench_gemv.py --out DIR [--ms 1,4,16,32,64] [--models 7b,32b]
 
 Correctness of every GEMV configuration vs the fp64 product on fresh random inputs (outputs allocated over NaN
 poison), including M that are not tile multiples; then median times over CUDA-graph replays cycling through > 2x L2
@@ -37,7 +37,7 @@ def poison(device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--ms", default="1,4,16,32,64")
     ap.add_argument("--models", default="7b,32b")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -47,7 +47,6 @@ def main():
     copy = copy_bandwidth_gbps(dev)
     print(f"{name}: copy {copy:.0f} GB/s", flush=True)
     ms_list = [int(v) for v in args.ms.split(",")]
-    cands = kernels.gemv_configs()
     rows, errors = [], []
     t0 = time.time()
     for model in args.models.split(","):
@@ -59,7 +58,8 @@ def main():
                 gemv.repacked(w[0], w[1])
             gemv.counters(dev, n // 16)
             w64 = dequantize(*weights[0], torch.float64)
-            for m in sorted(set(ms_list) | ({3, 9} if sname in ("k", "down") else set())):
+            for m in sorted(set(ms_list) | ({3, 9, 20, 47} if sname in ("k", "down") else set())):
+                cands = kernels.gemv_configs(m)
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = x.double() @ w64.t()
                 poison(dev)
@@ -69,7 +69,7 @@ def main():
                 cur_cfg = kernels.default_config(False, m, n, k, gemv=False)
                 err_cur = rel_err(kernels._launch(x, *weights[0], False, cur_cfg), ref)
                 gerr = {}
-                if m <= 16:
+                if m <= gemv.MAX_M:
                     for i, c in enumerate(cands):
                         poison(dev)
                         o = kernels._launch(x, *weights[0], False, c)
@@ -94,7 +94,7 @@ def main():
                 t_cur = graph_ms(lambda i: kernels._launch(acts[i % 4], *weights[i % len(weights)], False, cur_cfg),
                                  calls)
                 tg = {}
-                for i, c in enumerate(cands if m <= 16 else []):
+                for i, c in enumerate(cands if m <= gemv.MAX_M else []):
                     tg[i] = graph_ms(lambda j, c=c: kernels._launch(acts[j % 4], *weights[j % len(weights)], False, c),
                                      calls)
                 t_def = graph_ms(lambda i: kernels.nvfp4_mm(acts[i % 4], *weights[i % len(weights)], False), calls)
@@ -136,7 +136,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemv_{tag}.json").write_text(json.dumps(
         {"device": name, "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
-         "gemv_candidates": [c.__dict__ for c in cands], "gemv_regs": {str(k_): v for k_, v in gemv._REGS.items()},
+         "gemv_candidates": {m: [c.__dict__ for c in kernels.gemv_configs(m)] for m in ms_list}, "gemv_regs": {str(k_): v for k_, v in gemv._REGS.items()},
          "rows": rows, "summary": summ, "extra_checks": errors},
         indent=1))
     print(f"\n{name}, copy {copy:.0f} GB/s, {time.time() - t0:.0f} s; gemv registers {gemv._REGS}")

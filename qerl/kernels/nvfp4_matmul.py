@@ -324,10 +324,14 @@ class TileConfig:
     dense: bool = False
     """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
     mma_gemv: bool = False
-    """Forward, M <= 16, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``nvfp4_mma_gemv``);
+    """Forward, M <= 64, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``nvfp4_mma_gemv``);
     ``num_warps`` warps per program, split-K up to ``min_programs`` warps (0: one full wave), the splits reduced in
     the kernel when ``fused_reduce``. Anything else (backward, other dtypes, CPU) takes the default config instead."""
     fused_reduce: bool = True
+    x_prefetch: bool | None = None
+    """mma GEMV: load the activations a chunk ahead (None: the kernel's default for the batch width)."""
+    row_blocks: int | None = None
+    """mma GEMV: 16-row weight blocks per warp, 1 or 2 (None: the kernel's default for the batch width)."""
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -355,10 +359,10 @@ GEMV = TileConfig(0, 16, 64, 0, 1, min_programs=0, mma_gemv=True)  # 0 warps/pro
 def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = True) -> TileConfig:
     """Defaults per M bucket until :func:`autotune` caches a measured winner (``gemv=False``: the Triton kernels only).
 
-    Forward with M <= 16 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
+    Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
     where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
     bucket = m_bucket(m)
-    if gemv and not transpose_w and m <= 16:
+    if gemv and not transpose_w and m <= mma_gemv.MAX_M:
         return GEMV
     # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
     # rollout (which does not autotune) ran the first guesses
@@ -373,10 +377,17 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     return DENSE
 
 
-def gemv_configs() -> list[TileConfig]:
-    """The mma GEMV candidates (forward, M <= 16); the first is the default."""
-    return [GEMV] + [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f)
-                     for w, tw, f in ((4, 0, True), (8, 0, True), (4, 2048, True), (4, 2048, False))]
+def gemv_configs(m: int = 1) -> list[TileConfig]:
+    """The mma GEMV candidates (forward, M <= 64); the first is the default."""
+    if m > 16:  # the asm always writes the output itself there; prefetch and row blocks trade registers
+        wide = [(xp, rb, 0) for xp in (True, False) for rb in (1, 2) if not (xp and rb == 2 and m > 32)]  # spills
+        return [GEMV] + [TileConfig(0, m_bucket(m), 64, 4, 1, min_programs=tw, mma_gemv=True, x_prefetch=xp,
+                                    row_blocks=rb) for xp, rb, tw in wide + [(False, 2, 2048)]]
+    return [GEMV] + [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f, x_prefetch=xp,
+                                row_blocks=rb)
+                     for w, tw, f, xp, rb in ((4, 0, True, True, 1), (8, 0, True, True, 1), (4, 0, True, True, 2),
+                                              (4, 0, True, False, 1), (4, 0, True, False, 2),
+                                              (4, 2048, False, True, 1))]
 
 
 def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
@@ -396,7 +407,7 @@ def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
             )
         ]
     if bucket <= 64:
-        return [
+        return ([] if transpose_w else gemv_configs(m)) + [
             TileConfig(bo, bucket, br, w, st, min_programs=mp, use_asm=asm)
             for bo, br, w, st, mp, asm in (
                 (128, 128, 4, 4, 264, False),
@@ -517,7 +528,7 @@ def _launch(
 def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg):
     """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] > 16
+    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] > mma_gemv.MAX_M
             or a.shape[0] == 0 or not mma_gemv.supported(n, k)):
         return None
     # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
@@ -525,10 +536,13 @@ def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose
     cached = mma_gemv.repacked(weight_packed, weight_scale, build=not capturing)
     if cached is None:
         return None
-    counter = mma_gemv.counters(a.device, n // 16, build=not capturing) if cfg.fused_reduce else None
+    fused = cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
+    counter = mma_gemv.counters(a.device, n // 16, build=not capturing) if fused else None
+    if fused and counter is None:
+        return None
     return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
-                           target_warps=cfg.min_programs, cached=cached, fused=counter is not None,
-                           counter=counter)
+                           target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
+                           x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -174,49 +174,113 @@ def repacked(weight_packed: torch.Tensor, weight_scale: torch.Tensor, build: boo
 # Kernel
 
 
-def _mainloop_asm(nt: int, fused: bool = False) -> str:
-    """PTX of the whole K loop for one lane. Operands: $0..$(4nt-1) fp32 accumulators (out), then inputs
-    w_ptr(l), f_ptr(l), n_chunks(r), x_ptr_t(l) and x_ok_t(r) for each tile t.
+def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) -> str:
+    """PTX of the whole K loop for one lane.
 
-    Weight words and factors are prefetched two chunks ahead (buffers A = current, B = next, C = next but one), the
-    activation fragments one chunk ahead; the n8 tiles whose tokens are all >= M stay zero (their loads are off).
+    Operands: the fp32 accumulators $0..$(4nt-1) as outputs (``fused``: one dummy b32 output $0 instead, the
+    accumulators stay in the asm and :func:`_fused_reduce` writes the result), then the inputs w_ptr(l), f_ptr(l),
+    n_chunks(r), x_ptr(l) (token g of tile 0), x_step(l) (bytes from tile t's token row to tile t+1's: 8 rows),
+    m_g(r) (= M - g: tile t has a token for this lane iff 8 t < m_g), w_step(l) and f_step(l) (bytes from this row
+    block's words/factors to the next row block's, read when ``rb`` = 2; 0 when there is none: it then recomputes
+    the first, and the epilogue does not store it).
+
+    ``rb`` row blocks (16 rows each) per warp: each activation fragment loaded feeds ``rb`` weight fragments, which
+    halves the activation traffic at rb = 2 (what limits the wide-M variants: a warp reads M x K activations).
+    Weight words and factors are prefetched two chunks ahead (buffers A = current, B = next, C = next but one). The
+    activation fragments (8 registers per n8 tile) are prefetched one chunk ahead when ``xpre`` (the loop is unrolled
+    twice so the two activation buffers swap roles without copies), else one buffer is refilled by halves, each half
+    loading while the other computes (half the registers, half the latency cover). Tiles without a token for this
+    lane load nothing and stay zero.
     """
-    nacc = 4 * nt
-    i_w, i_f, i_n = nacc, nacc + 1, nacc + 2
-    i_x = [nacc + 3 + 2 * t for t in range(nt)]
-    i_ok = [nacc + 4 + 2 * t for t in range(nt)]
+    if rb > 1 and not fused:
+        raise ValueError("two row blocks per warp need the asm epilogue (fused)")
+    nacc = 4 * nt * rb
+    first = 1 if fused else nacc
+    i_w, i_f, i_n, i_x, i_xs, i_mg, i_ws, i_fs = (f"${first + i}" for i in range(8))
+    acc = (lambda i: f"%c{i}") if fused else (lambda i: f"${i}")
     nx = 8 * nt
     L = []
     a = L.append
 
     def load_w(buf, pred, off):
-        a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w0, %{buf}w1, %{buf}w2, %{buf}w3}}, [%pw+{512 * off}];")
-        a(f"@{pred} ld.global.nc.u32 %{buf}f, [%pf+{128 * off}];")
+        for r in range(rb):
+            a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w{r}_0, %{buf}w{r}_1, %{buf}w{r}_2, %{buf}w{r}_3}}, "
+              f"[%pw{r}+{512 * off}];")
+            a(f"@{pred} ld.global.nc.u32 %{buf}f{r}, [%pf{r}+{128 * off}];")
 
-    def load_x(buf, pred, off):
+    def load_x(buf, pred, off, halves=(0, 1)):
         for t in range(nt):
             a(f"and.pred %pq, {pred}, %pk{t};")
-            for h in range(2):
+            for h in halves:
                 regs = ", ".join(f"%{buf}x{8 * t + 4 * h + i}" for i in range(4))
                 a(f"@%pq ld.global.nc.v4.u32 {{{regs}}}, [%px{t}+{128 * off + 16 * h}];")
+
+    def compute(xbuf, steps=range(4)):
+        if 0 in steps:
+            for r in range(rb):
+                a(f"prmt.b32 %fr{r}, %Af{r}, %Af{r}, 0x1010; prmt.b32 %fr8{r}, %Af{r}, %Af{r}, 0x3232;")
+        for j in steps:
+            for r in range(rb):
+                w, fr, fr8 = f"%Aw{r}_{j}", f"%fr{r}", f"%fr8{r}"
+                # pair 0: bits in place
+                a(f"and.b32 %a0, {w}, %m;")
+                # pair 1: everything 3 bits lower
+                a(f"shl.b32 %a1, {w}, 3; and.b32 %a1, %a1, %m;")
+                # pair 2: magnitude from 6 lower, sign from 2 lower, merged by a select (sel ? t : u = lop3 0xE4)
+                a(f"shl.b32 %t, {w}, 6; shl.b32 %u, {w}, 2; lop3.b32 %a2, %t, %u, %sel, 0xE4; "
+                  "and.b32 %a2, %a2, %m;")
+                # pair 3: magnitude from 3 higher, sign from 1 lower
+                a(f"shr.u32 %t, {w}, 3; shl.b32 %u, {w}, 1; lop3.b32 %a3, %t, %u, %sel, 0xE4; "
+                  "and.b32 %a3, %a3, %m;")
+                a(f"fma.rn.bf16x2 %a0, %a0, {fr}, %nz; fma.rn.bf16x2 %a1, %a1, {fr8}, %nz;")
+                a(f"fma.rn.bf16x2 %a2, %a2, {fr}, %nz; fma.rn.bf16x2 %a3, %a3, {fr8}, %nz;")
+                for t in range(nt):
+                    c = ", ".join(acc(4 * (r * nt + t) + i) for i in range(4))
+                    b0, b1 = f"%{xbuf}x{8 * t + 2 * j}", f"%{xbuf}x{8 * t + 2 * j + 1}"
+                    a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, "
+                      f"{{%a0, %a1, %a2, %a3}}, {{{b0}, {b1}}}, {{{c}}};")
+
+    def advance():
+        for r in range(rb):
+            for i in range(4):
+                a(f"mov.b32 %Aw{r}_{i}, %Bw{r}_{i}; mov.b32 %Bw{r}_{i}, %Cw{r}_{i};")
+            a(f"mov.b32 %Af{r}, %Bf{r}; mov.b32 %Bf{r}, %Cf{r};")
+            a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
+        a("add.s32 %n, %n, -1;")
+        for t in range(nt):
+            a(f"add.s64 %px{t}, %px{t}, 128;")
 
     a("{")
     a(".reg .pred %p1, %p2, %pq;")
     a(f".reg .pred %pk<{nt}>;")
-    a(".reg .b32 %n, %fr, %fr8, %t, %u, %m, %sel, %nz, %a<4>;")
-    for buf in "ABC":
-        a(f".reg .b32 %{buf}w<4>, %{buf}f;")
-    a(f".reg .b32 %Ax<{nx}>, %Bx<{nx}>;")
-    a(".reg .b64 %pw, %pf;")
+    a(".reg .b32 %n, %t, %u, %m, %sel, %nz, %mg, %a<4>;")
+    for r in range(rb):
+        a(f".reg .b32 %fr{r}, %fr8{r};")
+        for buf in "ABC":
+            a(f".reg .b32 %{buf}w{r}_<4>, %{buf}f{r};")
+        a(f".reg .b64 %pw{r}, %pf{r};")
+    a(f".reg .b32 %Ax<{nx}>;")
+    if xpre:
+        a(f".reg .b32 %Bx<{nx}>;")
+    if fused:
+        a(f".reg .f32 %c<{nacc}>;")
+    a(".reg .b64 %xs;")
     a(f".reg .b64 %px<{nt}>;")
-    a(f"mov.b64 %pw, ${i_w}; mov.b64 %pf, ${i_f}; mov.b32 %n, ${i_n};")
+    a(f"mov.b64 %pw0, {i_w}; mov.b64 %pf0, {i_f}; mov.b32 %n, {i_n}; mov.b64 %xs, {i_xs}; mov.b32 %mg, {i_mg};")
+    if rb > 1:
+        a(f"add.s64 %pw1, %pw0, {i_ws}; add.s64 %pf1, %pf0, {i_fs};")
     a(f"mov.b32 %m, {MASK:#x}; mov.b32 %sel, 0x7FFF7FFF; mov.b32 %nz, 0x80008000;")
+    a(f"mov.b64 %px0, {i_x};")
+    for t in range(1, nt):
+        a(f"add.s64 %px{t}, %px{t - 1}, %xs;")
     for t in range(nt):
-        a(f"mov.b64 %px{t}, ${i_x[t]}; setp.ne.s32 %pk{t}, ${i_ok[t]}, 0;")
+        a(f"setp.gt.s32 %pk{t}, %mg, {8 * t};")
+    if fused:
+        a("mov.b32 $0, 0;")
     for i in range(nacc):
-        a(f"mov.f32 ${i}, 0f00000000;")
+        a(f"mov.f32 {acc(i)}, 0f00000000;")
     for i in range(nx):
-        a(f"mov.b32 %Ax{i}, 0; mov.b32 %Bx{i}, 0;")
+        a(f"mov.b32 %Ax{i}, 0;" + (f" mov.b32 %Bx{i}, 0;" if xpre else ""))
     a("setp.gt.s32 %p1, %n, 0;")
     a("setp.gt.s32 %p2, %n, 1;")
     load_w("A", "%p1", 0)
@@ -225,71 +289,77 @@ def _mainloop_asm(nt: int, fused: bool = False) -> str:
     a("@!%p1 bra L_done_${:uid};")
     a("L_loop_${:uid}:")
     # n = chunks left including the current one; %pw/%pf/%px point at the current chunk
-    a("setp.gt.s32 %p2, %n, 2;")
-    load_w("C", "%p2", 2)
-    a("setp.gt.s32 %p1, %n, 1;")
-    load_x("B", "%p1", 1)
-    a("prmt.b32 %fr, %Af, %Af, 0x1010; prmt.b32 %fr8, %Af, %Af, 0x3232;")
-    for j in range(4):
-        w = f"%Aw{j}"
-        # pair 0: bits in place
-        a(f"and.b32 %a0, {w}, %m;")
-        # pair 1: everything 3 bits lower
-        a(f"shl.b32 %a1, {w}, 3; and.b32 %a1, %a1, %m;")
-        # pair 2: magnitude from 6 lower, sign from 2 lower, merged by a select (sel ? t : u = lop3 0xE4), masked
-        a(f"shl.b32 %t, {w}, 6; shl.b32 %u, {w}, 2; lop3.b32 %a2, %t, %u, %sel, 0xE4; and.b32 %a2, %a2, %m;")
-        # pair 3: magnitude from 3 higher, sign from 1 lower
-        a(f"shr.u32 %t, {w}, 3; shl.b32 %u, {w}, 1; lop3.b32 %a3, %t, %u, %sel, 0xE4; and.b32 %a3, %a3, %m;")
-        a("fma.rn.bf16x2 %a0, %a0, %fr, %nz; fma.rn.bf16x2 %a1, %a1, %fr8, %nz;")
-        a("fma.rn.bf16x2 %a2, %a2, %fr, %nz; fma.rn.bf16x2 %a3, %a3, %fr8, %nz;")
-        for t in range(nt):
-            c = ", ".join(f"${4 * t + i}" for i in range(4))
-            b0, b1 = f"%Ax{8 * t + 2 * j}", f"%Ax{8 * t + 2 * j + 1}"
-            a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, "
-              f"{{%a0, %a1, %a2, %a3}}, {{{b0}, {b1}}}, {{{c}}};")
-    for i in range(4):
-        a(f"mov.b32 %Aw{i}, %Bw{i}; mov.b32 %Bw{i}, %Cw{i};")
-    a("mov.b32 %Af, %Bf; mov.b32 %Bf, %Cf;")
-    for i in range(nx):
-        a(f"mov.b32 %Ax{i}, %Bx{i};")
-    a("add.s32 %n, %n, -1; add.s64 %pw, %pw, 512; add.s64 %pf, %pf, 128;")
-    for t in range(nt):
-        a(f"add.s64 %px{t}, %px{t}, 128;")
-    a("setp.gt.s32 %p1, %n, 0;")
-    a("@%p1 bra L_loop_${:uid};")
+    if xpre:
+        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
+            a("setp.gt.s32 %p2, %n, 2;")
+            load_w("C", "%p2", 2)
+            a("setp.gt.s32 %p1, %n, 1;")
+            load_x(nxt, "%p1", 1)
+            compute(cur)
+            advance()
+            a("setp.gt.s32 %p1, %n, 0;")
+            a("@%p1 bra L_loop_${:uid};" if last else "@!%p1 bra L_done_${:uid};")
+    else:
+        # one buffer, pipelined by halves: the next chunk's fragments for k16 steps 0-1 load while steps 2-3 compute
+        # (and those for 2-3 while the next chunk's 0-1 compute)
+        a("setp.gt.s32 %p2, %n, 2;")
+        load_w("C", "%p2", 2)
+        a("setp.gt.s32 %p1, %n, 1;")
+        compute("A", (0, 1))
+        load_x("A", "%p1", 1, (0,))
+        compute("A", (2, 3))
+        load_x("A", "%p1", 1, (1,))
+        advance()
+        a("setp.gt.s32 %p1, %n, 0;")
+        a("@%p1 bra L_loop_${:uid};")
     a("L_done_${:uid}:")
     if fused:
-        _fused_reduce(a, nt)
+        _fused_reduce(a, nt, rb, acc, first + 8)
     a("}")
     return "\n".join(L)
 
 
-def _fused_reduce(a, nt: int) -> None:
-    """Split-K epilogue without a second launch: each warp stores its fp32 partial [split, M, N], then the last warp
-    of a row block to arrive (counter per row block, acq_rel at gpu scope, reset by that warp) sums the splits of its
-    lane's own outputs, scales, and writes bf16. Extra operands after the main loop's: p_mine(l) (partial of this
-    split at this lane's (token 2q, row g)), p_base(l) (same, split 0), mn4(l) (bytes per split), n4(r) (bytes per
-    token row), m(r), tok0(r) (= 2q), o_ptr(l) (bf16 output at (2q, g)), cnt(l), splits(r), valid(r), factor(f)."""
-    base = 4 * nt + 3 + 2 * nt
-    pm, pb, mn4, n4, m, tok0, op, cnt, ns, valid, fac = (f"${base + i}" for i in range(11))
-    outs = []  # (acc index, token offset, row offset)
-    for t in range(nt):
-        for i in range(4):
-            outs.append((4 * t + i, 8 * t + (i % 2), 8 * (i // 2)))
-    a(".reg .pred %pv, %pl, %p0;")
-    a(f".reg .pred %pt<{4 * nt}>;")
-    a(f".reg .b64 %off<{4 * nt}>, %oof<{4 * nt}>, %ad, %pbs;")
+def _fused_reduce(a, nt: int, rb: int, acc, base: int) -> None:
+    """The epilogue inside the asm. One split: scale, round and store. Several: split-K without a second launch: each
+    warp stores its fp32 partial [split, M, N], then the last warp of a row block (pair) to arrive (counter per
+    warp's first row block, acq_rel at gpu scope, reset by that warp) sums the splits of its lane's own outputs,
+    scales, and writes bf16. Operands from ``base``: p_mine(l) (partial of this split at this lane's (token 2q, row
+    g)), p_base(l) (same, split 0), mn4(l) (bytes per split), n4(r) (bytes per token row), m(r), tok0(r) (= 2q),
+    o_ptr(l) (bf16 output at (2q, g)), cnt(l), splits(r), valid(r) (first row block), factor(f), valid2(r).
+    Addresses are walked tile by tile (row offsets as immediates) rather than held per output: registers."""
+    pm, pb, mn4, n4, m, tok0, op, cnt, ns, valid, fac, valid2 = (f"${base + i}" for i in range(12))
+    a(".reg .pred %pv, %pv2, %pl, %p0, %q<4>;")
+    a(".reg .b64 %r0, %r1, %st, %st8, %pbs;")
     a(".reg .b32 %tk, %old, %lid, %s, %ns1;")
-    a(f".reg .f32 %sum<{4 * nt}>, %v;")
+    a(".reg .f32 %v;")
     a(".reg .b16 %h;")
-    a(f"setp.ne.s32 %pv, {valid}, 0;")
+
+    def walk(ptr, elem, emit):
+        """emit(acc index, predicate, address) for every output of this lane; %st = bytes per token row."""
+        a(f"mov.b64 %r0, {ptr};")
+        for t in range(nt):
+            if t:
+                a("add.s64 %r0, %r0, %st8;")
+            a("add.s64 %r1, %r0, %st;")
+            a(f"add.s32 %tk, {tok0}, {8 * t}; setp.lt.s32 %q0, %tk, {m}; "
+              f"add.s32 %tk, %tk, 1; setp.lt.s32 %q1, %tk, {m};")
+            if rb > 1:
+                a("and.pred %q2, %q0, %pv2; and.pred %q3, %q1, %pv2;")
+            for r in range(rb):
+                for i in range(4):
+                    pred = f"%q{2 * r + i % 2}"
+                    emit(4 * (r * nt + t) + i, pred, f"[%r{i % 2}+{elem * (16 * r + 8 * (i // 2))}]")
+
+    def strides(elem):
+        a(f"cvt.s64.s32 %st, {n4};" + ("" if elem == 4 else " shr.s64 %st, %st, 1;"))
+        a("shl.b64 %st8, %st, 3;")
+
+    a(f"setp.ne.s32 %pv, {valid}, 0; setp.ne.s32 %pv2, {valid2}, 0;")
     a("@!%pv bra L_end_${:uid};")
-    for idx, (acc, dt, dr) in enumerate(outs):
-        a(f"add.s32 %tk, {tok0}, {dt}; setp.lt.s32 %pt{idx}, %tk, {m};")
-        a(f"mul.wide.s32 %off{idx}, {n4}, {dt}; add.s64 %off{idx}, %off{idx}, {4 * dr};")
-        a(f"mul.wide.s32 %oof{idx}, {n4}, {dt}; shr.s64 %oof{idx}, %oof{idx}, 1; "
-          f"add.s64 %oof{idx}, %oof{idx}, {2 * dr};")
-        a(f"add.s64 %ad, {pm}, %off{idx}; @%pt{idx} st.global.f32 [%ad], ${acc};")
+    a(f"setp.eq.s32 %p0, {ns}, 1;")
+    a("@%p0 bra L_write_${:uid};")
+    strides(4)
+    walk(pm, 4, lambda ai, p, ad: a(f"@{p} st.global.f32 {ad}, {acc(ai)};"))
     a("fence.acq_rel.gpu;")
     a("bar.warp.sync 0xffffffff;")
     a("mov.u32 %lid, %laneid; setp.eq.u32 %p0, %lid, 0;")
@@ -299,23 +369,66 @@ def _fused_reduce(a, nt: int) -> None:
     a(f"add.s32 %ns1, {ns}, -1; setp.ne.s32 %pl, %old, %ns1;")
     a("@%pl bra L_end_${:uid};")
     a("fence.acq_rel.gpu;")
-    for idx in range(len(outs)):
-        a(f"mov.f32 %sum{idx}, 0f00000000;")
+    for ai in range(4 * nt * rb):
+        a(f"mov.f32 {acc(ai)}, 0f00000000;")
+    # the splits' partials are read `unroll` splits at a time (loads in flight together: the reduction is a chain
+    # of L2 round trips otherwise, one per split)
+    nout = 4 * nt * rb
+    unroll = max(1, min(4, 32 // nout))
+    a(f".reg .pred %qs<{unroll}>, %pz; .reg .b64 %pu; .reg .b32 %su; .reg .f32 %w<{unroll * nout}>;")
     a(f"mov.b64 %pbs, {pb}; mov.u32 %s, 0;")
     a("L_red_${:uid}:")
-    for idx in range(len(outs)):
-        a(f"add.s64 %ad, %pbs, %off{idx}; mov.f32 %v, 0f00000000;")
-        a(f"@%pt{idx} ld.relaxed.gpu.global.f32 %v, [%ad]; add.f32 %sum{idx}, %sum{idx}, %v;")
-    a(f"add.s64 %pbs, %pbs, {mn4}; add.s32 %s, %s, 1; setp.lt.s32 %pl, %s, {ns};")
+    a("mov.b64 %pu, %pbs;")
+    for u in range(unroll):
+        if u:
+            a(f"add.s64 %pu, %pu, {mn4};")
+        a(f"add.s32 %su, %s, {u}; setp.lt.s32 %qs{u}, %su, {ns};")
+        walk("%pu", 4, lambda ai, p, ad, u=u: a(
+            f"and.pred %pz, {p}, %qs{u}; mov.f32 %w{u * nout + ai}, 0f00000000; "
+            f"@%pz ld.relaxed.gpu.global.f32 %w{u * nout + ai}, {ad};"))
+    for ai in range(nout):
+        for u in range(unroll):
+            a(f"add.f32 {acc(ai)}, {acc(ai)}, %w{u * nout + ai};")
+    for u in range(unroll):
+        a(f"add.s64 %pbs, %pbs, {mn4};")
+    a(f"add.s32 %s, %s, {unroll}; setp.lt.s32 %pl, %s, {ns};")
     a("@%pl bra L_red_${:uid};")
-    for idx in range(len(outs)):
-        a(f"mul.f32 %v, %sum{idx}, {fac}; cvt.rn.bf16.f32 %h, %v;")
-        a(f"add.s64 %ad, {op}, %oof{idx}; @%pt{idx} st.global.b16 [%ad], %h;")
     a(f"@%p0 st.relaxed.gpu.global.u32 [{cnt}], 0;")
+    a("L_write_${:uid}:")
+    strides(2)
+    walk(op, 2, lambda ai, p, ad: a(f"mul.f32 %v, {acc(ai)}, {fac}; cvt.rn.bf16.f32 %h, %v; "
+                                    f"@{p} st.global.b16 {ad}, %h;"))
     a("L_end_${:uid}:")
 
 
-_ASM = {(nt, fused): _mainloop_asm(nt, fused) for nt in (1, 2) for fused in (False, True)}
+MAX_M = 64
+"""The widest batch this GEMV takes: n8 tiles of tokens per warp, 1 (M <= 8), 2, 4 or 8 (M <= 64)."""
+
+
+def tiles_for(m: int) -> int:
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
+def default_x_prefetch(nt: int) -> bool:
+    """Prefetch activations a chunk ahead up to 4 tiles; at 8 the second buffer would take 64 more registers."""
+    return nt <= 4
+
+
+def default_row_blocks(n: int, k: int) -> int:
+    """Row blocks per warp: 2 for the big weights (H100: 32b.gate M = 16/64 45/92 us vs 51/157 with 1, 7b.gate 26/65
+    vs 28/65), 1 for the rest, where halving the programs costs more than the activation reloads (7b.q M = 32:
+    20 vs 15 us)."""
+    return 2 if n >= 16384 or n * k >= 100_000_000 else 1
+
+
+_ASM: dict[tuple, str] = {}
+
+
+def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1) -> str:
+    key = (nt, fused, xpre, rb)
+    if key not in _ASM:
+        _ASM[key] = _mainloop_asm(nt, fused, xpre, rb)
+    return _ASM[key]
 
 
 @triton.jit
@@ -332,6 +445,7 @@ def _store(out_base, val, tok, row, M, N, valid):
 def _mma_gemv_kernel(
     x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
+    RB: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -341,18 +455,20 @@ def _mma_gemv_kernel(
     g = lane // 4
     q = lane % 4
     nchunks_all = K // 64
-    rb = pid_b * WARPS + warp
+    rb = (pid_b * WARPS + warp) * RB
     c0 = pid_s * CHUNKS_PER_SPLIT
     c1 = tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all)
     valid = rb < N // 16
+    valid2 = (rb + 1 < N // 16).to(tl.int32)
     n = tl.where(valid, c1 - c0, 0)
     base = (rb.to(tl.int64) * nchunks_all + c0) * 32 + lane
     w_ptr = w_addr + base * 16
     f_ptr = f_addr + base * 4
     x0 = x_addr + (g.to(tl.int64) * K + c0 * 64 + 16 * q) * 2
-    ok0 = (g < M).to(tl.int32)
-    x1 = x_addr + ((g + 8).to(tl.int64) * K + c0 * 64 + 16 * q) * 2
-    ok1 = (g + 8 < M).to(tl.int32)
+    x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16  # 8 token rows of bf16
+    m_g = M - g
+    w_step = tl.zeros_like(x0) + (valid2 * nchunks_all * 512).to(tl.int64)  # the next row block (if any)
+    f_step = tl.zeros_like(x0) + (valid2 * nchunks_all * 128).to(tl.int64)
     factor = SHIFT / tl.load(gs_ptr)
     row = rb * 16 + g
     tok = 2 * q
@@ -368,21 +484,16 @@ def _mma_gemv_kernel(
         ns = tl.zeros_like(tok) + SPLITS
         vi = valid.to(tl.int32)
         fac = tl.zeros([32 * WARPS], dtype=tl.float32) + factor
-        if NT == 1:
-            tl.inline_asm_elementwise(
-                ASM, "=f,=f,=f,=f,l,l,r,l,r,l,l,l,r,r,r,l,l,r,r,f",
-                [w_ptr, f_ptr, n, x0, ok0, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi, fac],
-                dtype=(tl.float32,) * 4, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,r,l,r,l,r,l,l,l,r,r,r,l,l,r,r,f",
-                [w_ptr, f_ptr, n, x0, ok0, x1, ok1, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi, fac],
-                dtype=(tl.float32,) * 8, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r",
+            [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi,
+             fac, valid2],
+            dtype=tl.int32, is_pure=False, pack=1)
     else:
         out_base = out_ptr + pid_s.to(tl.int64) * M * N
         if NT == 1:
             c_0, c_1, c_2, c_3 = tl.inline_asm_elementwise(
-                ASM, "=f,=f,=f,=f,l,l,r,l,r", [w_ptr, f_ptr, n, x0, ok0],
+                ASM, "=f,=f,=f,=f,l,l,r,l,l,r,l,l", [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step],
                 dtype=(tl.float32,) * 4, is_pure=False, pack=1)
             _store(out_base, c_0 * factor, tok, row, M, N, valid)
             _store(out_base, c_1 * factor, tok + 1, row, M, N, valid)
@@ -390,7 +501,7 @@ def _mma_gemv_kernel(
             _store(out_base, c_3 * factor, tok + 1, row + 8, M, N, valid)
         else:
             c_0, c_1, c_2, c_3, c_4, c_5, c_6, c_7 = tl.inline_asm_elementwise(
-                ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,r,l,r,l,r", [w_ptr, f_ptr, n, x0, ok0, x1, ok1],
+                ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,r,l,l,r,l,l", [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step],
                 dtype=(tl.float32,) * 8, is_pure=False, pack=1)
             _store(out_base, c_0 * factor, tok, row, M, N, valid)
             _store(out_base, c_1 * factor, tok + 1, row, M, N, valid)
@@ -421,27 +532,29 @@ def counters(device: torch.device, size: int, build: bool = True) -> torch.Tenso
     return c
 
 
-# resident 4-warp programs per SM (registers per thread from the sm_90 build: 56 at NT = 1, 90 at NT = 2 fused)
-_CTAS_PER_SM = {1: 9, 2: 5}
+# resident 4-warp programs per SM until the first launch reports its registers (sm_90 builds with Triton 3.9, fused
+# epilogue: 58 / 80 / 128 / 154 registers at 1 / 2 / 4 (prefetching) / 8 (not prefetching) tiles)
+_CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3}
 
 # registers per thread of each built variant, read off the compiled kernel after its first launch
 _REGS: dict[tuple, int] = {}
 
 
-def resident_programs(nt: int, fused: bool, warps: int) -> int:
+def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited), from the built kernel when known."""
-    regs = _REGS.get((nt, fused, warps))
+    xpre = default_x_prefetch(nt) if xpre is None else xpre
+    regs = _REGS.get((nt, fused, warps, xpre, rb))
     if regs is None:
-        return max(1, _CTAS_PER_SM[nt] * 4 // warps - 1)  # conservative until the first launch reports
+        return max(1, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1)  # conservative until the first launch reports
     regs = -(-regs // 8) * 8
     return max(1, min(65536 // (regs * 32 * warps), 64 // warps, 32))
 
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
-                min_chunks: int = 4) -> int:
+                min_chunks: int = 4, xpre: bool | None = None, rb: int = 1) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
-    programs = triton.cdiv(row_blocks, warps)
-    capacity = sms * resident_programs(nt, fused, warps)
+    programs = triton.cdiv(row_blocks, warps * rb)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb)
     return max(1, min(capacity // programs, chunks // min_chunks))
 
 
@@ -453,58 +566,68 @@ def auto_warps(n: int, k: int, nt: int) -> int:
 
 def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, warps: int = 4,
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
-           counter: torch.Tensor | None = None) -> torch.Tensor:
-    """``a [M, K] @ W.T`` for M <= 16, bf16, on CUDA (the caller checks :func:`supported`); ``cached``: the repacked
-    (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has none).
+           counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
+           row_blocks_per_warp: int | None = None) -> torch.Tensor:
+    """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
+    the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
+    none).
 
     ``target_warps``: split K until about this many warps run (each warp owns 16 rows), each split keeping at least
-    ``min_chunks`` chunks of 64; 0: :func:`auto_splits` (one full wave). ``fused``: reduce the splits inside the
-    kernel (last warp per row block) instead of a second kernel; needs the ``counter`` buffer (:func:`counters`).
-    Kernels using the fused reduction must not run concurrently on several streams (shared counters)."""
+    ``min_chunks`` chunks of 64; 0: :func:`auto_splits` (one full wave). ``fused``: the asm writes the output and
+    reduces the splits itself (last warp per row block) instead of Triton stores and a second kernel; needs the
+    ``counter`` buffer (:func:`counters`) when K is split; always on above 16 tokens. ``x_prefetch``: load the
+    activations a chunk ahead (None: :func:`default_x_prefetch`); ``row_blocks_per_warp``: 1 or 2 (None:
+    :func:`default_row_blocks`; 2 needs the fused epilogue). Kernels using the fused reduction must not run
+    concurrently on several streams (shared counters)."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
     words, factors = cached or repacked(weight_packed, weight_scale)
     n = words.shape[0] * 16
-    if m > 16 or a.dtype != torch.bfloat16:
-        raise ValueError("the mma GEMV takes bf16 activations with at most 16 rows")
+    if m > MAX_M or a.dtype != torch.bfloat16:
+        raise ValueError(f"the mma GEMV takes bf16 activations with at most {MAX_M} rows")
     a = a.contiguous()
     if a.data_ptr() % 16:
         a = a.clone()
-    nt = 1 if m <= 8 else 2
+    nt = tiles_for(m)
+    xpre = default_x_prefetch(nt) if x_prefetch is None else x_prefetch
+    n = words.shape[0] * 16
+    rbw = default_row_blocks(n, k) if row_blocks_per_warp is None else row_blocks_per_warp
+    fused = fused or nt > 2 or rbw > 1
     row_blocks = n // 16
     chunks = k // CHUNK
     if not warps:
         warps = auto_warps(n, k, nt)
     if target_warps:
-        splits = max(1, min(triton.cdiv(target_warps, row_blocks), chunks // min_chunks))
+        splits = max(1, min(triton.cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
-        splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused)
+        splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw)
     per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, per_split)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
-    fused = fused and splits > 1
     if fused:
-        counter = counter if counter is not None else counters(a.device, row_blocks)
-        part = torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
+        if splits > 1:
+            counter = counter if counter is not None else counters(a.device, row_blocks)
+            part = torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
         target = out
     else:
-        part = counter = None
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
-    grid = (triton.cdiv(row_blocks, warps), splits)
+    split_fused = fused and splits > 1
+    grid = (triton.cdiv(row_blocks, warps * rbw), splits)
     compiled = _mma_gemv_kernel[grid](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
-        part.data_ptr() if fused else 0, out.data_ptr(), counter.data_ptr() if fused else 0,
-        NT=nt, WARPS=warps, ASM=_ASM[(nt, fused)], SHIFT=256.0, FUSED=fused, num_warps=warps)
-    if (nt, fused, warps) not in _REGS:
+        part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
+        NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw), SHIFT=256.0, FUSED=fused, RB=rbw, num_warps=warps)
+    key = (nt, fused, warps, xpre, rbw)
+    if key not in _REGS:
         try:
-            _REGS[(nt, fused, warps)] = int(compiled.n_regs)
+            _REGS[key] = int(compiled.n_regs)
         except Exception:  # noqa: BLE001 (an older/newer Triton without the attribute: keep the table)
-            _REGS[(nt, fused, warps)] = 64 if nt == 1 else 96
+            _REGS[key] = 128 // _CTAS_PER_SM[nt] * 8
     if splits > 1 and not fused:
         numel = m * n
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out
 
 
-__all__ = ["emulate_repacked", "launch", "repack", "repacked", "supported", "unrepack"]
+__all__ = ["MAX_M", "emulate_repacked", "launch", "tiles_for", "repack", "repacked", "supported", "unrepack"]

@@ -202,7 +202,10 @@ class CUDAGraphRollout(RolloutEngine):
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
         # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.last_timing: dict[str, float] = {}  # prefill_ms, decode_ms, decode_steps of the last call (CUDA)
+        # of the last call (CUDA): prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps that
+        # captured a graph (capture_ms, capture_steps: each also decodes its token, eagerly)
+        self.last_timing: dict[str, float] = {}
+        self._capture_events: list | None = None
         self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
         self._decoder = None  # (model id, fast) -> FusedDecoder, built on first use
@@ -232,6 +235,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._reset_state(s, mask, group_size, pad_id, eos_ids)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         timing = device.type == "cuda"
+        self._capture_events = [] if timing else None
         if timing:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             events[0].record()
@@ -275,7 +279,9 @@ class CUDAGraphRollout(RolloutEngine):
             events[2].record()
             events[2].synchronize()
             self.last_timing = {"prefill_ms": events[0].elapsed_time(events[1]),
-                                "decode_ms": events[1].elapsed_time(events[2]), "decode_steps": steps - 1}
+                                "decode_ms": events[1].elapsed_time(events[2]), "decode_steps": steps - 1,
+                                "capture_ms": sum(a.elapsed_time(b) for a, b in self._capture_events),
+                                "capture_steps": len(self._capture_events)}
         completion = s["tokens_out"][:N, :steps].clone()
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         is_eos = torch.isin(completion, eos)
@@ -429,6 +435,9 @@ class CUDAGraphRollout(RolloutEngine):
         if graph is not None:
             graph.replay()
             return
+        if graphs and self._capture_events is not None:  # steps that capture are timed apart (last_timing)
+            self._capture_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._capture_events[-1][0].record()
         self._step(s, policy, b, length)  # eager: the step itself, and the warm-up before a capture
         if graphs:
             graph = torch.cuda.CUDAGraph()
@@ -440,6 +449,8 @@ class CUDAGraphRollout(RolloutEngine):
                 self._step(s, policy, b, length)
             self._graphs[graph_key] = graph
             self.graphs_captured += 1
+            if self._capture_events is not None:
+                self._capture_events[-1][1].record()
 
     def _compact(self, s: dict, b: int, written: int) -> None:
         """Move the running slots of 0..b-1 to the front (stable), with their cache rows and bookkeeping."""

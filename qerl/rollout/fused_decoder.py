@@ -16,7 +16,7 @@ step's time at small batch. This module runs the same mathematics from the model
     u = act @ A_d.T ; y_d = base GEMM
     h += down-output ; x = next RMSNorm(h)            residual_rms_norm
 
-Base GEMMs: NVFP4 weights at batch <= 16 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
+Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
 instead of three or two); larger batches call each NVFP4Linear's kernel. Frozen bf16 weights of a group are moved
 into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
@@ -81,7 +81,7 @@ class BaseGEMM:
     """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
 
     On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
-    (batch <= 16); frozen ``nn.Linear`` weights are moved into one buffer (views handed back to the modules)."""
+    (batch <= 64); frozen ``nn.Linear`` weights are moved into one buffer (views handed back to the modules)."""
 
     def __init__(self, layers: list[nn.Module], fast: bool):
         self.layers = layers
@@ -147,9 +147,12 @@ class BaseGEMM:
             self._mma_weight()
 
     def _ensure_mma(self, x: torch.Tensor) -> bool:
-        """The repacked copy is built on the first batch <= 16 step (eager: the warm-up before its capture), so
-        rollouts that never decode at batch <= 16 do not hold it (+0.625 bytes per weight)."""
-        if self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda or x.shape[0] > 16:
+        """The repacked copy is built on the first batch <= 64 step (eager: the warm-up before its capture), so
+        rollouts that never decode at batch <= 64 do not hold it (+0.625 bytes per weight)."""
+        from qerl.kernels import nvfp4_mma_gemv as mma
+
+        if (self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda
+                or x.shape[0] > mma.MAX_M):
             return False
         if self._repacked is None:
             if self._no_mma or torch.cuda.is_current_stream_capturing():
@@ -157,8 +160,6 @@ class BaseGEMM:
             if self._mma_weight() is None:  # shapes or distinct global scales: the per-layer kernels
                 self._no_mma = True
                 return False
-            from qerl.kernels import nvfp4_mma_gemv as mma
-
             mma.counters(x.device, self._repacked[0].shape[0])  # the split-K arrival counters
         return True
 

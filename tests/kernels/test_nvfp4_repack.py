@@ -68,7 +68,9 @@ ref = x.double() @ dequantize(p, s, g, torch.float64).t()
 assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 assert any(c.mma_gemv for c in kernels.candidate_configs(4))
 assert not any(c.mma_gemv for c in kernels.candidate_configs(4, transpose_w=True))
-assert not any(c.mma_gemv for c in kernels.candidate_configs(64))
+assert any(c.mma_gemv for c in kernels.candidate_configs(64))
+assert not any(c.mma_gemv for c in kernels.candidate_configs(65) + kernels.candidate_configs(64, transpose_w=True))
+assert kernels.default_config(False, 64, 3584, 3584).mma_gemv and not kernels.default_config(False, 65, 3584, 3584).mma_gemv
 print("ok")
 """
 
@@ -85,10 +87,63 @@ def test_auto_shapes():
     # 7b.down at M <= 8 takes 8 warps, everything else 4; splits keep one resident wave and >= 4 chunks each
     assert gemv.auto_warps(3584, 18944, 1) == 8 and gemv.auto_warps(3584, 18944, 2) == 4
     assert gemv.auto_warps(512, 3584, 1) == 4 and gemv.auto_warps(18944, 3584, 1) == 4
-    gemv._REGS[(1, True, 4)] = 64  # as built on the H200: 8 programs of 4 warps per SM
+    gemv._REGS[(1, True, 4, True, 1)] = 64  # as built on the H200: 8 programs of 4 warps per SM
+    gemv._REGS[(8, True, 4, False, 1)] = 154  # 3 programs per SM
+    gemv._REGS[(8, True, 4, False, 2)] = 208  # 2 programs per SM
     try:
         assert gemv.auto_splits(18944 // 16, 3584 // 64, 1, 4, 132) == 3  # 296 programs, 1056 resident
         assert gemv.auto_splits(512 // 16, 3584 // 64, 1, 4, 132) == 14  # capped at 56 chunks / 4
         assert gemv.auto_splits(27648 // 16, 5120 // 64, 1, 4, 132) == 2
+        assert gemv.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132) == 7  # 56 programs, 396 resident
+        assert gemv.auto_splits(37888 // 16, 3584 // 64, 8, 4, 132) == 1  # more than a wave already
+        assert gemv.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132, xpre=False, rb=2) == 9  # 28 programs, 264
     finally:
-        del gemv._REGS[(1, True, 4)]
+        for key in ((1, True, 4, True, 1), (8, True, 4, False, 1), (8, True, 4, False, 2)):
+            del gemv._REGS[key]
+    assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+
+
+_SM90_BUILD = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.kernels import nvfp4_mma_gemv as G
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+       "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
+       "c_addr": "i64", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
+       "FUSED": "constexpr", "RB": "constexpr"}
+for nt, fused, xpre, rb in [(int(a[0]), a[1] == "f", a[2] == "p", int(a[3])) for a in sys.argv[1:]]:
+    consts = {"NT": nt, "WARPS": 4, "ASM": G._asm(nt, fused, xpre, rb), "SHIFT": 256.0, "FUSED": fused, "RB": rb}
+    k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    path = Path(sys.argv[0]).with_suffix(f".{nt}{fused}{xpre}{rb}.cubin")
+    path.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    print(nt, fused, xpre, rb, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
+"""
+
+
+def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
+    # ptxas checks the generated PTX (operand numbering, register declarations) for the H100 target on this CPU
+    # machine; a variant that spilled to local memory would lose its bandwidth
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled CUDA tools")
+    script = tmp_path / "build.py"
+    script.write_text(_SM90_BUILD)
+    # every (tiles, epilogue, activation prefetch, row blocks) the launcher's defaults and candidates can pick
+    variants = ["1np1", "2np1", "1fp1", "1fp2", "1fn1", "1fn2", "2fp1", "2fp2", "2fn1", "2fn2", "4fp1", "4fn1", "4fp2",
+                "4fn2", "8fp1", "8fn1", "8fn2"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(variants), proc.stdout
+    for line in lines:
+        regs = int(line.split("REG:")[1].split()[0])
+        assert "LOCAL:0" in line and regs <= 255, line
