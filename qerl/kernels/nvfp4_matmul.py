@@ -332,6 +332,9 @@ class TileConfig:
     """mma GEMV: load the activations a chunk ahead (None: the kernel's default for the batch width)."""
     row_blocks: int | None = None
     """mma GEMV: 16-row weight blocks per warp, 1 or 2 (None: the kernel's default for the batch width)."""
+    smem_stages: int | None = None
+    """mma GEMV: activations shared by the program's warps through this many shared-memory stages (0: each warp
+    loads its own; None: the kernel's default for the batch width)."""
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -379,15 +382,16 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
 
 def gemv_configs(m: int = 1) -> list[TileConfig]:
     """The mma GEMV candidates (forward, M <= 64); the first is the default."""
-    if m > 16:  # the asm always writes the output itself there; prefetch and row blocks trade registers
-        wide = [(xp, rb, 0) for xp in (True, False) for rb in (1, 2) if not (xp and rb == 2 and m > 32)]  # spills
-        return [GEMV] + [TileConfig(0, m_bucket(m), 64, 4, 1, min_programs=tw, mma_gemv=True, x_prefetch=xp,
-                                    row_blocks=rb) for xp, rb, tw in wide + [(False, 2, 2048)]]
+    if m > 16:  # the asm always writes the output itself there; prefetch, row blocks and staging trade registers
+        wide = [(False, rb, 4) for rb in (1, 2)] + [
+            (xp, rb, 0) for xp in (True, False) for rb in (1, 2) if not (xp and rb == 2 and m > 32)]  # that spills
+        return [GEMV] + [TileConfig(0, m_bucket(m), 64, 4, 1, mma_gemv=True, x_prefetch=xp, row_blocks=rb,
+                                    smem_stages=st) for xp, rb, st in wide]
     return [GEMV] + [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f, x_prefetch=xp,
-                                row_blocks=rb)
-                     for w, tw, f, xp, rb in ((4, 0, True, True, 1), (8, 0, True, True, 1), (4, 0, True, True, 2),
-                                              (4, 0, True, False, 1), (4, 0, True, False, 2),
-                                              (4, 2048, False, True, 1))]
+                                row_blocks=rb, smem_stages=st)
+                     for w, tw, f, xp, rb, st in ((4, 0, True, True, 1, 0), (8, 0, True, True, 1, 0),
+                                                  (4, 0, True, True, 2, 0), (4, 0, True, False, 2, 0),
+                                                  (4, 0, True, False, 2, 4), (4, 2048, False, True, 1, 0))]
 
 
 def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
@@ -536,13 +540,15 @@ def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose
     cached = mma_gemv.repacked(weight_packed, weight_scale, build=not capturing)
     if cached is None:
         return None
-    fused = cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
+    fused = (cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
+             or bool(cfg.smem_stages))
     counter = mma_gemv.counters(a.device, n // 16, build=not capturing) if fused else None
     if fused and counter is None:
         return None
     return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
                            target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
-                           x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks)
+                           x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks,
+                           smem_stages=cfg.smem_stages)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -174,6 +174,32 @@ def repacked(weight_packed: torch.Tensor, weight_scale: torch.Tensor, build: boo
 # Kernel
 
 
+def _unpack_and_mma(a, nt: int, rb: int, acc, xfrag, steps=range(4)) -> None:
+    """k16 steps ``steps`` of the current chunk (weights in buffer A): unpack each row block's A fragment (11 int ops
+    per 8 codes + 4 bf16x2 fma by the factor) and multiply it with every n8 tile's B fragment ``xfrag(t, j)``."""
+    if 0 in steps:
+        for r in range(rb):
+            a(f"prmt.b32 %fr{r}, %Af{r}, %Af{r}, 0x1010; prmt.b32 %fr8{r}, %Af{r}, %Af{r}, 0x3232;")
+    for j in steps:
+        for r in range(rb):
+            w, fr, fr8 = f"%Aw{r}_{j}", f"%fr{r}", f"%fr8{r}"
+            # pair 0: bits in place
+            a(f"and.b32 %a0, {w}, %m;")
+            # pair 1: everything 3 bits lower
+            a(f"shl.b32 %a1, {w}, 3; and.b32 %a1, %a1, %m;")
+            # pair 2: magnitude from 6 lower, sign from 2 lower, merged by a select (sel ? t : u = lop3 0xE4)
+            a(f"shl.b32 %t, {w}, 6; shl.b32 %u, {w}, 2; lop3.b32 %a2, %t, %u, %sel, 0xE4; and.b32 %a2, %a2, %m;")
+            # pair 3: magnitude from 3 higher, sign from 1 lower
+            a(f"shr.u32 %t, {w}, 3; shl.b32 %u, {w}, 1; lop3.b32 %a3, %t, %u, %sel, 0xE4; and.b32 %a3, %a3, %m;")
+            a(f"fma.rn.bf16x2 %a0, %a0, {fr}, %nz; fma.rn.bf16x2 %a1, %a1, {fr8}, %nz;")
+            a(f"fma.rn.bf16x2 %a2, %a2, {fr}, %nz; fma.rn.bf16x2 %a3, %a3, {fr8}, %nz;")
+            for t in range(nt):
+                c = ", ".join(acc(4 * (r * nt + t) + i) for i in range(4))
+                b0, b1 = xfrag(t, j)
+                a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, "
+                  f"{{%a0, %a1, %a2, %a3}}, {{{b0}, {b1}}}, {{{c}}};")
+
+
 def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) -> str:
     """PTX of the whole K loop for one lane.
 
@@ -216,29 +242,8 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
                 a(f"@%pq ld.global.nc.v4.u32 {{{regs}}}, [%px{t}+{128 * off + 16 * h}];")
 
     def compute(xbuf, steps=range(4)):
-        if 0 in steps:
-            for r in range(rb):
-                a(f"prmt.b32 %fr{r}, %Af{r}, %Af{r}, 0x1010; prmt.b32 %fr8{r}, %Af{r}, %Af{r}, 0x3232;")
-        for j in steps:
-            for r in range(rb):
-                w, fr, fr8 = f"%Aw{r}_{j}", f"%fr{r}", f"%fr8{r}"
-                # pair 0: bits in place
-                a(f"and.b32 %a0, {w}, %m;")
-                # pair 1: everything 3 bits lower
-                a(f"shl.b32 %a1, {w}, 3; and.b32 %a1, %a1, %m;")
-                # pair 2: magnitude from 6 lower, sign from 2 lower, merged by a select (sel ? t : u = lop3 0xE4)
-                a(f"shl.b32 %t, {w}, 6; shl.b32 %u, {w}, 2; lop3.b32 %a2, %t, %u, %sel, 0xE4; "
-                  "and.b32 %a2, %a2, %m;")
-                # pair 3: magnitude from 3 higher, sign from 1 lower
-                a(f"shr.u32 %t, {w}, 3; shl.b32 %u, {w}, 1; lop3.b32 %a3, %t, %u, %sel, 0xE4; "
-                  "and.b32 %a3, %a3, %m;")
-                a(f"fma.rn.bf16x2 %a0, %a0, {fr}, %nz; fma.rn.bf16x2 %a1, %a1, {fr8}, %nz;")
-                a(f"fma.rn.bf16x2 %a2, %a2, {fr}, %nz; fma.rn.bf16x2 %a3, %a3, {fr8}, %nz;")
-                for t in range(nt):
-                    c = ", ".join(acc(4 * (r * nt + t) + i) for i in range(4))
-                    b0, b1 = f"%{xbuf}x{8 * t + 2 * j}", f"%{xbuf}x{8 * t + 2 * j + 1}"
-                    a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, "
-                      f"{{%a0, %a1, %a2, %a3}}, {{{b0}, {b1}}}, {{{c}}};")
+        _unpack_and_mma(a, nt, rb, acc, lambda t, j: (f"%{xbuf}x{8 * t + 2 * j}", f"%{xbuf}x{8 * t + 2 * j + 1}"),
+                        steps)
 
     def advance():
         for r in range(rb):
@@ -315,6 +320,123 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
     a("L_done_${:uid}:")
     if fused:
         _fused_reduce(a, nt, rb, acc, first + 8)
+    a("}")
+    return "\n".join(L)
+
+
+def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
+    """The wide-batch main loop: the program's warps share the activations through shared memory instead of each
+    loading its own fragments (a warp of 16 rows would otherwise read M x K activations for 16 x K weights).
+
+    Same operands as the fused :func:`_mainloop_asm` plus, after the epilogue's, xs_base(l) (the activations at this
+    split's first chunk, token 0) and k2(l) (bytes per token row). Every chunk's [8 nt tokens, 64 k] bf16 tile is
+    copied by all threads of the program with ``cp.async`` (tokens >= M zero-filled) into a ring of ``stages``
+    buffers, 16-byte segments swizzled by the token row (segment s of row r at s ^ (r % 8): the fragment reads of a
+    quarter warp hit 8 distinct bank groups); one barrier per chunk. The warps of a program must run the same number
+    of chunks (the launcher points missing row blocks at row block 0 and does not store them).
+    """
+    nacc = 4 * nt * rb
+    threads = 32 * warps
+    seg = 64 * nt  # 16-byte segments per chunk tile
+    copies = -(-seg // threads)
+    stage = 1024 * nt
+    i_w, i_f, i_n, _, _, _, i_ws, i_fs = (f"${1 + i}" for i in range(8))
+    base = 9
+    i_m = f"${base + 4}"
+    i_xb, i_k2 = f"${base + 12}", f"${base + 13}"
+    acc = lambda i: f"%c{i}"  # noqa: E731
+    L = []
+    a = L.append
+
+    def load_w(buf, pred, off):
+        for r in range(rb):
+            a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w{r}_0, %{buf}w{r}_1, %{buf}w{r}_2, %{buf}w{r}_3}}, "
+              f"[%pw{r}+{512 * off}];")
+            a(f"@{pred} ld.global.nc.u32 %{buf}f{r}, [%pf{r}+{128 * off}];")
+
+    def copy_next():
+        """cp.async of chunk %cc (if < n) into stage %wr, then advance both; one commit group either way."""
+        a("setp.lt.s32 %pcc, %cc, %ntot;")
+        for u in range(copies):
+            a(f"add.u32 %sd, %cd{u}, %wr; and.pred %pz2, %pcc, %pcs{u};")
+            a(f"@%pz2 cp.async.cg.shared.global [%sd], [%cs{u}], 16, %csz{u};")
+            a(f"add.s64 %cs{u}, %cs{u}, 128;")
+        a("cp.async.commit_group;")
+        a("add.s32 %cc, %cc, 1;")
+        a(f"add.u32 %wr, %wr, {stage}; setp.ge.u32 %pr, %wr, {stage * stages}; @%pr mov.u32 %wr, 0;")
+
+    a("{")
+    a(f".shared .align 128 .b8 qsm[{stage * stages}];")
+    a(".reg .pred %p1, %p2, %pcc, %pr, %pz2;")
+    a(f".reg .pred %pcs<{copies}>;")
+    a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %a<4>, %tq, %g, %q, %sb, %sx0, %sx1, %sa, %rd, %wr, %sd;")
+    a(".reg .b32 %row, %sg, %mm;")
+    a(".reg .b64 %k2, %xb, %o64;")
+    for r in range(rb):
+        a(f".reg .b32 %fr{r}, %fr8{r};")
+        for buf in "ABC":
+            a(f".reg .b32 %{buf}w{r}_<4>, %{buf}f{r};")
+        a(f".reg .b64 %pw{r}, %pf{r};")
+    a(f".reg .b32 %x<{8 * nt}>;")
+    a(f".reg .b32 %cd<{copies}>, %csz<{copies}>;")
+    a(f".reg .b64 %cs<{copies}>;")
+    a(f".reg .f32 %c<{nacc}>;")
+    a(f"mov.b64 %pw0, {i_w}; mov.b64 %pf0, {i_f}; mov.b32 %n, {i_n}; mov.b32 %ntot, {i_n};")
+    if rb > 1:
+        a(f"add.s64 %pw1, %pw0, {i_ws}; add.s64 %pf1, %pf0, {i_fs};")
+    a(f"mov.b32 %m, {MASK:#x}; mov.b32 %sel, 0x7FFF7FFF; mov.b32 %nz, 0x80008000;")
+    a(f"mov.b64 %xb, {i_xb}; mov.b64 %k2, {i_k2}; mov.b32 %mm, {i_m};")
+    a("mov.b32 $0, 0;")
+    for i in range(nacc):
+        a(f"mov.f32 %c{i}, 0f00000000;")
+    # this lane's fragment addresses (two 16-byte halves of its 32 bytes of token row g), swizzled
+    a("mov.u32 %tq, %tid.x; mov.u32 %sb, qsm;")
+    a("and.b32 %g, %tq, 31; shr.u32 %g, %g, 2; and.b32 %q, %tq, 3;")
+    for h, reg in ((0, "%sx0"), (1, "%sx1")):
+        a(f"shl.b32 %sg, %q, 1; add.u32 %sg, %sg, {h}; xor.b32 %sg, %sg, %g; shl.b32 %sg, %sg, 4;")
+        a(f"shl.b32 {reg}, %g, 7; add.u32 {reg}, {reg}, %sg; add.u32 {reg}, {reg}, %sb;")
+    # this thread's copy segments: index tq + threads * u -> (token row, segment)
+    for u in range(copies):
+        a(f"add.u32 %row, %tq, {threads * u}; setp.lt.u32 %pcs{u}, %row, {seg};")
+        a("and.b32 %sg, %row, 7; shr.u32 %row, %row, 3;")
+        a(f"cvt.u64.u32 %o64, %row; mul.lo.u64 %o64, %o64, %k2; add.s64 %cs{u}, %xb, %o64;")
+        a(f"mul.wide.u32 %o64, %sg, 16; add.s64 %cs{u}, %cs{u}, %o64;")
+        a(f"setp.lt.s32 %p1, %row, %mm; selp.b32 %csz{u}, 16, 0, %p1; @!%p1 mov.b64 %cs{u}, %xb;")
+        a(f"and.b32 %t, %row, 7; xor.b32 %t, %t, %sg; shl.b32 %t, %t, 4; shl.b32 %cd{u}, %row, 7; "
+          f"add.u32 %cd{u}, %cd{u}, %t; add.u32 %cd{u}, %cd{u}, %sb;")
+    a("mov.u32 %cc, 0; mov.u32 %wr, 0; mov.u32 %rd, 0;")
+    for _ in range(stages - 1):
+        copy_next()
+    a("setp.gt.s32 %p1, %n, 0;")
+    a("setp.gt.s32 %p2, %n, 1;")
+    load_w("A", "%p1", 0)
+    load_w("B", "%p2", 1)
+    a("@!%p1 bra L_done_${:uid};")
+    a("L_loop_${:uid}:")
+    a(f"cp.async.wait_group {stages - 2};")
+    a(f"bar.sync 1, {threads};")
+    copy_next()
+    a("setp.gt.s32 %p2, %n, 2;")
+    load_w("C", "%p2", 2)
+    for h in range(2):
+        a(f"add.u32 %sa, %sx{h}, %rd;")
+        for t in range(nt):
+            regs = ", ".join(f"%x{8 * t + 4 * h + i}" for i in range(4))
+            a(f"ld.shared.v4.u32 {{{regs}}}, [%sa+{1024 * t}];")
+        _unpack_and_mma(a, nt, rb, acc, lambda t, j: (f"%x{8 * t + 2 * j}", f"%x{8 * t + 2 * j + 1}"),
+                        (2 * h, 2 * h + 1))
+    for r in range(rb):
+        for i in range(4):
+            a(f"mov.b32 %Aw{r}_{i}, %Bw{r}_{i}; mov.b32 %Bw{r}_{i}, %Cw{r}_{i};")
+        a(f"mov.b32 %Af{r}, %Bf{r}; mov.b32 %Bf{r}, %Cf{r};")
+        a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
+    a(f"add.u32 %rd, %rd, {stage}; setp.ge.u32 %pr, %rd, {stage * stages}; @%pr mov.u32 %rd, 0;")
+    a("add.s32 %n, %n, -1;")
+    a("setp.gt.s32 %p1, %n, 0;")
+    a("@%p1 bra L_loop_${:uid};")
+    a("L_done_${:uid}:")
+    a("cp.async.wait_group 0;")
+    _fused_reduce(a, nt, rb, acc, base)
     a("}")
     return "\n".join(L)
 
@@ -414,21 +536,29 @@ def default_x_prefetch(nt: int) -> bool:
     return nt <= 4
 
 
-def default_row_blocks(n: int, k: int) -> int:
-    """Row blocks per warp: 2 for the big weights (H100: 32b.gate M = 16/64 45/92 us vs 51/157 with 1, 7b.gate 26/65
-    vs 28/65), 1 for the rest, where halving the programs costs more than the activation reloads (7b.q M = 32:
-    20 vs 15 us)."""
-    return 2 if n >= 16384 or n * k >= 100_000_000 else 1
+def default_row_blocks(n: int, k: int, stages: int = 0) -> int:
+    """Row blocks per warp when each warp loads its own activations: 2 for the big weights (H100: 32b.gate M = 16/64
+    45/92 us vs 51/157 with 1, 7b.gate 26/65 vs 28/65), 1 for the rest, where halving the programs costs more than
+    the activation reloads (7b.q M = 32: 20 vs 15 us). With shared activations 1 (7b.gate M = 64: 43 vs 49 us)."""
+    return 2 if not stages and (n >= 16384 or n * k >= 100_000_000) else 1
 
 
 _ASM: dict[tuple, str] = {}
 
 
-def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1) -> str:
-    key = (nt, fused, xpre, rb)
+def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4) -> str:
+    key = (nt, fused, xpre, rb, stages, warps if stages else 0)
     if key not in _ASM:
-        _ASM[key] = _mainloop_asm(nt, fused, xpre, rb)
+        _ASM[key] = (_smem_mainloop_asm(nt, rb, stages, warps) if stages
+                     else _mainloop_asm(nt, fused, xpre, rb))
     return _ASM[key]
+
+
+def default_smem_stages(nt: int, n: int, k: int) -> int:
+    """Shared activations (4 stages of [8 nt, 64] bf16: 16/32 KiB) from 4 tiles (M > 16) up, for weights of 20M
+    and more (H100 M = 64: 7b.gate 43 vs 57 us, 32b.q 26 vs 28); the small ones are latency-bound and lose to the
+    per-warp loads (7b.q 22 vs 19 us)."""
+    return 4 if nt >= 4 and n * k >= 20_000_000 else 0
 
 
 @triton.jit
@@ -447,6 +577,8 @@ def _mma_gemv_kernel(
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
     RB: tl.constexpr,
 ):
+    # every warp of a program runs the same number of chunks (the shared-memory variant synchronizes them per chunk):
+    # a warp past the last row block computes row block 0 again and stores nothing
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     tid = _tid(tl.arange(0, 32 * WARPS))
@@ -460,8 +592,8 @@ def _mma_gemv_kernel(
     c1 = tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all)
     valid = rb < N // 16
     valid2 = (rb + 1 < N // 16).to(tl.int32)
-    n = tl.where(valid, c1 - c0, 0)
-    base = (rb.to(tl.int64) * nchunks_all + c0) * 32 + lane
+    n = tl.zeros_like(rb) + (c1 - c0)
+    base = (tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane
     w_ptr = w_addr + base * 16
     f_ptr = f_addr + base * 4
     x0 = x_addr + (g.to(tl.int64) * K + c0 * 64 + 16 * q) * 2
@@ -484,10 +616,12 @@ def _mma_gemv_kernel(
         ns = tl.zeros_like(tok) + SPLITS
         vi = valid.to(tl.int32)
         fac = tl.zeros([32 * WARPS], dtype=tl.float32) + factor
+        xs_base = tl.zeros_like(x0) + (x_addr + c0.to(tl.int64) * 128)
+        k2 = tl.zeros_like(x0) + K.to(tl.int64) * 2
         tl.inline_asm_elementwise(
-            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r",
+            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
             [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi,
-             fac, valid2],
+             fac, valid2, xs_base, k2],
             dtype=tl.int32, is_pure=False, pack=1)
     else:
         out_base = out_ptr + pid_s.to(tl.int64) * M * N
@@ -540,10 +674,11 @@ _CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3}
 _REGS: dict[tuple, int] = {}
 
 
-def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1) -> int:
+def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
+                      stages: int = 0) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
-    regs = _REGS.get((nt, fused, warps, xpre, rb))
+    regs = _REGS.get((nt, fused, warps, xpre and not stages, rb, stages))
     if regs is None:
         return max(1, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1)  # conservative until the first launch reports
     regs = -(-regs // 8) * 8
@@ -551,10 +686,10 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
-                min_chunks: int = 4, xpre: bool | None = None, rb: int = 1) -> int:
+                min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
     programs = triton.cdiv(row_blocks, warps * rb)
-    capacity = sms * resident_programs(nt, fused, warps, xpre, rb)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages)
     return max(1, min(capacity // programs, chunks // min_chunks))
 
 
@@ -567,7 +702,7 @@ def auto_warps(n: int, k: int, nt: int) -> int:
 def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, warps: int = 4,
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
-           row_blocks_per_warp: int | None = None) -> torch.Tensor:
+           row_blocks_per_warp: int | None = None, smem_stages: int | None = None) -> torch.Tensor:
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -577,8 +712,9 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     reduces the splits itself (last warp per row block) instead of Triton stores and a second kernel; needs the
     ``counter`` buffer (:func:`counters`) when K is split; always on above 16 tokens. ``x_prefetch``: load the
     activations a chunk ahead (None: :func:`default_x_prefetch`); ``row_blocks_per_warp``: 1 or 2 (None:
-    :func:`default_row_blocks`; 2 needs the fused epilogue). Kernels using the fused reduction must not run
-    concurrently on several streams (shared counters)."""
+    :func:`default_row_blocks`; 2 needs the fused epilogue); ``smem_stages``: share the activations through a ring
+    of this many shared-memory stages (0: each warp loads its own; None: :func:`default_smem_stages`). Kernels using
+    the fused reduction must not run concurrently on several streams (shared counters)."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -591,9 +727,10 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         a = a.clone()
     nt = tiles_for(m)
     xpre = default_x_prefetch(nt) if x_prefetch is None else x_prefetch
-    n = words.shape[0] * 16
-    rbw = default_row_blocks(n, k) if row_blocks_per_warp is None else row_blocks_per_warp
-    fused = fused or nt > 2 or rbw > 1
+    stages = default_smem_stages(nt, n, k) if smem_stages is None else smem_stages
+    rbw = default_row_blocks(n, k, stages) if row_blocks_per_warp is None else row_blocks_per_warp
+    xpre = xpre and not stages
+    fused = fused or nt > 2 or rbw > 1 or stages > 0
     row_blocks = n // 16
     chunks = k // CHUNK
     if not warps:
@@ -601,7 +738,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     if target_warps:
         splits = max(1, min(triton.cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
-        splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw)
+        splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
+                             stages=stages)
     per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, per_split)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
@@ -617,8 +755,9 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     compiled = _mma_gemv_kernel[grid](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
         part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
-        NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw), SHIFT=256.0, FUSED=fused, RB=rbw, num_warps=warps)
-    key = (nt, fused, warps, xpre, rbw)
+        NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps), SHIFT=256.0, FUSED=fused, RB=rbw,
+        num_warps=warps)
+    key = (nt, fused, warps, xpre, rbw, stages)
     if key not in _REGS:
         try:
             _REGS[key] = int(compiled.n_regs)

@@ -69,8 +69,8 @@ for dtype in (torch.float32, torch.float16):
         lb = (rnd(N, r, dtype=dtype, scale=0.1), rnd(N, r, dtype=dtype, scale=0.1)) if r else None
         res[f"silu-{dtype}-{b}-{N}-{r}"] = diff(K.silu_mul_epilogue(yg, yu, u, lb),
                                                  K.silu_mul_epilogue_torch(yg, yu, u, lb))
-    # LoRA-A as split-K partials (b <= 16), summed by the consumers
-    for b, K_, n, splits in ((1, 200, 48, 3), (5, 512, 16, 0), (16, 96, 192, 2)):
+    # LoRA-A as split-K partials (b <= 64), summed by the consumers
+    for b, K_, n, splits in ((1, 200, 48, 3), (5, 512, 16, 0), (16, 96, 192, 2), (37, 128, 48, 2)):
         x, a = rnd(b, K_ + 4, dtype=dtype)[:, :K_], rnd(n, K_, dtype=dtype)
         part = K.lora_a(x, a, max_splits=splits or 4)
         ref = x.double() @ a.double().t()

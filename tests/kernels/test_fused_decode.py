@@ -42,7 +42,9 @@ def test_decode_attention_matches_fp64(interpreted):
 
 def test_residual_rms_norm_matches(interpreted):
     """Chunks of a row in parallel, the last program to arrive normalizes (its counter reset for the next call)."""
-    _check(interpreted, "resnorm-torch", 1e-6, 0.0, 6)
+    # fp16: at most one rounding step (2^-11 below 1, 2^-9 below 4) where the sum of squares, reduced chunk by chunk
+    # in the kernel and in one pass by torch, lands on the other side of a rounding boundary
+    _check(interpreted, "resnorm-torch", 1e-6, 2e-3, 6)
     assert all(v == 1.0 for k, v in interpreted.items() if k.startswith("resnorm-changed"))
 
 
@@ -51,7 +53,7 @@ def test_silu_mul_matches(interpreted):
 
 
 def test_lora_a_split_partials_sum_to_the_product(interpreted):
-    _check(interpreted, "lora_a-torch", 1e-6, 1e-6, 6)  # relative to the largest entry, vs float64
+    _check(interpreted, "lora_a-torch", 1e-6, 1e-6, 8)  # relative to the largest entry, vs float64
     assert all(v == 1.0 for k, v in interpreted.items() if k.startswith("lora_a-splits"))
 
 

@@ -87,9 +87,9 @@ def test_auto_shapes():
     # 7b.down at M <= 8 takes 8 warps, everything else 4; splits keep one resident wave and >= 4 chunks each
     assert gemv.auto_warps(3584, 18944, 1) == 8 and gemv.auto_warps(3584, 18944, 2) == 4
     assert gemv.auto_warps(512, 3584, 1) == 4 and gemv.auto_warps(18944, 3584, 1) == 4
-    gemv._REGS[(1, True, 4, True, 1)] = 64  # as built on the H200: 8 programs of 4 warps per SM
-    gemv._REGS[(8, True, 4, False, 1)] = 154  # 3 programs per SM
-    gemv._REGS[(8, True, 4, False, 2)] = 208  # 2 programs per SM
+    gemv._REGS[(1, True, 4, True, 1, 0)] = 64  # as built on the H200: 8 programs of 4 warps per SM
+    gemv._REGS[(8, True, 4, False, 1, 0)] = 154  # 3 programs per SM
+    gemv._REGS[(8, True, 4, False, 2, 0)] = 208  # 2 programs per SM
     try:
         assert gemv.auto_splits(18944 // 16, 3584 // 64, 1, 4, 132) == 3  # 296 programs, 1056 resident
         assert gemv.auto_splits(512 // 16, 3584 // 64, 1, 4, 132) == 14  # capped at 56 chunks / 4
@@ -98,7 +98,7 @@ def test_auto_shapes():
         assert gemv.auto_splits(37888 // 16, 3584 // 64, 8, 4, 132) == 1  # more than a wave already
         assert gemv.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132, xpre=False, rb=2) == 9  # 28 programs, 264
     finally:
-        for key in ((1, True, 4, True, 1), (8, True, 4, False, 1), (8, True, 4, False, 2)):
+        for key in ((1, True, 4, True, 1, 0), (8, True, 4, False, 1, 0), (8, True, 4, False, 2, 0)):
             del gemv._REGS[key]
     assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
 
@@ -115,14 +115,15 @@ sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "ou
        "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
        "c_addr": "i64", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
        "FUSED": "constexpr", "RB": "constexpr"}
-for nt, fused, xpre, rb in [(int(a[0]), a[1] == "f", a[2] == "p", int(a[3])) for a in sys.argv[1:]]:
-    consts = {"NT": nt, "WARPS": 4, "ASM": G._asm(nt, fused, xpre, rb), "SHIFT": 256.0, "FUSED": fused, "RB": rb}
+for nt, fused, xpre, rb, st in [(int(a[0]), a[1] == "f", a[2] == "p", int(a[3]), int(a[4])) for a in sys.argv[1:]]:
+    consts = {"NT": nt, "WARPS": 4, "ASM": G._asm(nt, fused, xpre, rb, st, 4), "SHIFT": 256.0, "FUSED": fused,
+              "RB": rb}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
-    path = Path(sys.argv[0]).with_suffix(f".{nt}{fused}{xpre}{rb}.cubin")
+    path = Path(sys.argv[0]).with_suffix(f".{nt}{fused}{xpre}{rb}{st}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
-    print(nt, fused, xpre, rb, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
+    print(nt, fused, xpre, rb, st, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
 """
 
 
@@ -135,9 +136,10 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    # every (tiles, epilogue, activation prefetch, row blocks) the launcher's defaults and candidates can pick
-    variants = ["1np1", "2np1", "1fp1", "1fp2", "1fn1", "1fn2", "2fp1", "2fp2", "2fn1", "2fn2", "4fp1", "4fn1", "4fp2",
-                "4fn2", "8fp1", "8fn1", "8fn2"]
+    # every (tiles, epilogue, activation prefetch, row blocks, shared-memory stages) the launcher's defaults and
+    # candidates can pick
+    variants = ["1np10", "2np10", "1fp10", "1fp20", "1fn20", "2fp10", "2fp20", "2fn20", "2fn24", "4fp10", "4fn10",
+                "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
