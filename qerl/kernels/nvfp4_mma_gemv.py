@@ -1,11 +1,15 @@
-"""Decode-size (M <= 16) NVFP4 x bf16 forward product on a load-time repacked weight ("Marlin layout").
+"""Decode-size (M <= 64) NVFP4 x bf16 forward product on a load-time repacked weight ("Marlin layout").
 
 The compressed-tensors layout stays the stored/on-disk format; on first use on CUDA a repacked copy is built once per
 weight (cached beside it, 0.625 bytes per weight) in which every thread's 16-byte load *is* its ``mma.sync
 m16n8k16`` A-operand fragments for 4 k16 steps, with the sign/magnitude bits of each bf16 pair pre-placed so that the
 unpack costs ~11 integer ops per 8 codes (vs 16 on the compressed layout), and the block scales pre-converted to bf16
-(times 2^118, the same exact bit trick as ``nvfp4_matmul``). No shared memory: each warp owns 16 weight rows and
-walks K in chunks of 64 (1 KiB of codes per warp and chunk), prefetching the next chunk while it computes.
+(times 2^118, the same exact bit trick as ``nvfp4_matmul``). Each warp owns 16 (or 32: two row blocks) weight rows and
+walks K in chunks of 64 (1 KiB of codes per row block and chunk), prefetching the weights two chunks ahead; the
+tokens are 1, 2, 4 or 8 n8 tiles (M <= 8, 16, 32, 64). Activations: each warp loads its own fragments (prefetched a
+chunk ahead, or refilled by halves), or, for the wide batches on big weights, the program's warps share them through
+a ring of shared-memory stages filled with ``cp.async`` (a 16-row warp would otherwise read M x K activations for
+its 16 x K weights). Split-K partials are reduced in the same launch by the last warp to arrive.
 
 Repacked layout for ``W [N, K]`` (N % 16 == 0, K % 64 == 0), row block ``rb`` (16 rows), chunk ``c`` (64 k), lane
 ``l = 4 g + q``, step ``j`` (0..3), fragment element ``e`` (0..7 = a0..a7 of the PTX m16n8k16 A fragment):
@@ -20,9 +24,10 @@ permuted, the activation fragment is loaded in the same order, so the sum is unc
 lane and chunk. The activation B fragment of lane (g, q) is x[8 t + g, 64 c + 16 q : +16] (two 16-byte loads per
 n8 tile t), accumulators are fp32 (c0, c1: row g, tokens 2q, 2q+1; c2, c3: row g + 8).
 
-Everything lane-dependent is in inline PTX (Triton only launches, holds the accumulators and writes them out), so the
-CPU interpreter cannot run it: CPU tests cover the repack (repack -> unrepack is the identity) and
-:func:`emulate_repacked`, which decodes the repacked words with exactly the asm's bit operations and lane mapping.
+Everything lane-dependent is in inline PTX (Triton only launches it), so the CPU interpreter cannot run it: CPU tests
+cover the repack (repack -> unrepack is the identity), :func:`emulate_repacked` (decodes the repacked words with
+exactly the asm's bit operations and lane mapping) and the sm_90 build of every variant (ptxas accepts the PTX, no
+register spills); ``bench/bench_gemv.py`` checks every variant against float64 on the GPU.
 """
 
 from __future__ import annotations
@@ -174,6 +179,33 @@ def repacked(weight_packed: torch.Tensor, weight_scale: torch.Tensor, build: boo
 # Kernel
 
 
+def _declare_weights(a, rb: int) -> None:
+    """Registers of the weight pipeline per row block: words/factor buffers A (current chunk), B, C (next two), the
+    factor pair, and the word/factor pointers."""
+    for r in range(rb):
+        a(f".reg .b32 %fr{r}, %fr8{r};")
+        for buf in "ABC":
+            a(f".reg .b32 %{buf}w{r}_<4>, %{buf}f{r};")
+        a(f".reg .b64 %pw{r}, %pf{r};")
+
+
+def _load_weights(a, rb: int, buf: str, pred: str, off: int) -> None:
+    """Words (16 B per lane) and factor pair (4 B) of chunk ``off`` ahead into buffer ``buf``, when ``pred``."""
+    for r in range(rb):
+        a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w{r}_0, %{buf}w{r}_1, %{buf}w{r}_2, %{buf}w{r}_3}}, "
+          f"[%pw{r}+{512 * off}];")
+        a(f"@{pred} ld.global.nc.u32 %{buf}f{r}, [%pf{r}+{128 * off}];")
+
+
+def _next_weights(a, rb: int) -> None:
+    """Rotate the weight buffers (B -> A, C -> B) and step the pointers one chunk."""
+    for r in range(rb):
+        for i in range(4):
+            a(f"mov.b32 %Aw{r}_{i}, %Bw{r}_{i}; mov.b32 %Bw{r}_{i}, %Cw{r}_{i};")
+        a(f"mov.b32 %Af{r}, %Bf{r}; mov.b32 %Bf{r}, %Cf{r};")
+        a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
+
+
 def _unpack_and_mma(a, nt: int, rb: int, acc, xfrag, steps=range(4)) -> None:
     """k16 steps ``steps`` of the current chunk (weights in buffer A): unpack each row block's A fragment (11 int ops
     per 8 codes + 4 bf16x2 fma by the factor) and multiply it with every n8 tile's B fragment ``xfrag(t, j)``."""
@@ -229,10 +261,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
     a = L.append
 
     def load_w(buf, pred, off):
-        for r in range(rb):
-            a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w{r}_0, %{buf}w{r}_1, %{buf}w{r}_2, %{buf}w{r}_3}}, "
-              f"[%pw{r}+{512 * off}];")
-            a(f"@{pred} ld.global.nc.u32 %{buf}f{r}, [%pf{r}+{128 * off}];")
+        _load_weights(a, rb, buf, pred, off)
 
     def load_x(buf, pred, off, halves=(0, 1)):
         for t in range(nt):
@@ -246,11 +275,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
                         steps)
 
     def advance():
-        for r in range(rb):
-            for i in range(4):
-                a(f"mov.b32 %Aw{r}_{i}, %Bw{r}_{i}; mov.b32 %Bw{r}_{i}, %Cw{r}_{i};")
-            a(f"mov.b32 %Af{r}, %Bf{r}; mov.b32 %Bf{r}, %Cf{r};")
-            a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
+        _next_weights(a, rb)
         a("add.s32 %n, %n, -1;")
         for t in range(nt):
             a(f"add.s64 %px{t}, %px{t}, 128;")
@@ -259,11 +284,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
     a(".reg .pred %p1, %p2, %pq;")
     a(f".reg .pred %pk<{nt}>;")
     a(".reg .b32 %n, %t, %u, %m, %sel, %nz, %mg, %a<4>;")
-    for r in range(rb):
-        a(f".reg .b32 %fr{r}, %fr8{r};")
-        for buf in "ABC":
-            a(f".reg .b32 %{buf}w{r}_<4>, %{buf}f{r};")
-        a(f".reg .b64 %pw{r}, %pf{r};")
+    _declare_weights(a, rb)
     a(f".reg .b32 %Ax<{nx}>;")
     if xpre:
         a(f".reg .b32 %Bx<{nx}>;")
@@ -349,10 +370,7 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     a = L.append
 
     def load_w(buf, pred, off):
-        for r in range(rb):
-            a(f"@{pred} ld.global.nc.v4.u32 {{%{buf}w{r}_0, %{buf}w{r}_1, %{buf}w{r}_2, %{buf}w{r}_3}}, "
-              f"[%pw{r}+{512 * off}];")
-            a(f"@{pred} ld.global.nc.u32 %{buf}f{r}, [%pf{r}+{128 * off}];")
+        _load_weights(a, rb, buf, pred, off)
 
     def copy_next():
         """cp.async of chunk %cc (if < n) into stage %wr, then advance both; one commit group either way."""
@@ -372,11 +390,7 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %a<4>, %tq, %g, %q, %sb, %sx0, %sx1, %sa, %rd, %wr, %sd;")
     a(".reg .b32 %row, %sg, %mm;")
     a(".reg .b64 %k2, %xb, %o64;")
-    for r in range(rb):
-        a(f".reg .b32 %fr{r}, %fr8{r};")
-        for buf in "ABC":
-            a(f".reg .b32 %{buf}w{r}_<4>, %{buf}f{r};")
-        a(f".reg .b64 %pw{r}, %pf{r};")
+    _declare_weights(a, rb)
     a(f".reg .b32 %x<{8 * nt}>;")
     a(f".reg .b32 %cd<{copies}>, %csz<{copies}>;")
     a(f".reg .b64 %cs<{copies}>;")
@@ -425,11 +439,7 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
             a(f"ld.shared.v4.u32 {{{regs}}}, [%sa+{1024 * t}];")
         _unpack_and_mma(a, nt, rb, acc, lambda t, j: (f"%x{8 * t + 2 * j}", f"%x{8 * t + 2 * j + 1}"),
                         (2 * h, 2 * h + 1))
-    for r in range(rb):
-        for i in range(4):
-            a(f"mov.b32 %Aw{r}_{i}, %Bw{r}_{i}; mov.b32 %Bw{r}_{i}, %Cw{r}_{i};")
-        a(f"mov.b32 %Af{r}, %Bf{r}; mov.b32 %Bf{r}, %Cf{r};")
-        a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
+    _next_weights(a, rb)
     a(f"add.u32 %rd, %rd, {stage}; setp.ge.u32 %pr, %rd, {stage * stages}; @%pr mov.u32 %rd, 0;")
     a("add.s32 %n, %n, -1;")
     a("setp.gt.s32 %p1, %n, 0;")
