@@ -33,7 +33,7 @@ from qerl.modules.aqn import rms_norms
 from qerl.modules.nvfp4 import NVFP4Linear
 from qerl.modules.random_models import build_random_policy, qwen25_config
 from qerl.rollout.builtin import position_ids
-from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
 
 PROMPT = 256
 T0 = time.time()
@@ -280,8 +280,7 @@ def main():
             for b in bs:
                 if time.time() - T0 > args.budget_s:
                     break
-                head_dim = cfg.hidden_size // cfg.num_attention_heads
-                kv = 2 * cfg.num_hidden_layers * b * (PROMPT + args.new) * cfg.num_key_value_heads * head_dim * 2
+                kv = kv_cache_bytes(cfg, b, PROMPT + args.new, torch.bfloat16)
                 free_b, _ = torch.cuda.mem_get_info()
                 if kv > free_b:
                     msg = f"KV cache {kv / 2**30:.1f} GiB > {free_b / 2**30:.1f} GiB free"

@@ -125,6 +125,26 @@ class SlotCache:
             view.copy_(view.index_select(0, order))
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of the static K/V cache for ``rows`` slots of ``length`` positions (what :class:`SlotCache` allocates)."""
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * _head_dim(config) * dtype.itemsize
+    return per_position * rows * length
+
+
+def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: str) -> None:
+    """Refuse a static KV cache larger than the free memory with what to change, instead of an opaque OOM."""
+    if nbytes > free:
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDAGraphRollout: the static KV cache for {rows} rows x {length} positions needs {nbytes / 2**30:.1f} "
+            f"GiB, {free / 2**30:.1f} GiB are free on {where}. Lower data.batch_size, model.group_size or "
+            "model.rollout.init_args.max_new_tokens (or data.max_prompt_tokens), or use "
+            "qerl.rollout.builtin.BuiltinRollout, whose cache grows with the longest live sequence.")
+
+
 def _as_cache(slot_cache: SlotCache):
     """A transformers ``Cache`` whose ``update`` is the slot cache's (models only call ``update`` when the masks and
     position ids are given)."""
@@ -355,8 +375,12 @@ class CUDAGraphRollout(RolloutEngine):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dtype = base.get_input_embeddings().weight.dtype
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache = SlotCache(config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, dtype, device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
+            check_kv_cache_fits(kv_cache_bytes(config, rows, length, dtype), free, rows, length, str(device))
+        cache = SlotCache(config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config), dtype,
+                          device)
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         s = dict(
             key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache),

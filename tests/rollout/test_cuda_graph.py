@@ -7,7 +7,7 @@ from qerl.modules.aqn import rms_norms
 from qerl.modules.policy import build_policy
 from qerl.modules.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
-from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.cuda_graph import CUDAGraphRollout, check_kv_cache_fits, kv_cache_bytes
 
 PAD, EOS = 0, 7
 
@@ -106,6 +106,19 @@ def test_state_is_reused_and_lora_change_is_live(policy, fused):
         lora_b.sub_(0.5)
     assert engine._state is state
     assert not torch.allclose(a.logprobs, d.logprobs)
+
+
+def test_kv_cache_size_is_known_before_allocation_and_refused_when_too_big(policy):
+    engine = CUDAGraphRollout(max_new_tokens=6, seed=0)
+    engine.generate(policy, PROMPTS, 2, PAD, [])
+    s, base = engine._state, policy.get_base_model()
+    cache = s["cache"]
+    allocated = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+    dtype = base.get_input_embeddings().weight.dtype
+    assert kv_cache_bytes(base.config, s["rows"], s["length"], dtype) == allocated
+    check_kv_cache_fits(allocated, allocated, s["rows"], s["length"], "cuda:0")  # exactly fits
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"max_new_tokens.*BuiltinRollout"):
+        check_kv_cache_fits(80 * 2**30, 17 * 2**30, 256, 1280, "cuda:0")
 
 
 def test_noise_applied_for_rollout_and_removed_exactly(policy, fused):
