@@ -34,6 +34,29 @@ def poison(device):
     del t
 
 
+def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
+    """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
+    kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
+    from qerl.kernels import fused_decode
+
+    a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
+    frags = gemv.dense_fragments(a)
+    w = weights[0]
+    plain = gemv.launch(x, w[0], w[1], w[2], warps=0)
+    poison(x.device)
+    out, u = gemv.launch(x, w[0], w[1], w[2], warps=0, dense=(frags, 48))
+    ref = x.double() @ a.double().t()
+    res = {"lora_a_fused_out_identical": bool(torch.equal(plain, out)),
+           "lora_a_fused_rel_err": rel_err(u.sum(0), ref) if bool(torch.isfinite(u).all()) else float("nan"),
+           "lora_a_fused_splits": u.shape[0]}
+    nw = len(weights)
+    res["ms_gemv_plus_lora_a_separate"] = graph_ms(
+        lambda i: (gemv.launch(acts[i % 4], *weights[i % nw], warps=0), fused_decode.lora_a(acts[i % 4], a)), calls)
+    res["ms_gemv_with_lora_a_fused"] = graph_ms(
+        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, dense=(frags, 48)), calls)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -101,6 +124,7 @@ def main():
                 # after many graph replays the fused split-K counters must be back at zero: same answer again
                 d3 = kernels.nvfp4_mm(x, *weights[0], False)
                 same = same and bool(torch.equal(d1, d3))
+                lora = lora_a_in_launch(x, acts, weights, calls, k) if m <= 16 else {}
                 ok = {i: t for i, t in tg.items() if gerr[i] < 4e-3}
                 best = min(ok, key=ok.get) if ok else None
                 t_new = t_def
@@ -111,9 +135,15 @@ def main():
                        "ms_best_candidate": min([t_cur] + list(ok.values())),
                        "rel_err_prev": err_cur, "rel_err_bf16": err_bf16,
                        "best_candidate": cands[best].__dict__ if best is not None else None,
-                       "config": kernels.default_config(False, m, n, k).__dict__}
+                       "config": kernels.default_config(False, m, n, k).__dict__, **lora}
                 rows.append(row)
                 gs = " ".join(f"{tg[i] * 1e3:6.1f}" for i in sorted(tg))
+                if lora:
+                    print(f"{row['shape']:>24} M={m:<3} + LoRA-A: separate "
+                          f"{lora['ms_gemv_plus_lora_a_separate'] * 1e3:6.1f}"
+                          f" fused {lora['ms_gemv_with_lora_a_fused'] * 1e3:6.1f} us, out identical "
+                          f"{lora['lora_a_fused_out_identical']}, LoRA-A rel err {lora['lora_a_fused_rel_err']:.1e} "
+                          f"({lora['lora_a_fused_splits']} splits)", flush=True)
                 print(f"{row['shape']:>24} M={m:<3} bf16 {t_bf * 1e3:6.1f} prev {t_cur * 1e3:6.1f} "
                       f"new {t_def * 1e3:6.1f} "
                       f"cands[{gs}] us {'REPEAT-OK' if same else 'NOT-REPEATABLE'} err new {err_def:.1e} "
@@ -132,18 +162,29 @@ def main():
                          "mean_weight_gbps": statistics.fmean(r["weight_gbps"] for r in sel),
                          "max_rel_err": max(r["rel_err_ours"] for r in sel),
                          "all_repeatable": all(r["repeatable"] for r in sel)})
+            lr = [r for r in sel if "ms_gemv_with_lora_a_fused" in r]
+            if lr:
+                summ[-1].update(
+                    lora_a_separate_over_fused=math.exp(statistics.fmean(
+                        math.log(r["ms_gemv_plus_lora_a_separate"] / r["ms_gemv_with_lora_a_fused"]) for r in lr)),
+                    lora_a_fused_max_rel_err=max(r["lora_a_fused_rel_err"] for r in lr),
+                    lora_a_fused_out_identical=all(r["lora_a_fused_out_identical"] for r in lr))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemv_{tag}.json").write_text(json.dumps(
         {"device": name, "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
-         "gemv_candidates": {m: [c.__dict__ for c in kernels.gemv_configs(m)] for m in ms_list}, "gemv_regs": {str(k_): v for k_, v in gemv._REGS.items()},
+         "gemv_candidates": {m: [c.__dict__ for c in kernels.gemv_configs(m)] for m in ms_list},
+         "gemv_regs": {str(k_): v for k_, v in gemv._REGS.items()},
          "rows": rows, "summary": summ, "extra_checks": errors},
         indent=1))
     print(f"\n{name}, copy {copy:.0f} GB/s, {time.time() - t0:.0f} s; gemv registers {gemv._REGS}")
     print(f"{'M':>4} {'new x bf16':>10} {'prev x bf16':>11} {'GB/s':>6} {'max err':>8} repeatable")
     for s in summ:
+        lo = (f"  LoRA-A in the launch: (GEMV + LoRA-A kernel) / fused {s['lora_a_separate_over_fused']:.2f}x, "
+              f"err {s['lora_a_fused_max_rel_err']:.1e}, weight output identical {s['lora_a_fused_out_identical']}"
+              if "lora_a_separate_over_fused" in s else "")
         print(f"{s['M']:>4} {s['geomean_speedup_vs_bf16']:10.2f} {s['geomean_prev_vs_bf16']:11.2f} "
-              f"{s['mean_weight_gbps']:6.0f} {s['max_rel_err']:8.1e} {s['all_repeatable']}")
+              f"{s['mean_weight_gbps']:6.0f} {s['max_rel_err']:8.1e} {s['all_repeatable']}{lo}")
     worst = [(r["shape"], r["M"], r["ms_ours"] / r["ms_prev"]) for r in rows if r["ms_ours"] > 1.02 * r["ms_prev"]]
     print("rows where the new default is > 2% slower than the previous kernel:", worst)
 

@@ -115,6 +115,34 @@ def unrepack(words: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, 
     return packed, scale.view(nb * 16, nc * 4).to(torch.float8_e4m3fn)
 
 
+def dense_fragments(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense bf16 ``[n, K]`` (K % 64 == 0: the stacked LoRA-A matrices) in the fragment order of :func:`repack`:
+    int32 ``[ceil(n/16), K/64, 32, 4, 4]``; lane ``l``'s 64 bytes of a chunk are its m16n8k16 A fragments (a0..a3)
+    for k16 steps 0..3, rows past n zero. :func:`launch` multiplies these rows in the same launch as the weight
+    (``dense=``). ``out``: write into this buffer (the one captured CUDA graphs read)."""
+    n, k = a.shape
+    if k % CHUNK or a.dtype != torch.bfloat16:
+        raise ValueError(f"dense fragments need bf16 and K % {CHUNK} == 0, got {a.dtype} {n}x{k}")
+    nb, nc = -(-n // 16), k // CHUNK
+    padded = torch.zeros(nb * 16, k, dtype=a.dtype, device=a.device)
+    padded[:n] = a
+    chunks = padded.view(nb, 16, nc, CHUNK).permute(0, 2, 1, 3).reshape(nb, nc, 16 * CHUNK)
+    idx, _, _ = _lane_index(a.device)
+    frag = chunks[:, :, idx.reshape(-1)].reshape(nb, nc, 32, 4, 8).contiguous().view(torch.int32)  # reg i = (2i, 2i+1)
+    if out is None:
+        return frag
+    return out.copy_(frag)
+
+
+def undense_fragments(frag: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`dense_fragments` (tests)."""
+    nb, nc = frag.shape[:2]
+    idx, _, _ = _lane_index(frag.device)
+    chunks = torch.zeros(nb, nc, 16 * CHUNK, dtype=torch.bfloat16, device=frag.device)
+    chunks[:, :, idx.reshape(-1)] = frag.contiguous().view(torch.bfloat16).reshape(nb, nc, -1)
+    return chunks.view(nb, nc, 16, CHUNK).permute(0, 2, 1, 3).reshape(nb * 16, nc * CHUNK)[:n]
+
+
 def _pairs_like_asm(w: torch.Tensor) -> list[torch.Tensor]:
     """The four bf16x2 bit patterns the asm extracts from each word (int64 in, int64 out), same operations."""
     m32 = 0xFFFFFFFF
@@ -177,6 +205,24 @@ def repacked(weight_packed: torch.Tensor, weight_scale: torch.Tensor, build: boo
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel
+
+
+def _x_setup(a, nt: int) -> None:
+    """Per-tile activation pointers from tile 0's (%px0, step %xs = 8 token rows) and which tiles have a token for
+    this lane (%pk: 8 t < %mg = M - g)."""
+    for t in range(1, nt):
+        a(f"add.s64 %px{t}, %px{t - 1}, %xs;")
+    for t in range(nt):
+        a(f"setp.gt.s32 %pk{t}, %mg, {8 * t};")
+
+
+def _load_x(a, nt: int, buf: str, pred: str, off: int, halves=(0, 1)) -> None:
+    """This lane's activation fragments of chunk ``off`` ahead (two 16-byte halves per tile) into buffer ``buf``."""
+    for t in range(nt):
+        a(f"and.pred %pq, {pred}, %pk{t};")
+        for h in halves:
+            regs = ", ".join(f"%{buf}x{8 * t + 4 * h + i}" for i in range(4))
+            a(f"@%pq ld.global.nc.v4.u32 {{{regs}}}, [%px{t}+{128 * off + 16 * h}];")
 
 
 def _declare_weights(a, rb: int) -> None:
@@ -264,11 +310,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
         _load_weights(a, rb, buf, pred, off)
 
     def load_x(buf, pred, off, halves=(0, 1)):
-        for t in range(nt):
-            a(f"and.pred %pq, {pred}, %pk{t};")
-            for h in halves:
-                regs = ", ".join(f"%{buf}x{8 * t + 4 * h + i}" for i in range(4))
-                a(f"@%pq ld.global.nc.v4.u32 {{{regs}}}, [%px{t}+{128 * off + 16 * h}];")
+        _load_x(a, nt, buf, pred, off, halves)
 
     def compute(xbuf, steps=range(4)):
         _unpack_and_mma(a, nt, rb, acc, lambda t, j: (f"%{xbuf}x{8 * t + 2 * j}", f"%{xbuf}x{8 * t + 2 * j + 1}"),
@@ -297,10 +339,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
         a(f"add.s64 %pw1, %pw0, {i_ws}; add.s64 %pf1, %pf0, {i_fs};")
     a(f"mov.b32 %m, {MASK:#x}; mov.b32 %sel, 0x7FFF7FFF; mov.b32 %nz, 0x80008000;")
     a(f"mov.b64 %px0, {i_x};")
-    for t in range(1, nt):
-        a(f"add.s64 %px{t}, %px{t - 1}, %xs;")
-    for t in range(nt):
-        a(f"setp.gt.s32 %pk{t}, %mg, {8 * t};")
+    _x_setup(a, nt)
     if fused:
         a("mov.b32 $0, 0;")
     for i in range(nacc):
@@ -451,6 +490,95 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     return "\n".join(L)
 
 
+def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
+    """PTX of the dense-row programs: ``x @ A.T`` for bf16 rows in :func:`dense_fragments` order (the LoRA-A matrices
+    multiplied in the same launch as the weight), fp32 partials stored as they are (the consumers sum the splits).
+
+    Operands: $0 dummy b32 output; d_ptr(l) (this lane's fragments at its split's first chunk), n_chunks(r),
+    x_ptr(l), x_step(l), m_g(r) (as in :func:`_mainloop_asm`), u_ptr(l) (fp32 partial at (this split, token 2q, row
+    g)), u_tok(r) (bytes per token row of the partial), m(r), tok0(r) (= 2q), rows_left(r) (rows of A from row g on:
+    row g is stored iff > 0, row g + 8 iff > 8). Fragments are loaded a chunk ahead (64 bytes per lane and chunk);
+    activations refilled by halves as in the weight loop when ``x_ahead``, else each half loaded just before its use
+    (4 nt registers instead of 8 nt: the wide batches, where these programs must not raise the launch's register
+    count above the weight programs'; the loads are then unpredicated, tiles without a token for this lane read the
+    row of token 0 (operand x_safe(l)): their accumulators are never stored)."""
+    acc = lambda i: f"%c{i}"  # noqa: E731
+    L = []
+    a = L.append
+
+    def load_d(buf, pred, off):
+        for j in range(4):
+            regs = ", ".join(f"%{buf}d{4 * j + i}" for i in range(4))
+            a(f"@{pred} ld.global.nc.v4.u32 {{{regs}}}, [%pd+{2048 * off + 16 * j}];")
+
+    def compute(steps):
+        for j in steps:
+            for t in range(nt):
+                c = ", ".join(acc(4 * t + i) for i in range(4))
+                w = ", ".join(f"%Ad{4 * j + i}" for i in range(4))
+                a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{{w}}}, "
+                  f"{{%Ax{8 * t + 2 * j}, %Ax{8 * t + 2 * j + 1}}}, {{{c}}};")
+
+    a("{")
+    a(".reg .pred %p1, %p2, %pq, %pt0, %pt1, %pr0, %pr1;")
+    a(f".reg .pred %pk<{nt}>;")
+    a(".reg .b32 %n, %mg, %tk, %Ad<16>, %Bd<16>;")
+    a(f".reg .b32 %Ax<{8 * nt}>;")
+    a(f".reg .f32 %c<{4 * nt}>;")
+    a(".reg .b64 %pd, %xs, %r0, %r1, %ust, %ust8;")
+    a(f".reg .b64 %px<{nt}>;")
+    a("mov.b64 %pd, $1; mov.b32 %n, $2; mov.b64 %px0, $3; mov.b64 %xs, $4; mov.b32 %mg, $5;")
+    _x_setup(a, nt)
+    a("mov.b32 $0, 0;")
+    for i in range(4 * nt):
+        a(f"mov.f32 %c{i}, 0f00000000;")
+    if x_ahead:
+        for i in range(8 * nt):
+            a(f"mov.b32 %Ax{i}, 0;")
+    else:
+        for t in range(nt):
+            a(f"selp.b64 %px{t}, %px{t}, $11, %pk{t}; mov.pred %pk{t}, 1;")
+    a("setp.gt.s32 %p1, %n, 0; setp.gt.s32 %p2, %n, 1;")
+    load_d("A", "%p1", 0)
+    load_d("B", "%p2", 1)
+    if x_ahead:
+        _load_x(a, nt, "A", "%p1", 0)
+    a("@!%p1 bra L_done_${:uid};")
+    a("L_loop_${:uid}:")
+    if x_ahead:
+        a("setp.gt.s32 %p1, %n, 1;")
+        compute((0, 1))
+        _load_x(a, nt, "A", "%p1", 1, (0,))
+        compute((2, 3))
+        _load_x(a, nt, "A", "%p1", 1, (1,))
+    else:
+        for h in range(2):
+            _load_x(a, nt, "A", "%p1", 0, (h,))
+            compute((2 * h, 2 * h + 1))
+    for i in range(16):
+        a(f"mov.b32 %Ad{i}, %Bd{i};")
+    a("setp.gt.s32 %p2, %n, 2;")
+    load_d("B", "%p2", 2)
+    a("add.s64 %pd, %pd, 2048; add.s32 %n, %n, -1;")
+    for t in range(nt):
+        a(f"add.s64 %px{t}, %px{t}, 128;")
+    a("setp.gt.s32 %p1, %n, 0;")
+    a("@%p1 bra L_loop_${:uid};")
+    a("L_done_${:uid}:")
+    a("cvt.s64.s32 %ust, $7; shl.b64 %ust8, %ust, 3; mov.b64 %r0, $6;")
+    a("setp.gt.s32 %pr0, $10, 0; setp.gt.s32 %pr1, $10, 8;")
+    for t in range(nt):
+        if t:
+            a("add.s64 %r0, %r0, %ust8;")
+        a("add.s64 %r1, %r0, %ust;")
+        a(f"add.s32 %tk, $9, {8 * t}; setp.lt.s32 %pt0, %tk, $8; add.s32 %tk, %tk, 1; setp.lt.s32 %pt1, %tk, $8;")
+        for i in range(4):
+            a(f"and.pred %pq, %pt{i % 2}, %pr{i // 2}; @%pq st.global.f32 [%r{i % 2}+{32 * (i // 2)}], "
+              f"{acc(4 * t + i)};")
+    a("}")
+    return "\n".join(L)
+
+
 def _fused_reduce(a, nt: int, rb: int, acc, base: int) -> None:
     """The epilogue inside the asm. One split: scale, round and store. Several: split-K without a second launch: each
     warp stores its fp32 partial [split, M, N], then the last warp of a row block (pair) to arrive (counter per
@@ -564,6 +692,13 @@ def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: 
     return _ASM[key]
 
 
+def _dense_asm(nt: int) -> str:
+    key = ("dense", nt)
+    if key not in _ASM:
+        _ASM[key] = _dense_mainloop_asm(nt, x_ahead=nt <= 2)
+    return _ASM[key]
+
+
 def default_smem_stages(nt: int, n: int, k: int) -> int:
     """Shared activations (4 stages of [8 nt, 64] bf16: 16/32 KiB) from 4 tiles (M > 16) up, for weights of 20M
     and more (H100 M = 64: 7b.gate 43 vs 57 us, 32b.q 26 vs 28); the small ones are latency-bound and lose to the
@@ -581,16 +716,14 @@ def _store(out_base, val, tok, row, M, N, valid):
     tl.store(out_base + tok * N + row, val.to(out_base.dtype.element_ty), mask=valid & (tok < M))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _mma_gemv_kernel(
-    x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
+@triton.jit
+def _weight_program(
+    pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
     RB: tl.constexpr,
 ):
     # every warp of a program runs the same number of chunks (the shared-memory variant synchronizes them per chunk):
     # a warp past the last row block computes row block 0 again and stores nothing
-    pid_b = tl.program_id(0)
-    pid_s = tl.program_id(1)
     tid = _tid(tl.arange(0, 32 * WARPS))
     warp = tid // 32
     lane = tid % 32
@@ -657,6 +790,62 @@ def _mma_gemv_kernel(
             _store(out_base, c_7 * factor, tok + 9, row + 8, M, N, valid)
 
 
+@triton.jit
+def _dense_program(
+    d, pid_s, x_addr, d_addr, u_addr, M, K, NA, SPLITS, DX,
+    NT: tl.constexpr, WARPS: tl.constexpr, DASM: tl.constexpr,
+):
+    # dense program d (of row-block group d // DX) takes dense split pid_s * DX + d % DX of SPLITS * DX
+    tid = _tid(tl.arange(0, 32 * WARPS))
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    q = lane % 4
+    nchunks_all = K // 64
+    rb = (d // DX) * WARPS + warp
+    split = pid_s * DX + d % DX
+    per = tl.cdiv(nchunks_all, SPLITS * DX)
+    c0 = tl.minimum(split * per, nchunks_all)
+    c1 = tl.minimum(c0 + per, nchunks_all)
+    valid = rb * 16 < NA
+    n = tl.where(valid, c1 - c0, 0)
+    d_ptr = d_addr + ((tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane) * 64
+    x0 = x_addr + (g.to(tl.int64) * K + c0 * 64 + 16 * q) * 2
+    x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16
+    tok = 2 * q
+    u_ptr = u_addr + ((split.to(tl.int64) * M + tok) * NA + rb * 16 + g) * 4
+    u_tok = tl.zeros_like(tok) + NA * 4
+    mm = tl.zeros_like(tok) + M
+    rows_left = tl.where(valid, NA - rb * 16 - g, 0)
+    x_safe = x_addr + (c0 * 64 + 16 * q).to(tl.int64) * 2  # token 0's row: what tiles past M read
+    tl.inline_asm_elementwise(
+        DASM, "=r,l,r,l,l,r,l,r,r,r,r,l", [d_ptr, n, x0, x_step, M - g, u_ptr, u_tok, mm, tok, rows_left, x_safe],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_gemv_kernel(
+    x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
+    d_addr, u_addr, NA, WEIGHT_PROGRAMS, DX,
+    NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
+    RB: tl.constexpr, DENSE: tl.constexpr, DASM: tl.constexpr,
+):
+    """Programs 0 .. WEIGHT_PROGRAMS - 1 (axis 0) multiply the NVFP4 weight; with ``DENSE``, the programs past them
+    multiply the dense rows (LoRA-A) of the same activations."""
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if DENSE:
+        if pid_b >= WEIGHT_PROGRAMS:
+            _dense_program(pid_b - WEIGHT_PROGRAMS, pid_s, x_addr, d_addr, u_addr, M, K, NA, SPLITS, DX,
+                           NT, WARPS, DASM)
+        else:
+            _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT,
+                            SPLITS, p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB)
+    else:
+        _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS,
+                        p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB)
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured earlier still point at them
 
@@ -712,7 +901,8 @@ def auto_warps(n: int, k: int, nt: int) -> int:
 def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, warps: int = 4,
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
-           row_blocks_per_warp: int | None = None, smem_stages: int | None = None) -> torch.Tensor:
+           row_blocks_per_warp: int | None = None, smem_stages: int | None = None,
+           dense: tuple[torch.Tensor, int] | None = None):
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -724,7 +914,11 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     activations a chunk ahead (None: :func:`default_x_prefetch`); ``row_blocks_per_warp``: 1 or 2 (None:
     :func:`default_row_blocks`; 2 needs the fused epilogue); ``smem_stages``: share the activations through a ring
     of this many shared-memory stages (0: each warp loads its own; None: :func:`default_smem_stages`). Kernels using
-    the fused reduction must not run concurrently on several streams (shared counters)."""
+    the fused reduction must not run concurrently on several streams (shared counters).
+
+    ``dense``: (:func:`dense_fragments` of a bf16 ``A [NA, K]``, NA) to multiply by the same activations in the same
+    launch (the LoRA-A matrices: one launch instead of two per layer group); returns ``(out, u)`` with ``u [S, M,
+    NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks)."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -761,13 +955,24 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     else:
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
     split_fused = fused and splits > 1
-    grid = (triton.cdiv(row_blocks, warps * rbw), splits)
-    compiled = _mma_gemv_kernel[grid](
+    weight_programs = triton.cdiv(row_blocks, warps * rbw)
+    grid_b, u, na, dx, dasm = weight_programs, None, 0, 1, ""
+    if dense is not None:
+        frags, na = dense
+        if frags.shape[1] != chunks or frags.shape[0] * 16 < na:
+            raise ValueError(f"dense fragments {tuple(frags.shape)} do not cover {na} rows x {k} inputs")
+        dx = max(1, triton.cdiv(triton.cdiv(chunks, splits), 8))  # dense splits of <= 8 chunks: off the critical path
+        u = torch.empty(splits * dx, m, na, device=a.device, dtype=torch.float32)
+        grid_b += triton.cdiv(frags.shape[0], warps) * dx
+        dasm = _dense_asm(nt)
+    compiled = _mma_gemv_kernel[(grid_b, splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
         part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
+        dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
+        weight_programs, dx,
         NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps), SHIFT=256.0, FUSED=fused, RB=rbw,
-        num_warps=warps)
-    key = (nt, fused, warps, xpre, rbw, stages)
+        DENSE=bool(dasm), DASM=dasm, num_warps=warps)
+    key = (nt, fused, warps, xpre, rbw, stages) + ((True,) if dasm else ())
     if key not in _REGS:
         try:
             _REGS[key] = int(compiled.n_regs)
@@ -776,7 +981,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     if splits > 1 and not fused:
         numel = m * n
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
-    return out
+    return out if dense is None else (out, u)
 
 
-__all__ = ["MAX_M", "emulate_repacked", "launch", "tiles_for", "repack", "repacked", "supported", "unrepack"]
+__all__ = ["MAX_M", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked", "supported", "tiles_for",
+           "unrepack"]

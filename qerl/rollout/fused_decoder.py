@@ -77,6 +77,11 @@ def _weight_version(t: torch.Tensor) -> tuple:
     return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
+DENSE_MAX_BATCH = 16
+"""The NVFP4 GEMV takes the LoRA-A rows into its launch up to this batch (above, those programs would need more
+registers than the weight's and lower its occupancy: separate launches)."""
+
+
 class BaseGEMM:
     """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
 
@@ -181,6 +186,19 @@ class BaseGEMM:
             return list(y.split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
 
+    def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
+        """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
+        ``nvfp4_mma_gemv.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
+        if x.shape[0] > DENSE_MAX_BATCH or not self._ensure_mma(x):
+            return None
+        from qerl.kernels import nvfp4_mma_gemv as mma
+
+        words, factors, gs = self._repacked
+        counter = mma.counters(x.device, words.shape[0], build=False)
+        y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
+                          counter=counter, dense=(frags, rows))
+        return list(y.split(self.sizes, dim=1)), u
+
 
 class _Group:
     """The modules of one group (q/k/v, o, gate/up, down): base GEMM, biases, LoRA-A stacked, LoRA-B scaled."""
@@ -188,7 +206,7 @@ class _Group:
     def __init__(self, modules: list[nn.Module], fast: bool):
         self.modules = modules
         self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast)
-        self.a = self.b = None
+        self.a = self.b = self.a_frags = None
 
     def prepare(self, dtype) -> None:
         parts = [_lora(m) for m in self.modules]
@@ -210,19 +228,35 @@ class _Group:
         if self.a is None or self.a.shape != a_shape or self.a.dtype != dtype or self.a.device != device:
             self.a = torch.empty(a_shape, dtype=dtype, device=device)
             self.b = [torch.empty(p[2].shape, dtype=dtype, device=device) for p in parts]
+            self.a_frags = None
         with torch.no_grad():
             for i, (_, a, b, s) in enumerate(parts):
                 self.a[i * r:(i + 1) * r].copy_(a)
                 self.b[i].copy_(b.float() * s)
+            if self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16 and a_shape[1] % 64 == 0:
+                from qerl.kernels import nvfp4_mma_gemv as mma
+
+                # the LoRA-A rows in the GEMV's fragment order, refreshed in place (captured graphs read this buffer)
+                self.a_frags = mma.dense_fragments(self.a, out=self.a_frags)
 
     def key(self) -> tuple:
-        return (self.a is not None, self.biases is not None) + self.gemm.key()
+        frags = self.a_frags.data_ptr() if self.a_frags is not None else None
+        return (self.a is not None, self.biases is not None, frags) + self.gemm.key()
 
     def lora_a(self, x: torch.Tensor):
         """LoRA-A outputs of the group's modules side by side, as ``[S, b, r * members]`` split-K partials."""
         if self.a is None:
             return None
         return K.lora_a(x, self.a) if self.gemm.fast else K.lora_a_torch(x, self.a)
+
+    def project(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Base GEMM outputs (one per module) and LoRA-A partials of the group's input: one launch where the NVFP4
+        GEMV takes the LoRA-A rows too (batch <= 16), else the GEMM and :meth:`lora_a`."""
+        if self.a_frags is not None:
+            both = self.gemm.with_dense(x, self.a_frags, self.a.shape[0])
+            if both is not None:
+                return both
+        return self.gemm(x), self.lora_a(x)
 
     def lora_b(self):
         return tuple(self.b) if self.a is not None else None
@@ -301,23 +335,19 @@ class FusedDecoder:
         x = residual_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
         for i, layer in enumerate(self.layers):
             g = layer["qkv"]
-            u = g.lora_a(x)
-            yq, yk, yv = g.gemm(x)
+            (yq, yk, yv), u = g.project(x)
             q = qkv_epilogue(yq, yk, yv, g.biases, u, g.lora_b(), pos, inv_freq, attn_scaling, column, keys[i],
                              values[i], self.heads, self.kv_heads)
             a = attention(q, keys[i], values[i], mask, length, layer["scaling"])
             g = layer["o"]
-            u = g.lora_a(a)
-            (y,) = g.gemm(a)
+            (y,), u = g.project(a)
             ln2 = norms[i][1]
             x = residual_norm(h, ln2.weight, ln2.variance_epsilon, y, *g.single(u))
             g = layer["gu"]
-            u = g.lora_a(x)
-            yg, yu = g.gemm(x)
+            (yg, yu), u = g.project(x)
             act = silu_mul(yg, yu, u, g.lora_b())
             g = layer["down"]
-            u = g.lora_a(act)
-            (y,) = g.gemm(act)
+            (y,), u = g.project(act)
             nxt = norms[i + 1][0]
             x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, *g.single(u))
         return self.lm_head(x)

@@ -70,7 +70,8 @@ assert any(c.mma_gemv for c in kernels.candidate_configs(4))
 assert not any(c.mma_gemv for c in kernels.candidate_configs(4, transpose_w=True))
 assert any(c.mma_gemv for c in kernels.candidate_configs(64))
 assert not any(c.mma_gemv for c in kernels.candidate_configs(65) + kernels.candidate_configs(64, transpose_w=True))
-assert kernels.default_config(False, 64, 3584, 3584).mma_gemv and not kernels.default_config(False, 65, 3584, 3584).mma_gemv
+assert kernels.default_config(False, 64, 3584, 3584).mma_gemv
+assert not kernels.default_config(False, 65, 3584, 3584).mma_gemv
 print("ok")
 """
 
@@ -113,17 +114,20 @@ from qerl.kernels import nvfp4_mma_gemv as G
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
        "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
-       "c_addr": "i64", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
-       "FUSED": "constexpr", "RB": "constexpr"}
-for nt, fused, xpre, rb, st in [(int(a[0]), a[1] == "f", a[2] == "p", int(a[3]), int(a[4])) for a in sys.argv[1:]]:
+       "c_addr": "i64", "d_addr": "i64", "u_addr": "i64", "NA": "i32", "WEIGHT_PROGRAMS": "i32", "DX": "i32",
+       "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "FUSED": "constexpr",
+       "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr"}
+for spec in sys.argv[1:]:
+    nt, fused, xpre, rb, st = int(spec[0]), spec[1] == "f", spec[2] == "p", int(spec[3]), int(spec[4])
+    dense = spec[5:] == "d"
     consts = {"NT": nt, "WARPS": 4, "ASM": G._asm(nt, fused, xpre, rb, st, 4), "SHIFT": 256.0, "FUSED": fused,
-              "RB": rb}
+              "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else ""}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
-    path = Path(sys.argv[0]).with_suffix(f".{nt}{fused}{xpre}{rb}{st}.cubin")
+    path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
-    print(nt, fused, xpre, rb, st, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
+    print(spec, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
 """
 
 
@@ -138,14 +142,42 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     script.write_text(_SM90_BUILD)
     # every (tiles, epilogue, activation prefetch, row blocks, shared-memory stages) the launcher's defaults and
     # candidates can pick
+    # ("d": with the LoRA-A rows' programs, which must not raise the register count of the launch at M <= 16)
     variants = ["1np10", "2np10", "1fp10", "1fp20", "1fn20", "2fp10", "2fp20", "2fn20", "2fn24", "4fp10", "4fn10",
-                "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24"]
+                "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24",
+                "1fp10d", "1fp20d", "2fp10d", "2fp20d"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == len(variants), proc.stdout
+    regs = {}
     for line in lines:
-        regs = int(line.split("REG:")[1].split()[0])
-        assert "LOCAL:0" in line and regs <= 255, line
+        regs[line.split()[0]] = int(line.split("REG:")[1].split()[0])
+        assert "LOCAL:0" in line and regs[line.split()[0]] <= 255, line
+    for spec in ("1fp10", "1fp20", "2fp10", "2fp20"):
+        assert regs[spec + "d"] <= regs[spec] + 2, (spec, regs)  # the dense rows ride along at no occupancy cost
+
+
+@pytest.mark.parametrize("n,k", [(48, 192), (16, 64), (40, 128)])
+def test_dense_fragments_are_the_mma_a_operand(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    a = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    frag = gemv.dense_fragments(a)
+    assert frag.shape == (-(-n // 16), k // 64, 32, 4, 4) and frag.dtype == torch.int32
+    assert torch.equal(gemv.undense_fragments(frag, n), a)
+    # lane (g, q), k16 step j: registers a0..a3 of m16n8k16 = rows (g, g+8, g, g+8) x k pairs (0-1, 0-1, 2-3, 2-3) of
+    # k = 16 q + 4 j (the permuted k order the activation fragments share)
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bfloat16)
+    padded[:n] = a
+    for rb, c, lane, j in ((0, 0, 5, 1), (n // 16 - 1 if n >= 16 else 0, k // 64 - 1, 31, 3), (0, 0, 0, 0)):
+        g, q = lane // 4, lane % 4
+        regs = frag[rb, c, lane, j].view(torch.bfloat16)
+        k0 = 64 * c + 16 * q + 4 * j
+        rows = 16 * rb + g, 16 * rb + g + 8
+        expect = torch.stack([padded[rows[0], k0:k0 + 2], padded[rows[1], k0:k0 + 2],
+                              padded[rows[0], k0 + 2:k0 + 4], padded[rows[1], k0 + 2:k0 + 4]]).reshape(-1)
+        assert torch.equal(regs, expect)
+    with pytest.raises(ValueError, match="K % 64"):
+        gemv.dense_fragments(torch.zeros(16, 96, dtype=torch.bfloat16))
