@@ -1,4 +1,4 @@
-"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in ~14 kernels per layer.
+"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in 11-17 kernels per layer.
 
 The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is ~1,900 small
 kernels for a 7B model (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the
@@ -18,8 +18,10 @@ step's time at small batch. This module runs the same mathematics from the model
 
 Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
-instead of three or two); larger batches call each NVFP4Linear's kernel. Frozen bf16 weights of a group are moved
-into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
+instead of three or two); larger batches call each NVFP4Linear's kernel. At batch <= 16 the same launch also
+multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each rollout): the LoRA-A
+line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group are moved into one
+buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
 
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
 buffers by :meth:`FusedDecoder.prepare` before each rollout, RMSNorm weights (with their AQN noise) are read in
