@@ -712,6 +712,14 @@ def _tid(dummy):
 
 
 @triton.jit
+def _lanes(WARPS: tl.constexpr):
+    """(warp, lane, g = lane // 4, q = lane % 4) of every thread, one element per thread."""
+    tid = _tid(tl.arange(0, 32 * WARPS))
+    lane = tid % 32
+    return tid // 32, lane, lane // 4, lane % 4
+
+
+@triton.jit
 def _store(out_base, val, tok, row, M, N, valid):
     tl.store(out_base + tok * N + row, val.to(out_base.dtype.element_ty), mask=valid & (tok < M))
 
@@ -724,11 +732,7 @@ def _weight_program(
 ):
     # every warp of a program runs the same number of chunks (the shared-memory variant synchronizes them per chunk):
     # a warp past the last row block computes row block 0 again and stores nothing
-    tid = _tid(tl.arange(0, 32 * WARPS))
-    warp = tid // 32
-    lane = tid % 32
-    g = lane // 4
-    q = lane % 4
+    warp, lane, g, q = _lanes(WARPS)
     nchunks_all = K // 64
     rb = (pid_b * WARPS + warp) * RB
     c0 = pid_s * CHUNKS_PER_SPLIT
@@ -796,11 +800,7 @@ def _dense_program(
     NT: tl.constexpr, WARPS: tl.constexpr, DASM: tl.constexpr,
 ):
     # dense program d (of row-block group d // DX) takes dense split pid_s * DX + d % DX of SPLITS * DX
-    tid = _tid(tl.arange(0, 32 * WARPS))
-    warp = tid // 32
-    lane = tid % 32
-    g = lane // 4
-    q = lane % 4
+    warp, lane, g, q = _lanes(WARPS)
     nchunks_all = K // 64
     rb = (d // DX) * WARPS + warp
     split = pid_s * DX + d % DX
