@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nvfp4_kernel import SHAPES, copies_for, copy_bandwidth_gbps, graph_ms, random_nvfp4, rel_err  # noqa: E402
+from bench_nvfp4_kernel import SHAPES, copies_for, device_header, graph_ms, random_nvfp4, rel_err  # noqa: E402
 
 from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
 from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
@@ -65,10 +64,7 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name(dev)
-    tag = (re.search(r"[A-Z]\d{2,3}", name) or re.search(r"\w+", name)).group(0).lower()
-    copy = copy_bandwidth_gbps(dev)
-    print(f"{name}: copy {copy:.0f} GB/s", flush=True)
+    name, tag, copy = device_header(dev)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows, errors = [], []
     t0 = time.time()

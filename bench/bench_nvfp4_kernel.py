@@ -61,6 +61,15 @@ def graph_ms(fn, calls: int, replays: int = 7) -> float:
     return kernels._graph_time_ms(fn, calls, replays)
 
 
+def device_header(device: torch.device) -> tuple[str, str, float]:
+    """(GPU name, short tag for file names, measured copy bandwidth GB/s), printed as the run's first line."""
+    name = torch.cuda.get_device_name(device)
+    tag = (re.search(r"[A-Z]\d{2,3}", name) or re.search(r"\w+", name)).group(0).lower()
+    copy = copy_bandwidth_gbps(device)
+    print(f"{name}: copy {copy:.0f} GB/s", flush=True)
+    return name, tag, copy
+
+
 def copy_bandwidth_gbps(device: torch.device) -> float:
     """Device-to-device copy of 1 GiB, counting bytes read plus written."""
     src = torch.randn(2**28, device=device)
@@ -229,10 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name(device)
-    tag = (re.search(r"[A-Z]\d{2,3}", name) or re.search(r"\w+", name)).group(0).lower()
-    copy = copy_bandwidth_gbps(device)
-    print(f"{name}: copy {copy:.0f} GB/s", flush=True)
+    name, tag, copy = device_header(device)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows = []
     out = Path(args.out)

@@ -776,22 +776,18 @@ def _weight_program(
             c_0, c_1, c_2, c_3 = tl.inline_asm_elementwise(
                 ASM, "=f,=f,=f,=f,l,l,r,l,l,r,l,l", [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step],
                 dtype=(tl.float32,) * 4, is_pure=False, pack=1)
-            _store(out_base, c_0 * factor, tok, row, M, N, valid)
-            _store(out_base, c_1 * factor, tok + 1, row, M, N, valid)
-            _store(out_base, c_2 * factor, tok, row + 8, M, N, valid)
-            _store(out_base, c_3 * factor, tok + 1, row + 8, M, N, valid)
         else:
             c_0, c_1, c_2, c_3, c_4, c_5, c_6, c_7 = tl.inline_asm_elementwise(
                 ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,r,l,l,r,l,l", [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step],
                 dtype=(tl.float32,) * 8, is_pure=False, pack=1)
-            _store(out_base, c_0 * factor, tok, row, M, N, valid)
-            _store(out_base, c_1 * factor, tok + 1, row, M, N, valid)
-            _store(out_base, c_2 * factor, tok, row + 8, M, N, valid)
-            _store(out_base, c_3 * factor, tok + 1, row + 8, M, N, valid)
             _store(out_base, c_4 * factor, tok + 8, row, M, N, valid)
             _store(out_base, c_5 * factor, tok + 9, row, M, N, valid)
             _store(out_base, c_6 * factor, tok + 8, row + 8, M, N, valid)
             _store(out_base, c_7 * factor, tok + 9, row + 8, M, N, valid)
+        _store(out_base, c_0 * factor, tok, row, M, N, valid)
+        _store(out_base, c_1 * factor, tok + 1, row, M, N, valid)
+        _store(out_base, c_2 * factor, tok, row + 8, M, N, valid)
+        _store(out_base, c_3 * factor, tok + 1, row + 8, M, N, valid)
 
 
 @triton.jit
