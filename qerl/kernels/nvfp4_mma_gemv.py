@@ -32,6 +32,7 @@ register spills); ``bench/bench_gemv.py`` checks every variant against float64 o
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -55,8 +56,10 @@ def supported(n: int, k: int) -> bool:
     return n % 16 == 0 and k % CHUNK == 0
 
 
-def _lane_index(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices into a [16, 64] (row, k) chunk for [32 lanes, 4 steps, 8 elements] and the factor rows."""
+@functools.cache
+def _lane_index(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat indices into a [16, 64] (row, k) chunk for [32 lanes, 4 steps, 8 elements] and the factor rows (built
+    once per device: the decoder lays out its LoRA-A rows with them before every rollout). Read-only."""
     lane = torch.arange(32, device=device)
     g, q = lane // 4, lane % 4
     j = torch.arange(4, device=device)
@@ -664,6 +667,11 @@ def _fused_reduce(a, nt: int, rb: int, acc, base: int) -> None:
 MAX_M = 64
 """The widest batch this GEMV takes: n8 tiles of tokens per warp, 1 (M <= 8), 2, 4 or 8 (M <= 64)."""
 
+DENSE_MAX_M = 16
+"""The widest batch at which :func:`launch` should take dense rows (``dense=``): up to 2 tiles their programs need no
+more registers than the weight's (sm_90: 62/80); at 8 tiles 156 vs 122, which lowers the weight programs'
+occupancy -- launch them separately there."""
+
 
 def tiles_for(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
@@ -980,5 +988,5 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     return out if dense is None else (out, u)
 
 
-__all__ = ["MAX_M", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked", "supported", "tiles_for",
+__all__ = ["DENSE_MAX_M", "MAX_M", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked", "supported", "tiles_for",
            "unrepack"]

@@ -79,11 +79,6 @@ def _weight_version(t: torch.Tensor) -> tuple:
     return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
-DENSE_MAX_BATCH = 16
-"""The NVFP4 GEMV takes the LoRA-A rows into its launch up to this batch (above, those programs would need more
-registers than the weight's and lower its occupancy: separate launches)."""
-
-
 class BaseGEMM:
     """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
 
@@ -191,9 +186,10 @@ class BaseGEMM:
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
         ``nvfp4_mma_gemv.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
-        if x.shape[0] > DENSE_MAX_BATCH or not self._ensure_mma(x):
-            return None
         from qerl.kernels import nvfp4_mma_gemv as mma
+
+        if x.shape[0] > mma.DENSE_MAX_M or not self._ensure_mma(x):
+            return None
 
         words, factors, gs = self._repacked
         counter = mma.counters(x.device, words.shape[0], build=False)
