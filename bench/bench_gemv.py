@@ -56,6 +56,20 @@ def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     return res
 
 
+def pdl_variants(x, acts, weights, calls) -> dict:
+    """Back-to-back launches of the default GEMV with and without programmatic dependent launch (each starts while the
+    one before finishes). The output must not change (bitwise)."""
+    from qerl.kernels import pdl
+
+    if not pdl.supported(x.device):
+        return {}
+    w, nw = weights[0], len(weights)
+    plain = gemv.launch(x, *w, warps=0)
+    return {"pdl_out_identical": bool(torch.equal(plain, gemv.launch(x, *w, warps=0, pdl=True))),
+            "ms_chain_plain": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0), calls),
+            "ms_chain_pdl": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, pdl=True), calls)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -121,6 +135,11 @@ def main():
                 d3 = kernels.nvfp4_mm(x, *weights[0], False)
                 same = same and bool(torch.equal(d1, d3))
                 lora = lora_a_in_launch(x, acts, weights, calls, k) if m <= 16 else {}
+                chain = pdl_variants(x, acts, weights, calls) if m in (1, 16, 64) else {}
+                if chain:
+                    print(f"{model}.{sname:>6} M={m:<3} chained launches, us: " + " ".join(
+                        f"{key[9:]} {v * 1e3:6.1f}" for key, v in chain.items() if key.startswith("ms_chain_"))
+                        + f" identical {chain['pdl_out_identical']}", flush=True)
                 ok = {i: t for i, t in tg.items() if gerr[i] < 4e-3}
                 best = min(ok, key=ok.get) if ok else None
                 t_new = t_def
@@ -131,7 +150,7 @@ def main():
                        "ms_best_candidate": min([t_cur] + list(ok.values())),
                        "rel_err_prev": err_cur, "rel_err_bf16": err_bf16,
                        "best_candidate": cands[best].__dict__ if best is not None else None,
-                       "config": kernels.default_config(False, m, n, k).__dict__, **lora}
+                       "config": kernels.default_config(False, m, n, k).__dict__, **lora, **chain}
                 rows.append(row)
                 gs = " ".join(f"{tg[i] * 1e3:6.1f}" for i in sorted(tg))
                 if lora:
@@ -165,6 +184,11 @@ def main():
                         math.log(r["ms_gemv_plus_lora_a_separate"] / r["ms_gemv_with_lora_a_fused"]) for r in lr)),
                     lora_a_fused_max_rel_err=max(r["lora_a_fused_rel_err"] for r in lr),
                     lora_a_fused_out_identical=all(r["lora_a_fused_out_identical"] for r in lr))
+            pr = [r for r in sel if "ms_chain_pdl" in r]
+            if pr:
+                summ[-1].update(chain_plain_over_pdl=math.exp(statistics.fmean(
+                    math.log(r["ms_chain_plain"] / r["ms_chain_pdl"]) for r in pr)),
+                    pdl_out_identical=all(r["pdl_out_identical"] for r in pr))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemv_{tag}.json").write_text(json.dumps(
@@ -179,6 +203,8 @@ def main():
         lo = (f"  LoRA-A in the launch: (GEMV + LoRA-A kernel) / fused {s['lora_a_separate_over_fused']:.2f}x, "
               f"err {s['lora_a_fused_max_rel_err']:.1e}, weight output identical {s['lora_a_fused_out_identical']}"
               if "lora_a_separate_over_fused" in s else "")
+        lo += (f"  chained launches, plain / PDL {s['chain_plain_over_pdl']:.2f}x, identical {s['pdl_out_identical']}"
+               if "chain_plain_over_pdl" in s else "")
         print(f"{s['M']:>4} {s['geomean_speedup_vs_bf16']:10.2f} {s['geomean_prev_vs_bf16']:11.2f} "
               f"{s['mean_weight_gbps']:6.0f} {s['max_rel_err']:8.1e} {s['all_repeatable']}{lo}")
     worst = [(r["shape"], r["M"], r["ms_ours"] / r["ms_prev"]) for r in rows if r["ms_ours"] > 1.02 * r["ms_prev"]]

@@ -93,6 +93,12 @@ def checks() -> dict:
     res["compaction_lengths"] = r.lengths.tolist()
     res["compaction_graphs"] = sorted(k[:2] for k in c._graphs)  # (batch bucket, length bucket)
     res["compaction_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
+    runs = {}
+    for pdl in (False, True):  # programmatic dependent launch changes when kernels start, never what they compute
+        p = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4, pdl=pdl)
+        runs[pdl] = p.generate(policy, prompts, 8, 0, list(range(100, 104)))
+    res["pdl_same_tokens_and_logprobs"] = bool(torch.equal(runs[True].completion_ids, runs[False].completion_ids)
+                                               and torch.equal(runs[True].logprobs, runs[False].logprobs))
     log("checks", json.dumps(res))
     del policy
     return res
@@ -190,10 +196,11 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     return (counts[12] - counts[4]) / 8
 
 
-def time_engine(policy, batch: int, new: int, fused: bool = True) -> dict:
+def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | None = None) -> dict:
     group = min(8, batch)
-    prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch // group)]
-    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused)
+    gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
+    prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
+    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl)
     torch.cuda.reset_peak_memory_stats()
     eng.stop_after = 16
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
@@ -213,7 +220,8 @@ def time_engine(policy, batch: int, new: int, fused: bool = True) -> dict:
     return dict(tok_s=batch * new / steady, tok_s_with_captures=batch * new / wall, ms_step=ms_step,
                 ms_step_with_captures=tm["decode_ms"] / tm["decode_steps"], capture_ms=tm["capture_ms"],
                 prefill_ms=tm["prefill_ms"], peak_gb=torch.cuda.max_memory_allocated() / 2**30,
-                graphs=eng.graphs_captured)
+                graphs=eng.graphs_captured, pdl=bool(eng._decoder and eng._decoder[1] and eng._decoder[1].pdl),
+                tokens_checksum=float(r.logprobs.double().sum()))
 
 
 def hf_generate(policy, batch: int) -> float:
@@ -246,6 +254,7 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
     ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
+    ap.add_argument("--no-pdl-too", default="7b", help="also time without programmatic dependent launch ('' none)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -291,6 +300,12 @@ def main():
                 st["floor_ms"] = wb / bw * 1e3
                 measured.setdefault((model, rank, quant), {})[b] = st
                 log(model, quant, f"r{rank}", f"batch {b}", json.dumps({k: round(v, 3) for k, v in st.items()}))
+                if st["pdl"] and args.no_pdl_too and model.endswith(tuple(args.no_pdl_too.split(","))) and rank == 16:
+                    st0 = time_engine(policy, b, args.new, pdl=False)
+                    st.update(ms_step_no_pdl=st0["ms_step"], tok_s_no_pdl=st0["tok_s"],
+                              pdl_same_logprobs=st0["tokens_checksum"] == st["tokens_checksum"])
+                    log(model, quant, f"r{rank}", f"batch {b} without PDL: {st0['ms_step']:.3f} ms/step "
+                        f"(with {st['ms_step']:.3f}); same log-probs {st['pdl_same_logprobs']}")
                 if b == bs[0] and rank == 16 and model == "qwen2.5-7b":
                     for fz in (True, False):
                         try:
@@ -336,7 +351,15 @@ def main():
                 model=model, batch=b, lora_rank=rank, tok_s_nvfp4=st["tok_s"], tok_s_bf16=o and o["tok_s"],
                 nvfp4_over_bf16=o and st["tok_s"] / o["tok_s"], ms_step_nvfp4=st["ms_step"],
                 ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
-                peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"]))
+                peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
+                pdl=st["pdl"]))
+            if "ms_step_no_pdl" in st:
+                result["rows"][-1].update(ms_step_nvfp4_no_pdl=st["ms_step_no_pdl"],
+                                          ms_step_bf16_no_pdl=o and o.get("ms_step_no_pdl"),
+                                          nvfp4_over_bf16_no_pdl=o and "tok_s_no_pdl" in o
+                                          and st["tok_s_no_pdl"] / o["tok_s_no_pdl"],
+                                          pdl_same_logprobs=st["pdl_same_logprobs"]
+                                          and (not o or o.get("pdl_same_logprobs", True)))
             un, unb = unfused.get((model, rank, quant), {}).get(b), unfused.get((model, rank, "bf16"), {}).get(b)
             if un or unb:
                 result["rows"][-1].update(ms_step_nvfp4_unfused=un and un["ms_step"],
@@ -354,6 +377,11 @@ def main():
               f"{f(r['tok_s_bf16'], 0):>11} {f(r['nvfp4_over_bf16']):>6} {f(r['ms_step_nvfp4']):>9} "
               f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
     for r in result["rows"]:
+        if "ms_step_nvfp4_no_pdl" in r:
+            print(f"without PDL {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_no_pdl'])} "
+                  f"bf16 {f(r['ms_step_bf16_no_pdl'])} ratio {f(r['nvfp4_over_bf16_no_pdl'])}  (with: "
+                  f"{f(r['ms_step_nvfp4'])} / {f(r['ms_step_bf16'])}, {f(r['nvfp4_over_bf16'])}); same log-probs "
+                  f"{r['pdl_same_logprobs']}")
         if "ms_step_nvfp4_unfused" in r:
             print(f"transformers step {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_unfused'])} "
                   f"bf16 {f(r['ms_step_bf16_unfused'])}  (fused: {f(r['ms_step_nvfp4'])} / {f(r['ms_step_bf16'])})")

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels import pdl as _pdl
 from qerl.modules.nvfp4 import unpack_codes
 
 # fragment element e -> (row offset within 16, k offset within the lane's 4-k group)
@@ -736,7 +737,7 @@ def _store(out_base, val, tok, row, M, N, valid):
 def _weight_program(
     pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
-    RB: tl.constexpr,
+    RB: tl.constexpr, PDL: tl.constexpr,
 ):
     # every warp of a program runs the same number of chunks (the shared-memory variant synchronizes them per chunk):
     # a warp past the last row block computes row block 0 again and stores nothing
@@ -756,6 +757,7 @@ def _weight_program(
     m_g = M - g
     w_step = tl.zeros_like(x0) + (valid2 * nchunks_all * 512).to(tl.int64)  # the next row block (if any)
     f_step = tl.zeros_like(x0) + (valid2 * nchunks_all * 128).to(tl.int64)
+    _pdl.wait(PDL)
     factor = SHIFT / tl.load(gs_ptr)
     row = rb * 16 + g
     tok = 2 * q
@@ -832,7 +834,7 @@ def _mma_gemv_kernel(
     x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     d_addr, u_addr, NA, WEIGHT_PROGRAMS, DX,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
-    RB: tl.constexpr, DENSE: tl.constexpr, DASM: tl.constexpr,
+    RB: tl.constexpr, DENSE: tl.constexpr, DASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Programs 0 .. WEIGHT_PROGRAMS - 1 (axis 0) multiply the NVFP4 weight; with ``DENSE``, the programs past them
     multiply the dense rows (LoRA-A) of the same activations."""
@@ -840,14 +842,16 @@ def _mma_gemv_kernel(
     pid_s = tl.program_id(1)
     if DENSE:
         if pid_b >= WEIGHT_PROGRAMS:
+            _pdl.wait(PDL)
             _dense_program(pid_b - WEIGHT_PROGRAMS, pid_s, x_addr, d_addr, u_addr, M, K, NA, SPLITS, DX,
                            NT, WARPS, DASM)
         else:
             _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT,
-                            SPLITS, p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB)
+                            SPLITS, p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL)
     else:
         _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS,
-                        p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB)
+                        p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL)
+    _pdl.release(PDL)  # after the main loop: see qerl.kernels.pdl
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -906,7 +910,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
            row_blocks_per_warp: int | None = None, smem_stages: int | None = None,
-           dense: tuple[torch.Tensor, int] | None = None):
+           dense: tuple[torch.Tensor, int] | None = None, pdl: bool = False):
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -922,7 +926,10 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
 
     ``dense``: (:func:`dense_fragments` of a bf16 ``A [NA, K]``, NA) to multiply by the same activations in the same
     launch (the LoRA-A matrices: one launch instead of two per layer group); returns ``(out, u)`` with ``u [S, M,
-    NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks)."""
+    NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks).
+
+    ``pdl``: launch with programmatic dependent launch (:mod:`qerl.kernels.pdl`; the caller checks
+    ``pdl.supported``): the launch overlaps the end of the kernel before it."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -975,7 +982,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
         weight_programs, dx,
         NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps), SHIFT=256.0, FUSED=fused, RB=rbw,
-        DENSE=bool(dasm), DASM=dasm, num_warps=warps)
+        DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
     key = (nt, fused, warps, xpre, rbw, stages) + ((True,) if dasm else ())
     if key not in _REGS:
         try:

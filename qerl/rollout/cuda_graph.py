@@ -195,6 +195,9 @@ class CUDAGraphRollout(RolloutEngine):
             ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA). Llama/Qwen2-family
             models only: others keep the transformers step (with a warning). The log-probs returned are those of the
             distribution sampled (it rounds like transformers except the order of fp32 sums).
+        pdl: launch the fused step's Triton kernels with programmatic dependent launch, each overlapping the end of
+            the one before (``qerl.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
+            False is the plain launch order (for comparison; the tokens sampled are the same).
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class CUDAGraphRollout(RolloutEngine):
         use_graphs: bool | None = None,
         adapter_in_model_dtype: bool = True,
         fused: bool | None = None,
+        pdl: bool | None = None,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
@@ -217,6 +221,7 @@ class CUDAGraphRollout(RolloutEngine):
             check_every, length_bucket, min_bucket, use_graphs)
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
+        self.pdl = pdl
         self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
@@ -228,7 +233,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._capture_events: list | None = None
         self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
-        self._decoder = None  # (model id, fast) -> FusedDecoder, built on first use
+        self._decoder = None  # (model id, fast, pdl) -> FusedDecoder, built on first use
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -323,19 +328,24 @@ class CUDAGraphRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
+        from qerl.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
         if not (device.type == "cuda" if self.fused is None else self.fused):
             return None
         fast = device.type == "cuda"
-        if self._decoder is not None and self._decoder[0] == (id(base), fast):
+        pdl = fast and P.supported(device) if self.pdl is None else self.pdl
+        if pdl and not P.supported(device):
+            raise ValueError(f"CUDAGraphRollout(pdl=True) needs a CUDA device of compute capability >= 9.0 and Triton "
+                             f">= 3.4 (got {device}); set pdl to null (auto) or false.")
+        if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl):
             return self._decoder[1]
         try:
-            decoder = FusedDecoder(base, fast)
+            decoder = FusedDecoder(base, fast, pdl)
         except Unsupported as e:
             warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); using the transformers step.")
             decoder = None
-        self._decoder = ((id(base), fast), decoder)
+        self._decoder = ((id(base), fast, pdl), decoder)
         return decoder
 
     @contextmanager

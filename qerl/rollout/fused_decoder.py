@@ -26,9 +26,14 @@ buffer (the modules keep views of it, no extra memory) and multiplied by one cuB
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
 buffers by :meth:`FusedDecoder.prepare` before each rollout, RMSNorm weights (with their AQN noise) are read in
 place. On CPU the same step runs with the kernels' torch twins (the tests compare it with the transformers forward).
+
+On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.kernels.pdl``):
+each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -85,8 +90,9 @@ class BaseGEMM:
     On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
     (batch <= 64); frozen ``nn.Linear`` weights are moved into one buffer (views handed back to the modules)."""
 
-    def __init__(self, layers: list[nn.Module], fast: bool):
+    def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False):
         self.layers = layers
+        self.pdl = pdl
         self.sizes = [m.out_features for m in layers]
         self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
             "dense" if all(type(m) is nn.Linear for m in layers) else None
@@ -179,7 +185,7 @@ class BaseGEMM:
             words, factors, gs = self._repacked
             counter = mma.counters(x.device, words.shape[0], build=False)
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                           counter=counter)
+                           counter=counter, pdl=self.pdl)
             return list(y.split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
 
@@ -194,16 +200,16 @@ class BaseGEMM:
         words, factors, gs = self._repacked
         counter = mma.counters(x.device, words.shape[0], build=False)
         y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                          counter=counter, dense=(frags, rows))
+                          counter=counter, dense=(frags, rows), pdl=self.pdl)
         return list(y.split(self.sizes, dim=1)), u
 
 
 class _Group:
     """The modules of one group (q/k/v, o, gate/up, down): base GEMM, biases, LoRA-A stacked, LoRA-B scaled."""
 
-    def __init__(self, modules: list[nn.Module], fast: bool):
+    def __init__(self, modules: list[nn.Module], fast: bool, pdl: bool = False):
         self.modules = modules
-        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast)
+        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast, pdl)
         self.a = self.b = self.a_frags = None
 
     def prepare(self, dtype) -> None:
@@ -245,7 +251,7 @@ class _Group:
         """LoRA-A outputs of the group's modules side by side, as ``[S, b, r * members]`` split-K partials."""
         if self.a is None:
             return None
-        return K.lora_a(x, self.a) if self.gemm.fast else K.lora_a_torch(x, self.a)
+        return K.lora_a(x, self.a, pdl=self.gemm.pdl) if self.gemm.fast else K.lora_a_torch(x, self.a)
 
     def project(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Base GEMM outputs (one per module) and LoRA-A partials of the group's input: one launch where the NVFP4
@@ -266,11 +272,12 @@ class _Group:
 
 class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
-    or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests).
+    or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
+    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.kernels.pdl.supported``).
 
     Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
 
-    def __init__(self, model: nn.Module, fast: bool):
+    def __init__(self, model: nn.Module, fast: bool, pdl: bool = False):
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
@@ -285,7 +292,7 @@ class FusedDecoder:
         rotary = inner.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
-        self.model, self.fast = model, fast
+        self.model, self.fast, self.pdl = model, fast, fast and pdl
         self.embed = model.get_input_embeddings()
         self.rotary = rotary
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -297,8 +304,9 @@ class FusedDecoder:
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
             self.layers.append(dict(
                 ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling),
-                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast), o=_Group([att.o_proj], fast),
-                gu=_Group([mlp.gate_proj, mlp.up_proj], fast), down=_Group([mlp.down_proj], fast)))
+                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl),
+                o=_Group([att.o_proj], fast, self.pdl), gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl),
+                down=_Group([mlp.down_proj], fast, self.pdl)))
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._key = None
@@ -309,7 +317,7 @@ class FusedDecoder:
             for g in ("qkv", "o", "gu", "down"):
                 layer[g].prepare(dtype)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
-        self._key = tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
+        self._key = (self.pdl,) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
             k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
 
     def key(self) -> tuple:
@@ -318,7 +326,8 @@ class FusedDecoder:
 
     def _ops(self):
         if self.fast:
-            return K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue
+            return tuple(functools.partial(op, pdl=self.pdl)
+                         for op in (K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue))
         return K.qkv_epilogue_torch, K.decode_attention_torch, K.residual_rms_norm_torch, K.silu_mul_epilogue_torch
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list, column: torch.Tensor,

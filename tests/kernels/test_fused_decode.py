@@ -81,3 +81,54 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     ref = torch.cat([dequantize(m.weight_packed, m.weight_scale, torch.ones(1), torch.float64) for m in mods]) / 256
     assert torch.equal(mma.emulate_repacked(words, factors).double(), ref)
     assert gemm._mma_weight()[0] is words  # cached while the weights are unchanged
+
+
+_PDL_BUILD = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.kernels import fused_decode as K
+consts = {
+    "_lora_a_kernel": dict(BP=16, NAP=64, BLOCK_K=64),
+    "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16),
+    "_attention_split_kernel": dict(G=7, GP=16, D=128, BLOCK_L=64),
+    "_attention_merge_kernel": dict(D=128, SP=8),
+    "_residual_norm_kernel": dict(ADD=True, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16,
+                                  BLOCK=256, CP=16, OUT_BLOCK=4096),
+    "_silu_mul_kernel": dict(HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16, BLOCK=256),
+}
+floats = {"attn_scaling", "scale_log2", "eps"}
+pointers = {"count_ptr": "*i32", "column_ptr": "*i64", "pos_ptr": "*i64", "mask_ptr": "*u8", "inv_freq_ptr": "*fp32",
+            "u_ptr": "*fp32", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+for name, c in consts.items():
+    kernel = getattr(K, name)
+    for pdl in (False, True):
+        sig = {p.name: "constexpr" if p.is_constexpr else "fp32" if p.name in floats else
+               pointers.get(p.name, "*bf16") if p.name.endswith("_ptr") else "i32" for p in kernel.params}
+        if name in ("_attention_split_kernel", "_attention_merge_kernel"):
+            sig["o_ptr"] = "*fp32"
+        if name == "_lora_a_kernel":
+            sig["out_ptr"] = "*fp32"
+        k = triton.compile(ASTSource(kernel, sig, constexprs={**c, "PDL": pdl}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "launch_pdl": pdl})
+        ptx = k.asm["ptx"]
+        access = min((m.start() for m in re.finditer(r"\\b(ld|st)\\.global|\\batom\\.|\\bred\\.", ptx)), default=len(ptx))
+        wait = ptx.find("griddepcontrol.wait")
+        print(name, pdl, wait >= 0 and wait < access, "griddepcontrol.launch_dependents" in ptx)
+"""
+
+
+def test_kernels_launched_with_pdl_wait_before_touching_memory(tmp_path):
+    # programmatic dependent launch lets a kernel start before the one it depends on has finished: its first memory
+    # access must come after griddepcontrol.wait (the PTX Triton generates for the H100, built on this CPU machine)
+    script = tmp_path / "build.py"
+    script.write_text(_PDL_BUILD)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    assert len(lines) == 2 * 6, proc.stdout
+    for name, pdl, waits_first, triggers in lines:
+        assert (waits_first, triggers) == ((("True", "True") if pdl == "True" else ("False", "False"))), name

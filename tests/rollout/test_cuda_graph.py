@@ -177,6 +177,16 @@ def test_fused_step_follows_the_adapter_state(policy):
     assert not torch.allclose(with_adapter.logprobs, r.logprobs)
 
 
+def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
+    from qerl.kernels import pdl
+
+    assert not pdl.supported("cpu") and pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
+    base = policy.get_base_model()
+    assert CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu")).pdl is False  # auto: off on CPU
+    with pytest.raises(ValueError, match="compute capability >= 9.0.*set pdl to null"):
+        CUDAGraphRollout(fused=True, pdl=True)._fused_decoder(base, torch.device("cpu"))
+
+
 def test_unsupported_model_falls_back_with_a_warning(policy):
     from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
