@@ -11,7 +11,8 @@ Run on a CUDA machine from the repository root:
 3. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
-   The engine runs its default step (``FusedDecoder``); the 7B r16 model is also timed with the transformers step
+   The engine runs its default step (``FusedDecoder``; NVFP4 steps above 64 rows on the rollout's bf16 copy of the
+   weights, also timed on the NVFP4 tile kernel: ``--tile-too``); the 7B r16 model is also timed with the transformers step
    at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot fit is skipped and
    listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
 Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
@@ -93,6 +94,19 @@ def checks() -> dict:
     res["compaction_lengths"] = r.lengths.tolist()
     res["compaction_graphs"] = sorted(k[:2] for k in c._graphs)  # (batch bucket, length bucket)
     res["compaction_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
+    w = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, wide_batch_bf16=True)
+    r = w.generate(policy, prompts, 32, 0, [])  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
+    res["wide_batch_bf16_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
+    gemms = [lyr[g].gemm for lyr in w._decoder[1].layers for g in ("qkv", "o", "gu", "down")]
+    res["wide_batch_bf16_copy_released"] = all(gm._dequantized is None for gm in gemms)
+    # the next rollout's copy lands elsewhere (what an update's allocations do): its graphs are recaptured, the stale
+    # ones (here all of them: 96 rows never compact below 64) freed with their pool
+    junk = [torch.empty(gm.dequantized_bytes(torch.bfloat16), dtype=torch.uint8, device="cuda") for gm in gemms]
+    before = w.graphs_captured
+    r2 = w.generate(policy, prompts, 32, 0, [])
+    res["wide_batch_bf16_moved_copy_recaptured"] = w.graphs_captured > before and len(w._graphs) == w.graphs_captured - before
+    res["wide_batch_bf16_moved_copy_vs_recompute_max_lp_diff"] = float((r2.logprobs - recompute(policy, r2)).abs().max())
+    del junk
     runs = {}
     for pdl in (False, True):  # programmatic dependent launch changes when kernels start, never what they compute
         p = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4, pdl=pdl)
@@ -196,11 +210,13 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     return (counts[12] - counts[4]) / 8
 
 
-def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | None = None) -> dict:
+def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | None = None,
+                wide_batch_bf16: bool | None = None) -> dict:
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
-    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl)
+    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl,
+                           wide_batch_bf16=wide_batch_bf16)
     torch.cuda.reset_peak_memory_stats()
     eng.stop_after = 16
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
@@ -255,6 +271,8 @@ def main():
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
     ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
     ap.add_argument("--no-pdl-too", default="7b", help="also time without programmatic dependent launch ('' none)")
+    ap.add_argument("--tile-too", default="7b", help="NVFP4 batches > 64: also time the NVFP4 tile kernel instead of "
+                                                      "the rollout's bf16 copy ('' none)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -306,6 +324,13 @@ def main():
                               pdl_same_logprobs=st0["tokens_checksum"] == st["tokens_checksum"])
                     log(model, quant, f"r{rank}", f"batch {b} without PDL: {st0['ms_step']:.3f} ms/step "
                         f"(with {st['ms_step']:.3f}); same log-probs {st['pdl_same_logprobs']}")
+                if (quant == "nvfp4" and b > 64 and args.tile_too and rank == 16
+                        and model.endswith(tuple(args.tile_too.split(",")))):
+                    st1 = time_engine(policy, b, args.new, wide_batch_bf16=False)
+                    st.update(ms_step_tile_kernel=st1["ms_step"], tok_s_tile_kernel=st1["tok_s"],
+                              peak_gb_tile_kernel=st1["peak_gb"])
+                    log(model, quant, f"r{rank}", f"batch {b} on the NVFP4 tile kernel (no bf16 copy): "
+                        f"{st1['ms_step']:.3f} ms/step (with the copy {st['ms_step']:.3f}), peak {st1['peak_gb']:.1f} GB")
                 if b == bs[0] and rank == 16 and model == "qwen2.5-7b":
                     for fz in (True, False):
                         try:
@@ -353,6 +378,10 @@ def main():
                 ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
                 peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
                 pdl=st["pdl"]))
+            if "ms_step_tile_kernel" in st:
+                result["rows"][-1].update(ms_step_nvfp4_tile_kernel=st["ms_step_tile_kernel"],
+                                          nvfp4_tile_kernel_over_bf16=o and st["tok_s_tile_kernel"] / o["tok_s"],
+                                          peak_gb_tile_kernel=st["peak_gb_tile_kernel"])
             if "ms_step_no_pdl" in st:
                 result["rows"][-1].update(ms_step_nvfp4_no_pdl=st["ms_step_no_pdl"],
                                           ms_step_bf16_no_pdl=o and o.get("ms_step_no_pdl"),
@@ -377,6 +406,11 @@ def main():
               f"{f(r['tok_s_bf16'], 0):>11} {f(r['nvfp4_over_bf16']):>6} {f(r['ms_step_nvfp4']):>9} "
               f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
     for r in result["rows"]:
+        if "ms_step_nvfp4_tile_kernel" in r:
+            print(f"NVFP4 tile kernel instead of the rollout's bf16 copy, {r['model']} batch {r['batch']}: "
+                  f"{f(r['ms_step_nvfp4_tile_kernel'])} ms/step (ratio {f(r['nvfp4_tile_kernel_over_bf16'])}, peak "
+                  f"{f(r['peak_gb_tile_kernel'], 1)} GB) vs {f(r['ms_step_nvfp4'])} (ratio {f(r['nvfp4_over_bf16'])}, "
+                  f"peak {f(r['peak_gb'], 1)} GB)")
         if "ms_step_nvfp4_no_pdl" in r:
             print(f"without PDL {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_no_pdl'])} "
                   f"bf16 {f(r['ms_step_bf16_no_pdl'])} ratio {f(r['nvfp4_over_bf16_no_pdl'])}  (with: "

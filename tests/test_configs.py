@@ -57,3 +57,27 @@ def test_config_instantiates_without_loading_a_model(paths, tmp_path, monkeypatc
         assert cli.trainer.max_steps >= 1
     names = {type(c).__name__ for c in cli.trainer.callbacks}
     assert {"AdaptiveQuantizationNoise", "RolloutSync", "EntropyLogger"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_recipes_on_the_cuda_graph_engine_keep_a_kv_cache_that_leaves_room_to_train(recipe, tmp_path, monkeypatch,
+                                                                                      no_model_loads):
+    # CUDAGraphRollout keeps a static KV cache of rows x (longest prompt + max_new_tokens) between rollouts; a recipe
+    # uses it only where that cache (real Qwen2.5 shapes) takes at most a quarter of an 80 GB GPU: the weights and the
+    # update need the rest (3B bigmath: 22.5 GiB, 7B bigmath 35, 14B/32B gsm8k 54/72 stay on the built-in engine)
+    import torch
+
+    from qerl.modules.random_models import qwen25_config
+    from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
+
+    monkeypatch.chdir(tmp_path)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                  args=[*config_args([CONFIGS / "gpu.yaml", recipe]), "--trainer.accelerator", "cpu"])
+    size = cli.model.policy_config.model.split("/")[-1].lower().removesuffix("-instruct")  # qwen2.5-7b
+    rows = cli.datamodule.batch_size * cli.model.hparams.group_size
+    length = cli.datamodule.max_prompt_tokens + cli.model.rollout.max_new_tokens
+    gib = kv_cache_bytes(qwen25_config(size), rows, length, torch.bfloat16) / 2**30
+    on_graphs = isinstance(cli.model.rollout, CUDAGraphRollout)
+    assert on_graphs == (gib <= 20), (recipe.name, round(gib, 1), type(cli.model.rollout).__name__)
+    if on_graphs:
+        assert f"({gib:.1f} GiB" in recipe.read_text()  # the recipe's comment states it

@@ -452,11 +452,16 @@ DENSE_MIN_M = 128
 
 
 def dequantize_dense(
-    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.modules.nvfp4.dequantize``)."""
+    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.modules.nvfp4.dequantize``);
+    ``out``: a contiguous ``[N, K]`` tensor to write (e.g. rows of a stacked weight)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, got {out.dtype} {tuple(out.shape)}")
     block_r, block_c = 16, 256
     _dequantize_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
         weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k,

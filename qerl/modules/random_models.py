@@ -16,6 +16,8 @@ from qerl.modules.nvfp4 import BLOCK, NVFP4Linear
 
 # From the Qwen2.5-*-Instruct config.json files (all: vocab 152064, untied LM head, q/k/v bias, rope theta 1e6).
 QWEN25 = {
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4),
     "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,

@@ -18,7 +18,8 @@ step's time at small batch. This module runs the same mathematics from the model
 
 Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
-instead of three or two); larger batches call each NVFP4Linear's kernel. At batch <= 16 the same launch also
+instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
+bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same launch also
 multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each rollout): the LoRA-A
 line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group are moved into one
 buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
@@ -88,7 +89,9 @@ class BaseGEMM:
     """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
 
     On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
-    (batch <= 64); frozen ``nn.Linear`` weights are moved into one buffer (views handed back to the modules)."""
+    (batch <= 64); wider batches use the layers' own kernels, or a stacked bf16 copy of the group made for one
+    rollout (:meth:`dequantize`: cuBLAS at the bf16 speed, 2 bytes per weight while it lives). Frozen ``nn.Linear``
+    weights are moved into one buffer (views handed back to the modules)."""
 
     def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False):
         self.layers = layers
@@ -103,6 +106,7 @@ class BaseGEMM:
         self._versions = None
         self._no_mma = False
         self._rebuilds = 0  # bumped when a built repack is replaced (graphs holding the old one must go)
+        self._dequantized = None  # stacked dense copy of NVFP4 weights for batches above the GEMV's, per rollout
         self.dense = None
         if self.kind == "dense":
             self.dense = self._stack_dense() if fast and len(layers) > 1 else None
@@ -154,6 +158,27 @@ class BaseGEMM:
         if self._repacked is not None:
             self._mma_weight()
 
+    def dequantized_bytes(self, dtype) -> int:
+        """Bytes :meth:`dequantize` would allocate (0 where it does not apply)."""
+        if self.kind != "nvfp4" or not self.fast:
+            return 0
+        return sum(self.sizes) * self.layers[0].in_features * torch.empty(0, dtype=dtype).element_size()
+
+    def dequantize(self, dtype) -> None:
+        """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch use."""
+        self._dequantized = None
+        if dtype is None or not self.dequantized_bytes(dtype):
+            return
+        from qerl.kernels.nvfp4_matmul import dequantize_dense
+
+        ms = self.layers
+        stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_packed.device)
+        row = 0
+        for m, n in zip(ms, self.sizes):
+            dequantize_dense(m.weight_packed, m.weight_scale, m.weight_global_scale, dtype, out=stacked[row:row + n])
+            row += n
+        self._dequantized = stacked
+
     def _ensure_mma(self, x: torch.Tensor) -> bool:
         """The repacked copy is built on the first batch <= 64 step (eager: the warm-up before its capture), so
         rollouts that never decode at batch <= 64 do not hold it (+0.625 bytes per weight)."""
@@ -174,14 +199,20 @@ class BaseGEMM:
     def key(self) -> tuple:
         return (self._rebuilds,)
 
+    def wide_key(self) -> tuple:
+        """What the steps above the GEMV's batch read besides :meth:`key`: the per-rollout dense copy."""
+        return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        from qerl.kernels import nvfp4_mma_gemv as mma
+
+        if self._dequantized is not None and x.shape[0] > mma.MAX_M and x.dtype == self._dequantized.dtype:
+            return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
         if self.kind == "dense":
             if self.dense is not None:
                 return list(F.linear(x, self.dense).split(self.sizes, dim=1))
             return [F.linear(x, m.weight) for m in self.layers]
         if self._ensure_mma(x):
-            from qerl.kernels import nvfp4_mma_gemv as mma
-
             words, factors, gs = self._repacked
             counter = mma.counters(x.device, words.shape[0], build=False)
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
@@ -311,18 +342,35 @@ class FusedDecoder:
         self.lm_head = model.lm_head
         self._key = None
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights."""
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
+        """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights; ``dequantize``:
+        also a dense copy of the NVFP4 weights for the steps above the GEMV's batch (dropped by :meth:`release`)."""
         for layer in self.layers:
             for g in ("qkv", "o", "gu", "down"):
                 layer[g].prepare(dtype)
+                layer[g].gemm.dequantize(dtype if dequantize else None)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
         self._key = (self.pdl,) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
             k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
+        self._wide_key = tuple(k for lyr in self.layers for g in ("qkv", "o", "gu", "down")
+                               for k in lyr[g].gemm.wide_key())
 
-    def key(self) -> tuple:
-        """Identifies what a captured step reads (graphs are keyed on it)."""
-        return self._key
+    def key(self, batch: int = 1) -> tuple:
+        """Identifies what a captured step of ``batch`` rows reads (graphs are keyed on it): above the GEMV's batch
+        also the per-rollout dense copies, so the steps up to it keep their graphs when those move."""
+        from qerl.kernels import nvfp4_mma_gemv as mma
+
+        return self._key + (self._wide_key if batch > mma.MAX_M else ())
+
+    def dequantized_bytes(self, dtype: torch.dtype) -> int:
+        """What ``prepare(dtype, dequantize=True)`` allocates."""
+        return sum(lyr[g].gemm.dequantized_bytes(dtype) for lyr in self.layers for g in ("qkv", "o", "gu", "down"))
+
+    def release(self) -> None:
+        """After a rollout: drop the dense copies (the update gets the memory back)."""
+        for layer in self.layers:
+            for g in ("qkv", "o", "gu", "down"):
+                layer[g].gemm.dequantize(None)
 
     def _ops(self):
         if self.fast:

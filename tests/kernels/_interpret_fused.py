@@ -76,4 +76,27 @@ for dtype in (torch.float32, torch.float16):
         ref = x.double() @ a.double().t()
         res[f"lora_a-{dtype}-{b}-{K_}-{n}"] = float((part.double().sum(0) - ref).abs().max() / ref.abs().max())
         res[f"lora_a-splits-{dtype}-{b}-{K_}-{n}"] = float(part.shape[0] > 1)
+
+# wide batches: the stacked dense copy of an NVFP4 group (made per rollout) vs the layers' own dequantized weights
+# (fp32: the interpreter's numpy cannot do the kernel's bf16 bit tricks; the GPU benchmarks check bf16)
+from qerl.modules.nvfp4 import NVFP4Linear, dequantize  # noqa: E402
+from qerl.rollout.fused_decoder import BaseGEMM  # noqa: E402
+
+lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 48)]
+mods = []
+for lin in lins:
+    torch.nn.init.normal_(lin.weight, generator=g)
+    mods.append(NVFP4Linear.from_linear(lin))
+gemm = BaseGEMM(mods, fast=True)
+before = gemm.key(), gemm.wide_key()
+res["wide-bytes"] = float(gemm.dequantized_bytes(torch.float32) == 144 * 128 * 4)
+gemm.dequantize(torch.float32)
+res["wide-key-changed"] = float(gemm.key() == before[0] and gemm.wide_key() != before[1])
+exact = torch.cat([dequantize(m.weight_packed, m.weight_scale, m.weight_global_scale, torch.float32) for m in mods])
+res["wide-copy-vs-dequantize"] = float(((gemm._dequantized - exact).abs() / exact.abs().amax()).max())
+x = rnd(70, 128, dtype=torch.float32)  # above the GEMV's 64 rows
+outs = gemm(x)
+res["wide-out"] = max(diff(y, x @ w.t()) for y, w in zip(outs, exact.split([64, 32, 48])))
+gemm.dequantize(None)
+res["wide-released"] = float(gemm._dequantized is None and (gemm.key(), gemm.wide_key()) == before)
 print(json.dumps(res))

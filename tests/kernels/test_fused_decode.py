@@ -57,6 +57,15 @@ def test_lora_a_split_partials_sum_to_the_product(interpreted):
     assert all(v == 1.0 for k, v in interpreted.items() if k.startswith("lora_a-splits"))
 
 
+def test_wide_batch_dense_copy_is_the_dequantized_stack(interpreted):
+    """Above 64 rows a rollout may multiply one stacked dense copy of an NVFP4 group (made by the Triton dequantize
+    kernel into the stack's rows): the layers' dequantized weights; the wide steps' graphs see it in their key (the
+    others' key does not change); dropped after."""
+    assert interpreted["wide-bytes"] == 1.0 and interpreted["wide-copy-vs-dequantize"] < 1e-6
+    assert interpreted["wide-key-changed"] == 1.0 and interpreted["wide-released"] == 1.0
+    assert interpreted["wide-out"] < 1e-4
+
+
 def test_stacked_nvfp4_repack_is_the_stacked_weight():
     """q|k|v (one global scale) repacked as one weight decodes to the three dequantized weights stacked."""
     from qerl.kernels import nvfp4_mma_gemv as mma

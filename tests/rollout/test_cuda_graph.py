@@ -187,6 +187,25 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
         CUDAGraphRollout(fused=True, pdl=True)._fused_decoder(base, torch.device("cpu"))
 
 
+def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(policy):
+    """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
+    an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
+    from qerl.kernels import nvfp4_mma_gemv as mma
+
+    engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
+    engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+    decoder = engine._state["decoder"]
+    cpu = torch.device("cpu")
+    assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, cpu)
+    assert not CUDAGraphRollout(wide_batch_bf16=False)._wide_batch_bf16(decoder, 200, torch.bfloat16, cpu)
+    assert decoder.key(mma.MAX_M) == decoder.key(1) and decoder.key(mma.MAX_M + 1)[: len(decoder.key(1))] == decoder.key(1)
+    current, old = decoder.key(1), decoder.key(1) + ("an earlier layout",)
+    graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale", (2, 256, 1.0, False, None): "hf"}
+    engine._graphs = dict(graphs)
+    engine._drop_stale_graphs(decoder)
+    assert sorted(engine._graphs.values()) == ["hf", "kept"]
+
+
 def test_unsupported_model_falls_back_with_a_warning(policy):
     from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
