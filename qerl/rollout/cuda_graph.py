@@ -135,6 +135,12 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     return per_position * rows * length
 
 
+def _free_bytes(device) -> int:
+    """Free GPU memory, counting what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: str) -> None:
     """Refuse a static KV cache larger than the free memory with what to change, instead of an opaque OOM."""
     if nbytes > free:
@@ -378,8 +384,7 @@ class CUDAGraphRollout(RolloutEngine):
             return False
         if self.wide_batch_bf16:
             return True
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free >= need + (2 << 30)
+        return _free_bytes(device) >= need + (2 << 30)
 
     @contextmanager
     def _adapter_copies(self, policy, dtype):
@@ -419,9 +424,8 @@ class CUDAGraphRollout(RolloutEngine):
                 torch.cuda.empty_cache()
         dtype = base.get_input_embeddings().weight.dtype
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
-            check_kv_cache_fits(kv_cache_bytes(config, rows, length, dtype), free, rows, length, str(device))
+            check_kv_cache_fits(kv_cache_bytes(config, rows, length, dtype), _free_bytes(device), rows, length,
+                                str(device))
         cache = SlotCache(config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config), dtype,
                           device)
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
