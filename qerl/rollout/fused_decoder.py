@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.kernels import fused_decode as K
+from qerl.kernels import nvfp4_mma_gemv as mma
 from qerl.modules.nvfp4 import NVFP4Linear
 
 SUPPORTED_TYPES = ("llama", "qwen2")
@@ -131,8 +132,6 @@ class BaseGEMM:
         return stacked
 
     def _mma_weight(self):
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
         ms = self.layers
         k = ms[0].in_features
         if not all(mma.supported(m.out_features, k) and m.in_features == k for m in ms):
@@ -182,8 +181,6 @@ class BaseGEMM:
     def _ensure_mma(self, x: torch.Tensor) -> bool:
         """The repacked copy is built on the first batch <= 64 step (eager: the warm-up before its capture), so
         rollouts that never decode at batch <= 64 do not hold it (+0.625 bytes per weight)."""
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
         if (self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda
                 or x.shape[0] > mma.MAX_M):
             return False
@@ -204,8 +201,6 @@ class BaseGEMM:
         return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
         if self._dequantized is not None and x.shape[0] > mma.MAX_M and x.dtype == self._dequantized.dtype:
             return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
         if self.kind == "dense":
@@ -223,8 +218,6 @@ class BaseGEMM:
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
         ``nvfp4_mma_gemv.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
         if x.shape[0] > mma.DENSE_MAX_M or not self._ensure_mma(x):
             return None
 
@@ -269,8 +262,6 @@ class _Group:
                 self.a[i * r:(i + 1) * r].copy_(a)
                 self.b[i].copy_(b.float() * s)
             if self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16 and a_shape[1] % 64 == 0:
-                from qerl.kernels import nvfp4_mma_gemv as mma
-
                 # the LoRA-A rows in the GEMV's fragment order, refreshed in place (captured graphs read this buffer)
                 self.a_frags = mma.dense_fragments(self.a, out=self.a_frags)
 
@@ -352,15 +343,13 @@ class FusedDecoder:
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
         self._key = (self.pdl,) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
             k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
-        self._wide_key = tuple(k for lyr in self.layers for g in ("qkv", "o", "gu", "down")
-                               for k in lyr[g].gemm.wide_key())
+        self._wide_key = self._key + tuple(k for lyr in self.layers for g in ("qkv", "o", "gu", "down")
+                                           for k in lyr[g].gemm.wide_key())
 
     def key(self, batch: int = 1) -> tuple:
         """Identifies what a captured step of ``batch`` rows reads (graphs are keyed on it): above the GEMV's batch
         also the per-rollout dense copies, so the steps up to it keep their graphs when those move."""
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
-        return self._key + (self._wide_key if batch > mma.MAX_M else ())
+        return self._wide_key if batch > mma.MAX_M else self._key
 
     def dequantized_bytes(self, dtype: torch.dtype) -> int:
         """What ``prepare(dtype, dequantize=True)`` allocates."""
