@@ -12,9 +12,9 @@ Run on a CUDA machine from the repository root:
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
    The engine runs its default step (``FusedDecoder``; NVFP4 steps above 64 rows on the rollout's bf16 copy of the
-   weights, also timed on the NVFP4 tile kernel: ``--tile-too``); the 7B r16 model is also timed with the transformers step
-   at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot fit is skipped and
-   listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
+   weights, also timed on the NVFP4 tile kernel: ``--tile-too``); the 7B r16 model is also timed with the
+   transformers step at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot
+   fit is skipped and listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
 Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
 """
 
@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from qerl.modules.aqn import rms_norms
-from qerl.modules.nvfp4 import NVFP4Linear
 from qerl.modules.random_models import build_random_policy, qwen25_config
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
@@ -104,8 +103,10 @@ def checks() -> dict:
     junk = [torch.empty(gm.dequantized_bytes(torch.bfloat16), dtype=torch.uint8, device="cuda") for gm in gemms]
     before = w.graphs_captured
     r2 = w.generate(policy, prompts, 32, 0, [])
-    res["wide_batch_bf16_moved_copy_recaptured"] = w.graphs_captured > before and len(w._graphs) == w.graphs_captured - before
-    res["wide_batch_bf16_moved_copy_vs_recompute_max_lp_diff"] = float((r2.logprobs - recompute(policy, r2)).abs().max())
+    res["wide_batch_bf16_moved_copy_recaptured"] = (w.graphs_captured > before
+                                                     and len(w._graphs) == w.graphs_captured - before)
+    res["wide_batch_bf16_moved_copy_vs_recompute_max_lp_diff"] = float(
+        (r2.logprobs - recompute(policy, r2)).abs().max())
     del junk
     runs = {}
     for pdl in (False, True):  # programmatic dependent launch changes when kernels start, never what they compute
@@ -330,7 +331,8 @@ def main():
                     st.update(ms_step_tile_kernel=st1["ms_step"], tok_s_tile_kernel=st1["tok_s"],
                               peak_gb_tile_kernel=st1["peak_gb"])
                     log(model, quant, f"r{rank}", f"batch {b} on the NVFP4 tile kernel (no bf16 copy): "
-                        f"{st1['ms_step']:.3f} ms/step (with the copy {st['ms_step']:.3f}), peak {st1['peak_gb']:.1f} GB")
+                        f"{st1['ms_step']:.3f} ms/step (with the copy {st['ms_step']:.3f}), "
+                        f"peak {st1['peak_gb']:.1f} GB")
                 if b == bs[0] and rank == 16 and model == "qwen2.5-7b":
                     for fz in (True, False):
                         try:

@@ -1,7 +1,8 @@
 """The glue of one decode step as a few Triton kernels (one token per row; used by ``qerl.rollout.fused_decoder``).
 
 A 7B decode step run through transformers + peft launched 2,460 kernels with LoRA (H100 profile; each ~2 us even
-inside a CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs and:
+inside a CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs
+and:
 
     qkv_epilogue        bias + LoRA-B of q, k, v; rotary on q and k; k, v written into the KV cache     (1 kernel)
     decode_attention    GQA flash-decoding over the cache, split along the length, then merged        (2 kernels)
@@ -184,9 +185,9 @@ def _qkv_epilogue_kernel(
 def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: float, column, k_cache, v_cache,
                  heads: int, kv_heads: int, pdl: bool = False) -> torch.Tensor:
     """q/k/v module outputs from their base GEMMs ``y* [b, H*D]`` (row-strided views allowed): ``+ bias`` (``biases``:
-    (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled, or None), rotary on q
-    and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows, kv_heads, L, D]`` at
-    column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``."""
+    (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled,
+    or None), rotary on q and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows,
+    kv_heads, L, D]`` at column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``."""
     b = yq.shape[0]
     D = yq.shape[1] // heads
     q = torch.empty(b, heads, D, dtype=yq.dtype, device=yq.device)
@@ -387,7 +388,8 @@ def _residual_norm_kernel(
         tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=None, pdl: bool = False) -> torch.Tensor:
+def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=None,
+                      pdl: bool = False) -> torch.Tensor:
     """``h += module output`` (``y`` + ``bias`` + LoRA-B of ``u [S, b, r]``, rounded like peft; skipped when ``y``
     is None), in place on the residual stream ``h [b, H]``; returns ``RMSNorm(h) [b, H]`` (transformers' roundings).
     Kernels using it must not run concurrently on several streams (shared arrival counters). (One program per row,
@@ -450,7 +452,8 @@ def _silu_mul_kernel(
 
 def silu_mul_epilogue(yg, yu, u=None, lora_b=None, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` from the base outputs ``yg, yu [b, N]`` (+ ``u[:, :r] @ Bg.T``, ``u[:, r:] @ Bu.T`` when
-    ``lora_b`` = (Bg, Bu) scaled; ``u [S, b, 2r]``), rounded like transformers (each module output, the silu, the product)."""
+    ``lora_b`` = (Bg, Bu) scaled; ``u [S, b, 2r]``), rounded like transformers (each module output, the silu, the
+    product)."""
     b, N = yg.shape
     out = torch.empty(b, N, dtype=yg.dtype, device=yg.device)
     if b == 0:
@@ -474,7 +477,7 @@ def silu_mul_epilogue_torch(yg, yu, u=None, lora_b=None):
 
 
 __all__ = [
-    "attention_splits", "lora_a", "lora_a_torch", "decode_attention", "decode_attention_torch", "qkv_epilogue", "qkv_epilogue_torch",
-    "residual_rms_norm", "residual_rms_norm_torch", "rms_norm_torch", "rotate", "silu_mul_epilogue",
+    "attention_splits", "lora_a", "lora_a_torch", "decode_attention", "decode_attention_torch", "qkv_epilogue",
+    "qkv_epilogue_torch", "residual_rms_norm", "residual_rms_norm_torch", "rms_norm_torch", "rotate", "silu_mul_epilogue",
     "silu_mul_epilogue_torch",
 ]

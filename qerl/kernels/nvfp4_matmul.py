@@ -461,7 +461,8 @@ def dequantize_dense(
     if out is None:
         out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     block_r, block_c = 16, 256
     _dequantize_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
         weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k,

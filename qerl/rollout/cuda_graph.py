@@ -141,6 +141,17 @@ def _free_bytes(device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None, spare: int = 2 << 30) -> bool:
+    """Whether a rollout of ``rows`` rows makes the bf16 copy of ``need`` bytes (``CUDAGraphRollout.wide_batch_bf16``
+    = ``setting``; ``free``: free GPU memory, None off CUDA): only above the mma GEMV's 64 rows, and by default only
+    with ``spare`` bytes left over."""
+    from qerl.kernels import nvfp4_mma_gemv as mma
+
+    if setting is False or rows <= mma.MAX_M or not need or free is None:
+        return False
+    return bool(setting) or free >= need + spare
+
+
 def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: str) -> None:
     """Refuse a static KV cache larger than the free memory with what to change, instead of an opaque OOM."""
     if nbytes > free:
@@ -375,16 +386,8 @@ class CUDAGraphRollout(RolloutEngine):
             self._pool = torch.cuda.graph_pool_handle()  # a pool whose graphs are all gone cannot be captured into
 
     def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
-        from qerl.kernels import nvfp4_mma_gemv as mma
-
-        if self.wide_batch_bf16 is False or rows <= mma.MAX_M or device.type != "cuda":
-            return False
-        need = decoder.dequantized_bytes(dtype)
-        if not need:
-            return False
-        if self.wide_batch_bf16:
-            return True
-        return _free_bytes(device) >= need + (2 << 30)
+        free = _free_bytes(device) if device.type == "cuda" else None
+        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free)
 
     @contextmanager
     def _adapter_copies(self, policy, dtype):

@@ -19,10 +19,10 @@ step's time at small batch. This module runs the same mathematics from the model
 Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
 instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
-bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same launch also
-multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each rollout): the LoRA-A
-line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group are moved into one
-buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
+bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same
+launch also multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each
+rollout): the LoRA-A line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group
+are moved into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
 
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
 buffers by :meth:`FusedDecoder.prepare` before each rollout, RMSNorm weights (with their AQN noise) are read in
@@ -315,6 +315,10 @@ class FusedDecoder:
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
         self.model, self.fast, self.pdl = model, fast, fast and pdl
+        # the step's glue kernels (their torch twins on CPU)
+        self._ops = tuple(functools.partial(op, pdl=self.pdl) for op in (
+            K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue)) if fast else (
+            K.qkv_epilogue_torch, K.decode_attention_torch, K.residual_rms_norm_torch, K.silu_mul_epilogue_torch)
         self.embed = model.get_input_embeddings()
         self.rotary = rotary
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -361,18 +365,13 @@ class FusedDecoder:
             for g in ("qkv", "o", "gu", "down"):
                 layer[g].gemm.dequantize(None)
 
-    def _ops(self):
-        if self.fast:
-            return tuple(functools.partial(op, pdl=self.pdl)
-                         for op in (K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue))
-        return K.qkv_epilogue_torch, K.decode_attention_torch, K.residual_rms_norm_torch, K.silu_mul_epilogue_torch
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list, column: torch.Tensor,
              mask: torch.Tensor, length: int) -> torch.Tensor:
         """Logits ``[b, V]`` of the next token for ``tokens [b]`` at position ids ``pos [b]``; writes their K/V into
         ``keys[i]/values[i] [rows, Hkv, L, D]`` at column ``column`` (1-element tensor) of rows 0..b-1 and attends to
         columns 0..length-1 where ``mask [b, >= length]`` is True (the new column included)."""
-        qkv_epilogue, attention, residual_norm, silu_mul = self._ops()
+        qkv_epilogue, attention, residual_norm, silu_mul = self._ops
         h = self.embed(tokens)
         inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
         norms = self._norms

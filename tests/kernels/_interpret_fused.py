@@ -79,8 +79,8 @@ for dtype in (torch.float32, torch.float16):
 
 # wide batches: the stacked dense copy of an NVFP4 group (made per rollout) vs the layers' own dequantized weights
 # (fp32: the interpreter's numpy cannot do the kernel's bf16 bit tricks; the GPU benchmarks check bf16)
-from qerl.modules.nvfp4 import NVFP4Linear, dequantize  # noqa: E402
-from qerl.rollout.fused_decoder import BaseGEMM  # noqa: E402
+from qerl.modules.nvfp4 import NVFP4Linear, dequantize
+from qerl.rollout.fused_decoder import BaseGEMM
 
 lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 48)]
 mods = []

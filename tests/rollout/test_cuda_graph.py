@@ -191,16 +191,22 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
     an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
     from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.rollout.cuda_graph import wants_bf16_copy
 
+    gib = 1 << 30
+    assert wants_bf16_copy(None, 65, 13 * gib, 16 * gib) and not wants_bf16_copy(None, 64, 13 * gib, 80 * gib)
+    assert not wants_bf16_copy(None, 128, 13 * gib, 14 * gib)  # fits, but not with 2 GiB to spare
+    assert wants_bf16_copy(True, 128, 13 * gib, 1 * gib) and not wants_bf16_copy(False, 128, 13 * gib, 80 * gib)
+    assert not wants_bf16_copy(True, 128, 0, 80 * gib) and not wants_bf16_copy(True, 128, 13 * gib, None)  # bf16 / CPU
     engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
     engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
     decoder = engine._state["decoder"]
-    cpu = torch.device("cpu")
-    assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, cpu)
-    assert not CUDAGraphRollout(wide_batch_bf16=False)._wide_batch_bf16(decoder, 200, torch.bfloat16, cpu)
-    assert decoder.key(mma.MAX_M) == decoder.key(1) and decoder.key(mma.MAX_M + 1)[: len(decoder.key(1))] == decoder.key(1)
+    assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, torch.device("cpu"))
+    narrow = decoder.key(1)
+    assert decoder.key(mma.MAX_M) == narrow and decoder.key(mma.MAX_M + 1)[: len(narrow)] == narrow
     current, old = decoder.key(1), decoder.key(1) + ("an earlier layout",)
-    graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale", (2, 256, 1.0, False, None): "hf"}
+    graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale",
+              (2, 256, 1.0, False, None): "hf"}
     engine._graphs = dict(graphs)
     engine._drop_stale_graphs(decoder)
     assert sorted(engine._graphs.values()) == ["hf", "kept"]
