@@ -1,4 +1,5 @@
-"""Decode-size NVFP4 forward (M <= 64): the repacked-weight mma GEMV vs the Triton tile kernel vs cuBLAS bf16.
+"""Decode-size NVFP4 forward (M <= 64): the repacked-weight GEMV (wgmma loop on sm_90, and the mma.sync loop) vs the
+Triton tile kernel vs cuBLAS bf16.
 
     PYTHONPATH=. python bench/bench_gemv.py --out DIR [--ms 1,4,16,32,64] [--models 7b,32b]
 
@@ -10,6 +11,7 @@ of weight copies. Writes DIR/gemv_<device>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -26,6 +28,8 @@ from bench_nvfp4_kernel import SHAPES, copies_for, device_header, graph_ms, rand
 from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
 from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
 from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+
+MMA_SYNC = dataclasses.replace(kernels.GEMV, wgmma=False)
 
 
 def poison(device):
@@ -131,6 +135,9 @@ def main():
                     tg[i] = graph_ms(lambda j, c=c: kernels._launch(acts[j % 4], *weights[j % len(weights)], False, c),
                                      calls)
                 t_def = graph_ms(lambda i: kernels.nvfp4_mm(acts[i % 4], *weights[i % len(weights)], False), calls)
+                # the mma.sync loop that was the default before the wgmma one (and is on GPUs other than sm_90)
+                t_sync = graph_ms(lambda i, acts=acts, weights=weights: kernels._launch(
+                    acts[i % 4], *weights[i % len(weights)], False, MMA_SYNC), calls) if m <= gemv.MAX_M else t_cur
                 # after many graph replays the fused split-K counters must be back at zero: same answer again
                 d3 = kernels.nvfp4_mm(x, *weights[0], False)
                 same = same and bool(torch.equal(d1, d3))
@@ -144,7 +151,8 @@ def main():
                 best = min(ok, key=ok.get) if ok else None
                 t_new = t_def
                 row = {"shape": f"{model}.{sname}[{n}x{k}]", "M": m, "direction": "fwd", "ms_ours": t_new,
-                       "ms_prev": t_cur, "ms_bf16": t_bf, "ms_gemv": tg, "speedup_vs_bf16": t_bf / t_new,
+                       "ms_prev": t_cur, "ms_mma_sync": t_sync, "ms_bf16": t_bf, "ms_gemv": tg,
+                       "speedup_vs_bf16": t_bf / t_new, "speedup_mma_sync_vs_bf16": t_bf / t_sync,
                        "speedup_prev_vs_bf16": t_bf / t_cur, "weight_gbps": nbytes / (t_new * 1e-3) / 1e9,
                        "rel_err_ours": err_def, "rel_err_gemv": gerr, "repeatable": same,
                        "ms_best_candidate": min([t_cur] + list(ok.values())),
@@ -160,7 +168,7 @@ def main():
                           f"{lora['lora_a_fused_out_identical']}, LoRA-A rel err {lora['lora_a_fused_rel_err']:.1e} "
                           f"({lora['lora_a_fused_splits']} splits)", flush=True)
                 print(f"{row['shape']:>24} M={m:<3} bf16 {t_bf * 1e3:6.1f} prev {t_cur * 1e3:6.1f} "
-                      f"new {t_def * 1e3:6.1f} "
+                      f"mma.sync {t_sync * 1e3:6.1f} new {t_def * 1e3:6.1f} "
                       f"cands[{gs}] us {'REPEAT-OK' if same else 'NOT-REPEATABLE'} err new {err_def:.1e} "
                       f"x{t_bf / t_new:4.2f} (prev x{t_bf / t_cur:4.2f}) {row['weight_gbps']:5.0f} GB/s "
                       f"cands {max(gerr.values()) if gerr else 0:.1e} prev {err_cur:.1e} bf16 {err_bf16:.1e}",
@@ -174,6 +182,7 @@ def main():
             geo = lambda key: math.exp(statistics.fmean(math.log(r[key]) for r in sel))  # noqa: E731
             summ.append({"M": m, "direction": "fwd", "geomean_speedup_vs_bf16": geo("speedup_vs_bf16"),
                          "geomean_prev_vs_bf16": geo("speedup_prev_vs_bf16"),
+                         "geomean_mma_sync_vs_bf16": geo("speedup_mma_sync_vs_bf16"),
                          "mean_weight_gbps": statistics.fmean(r["weight_gbps"] for r in sel),
                          "max_rel_err": max(r["rel_err_ours"] for r in sel),
                          "all_repeatable": all(r["repeatable"] for r in sel)})
@@ -198,6 +207,11 @@ def main():
          "rows": rows, "summary": summ, "extra_checks": errors},
         indent=1))
     print(f"\n{name}, copy {copy:.0f} GB/s, {time.time() - t0:.0f} s; gemv registers {gemv._REGS}")
+    print("| M | default x bf16 | mma.sync x bf16 | tile kernel x bf16 | max rel err | repeatable |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in summ:
+        print(f"| {r['M']} | {r['geomean_speedup_vs_bf16']:.2f} | {r['geomean_mma_sync_vs_bf16']:.2f} | "
+              f"{r['geomean_prev_vs_bf16']:.2f} | {r['max_rel_err']:.1e} | {r['all_repeatable']} |")
     print(f"{'M':>4} {'new x bf16':>10} {'prev x bf16':>11} {'GB/s':>6} {'max err':>8} repeatable")
     for s in summ:
         lo = (f"  LoRA-A in the launch: (GEMV + LoRA-A kernel) / fused {s['lora_a_separate_over_fused']:.2f}x, "

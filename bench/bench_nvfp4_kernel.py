@@ -189,30 +189,47 @@ def _micro_step(blocks: nn.ModuleList, x: torch.Tensor) -> None:
     h.float().square().mean().backward()
 
 
-def bench_training_step(device: torch.device, tokens: int = 2048, layers: int = 4) -> list[dict]:
-    """fwd+bwd of NVFP4+LoRA vs bf16+LoRA stacks (eager, CUDA events, median of 10 after 3 warm-ups)."""
-    rows = []
-    times = {}
-    for kind in ("bf16", "nvfp4"):
-        blocks = _stack(layers, kind == "nvfp4", device)
-        x = torch.randn(tokens, 3584, device=device, dtype=torch.bfloat16, requires_grad=True)
-        samples = []
-        for i in range(13):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _micro_step(blocks, x)
-            end.record()
-            end.synchronize()
-            if i >= 3:
-                samples.append(start.elapsed_time(end))
-        times[kind] = statistics.median(samples)
-        del blocks
-        torch.cuda.empty_cache()
-    rows.append({"shape": f"7b.stack{layers}x7+lora16", "M": tokens, "direction": "fwd+bwd",
-                 "ms_nvfp4": times["nvfp4"], "ms_bf16": times["bf16"], "ratio_vs_bf16": times["nvfp4"] / times["bf16"]})
+def bench_training_step(device: torch.device, tokens: int = 2048, layers: int = 4, rounds: int = 8) -> list[dict]:
+    """fwd+bwd of NVFP4+LoRA vs bf16+LoRA stacks (eager, CUDA events): both stacks built up front, then ``rounds``
+    rounds of 3 steps of each in turn (drift in clocks or host load hits both alike), median per kind after a warm-up
+    round."""
+    blocks = {kind: _stack(layers, kind == "nvfp4", device) for kind in ("bf16", "nvfp4")}
+    x = torch.randn(tokens, 3584, device=device, dtype=torch.bfloat16, requires_grad=True)
+    samples: dict[str, list[float]] = {"bf16": [], "nvfp4": []}
+    for r in range(rounds + 1):
+        for kind in ("bf16", "nvfp4"):
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _micro_step(blocks[kind], x)
+                end.record()
+                end.synchronize()
+                if r:
+                    samples[kind].append(start.elapsed_time(end))
+    del blocks
+    torch.cuda.empty_cache()
+    times = {kind: statistics.median(v) for kind, v in samples.items()}
+    rows = [{"shape": f"7b.stack{layers}x7+lora16", "M": tokens, "direction": "fwd+bwd",
+             "ms_nvfp4": times["nvfp4"], "ms_bf16": times["bf16"], "ratio_vs_bf16": times["nvfp4"] / times["bf16"],
+             "samples": len(samples["nvfp4"])}]
     print(f"training micro-step, {layers} 7B-shaped layers + LoRA r16, {tokens} tokens: nvfp4 {times['nvfp4']:.2f} ms, "
-          f"bf16 {times['bf16']:.2f} ms, ratio {times['nvfp4'] / times['bf16']:.3f}", flush=True)
+          f"bf16 {times['bf16']:.2f} ms, ratio {times['nvfp4'] / times['bf16']:.3f} (median of {len(samples['nvfp4'])}, "
+          f"interleaved)", flush=True)
     return rows
+
+
+def dequantize_checks(device: torch.device) -> dict:
+    """The dense path's dequantize kernel (launched from compiled handles keyed on alignment) is bitwise the torch
+    reference, on whole weights and on row slices whose pointers are not 16-byte aligned, in bf16 and fp16."""
+    res = {}
+    for n, k in ((256, 256), (48, 80), (3584, 18944)):
+        p, s, g = random_nvfp4(n, k, device)
+        for name, rows in (("whole", slice(None)), ("from_row_1", slice(1, None)), ("rows_3_to_-5", slice(3, n - 5))):
+            for dtype in (torch.bfloat16, torch.float16):
+                got = kernels.dequantize_dense(p[rows], s[rows], g, dtype)
+                res[f"{n}x{k}_{name}_{str(dtype)[6:]}"] = bool(torch.equal(got, dequantize(p[rows], s[rows], g, dtype)))
+    print(f"dequantize kernel == reference: {all(res.values())} ({len(res)} cases)", flush=True)
+    return res
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -240,6 +257,7 @@ def main() -> None:
     torch.manual_seed(0)
     name, tag, copy = device_header(device)
     ms_list = [int(v) for v in args.ms.split(",")]
+    checks = dequantize_checks(device)
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +270,8 @@ def main() -> None:
     train = [] if args.no_train_step else bench_training_step(device)
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
-              "rows": rows, "summary": summary, "training_step": train, "tuned_configs": kernels.tuned_table()}
+              "rows": rows, "summary": summary, "training_step": train, "dequantize_checks": checks,
+              "tuned_configs": kernels.tuned_table()}
     path.write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {copy:.0f} GB/s; geomean over shapes (weight GB/s = NVFP4 bytes / our time)")
     print(f"{'M':>6} {'dir':>4} {'x bf16':>8} {'x deq':>8} {'GB/s':>7} {'max err':>9}")

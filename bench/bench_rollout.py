@@ -212,12 +212,12 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
 
 
 def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | None = None,
-                wide_batch_bf16: bool | None = None) -> dict:
+                wide_batch_bf16: bool | None = None, wgmma: bool | None = None) -> dict:
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
     eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl,
-                           wide_batch_bf16=wide_batch_bf16)
+                           wide_batch_bf16=wide_batch_bf16, wgmma=wgmma)
     torch.cuda.reset_peak_memory_stats()
     eng.stop_after = 16
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
@@ -271,7 +271,9 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
     ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
-    ap.add_argument("--no-pdl-too", default="7b", help="also time without programmatic dependent launch ('' none)")
+    ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
+    ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
+                                                          "loop instead of the wgmma one ('' none)")
     ap.add_argument("--tile-too", default="7b", help="NVFP4 batches > 64: also time the NVFP4 tile kernel instead of "
                                                       "the rollout's bf16 copy ('' none)")
     args = ap.parse_args()
@@ -325,6 +327,12 @@ def main():
                               pdl_same_logprobs=st0["tokens_checksum"] == st["tokens_checksum"])
                     log(model, quant, f"r{rank}", f"batch {b} without PDL: {st0['ms_step']:.3f} ms/step "
                         f"(with {st['ms_step']:.3f}); same log-probs {st['pdl_same_logprobs']}")
+                if (quant == "nvfp4" and b <= 64 and args.mma_sync_too and rank == 16
+                        and model.endswith(tuple(args.mma_sync_too.split(",")))):
+                    st2 = time_engine(policy, b, args.new, wgmma=False)
+                    st.update(ms_step_mma_sync=st2["ms_step"], tok_s_mma_sync=st2["tok_s"])
+                    log(model, quant, f"r{rank}", f"batch {b} on the mma.sync GEMV: {st2['ms_step']:.3f} ms/step "
+                        f"(wgmma {st['ms_step']:.3f})")
                 if (quant == "nvfp4" and b > 64 and args.tile_too and rank == 16
                         and model.endswith(tuple(args.tile_too.split(",")))):
                     st1 = time_engine(policy, b, args.new, wide_batch_bf16=False)
@@ -380,6 +388,9 @@ def main():
                 ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
                 peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
                 pdl=st["pdl"]))
+            if "ms_step_mma_sync" in st:
+                result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
+                                          nvfp4_mma_sync_over_bf16=o and st["tok_s_mma_sync"] / o["tok_s"])
             if "ms_step_tile_kernel" in st:
                 result["rows"][-1].update(ms_step_nvfp4_tile_kernel=st["ms_step_tile_kernel"],
                                           nvfp4_tile_kernel_over_bf16=o and st["tok_s_tile_kernel"] / o["tok_s"],
@@ -408,6 +419,10 @@ def main():
               f"{f(r['tok_s_bf16'], 0):>11} {f(r['nvfp4_over_bf16']):>6} {f(r['ms_step_nvfp4']):>9} "
               f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
     for r in result["rows"]:
+        if "ms_step_nvfp4_mma_sync" in r:
+            print(f"mma.sync GEMV instead of wgmma, {r['model']} batch {r['batch']}: {f(r['ms_step_nvfp4_mma_sync'])} "
+                  f"ms/step (ratio {f(r['nvfp4_mma_sync_over_bf16'])}) vs {f(r['ms_step_nvfp4'])} "
+                  f"(ratio {f(r['nvfp4_over_bf16'])})")
         if "ms_step_nvfp4_tile_kernel" in r:
             print(f"NVFP4 tile kernel instead of the rollout's bf16 copy, {r['model']} batch {r['batch']}: "
                   f"{f(r['ms_step_nvfp4_tile_kernel'])} ms/step (ratio {f(r['nvfp4_tile_kernel_over_bf16'])}, peak "

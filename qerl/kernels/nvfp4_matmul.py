@@ -335,6 +335,8 @@ class TileConfig:
     smem_stages: int | None = None
     """mma GEMV: activations shared by the program's warps through this many shared-memory stages (0: each warp
     loads its own; None: the kernel's default for the batch width)."""
+    wgmma: bool | None = None
+    """mma GEMV: the warpgroup-MMA loop (sm_90); None: there unless the fields above pin an mma.sync variant."""
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -381,17 +383,26 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
 
 
 def gemv_configs(m: int = 1) -> list[TileConfig]:
-    """The mma GEMV candidates (forward, M <= 64); the first is the default."""
+    """The mma GEMV candidates (forward, M <= 64); the first is the default (the wgmma loop on sm_90), then the
+    wgmma loop's other warp/stage choices, then the mma.sync variants (what sm_80/sm_89 run)."""
+    nt = mma_gemv.tiles_for(m)
+    wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
+             for w in (4, 8) for st in (3, 4, 5, 6, 8)
+             if w <= 8 * nt and mma_gemv.wgmma_ring_bytes(nt, st, w) <= mma_gemv.WGMMA_SMEM_LIMIT]
+    return [GEMV] + wgmma + _mma_sync_configs(m)
+
+
+def _mma_sync_configs(m: int) -> list[TileConfig]:
     if m > 16:  # the asm always writes the output itself there; prefetch, row blocks and staging trade registers
         wide = [(False, rb, 4) for rb in (1, 2)] + [
             (xp, rb, 0) for xp in (True, False) for rb in (1, 2) if not (xp and rb == 2 and m > 32)]  # that spills
-        return [GEMV] + [TileConfig(0, m_bucket(m), 64, 4, 1, mma_gemv=True, x_prefetch=xp, row_blocks=rb,
-                                    smem_stages=st) for xp, rb, st in wide]
-    return [GEMV] + [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f, x_prefetch=xp,
-                                row_blocks=rb, smem_stages=st)
-                     for w, tw, f, xp, rb, st in ((4, 0, True, True, 1, 0), (8, 0, True, True, 1, 0),
-                                                  (4, 0, True, True, 2, 0), (4, 0, True, False, 2, 0),
-                                                  (4, 0, True, False, 2, 4), (4, 2048, False, True, 1, 0))]
+        return [TileConfig(0, m_bucket(m), 64, 4, 1, mma_gemv=True, x_prefetch=xp, row_blocks=rb, smem_stages=st)
+                for xp, rb, st in wide]
+    return [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f, x_prefetch=xp,
+                       row_blocks=rb, smem_stages=st)
+            for w, tw, f, xp, rb, st in ((4, 0, True, True, 1, 0), (8, 0, True, True, 1, 0),
+                                         (4, 0, True, True, 2, 0), (4, 0, True, False, 2, 0),
+                                         (4, 0, True, False, 2, 4), (4, 2048, False, True, 1, 0))]
 
 
 def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
@@ -463,12 +474,36 @@ def dequantize_dense(
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    block_r, block_c = 16, 256
-    _dequantize_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
-        weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k,
-        BLOCK_R=block_r, BLOCK_C=block_c, COMPUTE=_COMPUTE[dtype], SHIFT=_SHIFT[dtype], num_warps=4,
-    )
+    args = (weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k)
+    grid = (triton.cdiv(n, _DEQUANT_BLOCK[0]), triton.cdiv(k, _DEQUANT_BLOCK[1]), 1)
+    if _INTERPRET:
+        _dequantize_kernel[grid](*args, **_dequant_constants(dtype))
+    else:  # the compiled kernel takes every parameter in order, the constexprs included
+        _dequant_compiled(args, dtype)[grid](*args, *_DEQUANT_BLOCK, _COMPUTE[dtype], _SHIFT[dtype])
     return out
+
+
+_DEQUANT_BLOCK = (16, 256)
+_DEQUANT_COMPILED: dict[tuple, object] = {}
+
+
+def _dequant_constants(dtype: torch.dtype) -> dict:
+    return dict(BLOCK_R=_DEQUANT_BLOCK[0], BLOCK_C=_DEQUANT_BLOCK[1], COMPUTE=_COMPUTE[dtype], SHIFT=_SHIFT[dtype],
+                num_warps=4)
+
+
+def _dequant_compiled(args: tuple, dtype: torch.dtype):
+    """The dequantize kernel compiled for these arguments' specialization (what Triton keys its own cache on: each
+    pointer's 16-byte alignment, each integer's divisibility by 16 and equality to 1), launched directly (Triton's
+    tutorials' ``warmup`` pattern): the JIT's per-call dispatch was ~40 us of host time on the H100 machine, and the
+    training step and the prefill dequantize every weight on every call."""
+    key = (dtype, args[0].device) + tuple(
+        t.data_ptr() % 16 == 0 for t in args[:4]) + tuple((v % 16 == 0, v == 1, v >= 2**31) for v in args[4:])
+    kernel = _DEQUANT_COMPILED.get(key)
+    if kernel is None:
+        kernel = _dequantize_kernel.warmup(*args, grid=(1,), **_dequant_constants(dtype))
+        _DEQUANT_COMPILED[key] = kernel
+    return kernel
 
 
 def _launch(
@@ -554,7 +589,7 @@ def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose
     return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
                            target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
                            x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks,
-                           smem_stages=cfg.smem_stages)
+                           smem_stages=cfg.smem_stages, wgmma=cfg.wgmma)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -594,14 +629,23 @@ def _nvfp4_mm_backward(ctx, grad):
 nvfp4_mm.register_autograd(_nvfp4_mm_backward, setup_context=_nvfp4_mm_setup)
 
 
+def _matmul(a, weight_packed, weight_scale, weight_global_scale, transpose_weight):
+    # NVFP4Linear's autograd.Function is the gradient boundary: traced code (torch.compile) needs the custom op, eager
+    # calls launch directly (the op's Python dispatch was ~55 us of host time per call on the H100 machine, where a
+    # 2,048-token training micro-step is host-bound)
+    if torch.compiler.is_compiling():
+        return nvfp4_mm(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+
+
 def forward(x, weight_packed, weight_scale, weight_global_scale):
     """``x [M, in] @ W.T -> [M, out]`` (NVFP4Linear's forward kernel)."""
-    return nvfp4_mm(x, weight_packed, weight_scale, weight_global_scale, False)
+    return _matmul(x, weight_packed, weight_scale, weight_global_scale, False)
 
 
 def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
     """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
-    return nvfp4_mm(dy, weight_packed, weight_scale, weight_global_scale, True)
+    return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
 
 
 register_kernel("triton", forward, backward_input)

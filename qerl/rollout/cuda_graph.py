@@ -220,6 +220,9 @@ class CUDAGraphRollout(RolloutEngine):
         pdl: launch the fused step's Triton kernels with programmatic dependent launch, each overlapping the end of
             the one before (``qerl.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
             False is the plain launch order (for comparison; the tokens sampled are the same).
+        wgmma: the NVFP4 GEMV of the fused step (batch <= 64) on Hopper's warpgroup MMA (``qerl.kernels.
+            nvfp4_mma_gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync loop (what other GPUs run;
+            for comparison).
     """
 
     def __init__(
@@ -236,6 +239,7 @@ class CUDAGraphRollout(RolloutEngine):
         fused: bool | None = None,
         wide_batch_bf16: bool | None = None,
         pdl: bool | None = None,
+        wgmma: bool | None = None,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
@@ -246,6 +250,7 @@ class CUDAGraphRollout(RolloutEngine):
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
         self.pdl = pdl
+        self.wgmma = wgmma
         self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
@@ -257,7 +262,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._capture_events: list | None = None
         self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
-        self._decoder = None  # (model id, fast, pdl) -> FusedDecoder, built on first use
+        self._decoder = None  # (model id, fast, pdl, wgmma) -> FusedDecoder, built on first use
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -356,6 +361,7 @@ class CUDAGraphRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
+        from qerl.kernels import nvfp4_mma_gemv as M
         from qerl.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
@@ -366,14 +372,18 @@ class CUDAGraphRollout(RolloutEngine):
         if pdl and not P.supported(device):
             raise ValueError(f"CUDAGraphRollout(pdl=True) needs a CUDA device of compute capability >= 9.0 and Triton "
                              f">= 3.4 (got {device}); set pdl to null (auto) or false.")
-        if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl):
+        if self.wgmma and not (fast and M.wgmma_supported(device)):
+            raise ValueError(f"CUDAGraphRollout(wgmma=True) needs an sm_90 GPU (H100/H200), got {device}; set wgmma "
+                             "to null (auto) or false.")
+        wgmma = None if self.wgmma is None else (fast and self.wgmma)
+        if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl, wgmma):
             return self._decoder[1]
         try:
-            decoder = FusedDecoder(base, fast, pdl)
+            decoder = FusedDecoder(base, fast, pdl, wgmma)
         except Unsupported as e:
             warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); using the transformers step.")
             decoder = None
-        self._decoder = ((id(base), fast, pdl), decoder)
+        self._decoder = ((id(base), fast, pdl, wgmma), decoder)
         return decoder
 
     def _drop_stale_graphs(self, decoder) -> None:

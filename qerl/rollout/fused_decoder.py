@@ -94,9 +94,9 @@ class BaseGEMM:
     rollout (:meth:`dequantize`: cuBLAS at the bf16 speed, 2 bytes per weight while it lives). Frozen ``nn.Linear``
     weights are moved into one buffer (views handed back to the modules)."""
 
-    def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False):
+    def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
         self.layers = layers
-        self.pdl = pdl
+        self.pdl, self.wgmma = pdl, wgmma
         self.sizes = [m.out_features for m in layers]
         self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
             "dense" if all(type(m) is nn.Linear for m in layers) else None
@@ -211,7 +211,7 @@ class BaseGEMM:
             words, factors, gs = self._repacked
             counter = mma.counters(x.device, words.shape[0], build=False)
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                           counter=counter, pdl=self.pdl)
+                           counter=counter, pdl=self.pdl, wgmma=self.wgmma)
             return list(y.split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
 
@@ -224,16 +224,16 @@ class BaseGEMM:
         words, factors, gs = self._repacked
         counter = mma.counters(x.device, words.shape[0], build=False)
         y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                          counter=counter, dense=(frags, rows), pdl=self.pdl)
+                          counter=counter, dense=(frags, rows), pdl=self.pdl, wgmma=self.wgmma)
         return list(y.split(self.sizes, dim=1)), u
 
 
 class _Group:
     """The modules of one group (q/k/v, o, gate/up, down): base GEMM, biases, LoRA-A stacked, LoRA-B scaled."""
 
-    def __init__(self, modules: list[nn.Module], fast: bool, pdl: bool = False):
+    def __init__(self, modules: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
         self.modules = modules
-        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast, pdl)
+        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast, pdl, wgmma)
         self.a = self.b = self.a_frags = None
 
     def prepare(self, dtype) -> None:
@@ -296,10 +296,12 @@ class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
     or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
     launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.kernels.pdl.supported``).
+    ``wgmma``: the NVFP4 GEMV's loop (``nvfp4_mma_gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
+    mma.sync loop).
 
     Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
 
-    def __init__(self, model: nn.Module, fast: bool, pdl: bool = False):
+    def __init__(self, model: nn.Module, fast: bool, pdl: bool = False, wgmma: bool | None = None):
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
@@ -314,7 +316,7 @@ class FusedDecoder:
         rotary = inner.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
-        self.model, self.fast, self.pdl = model, fast, fast and pdl
+        self.model, self.fast, self.pdl, self.wgmma = model, fast, fast and pdl, wgmma
         # the step's glue kernels (their torch twins on CPU)
         self._ops = tuple(functools.partial(op, pdl=self.pdl) for op in (
             K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue)) if fast else (
@@ -330,9 +332,10 @@ class FusedDecoder:
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
             self.layers.append(dict(
                 ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling),
-                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl),
-                o=_Group([att.o_proj], fast, self.pdl), gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl),
-                down=_Group([mlp.down_proj], fast, self.pdl)))
+                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl, wgmma),
+                o=_Group([att.o_proj], fast, self.pdl, wgmma),
+                gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl, wgmma),
+                down=_Group([mlp.down_proj], fast, self.pdl, wgmma)))
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._key = None
@@ -345,7 +348,7 @@ class FusedDecoder:
                 layer[g].prepare(dtype)
                 layer[g].gemm.dequantize(dtype if dequantize else None)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
-        self._key = (self.pdl,) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
+        self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
             k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
         self._wide_key = self._key + tuple(k for lyr in self.layers for g in ("qkv", "o", "gu", "down")
                                            for k in lyr[g].gemm.wide_key())

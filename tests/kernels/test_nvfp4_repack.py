@@ -120,10 +120,12 @@ sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "ou
 for spec in sys.argv[1:]:
     nt, fused, xpre, rb, st = int(spec[0]), spec[1] == "f", spec[2] == "p", int(spec[3]), int(spec[4])
     dense, pdl = "d" in spec[5:], "P" in spec[5:]
-    consts = {"NT": nt, "WARPS": 4, "ASM": G._asm(nt, fused, xpre, rb, st, 4), "SHIFT": 256.0, "FUSED": fused,
-              "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "", "PDL": pdl}
+    wgmma = "w" in spec[5:] or "W" in spec[5:]  # the warpgroup-MMA loop with 4 / 8 warps
+    warps = 8 if "W" in spec[5:] else 4
+    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma), "SHIFT": 256.0,
+              "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "", "PDL": pdl}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "launch_pdl": pdl})
+                       options={"num_warps": warps, "launch_pdl": pdl})
     ptx = k.asm["ptx"]
     marks = [m for m in ("griddepcontrol.wait", "griddepcontrol.launch_dependents") if m in ptx]
     # with PDL nothing may touch memory before the wait
@@ -131,6 +133,8 @@ for spec in sys.argv[1:]:
                                                         "cp.async.cg")) if i >= 0), default=len(ptx))
     if pdl and ptx.find("griddepcontrol.wait") > access:
         marks.append("ACCESS-BEFORE-WAIT")
+    if wgmma != ("wgmma.mma_async" in ptx):
+        marks.append("WGMMA-MISMATCH")
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
@@ -149,10 +153,13 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     script.write_text(_SM90_BUILD)
     # every (tiles, epilogue, activation prefetch, row blocks, shared-memory stages) the launcher's defaults and
     # candidates can pick
-    # ("d": with the LoRA-A rows' programs, which must not raise the register count of the launch at M <= 16)
+    # ("d": with the LoRA-A rows' programs, which must not raise the register count of the launch at M <= 16;
+    # "w"/"W": the wgmma loop with 4 / 8 warps at the stage counts default_wgmma picks)
     variants = ["1np10", "2np10", "1fp10", "1fp20", "1fn20", "2fp10", "2fp20", "2fn20", "2fn24", "4fp10", "4fn10",
                 "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24",
-                "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P"]
+                "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P",
+                "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
+                "1fn16wP", "2fn16WdP", "8fn14wP"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
@@ -170,8 +177,11 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     for line in lines:  # with PDL: the grid-dependency wait (before any memory access) and trigger
         spec, marks = line.split()[0], line.split("MARKS:")[1]
         assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if "P" in spec else ""), line
-    for spec in ("1fp10", "1fp10d", "2fp20d", "4fn14", "8fn24"):
+    for spec in ("1fp10", "1fp10d", "2fp20d", "4fn14", "8fn24", "1fn16w", "2fn16Wd", "8fn14w"):
         assert regs[spec + "P"] <= regs[spec] + 4, (spec, regs)
+    for nt, (w, st) in ((nt, gemv.default_wgmma(nt, n, k)) for nt in (1, 2, 4, 8)
+                        for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (27648, 5120))):
+        assert f"{nt}fn1{st}{'W' if w == 8 else 'w'}" in regs  # every default the launcher can pick is built here
 
 
 @pytest.mark.parametrize("n,k", [(48, 192), (16, 64), (40, 128)])

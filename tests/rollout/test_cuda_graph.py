@@ -187,6 +187,22 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
         CUDAGraphRollout(fused=True, pdl=True)._fused_decoder(base, torch.device("cpu"))
 
 
+def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
+    from qerl.kernels import nvfp4_mma_gemv as mma
+
+    assert not mma.wgmma_supported(torch.device("cpu"))
+    base = policy.get_base_model()
+    with pytest.raises(ValueError, match="sm_90 GPU.*set wgmma to null"):
+        CUDAGraphRollout(fused=True, wgmma=True)._fused_decoder(base, torch.device("cpu"))
+    auto = CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu"))
+    off = CUDAGraphRollout(fused=True, wgmma=False)._fused_decoder(base, torch.device("cpu"))
+    assert auto.wgmma is None and off.wgmma is False
+    assert all(lyr[g].gemm.wgmma is False for lyr in off.layers for g in ("qkv", "o", "gu", "down"))
+    auto.prepare(torch.float32)
+    off.prepare(torch.float32)
+    assert auto.key(1) != off.key(1)  # graphs captured with one GEMV loop never replay for the other
+
+
 def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(policy):
     """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
     an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
