@@ -488,8 +488,8 @@ _DEQUANT_COMPILED: dict[tuple, object] = {}
 
 
 def _dequant_constants(dtype: torch.dtype) -> dict:
-    return dict(BLOCK_R=_DEQUANT_BLOCK[0], BLOCK_C=_DEQUANT_BLOCK[1], COMPUTE=_COMPUTE[dtype], SHIFT=_SHIFT[dtype],
-                num_warps=4)
+    return {"BLOCK_R": _DEQUANT_BLOCK[0], "BLOCK_C": _DEQUANT_BLOCK[1], "COMPUTE": _COMPUTE[dtype],
+            "SHIFT": _SHIFT[dtype], "num_warps": 4}
 
 
 def _dequant_compiled(args: tuple, dtype: torch.dtype):
