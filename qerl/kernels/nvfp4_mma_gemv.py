@@ -15,7 +15,7 @@ On sm_90 (H100/H200) the default loop is the warpgroup-MMA one (:func:`_wgmma_ma
 fragments feed an asynchronous ``wgmma`` (4 warps = 64 weight rows per instruction) whose activation operand the
 tensor cores read from shared memory, the weights stream through the same shared-memory ring ``cp.async`` fills
 several chunks ahead, and the next chunk is unpacked while the current one multiplies (H100 geomean vs cuBLAS bf16,
-14 shapes: M = 1 2.00x, 16 1.55x, 32 1.42x, 64 0.96x; the mma.sync loop 1.90 / 1.47 / 1.20 / 0.89x).
+14 shapes: M = 1 1.97x, 16 1.64x, 32 1.42x, 64 0.95x; the mma.sync loop 1.88 / 1.48 / 1.19 / 0.89x).
 
 Repacked layout for ``W [N, K]`` (N % 16 == 0, K % 64 == 0), row block ``rb`` (16 rows), chunk ``c`` (64 k), lane
 ``l = 4 g + q``, step ``j`` (0..3), fragment element ``e`` (0..7 = a0..a7 of the PTX m16n8k16 A fragment):
@@ -866,7 +866,13 @@ def default_row_blocks(n: int, k: int, stages: int = 0) -> int:
 
 def wgmma_supported(device: torch.device) -> bool:
     """Warpgroup MMA: sm_90 (H100/H200) only (not Ampere, not Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _capability(device.index if device.index is not None else
+                                                 torch.cuda.current_device()) == (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
@@ -1077,13 +1083,13 @@ _CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3}
 _REGS: dict[tuple, int] = {}
 
 
-def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma) -> tuple:
+def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool) -> tuple:
     return (nt, fused, warps, xpre and not stages, rb, stages) + ((True,) if dense else ()) + (
         ("wgmma", wgmma) if wgmma else ())
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
-                      stages: int = 0, wgmma=0) -> int:
+                      stages: int = 0, wgmma: bool = False) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
@@ -1096,7 +1102,8 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
-                min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0, wgmma=0) -> int:
+                min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
+                wgmma: bool = False) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
     programs = triton.cdiv(row_blocks, warps * rb)
     capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma)
