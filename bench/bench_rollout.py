@@ -349,6 +349,13 @@ def main():
                             log(model, quant, "fused" if fz else "transformers step", f"{kps:.0f} kernels per step")
                         except Exception:
                             traceback.print_exc()
+                    # the same rollout after those eager transformers-step runs through the same layers must sample
+                    # the same tokens with the same log-probs (the GEMV's split count once depended on which of its
+                    # variants had run before)
+                    again = time_engine(policy, b, args.new)
+                    same = again["tokens_checksum"] == st["tokens_checksum"]
+                    result.setdefault("same_rollout_after_transformers_step", {})[quant] = same
+                    log(model, quant, f"batch {b} again after the transformers-step runs: same log-probs {same}")
                 if args.unfused and model.endswith(tuple(args.unfused.split(","))) and rank == 16 and b in (1, 64):
                     st = time_engine(policy, b, args.new, fused=False)
                     unfused.setdefault((model, rank, quant), {})[b] = st

@@ -1089,12 +1089,12 @@ def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
-                      stages: int = 0, wgmma: bool = False) -> int:
+                      stages: int = 0, wgmma: bool = False, dense: bool = False) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
     smem = (228 * 1024 // (wgmma_ring_bytes(nt, stages, warps) + 1024)) if wgmma else 32
-    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, False, wgmma))
+    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
     regs = -(-regs // 8) * 8
@@ -1103,10 +1103,10 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
-                wgmma: bool = False) -> int:
+                wgmma: bool = False, dense: bool = False) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
     programs = triton.cdiv(row_blocks, warps * rb)
-    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense)
     return max(1, min(capacity // programs, chunks // min_chunks))
 
 
@@ -1172,11 +1172,17 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     chunks = k // CHUNK
     if not warps:
         warps = auto_warps(n, k, nt)
+    dasm = _dense_asm(nt) if dense is not None else ""
+    constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
+                     FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
     if target_warps:
         splits = max(1, min(triton.cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
+        if key not in _REGS:
+            _REGS[key] = _variant_registers(a, weight_global_scale, constants, nt)
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
-                             stages=stages, wgmma=wgmma)
+                             stages=stages, wgmma=wgmma, dense=bool(dasm))
     per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, per_split)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
@@ -1189,7 +1195,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
     split_fused = fused and splits > 1
     weight_programs = triton.cdiv(row_blocks, warps * rbw)
-    grid_b, u, na, dx, dasm = weight_programs, None, 0, 1, ""
+    grid_b, u, na, dx = weight_programs, None, 0, 1
     if dense is not None:
         frags, na = dense
         if frags.shape[1] != chunks or frags.shape[0] * 16 < na:
@@ -1197,24 +1203,29 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         dx = max(1, triton.cdiv(triton.cdiv(chunks, splits), 8))  # dense splits of <= 8 chunks: off the critical path
         u = torch.empty(splits * dx, m, na, device=a.device, dtype=torch.float32)
         grid_b += triton.cdiv(frags.shape[0], warps) * dx
-        dasm = _dense_asm(nt)
-    compiled = _mma_gemv_kernel[(grid_b, splits)](
+    _mma_gemv_kernel[(grid_b, splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
         part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
         dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
-        weight_programs, dx,
-        NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0, FUSED=fused, RB=rbw,
-        DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
-    key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
-    if key not in _REGS:
-        try:
-            _REGS[key] = int(compiled.n_regs)
-        except Exception:  # noqa: BLE001 (an older/newer Triton without the attribute: keep the table)
-            _REGS[key] = 128 // _CTAS_PER_SM[nt] * 8
+        weight_programs, dx, **constants)
     if splits > 1 and not fused:
         numel = m * n
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out if dense is None else (out, u)
+
+
+def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int) -> int:
+    """Registers per thread of one GEMV variant, from a compile with fixed placeholder sizes (split count, programs:
+    none 1 or a multiple of 16, which Triton would specialize on) made before its first launch: the split count
+    chosen from it then never depends on which kernels ran before (it changes the order of the fp32 sums, so the
+    same rollout would otherwise sample differently after, e.g., an eager forward through the same layers)."""
+    try:
+        compiled = _mma_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, a, 2, 16, 64, 3, 3, 0, 0, 0, 0, 0, 16, 3, 3,
+                                           grid=(1, 1), **constants)
+        compiled[(1, 1, 1)]  # loads the binary, which reports its registers (launches nothing)
+        return int(compiled.n_regs)
+    except Exception:  # noqa: BLE001 (a Triton without warmup/n_regs: the conservative table, still deterministic)
+        return 128 // _CTAS_PER_SM[nt] * 8
 
 
 __all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked",
