@@ -104,6 +104,33 @@ def test_auto_shapes():
     assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
 
 
+def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
+    # every default the wgmma launch can pick fits the asm's static shared memory, with a token row per warp
+    for nt in (1, 2, 4, 8):
+        for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (3584, 18944), (27648, 5120), (37888, 3584)):
+            warps, stages = gemv.default_wgmma(nt, n, k)
+            assert warps in (4, 8) and warps <= 8 * nt and stages >= 3
+            assert gemv.wgmma_ring_bytes(nt, stages, warps) <= gemv.WGMMA_SMEM_LIMIT
+    with pytest.raises(ValueError, match="shared memory"):
+        gemv._wgmma_mainloop_asm(8, 5, 8)
+    # the ring bounds residency: 4 stages of 8 tiles (44 KiB) leave 5 programs per SM whatever the registers
+    key = (8, True, 4, False, 1, 4, "wgmma", True)
+    gemv._REGS[key] = 64
+    try:
+        assert gemv.resident_programs(8, True, 4, False, 1, 4, wgmma=True) == 5
+        assert gemv.resident_programs(8, True, 4, False, 1, 4) != 5  # the mma.sync smem variant: another key
+    finally:
+        del gemv._REGS[key]
+    # the LoRA-fused variant (dense rows in the launch) is looked up under its own key, never the plain one's
+    plain, fused = (1, True, 4, False, 1, 6, "wgmma", True), (1, True, 4, False, 1, 6, True, "wgmma", True)
+    gemv._REGS[plain], gemv._REGS[fused] = 64, 250
+    try:
+        assert gemv.resident_programs(1, True, 4, False, 1, 6, wgmma=True, dense=True) == 2
+        assert gemv.resident_programs(1, True, 4, False, 1, 6, wgmma=True) == 8  # 64 registers: 8 programs
+    finally:
+        del gemv._REGS[plain], gemv._REGS[fused]
+
+
 _SM90_BUILD = """
 import subprocess, sys
 from pathlib import Path
