@@ -7,6 +7,7 @@ policy for KL) also restores the original norms, and the adapter directory in st
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: Sequence[str],
     return config
 
 
+@contextlib.contextmanager
+def quiet_custom_layers():
+    """peft warns "Unsupported layer type" for any custom layer type, even one registered with it (NVFP4Linear)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        yield
+
+
 def build_policy(
     model: str,
     quantization: str = "nvfp4",
@@ -93,8 +102,7 @@ def build_policy(
     for p in base.parameters():
         p.requires_grad_(False)
     norms = norm_names(base) if train_norms else None
-    with warnings.catch_warnings():  # peft warns about any custom layer type, even a registered one
-        warnings.filterwarnings("ignore", message="Unsupported layer type")
+    with quiet_custom_layers():
         if adapter is not None:
             config = LoraConfig.from_pretrained(adapter)
             config._register_custom_module({NVFP4Linear: LoraLinear})

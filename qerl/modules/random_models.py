@@ -91,10 +91,11 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     LoRA B is random too (not peft's zeros), so the adapter takes part in the outputs."""
     from peft import get_peft_model
 
-    from qerl.modules.policy import lora_config
+    from qerl.modules.policy import lora_config, quiet_custom_layers
 
     base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
-    policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
+    with quiet_custom_layers():
+        policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
     policy.to(device)
     with torch.no_grad():
         for name, p in policy.named_parameters():
