@@ -406,6 +406,17 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
     return "\n".join(L)
 
 
+# Inputs of the asm with the fused epilogue, in the order _weight_program passes them ($0 is a dummy output): the
+# main loop's, then the epilogue's (from p_mine: see _fused_reduce), then the shared-memory loops' extra two.
+_FUSED_INPUTS = ("w_ptr", "f_ptr", "n_chunks", "x_ptr", "x_step", "m_g", "w_step", "f_step", "p_mine", "p_base", "mn4",
+                 "n4", "m", "tok0", "o_ptr", "cnt", "splits", "valid", "factor", "valid2", "xs_base", "k2")
+_EPILOGUE_BASE = 1 + _FUSED_INPUTS.index("p_mine")
+
+
+def _operand(name: str) -> str:
+    return f"${1 + _FUSED_INPUTS.index(name)}"
+
+
 def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     """The wide-batch main loop: the program's warps share the activations through shared memory instead of each
     loading its own fragments (a warp of 16 rows would otherwise read M x K activations for 16 x K weights).
@@ -422,10 +433,9 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     seg = 64 * nt  # 16-byte segments per chunk tile
     copies = -(-seg // threads)
     stage = 1024 * nt
-    i_w, i_f, i_n, _, _, _, i_ws, i_fs = (f"${1 + i}" for i in range(8))
-    base = 9
-    i_m = f"${base + 4}"
-    i_xb, i_k2 = f"${base + 12}", f"${base + 13}"
+    i_w, i_f, i_n, i_ws, i_fs = (_operand(x) for x in ("w_ptr", "f_ptr", "n_chunks", "w_step", "f_step"))
+    base = _EPILOGUE_BASE
+    i_m, i_xb, i_k2 = _operand("m"), _operand("xs_base"), _operand("k2")
     acc = lambda i: f"%c{i}"  # noqa: E731
     L = []
     a = L.append
@@ -555,10 +565,9 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4) -> str:
     copies = rows // warps  # activation rows per thread
     act = 1024 * nt
     stage = ring // stages
-    i_w, i_f, i_n = "$1", "$2", "$3"
-    base = 9
-    i_m = f"${base + 4}"
-    i_xb, i_k2 = f"${base + 12}", f"${base + 13}"
+    i_w, i_f, i_n = _operand("w_ptr"), _operand("f_ptr"), _operand("n_chunks")
+    base = _EPILOGUE_BASE
+    i_m, i_xb, i_k2 = _operand("m"), _operand("xs_base"), _operand("k2")
     acc = "%c{}".format
     L = []
     a = L.append
@@ -977,7 +986,7 @@ def _weight_program(
         fac = tl.zeros([32 * WARPS], dtype=tl.float32) + factor
         xs_base = tl.zeros_like(x0) + (x_addr + c0.to(tl.int64) * 128)
         k2 = tl.zeros_like(x0) + K.to(tl.int64) * 2
-        tl.inline_asm_elementwise(
+        tl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS
             ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
             [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi,
              fac, valid2, xs_base, k2],
