@@ -88,6 +88,10 @@ def checks() -> dict:
     res["noise_removed_exactly"] = all(torch.equal(m.weight, w) for m, w in zip(rms_norms(policy), clean))
     res["graphs_captured_total"] = eng.graphs_captured
     res["no_recapture_on_lora_or_noise"] = eng.graphs_captured == res["graphs_captured"]
+    # prompts of 210 tokens in all: the fused prefill's GEMMs above 128 rows (each group dequantized into one stack)
+    long = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (60, 70, 45)]
+    lp = CUDAGraphRollout(max_new_tokens=16, seed=0).generate(policy, long, 2, 0, [])
+    res["long_prefill_vs_recompute_max_lp_diff"] = float((lp.logprobs - recompute(policy, lp)).abs().max())
     c = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
     r = c.generate(policy, prompts, 8, 0, list(range(100, 108)))
     res["compaction_lengths"] = r.lengths.tolist()
@@ -394,6 +398,7 @@ def main():
                 nvfp4_over_bf16=o and st["tok_s"] / o["tok_s"], ms_step_nvfp4=st["ms_step"],
                 ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
                 peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
+                prefill_ms_bf16=o and o["prefill_ms"],
                 pdl=st["pdl"]))
             if "ms_step_mma_sync" in st:
                 result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
@@ -420,11 +425,12 @@ def main():
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     print(f"\n{device}; prompt {PROMPT}, {args.new} new tokens (fixed), LoRA on q,k,v,o,gate,up,down")
     print(f"{'model':12} {'batch':>5} {'r':>3} {'tok/s nvfp4':>12} {'tok/s bf16':>11} {'ratio':>6} "
-          f"{'ms nvfp4':>9} {'ms bf16':>8} {'floor nv':>9} {'floor bf':>9} {'peak GB':>8}")
+          f"{'ms nvfp4':>9} {'ms bf16':>8} {'floor nv':>9} {'floor bf':>9} {'peak GB':>8} {'prefill ms nv/bf':>17}")
     for r in result["rows"]:
         print(f"{r['model']:12} {r['batch']:>5} {r['lora_rank']:>3} {f(r['tok_s_nvfp4'], 0):>12} "
               f"{f(r['tok_s_bf16'], 0):>11} {f(r['nvfp4_over_bf16']):>6} {f(r['ms_step_nvfp4']):>9} "
-              f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8}")
+              f"{f(r['ms_step_bf16']):>8} {f(r['floor_ms_nvfp4']):>9} {f(r['floor_ms_bf16']):>9} {f(r['peak_gb'], 1):>8} "
+              f"{f(r['prefill_ms_nvfp4'], 0) + ' / ' + f(r['prefill_ms_bf16'], 0):>17}")
     for r in result["rows"]:
         if "ms_step_nvfp4_mma_sync" in r:
             print(f"mma.sync GEMV instead of wgmma, {r['model']} batch {r['batch']}: {f(r['ms_step_nvfp4_mma_sync'])} "

@@ -39,16 +39,28 @@ def _pow2(n: int, at_least: int = 1) -> int:
 
 
 @triton.jit
-def _lora_b(u_ptr, s_split, S, b_ptr, offs, ok, r, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr):
-    """sum_j u[j] * B[offs, j] in fp32 for a vector of output features (B row-major [N, r]); ``u`` is the LoRA-A
-    output as ``S`` fp32 split-K partials ``s_split`` apart (summed, then rounded like the bf16 LoRA-A output)."""
+def _lora_u(u_ptr, s_split, S, r, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr):
+    """One row's LoRA-A output ``[RP]`` (fp32 values) from ``S`` fp32 split-K partials ``s_split`` apart: summed, then
+    rounded like the bf16 LoRA-A output."""
     j = tl.arange(0, RP)
-    jok = j < r
     sp = tl.arange(0, SP)
-    part = tl.load(u_ptr + sp[:, None] * s_split + j[None, :], mask=(sp < S)[:, None] & jok[None, :], other=0.0)
-    u = tl.sum(part.to(tl.float32), axis=0).to(DT).to(tl.float32)
-    bm = tl.load(b_ptr + offs[:, None] * r + j[None, :], mask=ok[:, None] & jok[None, :], other=0.0).to(tl.float32)
-    return tl.sum(bm * u[None, :], axis=1)
+    part = tl.load(u_ptr + sp[:, None] * s_split + j[None, :], mask=(sp < S)[:, None] & (j < r)[None, :], other=0.0)
+    return tl.sum(part.to(tl.float32), axis=0).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _lora_b_rows(b_ptr, offs, ok, r, RP: tl.constexpr):
+    """Rows ``offs`` of a LoRA-B matrix (row-major ``[N, r]``) as fp32 ``[len(offs), RP]``."""
+    j = tl.arange(0, RP)
+    return tl.load(b_ptr + offs[:, None] * r + j[None, :], mask=ok[:, None] & (j < r)[None, :], other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
+def _lora_b(u_ptr, s_split, S, b_ptr, offs, ok, r, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr):
+    """sum_j u[j] * B[offs, j] in fp32 for a vector of output features (see :func:`_lora_u`, :func:`_lora_b_rows`)."""
+    u = _lora_u(u_ptr, s_split, S, r, RP, SP, DT)
+    return tl.sum(_lora_b_rows(b_ptr, offs, ok, r, RP) * u[None, :], axis=1)
 
 
 @triton.jit
@@ -135,7 +147,7 @@ def _qkv_epilogue_kernel(
     bq_ptr, bk_ptr, bv_ptr, u_ptr, s_us, s_ub, S, lq_ptr, lk_ptr, lv_ptr, r,
     pos_ptr, inv_freq_ptr, attn_scaling, column_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, sc_row, sc_head, sc_pos,
-    HQ, HKV,
+    HQ, HKV, SEQ,
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
     DT: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -144,7 +156,9 @@ def _qkv_epilogue_kernel(
     j = tl.program_id(1)  # 0..HQ-1: q heads, then HKV k heads, then HKV v heads
     lo = tl.arange(0, HALF)
     ok = lo < HALF
-    column = tl.load(column_ptr)
+    # row = seq * SEQ + t: token t of sequence seq goes to cache row seq, column column + t (decode: SEQ = 1)
+    seq = row // SEQ
+    column = tl.load(column_ptr) + (row - seq * SEQ)
     if j < HQ + HKV:
         if j < HQ:
             head = j
@@ -168,14 +182,14 @@ def _qkv_epilogue_kernel(
         if j < HQ:
             dst = q_out_ptr + (row * HQ + head) * 2 * HALF
         else:
-            dst = k_cache_ptr + row * sc_row + head * sc_head + column * sc_pos
+            dst = k_cache_ptr + seq * sc_row + head * sc_head + column * sc_pos
         tl.store(dst + lo, o1)
         tl.store(dst + HALF + lo, o2)
     else:
         head = j - HQ - HKV
         y = yv_ptr + row * sy_v
         u = u_ptr + row * s_ub + 2 * r
-        dst = v_cache_ptr + row * sc_row + head * sc_head + column * sc_pos
+        dst = v_cache_ptr + seq * sc_row + head * sc_head + column * sc_pos
         for h in tl.static_range(2):
             offs = head * 2 * HALF + h * HALF + lo
             v = _module_output(y, bv_ptr, u, s_us, S, lv_ptr, offs, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
@@ -183,11 +197,13 @@ def _qkv_epilogue_kernel(
 
 
 def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: float, column, k_cache, v_cache,
-                 heads: int, kv_heads: int, pdl: bool = False) -> torch.Tensor:
+                 heads: int, kv_heads: int, seq_len: int = 1, pdl: bool = False) -> torch.Tensor:
     """q/k/v module outputs from their base GEMMs ``y* [b, H*D]`` (row-strided views allowed): ``+ bias`` (``biases``:
     (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled,
     or None), rotary on q and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows,
-    kv_heads, L, D]`` at column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``."""
+    kv_heads, L, D]`` at column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``.
+    ``seq_len`` > 1 (a prefill): the ``b`` rows are ``b / seq_len`` sequences of ``seq_len`` tokens, token t of
+    sequence s goes to cache row s, column ``column + t``."""
     b = yq.shape[0]
     D = yq.shape[1] // heads
     q = torch.empty(b, heads, D, dtype=yq.dtype, device=yq.device)
@@ -201,7 +217,7 @@ def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: flo
     _qkv_epilogue_kernel[(b, heads + 2 * kv_heads)](
         yq, yk, yv, yq.stride(0), yk.stride(0), yv.stride(0), bq, bk, bv, u_ptr, s_us, s_ub, S, lq, lk, lv, r,
         pos, inv_freq, float(attn_scaling), column, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, seq_len,
         HALF=D // 2, HAS_BIAS=biases is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
         DT=_TL[yq.dtype], PDL=pdl, num_warps=1, **_pdl.options(pdl))
     return q
@@ -225,7 +241,7 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, attn_scal
 
 
 def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling, column, k_cache, v_cache,
-                       heads, kv_heads):
+                       heads, kv_heads, seq_len=1):
     b = yq.shape[0]
     r = lora_b[0].shape[1] if lora_b is not None else 0
     outs = []
@@ -235,8 +251,10 @@ def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scalin
     D = yq.shape[1] // heads
     q = rotate(outs[0].view(b, heads, D), pos, inv_freq, attn_scaling)
     k = rotate(outs[1].view(b, kv_heads, D), pos, inv_freq, attn_scaling)
-    k_cache[:b].index_copy_(2, column, k[:, :, None])
-    v_cache[:b].index_copy_(2, column, outs[2].view(b, kv_heads, 1, D))
+    n = b // seq_len
+    columns = column + torch.arange(seq_len, device=column.device)
+    k_cache[:n].index_copy_(2, columns, k.view(n, seq_len, kv_heads, D).transpose(1, 2))
+    v_cache[:n].index_copy_(2, columns, outs[2].view(n, seq_len, kv_heads, D).transpose(1, 2))
     return q
 
 
@@ -246,11 +264,15 @@ def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scalin
 
 @triton.jit
 def _attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, o_ptr, last_ptr, out_ptr,
     sc_row, sc_head, sc_pos, s_mask, L, SPLIT_LEN, S, HQ, scale_log2,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr, HAS_LAST: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (row, KV head, split of the length); ``DIRECT`` (one split): the normalized output itself, no merge."""
     _pdl.enter(PDL)
+    if HAS_LAST:  # the columns after the last one written this step are unwritten for every row: not read
+        L = tl.minimum(L, tl.load(last_ptr) + 1)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -268,6 +290,7 @@ def _attention_split_kernel(
         pok = p < L
         live = tl.load(mask_ptr + row * s_mask + p, mask=pok, other=0) != 0
         k = tl.load(k_ptr + kv + p[None, :] * sc_pos + d[:, None], mask=pok[None, :], other=0.0)  # [D, BLOCK_L]
+        v = tl.load(v_ptr + kv + p[:, None] * sc_pos + d[None, :], mask=pok[:, None], other=0.0)  # [BLOCK_L, D]
         s = tl.dot(q, k) * scale_log2  # [GP, BLOCK_L], log2 units
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -275,10 +298,13 @@ def _attention_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         pr = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        v = tl.load(v_ptr + kv + p[:, None] * sc_pos + d[None, :], mask=pok[:, None], other=0.0)  # [BLOCK_L, D]
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         m_i = m_new
     head = row * HQ + kvh * G + g
+    if DIRECT:  # what the merge computes for one split (weight exp2(m - m) = 1)
+        tl.store(out_ptr + head[:, None] * D + d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=gok[:, None])
+        return
     tl.store(m_ptr + head * S + split, m_i, mask=gok)
     tl.store(l_ptr + head * S + split, l_i, mask=gok)
     tl.store(o_ptr + (head * S + split)[:, None] * D + d[None, :], acc, mask=gok[:, None])
@@ -308,11 +334,13 @@ def attention_splits(b: int, kv_heads: int, length: int, sms: int, block: int = 
 
 
 def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, split_len: int = 0,
-                     pdl: bool = False) -> torch.Tensor:
+                     last: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """softmax(q K^T * scaling) V for one query per row, GQA (query heads ``kv_head * G .. + G - 1`` share a KV head).
 
     q ``[b, Hq, D]``, caches ``[rows, Hkv, Lmax, D]`` (rows 0..b-1 and columns 0..length-1 are read), ``mask``
-    ``[b, >= length]`` bool (False: not attended, e.g. left padding). Returns ``[b, Hq * D]``."""
+    ``[b, >= length]`` bool (False: not attended, e.g. left padding). ``last`` (1-element device tensor, optional):
+    the last column written; the ones after it must be masked for every row and are not read (a graph captured for a
+    length bucket then reads only what the step needs). Returns ``[b, Hq * D]``."""
     b, hq, D = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty(b, hq * D, dtype=q.dtype, device=q.device)
@@ -323,21 +351,25 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
 
         split_len = attention_splits(b, hkv, length, _sm_count(q.device))
     S = triton.cdiv(length, split_len)
-    m = torch.empty(b * hq, S, dtype=torch.float32, device=q.device)
+    direct = S == 1  # wide batches: one program per (row, KV head) already fills the GPU, no partials to merge
+    m = torch.empty(0 if direct else b * hq, S, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
-    o = torch.empty(b * hq, S, D, dtype=torch.float32, device=q.device)
+    o = torch.empty(0 if direct else b * hq, S, D, dtype=torch.float32, device=q.device)
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     G = hq // hkv
     _attention_split_kernel[(b, hkv, S)](
-        q, k_cache, v_cache, mask, m, lsum, o, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
-        G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), PDL=pdl, num_warps=4, **_pdl.options(pdl))
-    _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), PDL=pdl, num_warps=4,
-                                       **_pdl.options(pdl))
+        q, k_cache, v_cache, mask, m, lsum, o, last if last is not None else mask, out, k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
+        G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), HAS_LAST=last is not None, DIRECT=direct, PDL=pdl,
+        num_warps=4, **_pdl.options(pdl))
+    if not direct:
+        _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), PDL=pdl, num_warps=4,
+                                           **_pdl.options(pdl))
     return out
 
 
-def decode_attention_torch(q, k_cache, v_cache, mask, length, scaling, split_len=0):
+def decode_attention_torch(q, k_cache, v_cache, mask, length, scaling, split_len=0, last=None):
+    """Twin of :func:`decode_attention` (``last`` changes nothing: the columns after it are masked)."""
     b, hq, D = q.shape
     hkv = k_cache.shape[1]
     k = k_cache[:b, :, :length].float()  # [b, Hkv, L, D]
@@ -433,39 +465,75 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 @triton.jit
+def _lora_u_rows(u_ptr, s_split, s_row, S, rows, rok, r, RP: tl.constexpr, DT: tl.constexpr):
+    """LoRA-A outputs ``[len(rows), RP]`` in ``DT`` from ``S`` fp32 split-K partials (summed in fp32, rounded once)."""
+    j = tl.arange(0, RP)
+    m = rok[:, None] & (j < r)[None, :]
+    acc = tl.zeros([rows.shape[0], RP], tl.float32)
+    for sp in range(S):
+        acc += tl.load(u_ptr + sp * s_split + rows[:, None] * s_row + j[None, :], mask=m, other=0.0).to(tl.float32)
+    return acc.to(DT)
+
+
+@triton.jit
+def _lora_b_tile(u, b_ptr, offs, ok, r, RP: tl.constexpr, DT: tl.constexpr):
+    """``u [rows, RP] @ B[offs].T`` in fp32 on the tensor cores (exact products of the rounded inputs, fp32 sums)."""
+    j = tl.arange(0, RP)
+    bt = tl.load(b_ptr + offs[None, :] * r + j[:, None], mask=ok[None, :] & (j < r)[:, None], other=0.0).to(DT)
+    if DT == tl.float32:
+        return tl.dot(u, bt, input_precision="ieee")
+    return tl.dot(u, bt)
+
+
+@triton.jit
 def _silu_mul_kernel(
-    yg_ptr, yu_ptr, sy_g, sy_u, u_ptr, s_us, s_ub, S, lg_ptr, lu_ptr, r, out_ptr, N,
+    yg_ptr, yu_ptr, sy_g, sy_u, u_ptr, s_us, s_ub, S, lg_ptr, lu_ptr, r, out_ptr, B, N,
     HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Programs (block of ``ROWS`` rows, block of columns). ``ROWS`` = 1: the LoRA-B terms as fp32 dot products on
+    the CUDA cores; ``ROWS`` = 16 (more rows): one small tensor-core product per program (per-row dot products were
+    compute-bound there: ~17 us per call at batch 64 on the H100, 7B shapes, vs ~9)."""
     _pdl.enter(PDL)
-    row = tl.program_id(0)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rok = rows < B
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    u = u_ptr + row * s_ub
-    gate = _module_output(yg_ptr + row * sy_g, yg_ptr, u, s_us, S, lg_ptr, offs, ok, r, False, HAS_LORA, RP, SP, DT)
-    up = _module_output(yu_ptr + row * sy_u, yu_ptr, u + r, s_us, S, lu_ptr, offs, ok, r, False, HAS_LORA, RP, SP,
-                        DT)
+    m = rok[:, None] & ok[None, :]
+    gate = tl.load(yg_ptr + rows[:, None] * sy_g + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    up = tl.load(yu_ptr + rows[:, None] * sy_u + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_LORA:  # module output rounded, then + LoRA-B rounded (like peft)
+        if ROWS == 1:
+            u = u_ptr + tl.program_id(0) * s_ub
+            lg = _lora_b(u, s_us, S, lg_ptr, offs, ok, r, RP, SP, DT)[None, :]
+            lu = _lora_b(u + r, s_us, S, lu_ptr, offs, ok, r, RP, SP, DT)[None, :]
+        else:
+            lg = _lora_b_tile(_lora_u_rows(u_ptr, s_us, s_ub, S, rows, rok, r, RP, DT), lg_ptr, offs, ok, r, RP, DT)
+            lu = _lora_b_tile(_lora_u_rows(u_ptr + r, s_us, s_ub, S, rows, rok, r, RP, DT), lu_ptr, offs, ok, r, RP,
+                              DT)
+        gate = (gate + lg).to(DT).to(tl.float32)
+        up = (up + lu).to(DT).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (act * up).to(DT), mask=ok)
+    tl.store(out_ptr + rows[:, None] * N + offs[None, :], (act * up).to(DT), mask=m)
 
 
-def silu_mul_epilogue(yg, yu, u=None, lora_b=None, pdl: bool = False) -> torch.Tensor:
+def silu_mul_epilogue(yg, yu, u=None, lora_b=None, rows_per_program: int = 0, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` from the base outputs ``yg, yu [b, N]`` (+ ``u[:, :r] @ Bg.T``, ``u[:, r:] @ Bu.T`` when
     ``lora_b`` = (Bg, Bu) scaled; ``u [S, b, 2r]``), rounded like transformers (each module output, the silu, the
-    product)."""
+    product). ``rows_per_program``: 1 or 16 (default: 1 up to 16 rows, the tensor-core path above)."""
     b, N = yg.shape
     out = torch.empty(b, N, dtype=yg.dtype, device=yg.device)
     if b == 0:
         return out
     r = lora_b[0].shape[1] if lora_b is not None else 0
     lg, lu = lora_b if lora_b is not None else (yg, yg)
-    block = 256 if r <= 16 else 128
+    rows = rows_per_program or (1 if b <= 16 else 16)
+    block = 256 if rows == 1 and r <= 16 else 128
     u_ptr, s_us, s_ub, S, SP = _u_args(u, yg)
-    _silu_mul_kernel[(b, triton.cdiv(N, block))](
-        yg, yu, yg.stride(0), yu.stride(0), u_ptr, s_us, s_ub, S, lg, lu, r, out, N,
-        HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP, DT=_TL[yg.dtype], BLOCK=block, PDL=pdl, num_warps=4,
-        **_pdl.options(pdl))
+    _silu_mul_kernel[(triton.cdiv(b, rows), triton.cdiv(N, block))](
+        yg, yu, yg.stride(0), yu.stride(0), u_ptr, s_us, s_ub, S, lg, lu, r, out, b, N,
+        HAS_LORA=lora_b is not None, RP=_pow2(r, 1 if rows == 1 else 16), SP=SP, DT=_TL[yg.dtype], BLOCK=block,
+        ROWS=rows, PDL=pdl, num_warps=4, **_pdl.options(pdl))
     return out
 
 

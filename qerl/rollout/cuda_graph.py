@@ -3,6 +3,7 @@
 Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs); what changes is how a step runs:
 
     prompts [B, P] --prefill once (eager, batched)--> slot KV cache rows 0..B-1 --copy to G rows each--> N = B*G rows
+    (the prefill runs through the same fused step as the decode, all B*P tokens at once, where the step is fused)
     decode step t (one graph replay, nothing on the host):
         write K/V at position P+t-1 of rows 0..b-1  ->  attention over cache columns 0..L-1 (L = t's length bucket)
         -> logits -> Gumbel-max sample on the GPU -> history[row, t] -> finished |= token in EOS
@@ -285,7 +286,8 @@ class CUDAGraphRollout(RolloutEngine):
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
-        s = self._ensure_state(policy, base, N, P + new, device)
+        params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
+        s = self._ensure_state(policy, base, params, N, P + new, device)
         self._reset_state(s, mask, group_size, pad_id, eos_ids)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         timing = device.type == "cuda"
@@ -293,12 +295,15 @@ class CUDAGraphRollout(RolloutEngine):
         if timing:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             events[0].record()
-        was_training = policy.training
-        policy.eval()
+        # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
+        # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
+        was_training = policy.training and decoder is None
+        if was_training:
+            policy.eval()
         steps = 1
         try:
             with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
-                    self._adapter_copies(policy, base.get_input_embeddings().weight.dtype):
+                    self._adapter_copies(params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
                     decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, N, dtype, device))
@@ -308,12 +313,14 @@ class CUDAGraphRollout(RolloutEngine):
                 cache.mode = "prefill"
                 m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
                 m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
-                out = policy(input_ids=ids, attention_mask=m4,
-                             position_ids=position_ids(mask), past_key_values=s["hf_cache"], use_cache=True,
-                             logits_to_keep=1)
+                if decoder is not None:
+                    logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
+                else:
+                    logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
+                                    past_key_values=s["hf_cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
                 cache.repeat_rows(B, group_size, P)
-                self._record(s, out.logits[:, -1].repeat_interleave(group_size, 0), N)
-                del out
+                self._record(s, logits.repeat_interleave(group_size, 0), N)
+                del logits
                 if timing:
                     events[1].record()
                 b = N
@@ -330,7 +337,8 @@ class CUDAGraphRollout(RolloutEngine):
                     self._run_step(s, policy, b, length, graphs)
                     steps += 1
         finally:
-            policy.train(was_training)
+            if was_training:
+                policy.train()
             if decoder is not None:
                 decoder.release()
         if timing:
@@ -400,29 +408,33 @@ class CUDAGraphRollout(RolloutEngine):
         return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free)
 
     @contextmanager
-    def _adapter_copies(self, policy, dtype):
-        """Point the LoRA parameters at copies in ``dtype`` (same buffers every call) for the block; restore after."""
-        swapped = []
+    def _adapter_copies(self, params: list, dtype):
+        """Point the LoRA parameters (of ``params``: the policy's ``named_parameters()``) at copies in ``dtype`` (same
+        buffers every call) for the block; restore after."""
+        swapped, copies = [], []
         if self.adapter_in_model_dtype:
-            for name, p in policy.named_parameters():
+            for name, p in params:
                 if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
                     copy = self._shadows.get(id(p))
                     if copy is None or copy.shape != p.shape or copy.device != p.device or copy.dtype != dtype:
                         copy = self._shadows[id(p)] = torch.empty(p.shape, dtype=dtype, device=p.device)
-                    copy.copy_(p.detach())
+                    copies.append(copy)
                     swapped.append((p, p.data))
-                    p.data = copy
+            if copies:  # one multi-tensor kernel, not one per matrix (host time)
+                torch._foreach_copy_(copies, [data for _, data in swapped])
+            for (p, _), copy in zip(swapped, copies):
+                p.data = copy
         try:
             yield
         finally:
             for p, data in swapped:
                 p.data = data
 
-    def _ensure_state(self, policy, base, rows: int, length: int, device) -> dict:
+    def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> dict:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
-        pointers = tuple(p.data_ptr() for p in policy.parameters())
+        pointers = tuple(p.data_ptr() for _, p in params)
         key = (pointers, self.top_p, id(policy))
         s = self._state
         if s is not None and s["key"] == key and s["rows"] >= rows and s["length"] >= length:

@@ -45,6 +45,7 @@ from qerl.kernels import nvfp4_mma_gemv as mma
 from qerl.modules.nvfp4 import NVFP4Linear
 
 SUPPORTED_TYPES = ("llama", "qwen2")
+GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
 
 
 class Unsupported(Exception):
@@ -137,10 +138,13 @@ class BaseGEMM:
         if not all(mma.supported(m.out_features, k) and m.in_features == k for m in ms):
             return None
         gs = ms[0].weight_global_scale
-        if any(not torch.equal(m.weight_global_scale, gs) for m in ms[1:]):
-            return None
-        versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale))
+        versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+                                                                  m.weight_global_scale))
         if self._repacked is None or self._versions != versions:
+            if any(not torch.equal(m.weight_global_scale, gs) for m in ms[1:]):  # a host sync: only on rebuilds
+                self._rebuilds += self._repacked is not None  # not stackable (any more): the per-layer kernels
+                self._repacked, self._no_mma = None, True
+                return None
             self._rebuilds += self._repacked is not None
             if len(ms) == 1:
                 words, factors = mma.repacked(ms[0].weight_packed, ms[0].weight_scale)
@@ -166,8 +170,11 @@ class BaseGEMM:
     def dequantize(self, dtype) -> None:
         """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch use."""
         self._dequantized = None
-        if dtype is None or not self.dequantized_bytes(dtype):
-            return
+        if dtype is not None and self.dequantized_bytes(dtype):
+            self._dequantized = self._dense_stack(dtype)
+
+    def _dense_stack(self, dtype) -> torch.Tensor:
+        """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
         from qerl.kernels.nvfp4_matmul import dequantize_dense
 
         ms = self.layers
@@ -176,7 +183,7 @@ class BaseGEMM:
         for m, n in zip(ms, self.sizes):
             dequantize_dense(m.weight_packed, m.weight_scale, m.weight_global_scale, dtype, out=stacked[row:row + n])
             row += n
-        self._dequantized = stacked
+        return stacked
 
     def _ensure_mma(self, x: torch.Tensor) -> bool:
         """The repacked copy is built on the first batch <= 64 step (eager: the warm-up before its capture), so
@@ -213,6 +220,13 @@ class BaseGEMM:
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
                            counter=counter, pdl=self.pdl, wgmma=self.wgmma)
             return list(y.split(self.sizes, dim=1))
+        if self.kind == "nvfp4" and self.fast and x.is_cuda:
+            from qerl.kernels.nvfp4_matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
+
+            if x.shape[0] >= DENSE_MIN_M:
+                # what each layer's kernel does at this many rows (dequantize, then cuBLAS), once for the group: a
+                # prefill is host-bound, and per layer it was two Python calls through autograd per module
+                return list(F.linear(x, self._dense_stack(x.dtype)).split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
 
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
@@ -234,11 +248,12 @@ class _Group:
     def __init__(self, modules: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
         self.modules = modules
         self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast, pdl, wgmma)
-        self.a = self.b = self.a_frags = None
+        self.a = self.b = self.a_frags = None  # buffers (views of the decoder's stacks), kept while LoRA is off
+        self.adapter = False  # whether this rollout adds the LoRA terms
 
-    def prepare(self, dtype) -> None:
+    def plan(self, dtype) -> list | None:
+        """Biases of this rollout; the adapter's (A, B, scaling) per module, or None without LoRA."""
         parts = [_lora(m) for m in self.modules]
-        self.gemm.prepare(dtype)
         self.biases = tuple(p[0].bias for p in parts) if any(p[0].bias is not None for p in parts) else None
         if self.biases is not None and any(bb is None for bb in self.biases):
             ref = next(bb for bb in self.biases if bb is not None)
@@ -246,50 +261,44 @@ class _Group:
                                                                     device=ref.device)
                                 for bb, p in zip(self.biases, parts))
         has = [p[1] is not None for p in parts]
+        self.adapter = all(has)
         if not any(has):
-            self.a = self.b = None
-            return
+            return None
         if not all(has) or len({p[1].shape[0] for p in parts}) > 1:
             raise Unsupported("LoRA on only some modules of a group, or different ranks within a group")
-        r, device = parts[0][1].shape[0], parts[0][1].device
-        a_shape = (r * len(parts), parts[0][1].shape[1])
-        if self.a is None or self.a.shape != a_shape or self.a.dtype != dtype or self.a.device != device:
-            self.a = torch.empty(a_shape, dtype=dtype, device=device)
-            self.b = [torch.empty(p[2].shape, dtype=dtype, device=device) for p in parts]
-            self.a_frags = None
-        with torch.no_grad():
-            for i, (_, a, b, s) in enumerate(parts):
-                self.a[i * r:(i + 1) * r].copy_(a)
-                self.b[i].copy_(b.float() * s)
-            if self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16 and a_shape[1] % 64 == 0:
-                # the LoRA-A rows in the GEMV's fragment order, refreshed in place (captured graphs read this buffer)
-                self.a_frags = mma.dense_fragments(self.a, out=self.a_frags)
+        return [p[1:] for p in parts]
+
+    def takes_fragments(self, dtype) -> bool:
+        """Whether the GEMV multiplies this group's LoRA-A rows in its own launch (then they are kept in its
+        fragment order too)."""
+        return (self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16
+                and self.modules[0].in_features % mma.CHUNK == 0)
 
     def key(self) -> tuple:
-        frags = self.a_frags.data_ptr() if self.a_frags is not None else None
-        return (self.a is not None, self.biases is not None, frags) + self.gemm.key()
+        ptrs = tuple(t.data_ptr() for t in (self.a, self.a_frags, *(self.b or ())) if t is not None)
+        return (self.adapter, self.biases is not None) + ptrs + self.gemm.key()
 
     def lora_a(self, x: torch.Tensor):
         """LoRA-A outputs of the group's modules side by side, as ``[S, b, r * members]`` split-K partials."""
-        if self.a is None:
+        if not self.adapter:
             return None
         return K.lora_a(x, self.a, pdl=self.gemm.pdl) if self.gemm.fast else K.lora_a_torch(x, self.a)
 
     def project(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Base GEMM outputs (one per module) and LoRA-A partials of the group's input: one launch where the NVFP4
         GEMV takes the LoRA-A rows too (batch <= 16), else the GEMM and :meth:`lora_a`."""
-        if self.a_frags is not None:
+        if self.adapter and self.a_frags is not None:
             both = self.gemm.with_dense(x, self.a_frags, self.a.shape[0])
             if both is not None:
                 return both
         return self.gemm(x), self.lora_a(x)
 
     def lora_b(self):
-        return tuple(self.b) if self.a is not None else None
+        return tuple(self.b) if self.adapter else None
 
     def single(self, u) -> tuple:
         """(bias, u, LoRA-B) of a one-module group, as ``residual_rms_norm`` takes them."""
-        return (self.biases[0] if self.biases else None, u, self.b[0] if self.a is not None else None)
+        return (self.biases[0] if self.biases else None, u, self.b[0] if self.adapter else None)
 
 
 class FusedDecoder:
@@ -331,7 +340,7 @@ class FusedDecoder:
                     hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
             self.layers.append(dict(
-                ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling),
+                ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling), attn=att,
                 qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl, wgmma),
                 o=_Group([att.o_proj], fast, self.pdl, wgmma),
                 gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl, wgmma),
@@ -339,19 +348,84 @@ class FusedDecoder:
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._key = None
+        self._lora_a_stacks = {}  # group kind -> (layout, LoRA-A rows of all layers, their GEMV fragments)
 
     def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
         """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights; ``dequantize``:
         also a dense copy of the NVFP4 weights for the steps above the GEMV's batch (dropped by :meth:`release`)."""
         for layer in self.layers:
-            for g in ("qkv", "o", "gu", "down"):
-                layer[g].prepare(dtype)
+            for g in GROUPS:
+                layer[g].gemm.prepare(dtype)
                 layer[g].gemm.dequantize(dtype if dequantize else None)
+        self._refresh_adapter(dtype)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
         self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
-            k for lyr in self.layers for g in ("qkv", "o", "gu", "down") for k in lyr[g].key())
-        self._wide_key = self._key + tuple(k for lyr in self.layers for g in ("qkv", "o", "gu", "down")
-                                           for k in lyr[g].gemm.wide_key())
+            k for lyr in self.layers for g in GROUPS for k in lyr[g].key())
+        self._wide_key = self._key + tuple(k for lyr in self.layers for g in GROUPS for k in lyr[g].gemm.wide_key())
+
+    @torch.no_grad()
+    def _refresh_adapter(self, dtype: torch.dtype) -> None:
+        """Copy the adapter into the step's buffers (which captured graphs read): each group's LoRA-A matrices
+        stacked, its LoRA-B matrices scaled, in ``dtype``. The LoRA-A stacks of one group kind (q|k|v, o, ...) of
+        all layers share one buffer, 16-row aligned, so their GEMV fragment order is one call; all copies are
+        multi-tensor kernels (per module, they were ~1,800 launches per rollout for a 7B model: host-bound)."""
+        a_dst, a_src, b_dst, b_src, b_scale = [], [], [], [], []
+        for kind in GROUPS:
+            groups, plans = [], []
+            for layer in self.layers:
+                g = layer[kind]
+                plan = g.plan(dtype)
+                if plan is not None:
+                    groups.append(g)
+                    plans.append(plan)
+            if not groups:
+                continue
+            heights = [len(p) * p[0][0].shape[0] for p in plans]
+            padded = [-(-n // 16) * 16 for n in heights]
+            width, device = plans[0][0][0].shape[1], plans[0][0][0].device
+            layout = (tuple(heights), width, dtype, device)
+            stack = self._lora_a_stacks.get(kind)
+            if stack is None or stack[0] != layout:
+                buf = torch.zeros(sum(padded), width, dtype=dtype, device=device)  # padding rows stay zero
+                stack = self._lora_a_stacks[kind] = (layout, buf, None)
+            start = 0
+            for g, plan, n, rows in zip(groups, plans, heights, padded):
+                g.a = stack[1][start:start + n]
+                start += rows
+                if g.b is None or [t.shape for t in g.b] != [b.shape for _, b, _ in plan] or g.b[0].dtype != dtype \
+                        or g.b[0].device != device:
+                    g.b = [torch.empty(b.shape, dtype=dtype, device=device) for _, b, _ in plan]
+            for g, plan in zip(groups, plans):
+                r = plan[0][0].shape[0]
+                for i, (a, b, scaling) in enumerate(plan):
+                    a_dst.append(g.a[i * r:(i + 1) * r])
+                    a_src.append(a)
+                    if b.dtype == dtype:  # round(round(B) * s), like peft's bf16 adapter output times scaling
+                        b_dst.append(g.b[i])
+                        b_src.append(b)
+                        b_scale.append(scaling)
+                    else:
+                        g.b[i].copy_(b.float() * scaling)
+        if a_dst:
+            torch._foreach_copy_(a_dst, a_src)
+        if b_dst:
+            torch._foreach_copy_(b_dst, b_src)
+            torch._foreach_mul_(b_dst, b_scale)
+        for kind, (layout, buf, frags) in list(self._lora_a_stacks.items()):
+            groups = [lyr[kind] for lyr in self.layers if lyr[kind].adapter]
+            if layout[2] != dtype or not any(g.takes_fragments(dtype) for g in groups):
+                continue
+            # the LoRA-A rows in the GEMV's fragment order (16-row blocks are independent: one call for the stack)
+            if frags is None:
+                frags = mma.dense_fragments(buf)
+                self._lora_a_stacks[kind] = (layout, buf, frags)
+            else:
+                mma.dense_fragments(buf, out=frags)
+            block = 0
+            for g in groups:
+                blocks = -(-g.a.shape[0] // 16)
+                g.a_frags = frags[block:block + blocks] if g.takes_fragments(dtype) else None
+                block += blocks
 
     def key(self, batch: int = 1) -> tuple:
         """Identifies what a captured step of ``batch`` rows reads (graphs are keyed on it): above the GEMV's batch
@@ -360,12 +434,12 @@ class FusedDecoder:
 
     def dequantized_bytes(self, dtype: torch.dtype) -> int:
         """What ``prepare(dtype, dequantize=True)`` allocates."""
-        return sum(lyr[g].gemm.dequantized_bytes(dtype) for lyr in self.layers for g in ("qkv", "o", "gu", "down"))
+        return sum(lyr[g].gemm.dequantized_bytes(dtype) for lyr in self.layers for g in GROUPS)
 
     def release(self) -> None:
         """After a rollout: drop the dense copies (the update gets the memory back)."""
         for layer in self.layers:
-            for g in ("qkv", "o", "gu", "down"):
+            for g in GROUPS:
                 layer[g].gemm.dequantize(None)
 
 
@@ -374,7 +448,38 @@ class FusedDecoder:
         """Logits ``[b, V]`` of the next token for ``tokens [b]`` at position ids ``pos [b]``; writes their K/V into
         ``keys[i]/values[i] [rows, Hkv, L, D]`` at column ``column`` (1-element tensor) of rows 0..b-1 and attends to
         columns 0..length-1 where ``mask [b, >= length]`` is True (the new column included)."""
-        qkv_epilogue, attention, residual_norm, silu_mul = self._ops
+        attention = self._ops[1]
+
+        def attend(i, q):
+            return attention(q, keys[i], values[i], mask, length, self.layers[i]["scaling"], last=column)
+
+        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend))
+
+    def prefill(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list,
+                mask: torch.Tensor) -> torch.Tensor:
+        """The prompts ``tokens [B, P]`` (position ids ``pos [B, P]``) in one pass, all ``B * P`` rows through each
+        kernel of the step: their K/V go to rows 0..B-1, columns 0..P-1 of ``keys[i]/values[i]``; the attention is
+        transformers' SDPA under ``mask [B, 1, P, P]`` (bool, True = attended). Returns the logits ``[B, V]`` of the
+        token after each prompt. (Through transformers + peft the same pass is ~4,500 kernels for a 7B model, and
+        host-bound: ~150 ms on the H100 machine where its GPU work is ~25 ms.)"""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        B, P = tokens.shape
+        column = torch.zeros(1, dtype=torch.long, device=tokens.device)
+
+        def attend(i, q):
+            layer = self.layers[i]
+            q = q.view(B, P, self.heads, -1).transpose(1, 2)
+            k, v = keys[i][:B, :, :P], values[i][:B, :, :P]
+            out, _ = sdpa_attention_forward(layer["attn"], q, k, v, mask, scaling=layer["scaling"])
+            return out.reshape(B * P, -1)  # [B, P, Hq, D] -> rows
+
+        x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend)
+        return self.lm_head(x.view(B, P, -1)[:, -1])
+
+    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend) -> torch.Tensor:
+        """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output."""
+        qkv_epilogue, _, residual_norm, silu_mul = self._ops
         h = self.embed(tokens)
         inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
         norms = self._norms
@@ -383,8 +488,8 @@ class FusedDecoder:
             g = layer["qkv"]
             (yq, yk, yv), u = g.project(x)
             q = qkv_epilogue(yq, yk, yv, g.biases, u, g.lora_b(), pos, inv_freq, attn_scaling, column, keys[i],
-                             values[i], self.heads, self.kv_heads)
-            a = attention(q, keys[i], values[i], mask, length, layer["scaling"])
+                             values[i], self.heads, self.kv_heads, seq_len)
+            a = attend(i, q)
             g = layer["o"]
             (y,), u = g.project(a)
             ln2 = norms[i][1]
@@ -396,7 +501,7 @@ class FusedDecoder:
             (y,), u = g.project(act)
             nxt = norms[i + 1][0]
             x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, *g.single(u))
-        return self.lm_head(x)
+        return x
 
 
 __all__ = ["BaseGEMM", "FusedDecoder", "Unsupported"]

@@ -37,6 +37,23 @@ for dtype in (torch.float32, torch.float16):
         res[key] = max(diff(q1, q2), diff(caches[0], caches[2]), diff(caches[1], caches[3]))
         res[key + "-written"] = float(caches[0][:b, :, 3].abs().sum() > 0 and caches[1][:b, :, 3].abs().sum() > 0
                                       and caches[0][:, :, :3].abs().sum() == 0 and caches[0][b:].abs().sum() == 0)
+    # a prefill's rows: 2 sequences x 3 tokens -> cache rows 0..1, columns 2..4
+    hq, hkv, D, r = 4, 2, 16, 4
+    y = rnd(6, (hq + 2 * hkv) * D, dtype=dtype)
+    yq, yk, yv = y.split([hq * D, hkv * D, hkv * D], 1)
+    lora = tuple(rnd(n, r, dtype=dtype, scale=0.1) for n in (hq * D, hkv * D, hkv * D))
+    u = rnd(1, 6, 3 * r, dtype=dtype)
+    pos, column = torch.tensor([0, 1, 2, 0, 0, 1]), torch.tensor([2])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    caches = [torch.zeros(3, hkv, 7, D, dtype=dtype) for _ in range(4)]
+    q1 = K.qkv_epilogue(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, column, caches[0], caches[1], hq, hkv, 3)
+    q2 = K.qkv_epilogue_torch(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, column, caches[2], caches[3], hq, hkv,
+                              3)
+    res[f"qkv-prefill-{dtype}"] = max(diff(q1, q2), diff(caches[0], caches[2]), diff(caches[1], caches[3]))
+    outside = caches[0].clone()
+    outside[:2, :, 2:5] = 0
+    res[f"qkv-prefill-{dtype}-written"] = float(bool((caches[0][:2, :, 2:5].abs().sum((1, 3)) > 0).all())
+                                                and not outside.any())
 
     # decode attention: GQA groups 2 and 3, left padding, splits of the length, rows beyond b untouched
     for b, hq, hkv, D, L, split in ((2, 4, 2, 16, 37, 16), (3, 6, 2, 32, 64, 0), (1, 3, 1, 16, 20, 8)):
@@ -47,6 +64,17 @@ for dtype in (torch.float32, torch.float16):
         out = K.decode_attention(q, kc, vc, mask, L, D**-0.5, split_len=split)
         ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, L, D**-0.5)
         res[f"attn-{dtype}-{b}-{hq}-{hkv}-{L}-{split}"] = diff(out, ref)
+    # a graph's length bucket beyond the last column written: those columns (NaN here) are masked and never read
+    b, hq, hkv, D, L, last = 2, 4, 2, 16, 64, 21
+    q = rnd(b, hq, D, dtype=dtype)
+    kc, vc = rnd(b, hkv, L, D, dtype=dtype), rnd(b, hkv, L, D, dtype=dtype)
+    kc[:, :, last + 1:], vc[:, :, last + 1:] = float("nan"), float("nan")
+    mask = torch.zeros(b, L, dtype=torch.bool)
+    mask[:, 3:last + 1] = True
+    out = K.decode_attention(q, kc, vc, mask, L, D**-0.5, split_len=16, last=torch.tensor([last]))
+    ref = K.decode_attention_torch(q.double(), kc[:, :, :last + 1].double(), vc[:, :, :last + 1].double(), mask,
+                                   last + 1, D**-0.5)
+    res[f"attn-{dtype}-last-{last}"] = diff(out, ref)
 
     # residual + LoRA-B + RMSNorm, H not a power of two and above one block
     for b, H, r, add, bias in ((2, 96, 4, True, True), (1, 1500, 8, True, False), (3, 64, 0, False, False)):
@@ -63,11 +91,13 @@ for dtype in (torch.float32, torch.float16):
         res[f"resnorm-changed-{dtype}-{H}"] = float(add == (not torch.equal(h1, h0)))
 
     # silu(gate) * up with LoRA-B, N not a multiple of the block
-    for b, N, r in ((2, 300, 4), (1, 64, 0), (3, 520, 16)):
+    # (rows per program 1 and 16: 17 rows are two 16-row programs, the second with one row; S = 3: split-K partials)
+    for b, N, r, splits in ((2, 300, 4, 1), (1, 64, 0, 1), (3, 520, 16, 1), (17, 300, 8, 3), (2, 200, 16, 1)):
         yg, yu = rnd(b, N, dtype=dtype), rnd(b, N, dtype=dtype)
-        u = rnd(1, b, 2 * r, dtype=dtype) if r else None  # one GEMM's output (S = 1)
+        u = rnd(splits, b, 2 * r, dtype=dtype if splits == 1 else torch.float32) if r else None
         lb = (rnd(N, r, dtype=dtype, scale=0.1), rnd(N, r, dtype=dtype, scale=0.1)) if r else None
-        res[f"silu-{dtype}-{b}-{N}-{r}"] = diff(K.silu_mul_epilogue(yg, yu, u, lb),
+        rows = 16 if N == 200 else 0  # the tensor-core path below 16 rows too
+        res[f"silu-{dtype}-{b}-{N}-{r}"] = diff(K.silu_mul_epilogue(yg, yu, u, lb, rows_per_program=rows),
                                                  K.silu_mul_epilogue_torch(yg, yu, u, lb))
     # LoRA-A as split-K partials (b <= 64), summed by the consumers
     for b, K_, n, splits in ((1, 200, 48, 3), (5, 512, 16, 0), (16, 96, 192, 2), (37, 128, 48, 2)):

@@ -31,13 +31,13 @@ def _check(results: dict, prefix: str, fp32: float, fp16: float, expected: int):
 
 
 def test_qkv_epilogue_matches_and_writes_only_its_cache_column(interpreted):
-    _check(interpreted, "qkv-", 1e-6, 0.0, 6)  # same roundings: fp16 bit for bit
+    _check(interpreted, "qkv-", 1e-6, 0.0, 8)  # same roundings: fp16 bit for bit (decode rows and a prefill's)
     written = [v for k, v in interpreted.items() if k.startswith("qkv-") and k.endswith("written")]
     assert written and all(v == 1.0 for v in written)
 
 
 def test_decode_attention_matches_fp64(interpreted):
-    _check(interpreted, "attn-", 1e-6, 5e-4, 6)  # vs float64: fp16 output rounding only
+    _check(interpreted, "attn-", 1e-6, 5e-4, 8)  # vs float64: fp16 output rounding only (and never NaN)
 
 
 def test_residual_rms_norm_matches(interpreted):
@@ -49,7 +49,9 @@ def test_residual_rms_norm_matches(interpreted):
 
 
 def test_silu_mul_matches(interpreted):
-    _check(interpreted, "silu-", 1e-6, 2e-5, 6)
+    # fp16: the LoRA-B sums run in another order than torch's matmul (fp32), which can move the rounding of a module
+    # output by one step (~1e-3 at the inputs' scale)
+    _check(interpreted, "silu-", 1e-6, 1e-3, 10)
 
 
 def test_lora_a_split_partials_sum_to_the_product(interpreted):
@@ -101,14 +103,15 @@ from qerl.kernels import fused_decode as K
 consts = {
     "_lora_a_kernel": dict(BP=16, NAP=64, BLOCK_K=64),
     "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16),
-    "_attention_split_kernel": dict(G=7, GP=16, D=128, BLOCK_L=64),
+    "_attention_split_kernel": dict(G=7, GP=16, D=128, BLOCK_L=64, HAS_LAST=True, DIRECT=False),
     "_attention_merge_kernel": dict(D=128, SP=8),
     "_residual_norm_kernel": dict(ADD=True, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16,
                                   BLOCK=256, CP=16, OUT_BLOCK=4096),
-    "_silu_mul_kernel": dict(HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16, BLOCK=256),
+    "_silu_mul_kernel": dict(HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16, BLOCK=128, ROWS=16),
 }
 floats = {"attn_scaling", "scale_log2", "eps"}
-pointers = {"count_ptr": "*i32", "column_ptr": "*i64", "pos_ptr": "*i64", "mask_ptr": "*u8", "inv_freq_ptr": "*fp32",
+pointers = {"count_ptr": "*i32", "column_ptr": "*i64", "last_ptr": "*i64", "pos_ptr": "*i64", "mask_ptr": "*u8",
+            "inv_freq_ptr": "*fp32",
             "u_ptr": "*fp32", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
 for name, c in consts.items():
     kernel = getattr(K, name)

@@ -271,3 +271,105 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     ys = decoder.layers[0]["qkv"].gemm(x)
     for y, t in zip(ys, w):
         torch.testing.assert_close(y, x @ t.t())
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dtype, quantization):
+    """The prompts through the fused step's kernels (all B * P tokens at once): the same KV cache and next-token
+    logits as transformers' forward (+ peft), left padding included."""
+    from qerl.rollout.builtin import left_pad
+    from qerl.rollout.cuda_graph import SlotCache, _as_cache
+    from qerl.rollout.fused_decoder import FusedDecoder
+
+    path = save_tiny_model(tmp_path / "m", model_type, vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype=dtype)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    dt = getattr(torch, dtype)
+    base = policy.get_base_model()
+    config = base.config
+    ids, mask = left_pad([list(p) for p in PROMPTS], PAD, torch.device("cpu"))
+    B, P = ids.shape
+    m4 = torch.ones(P, P, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
+    m4 = (m4 | torch.eye(P, dtype=torch.bool)[None])[:, None]
+    caches = [SlotCache(config.num_hidden_layers, B + 1, config.num_key_value_heads, P + 3,
+                        config.hidden_size // config.num_attention_heads, dt, "cpu") for _ in range(2)]
+    with torch.no_grad():
+        ref = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
+                     past_key_values=_as_cache(caches[0]), use_cache=True, logits_to_keep=1).logits[:, -1]
+        decoder = FusedDecoder(base, fast=False)
+        decoder.prepare(dt)
+        got = decoder.prefill(ids, position_ids(mask), caches[1].keys, caches[1].values, m4)
+    # bf16: the LoRA-B product is summed in another order than peft's (one rounding step of the outputs)
+    tol = {"atol": 2e-5, "rtol": 0} if dtype == "float32" else {"atol": 1.6e-2, "rtol": 1.6e-2}  # 2 bf16 steps
+    torch.testing.assert_close(got, ref, **tol)
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        torch.testing.assert_close(b, a, **tol)
+        assert not b[B:].any() and not b[:, :, P:].any()  # nothing outside rows 0..B-1, columns 0..P-1
+    assert caches[1].keys[0][:B, :, :P].abs().sum() > 0
+
+
+def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_path):
+    """The LoRA-A rows of every layer's group of a kind share one 16-row-aligned buffer and its GEMV fragments; a
+    new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
+    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.rollout.fused_decoder import GROUPS, FusedDecoder
+
+    path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="bfloat16")  # q|k|v: 12 rows -> 16
+    lora = {n: p for n, p in policy.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for i, p in enumerate(lora.values()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    decoder = FusedDecoder(policy.get_base_model(), fast=True)  # fast on CPU: the fragments are plain torch
+
+    def check():
+        for layer in decoder.layers:
+            for kind in GROUPS:
+                g = layer[kind]
+                a = torch.cat([m.lora_A["default"].weight for m in g.modules]).to(torch.bfloat16)
+                assert g.adapter and torch.equal(g.a, a)
+                assert g.takes_fragments(torch.bfloat16)
+                assert torch.equal(mma.undense_fragments(g.a_frags, a.shape[0]), a)
+                for m, b in zip(g.modules, g.b):
+                    s = m.scaling["default"]
+                    assert torch.equal(b, (m.lora_B["default"].weight.to(torch.bfloat16).float() * s).to(b.dtype))
+
+    decoder.prepare(torch.bfloat16)
+    check()
+    qkv = [layer["qkv"] for layer in decoder.layers]
+    assert qkv[1].a.data_ptr() == qkv[0].a.data_ptr() + 16 * qkv[0].a.shape[1] * 2  # one buffer, 16-row aligned
+    key = decoder.key()
+    with torch.no_grad():
+        for p in lora.values():
+            p.mul_(-0.5)
+    decoder.prepare(torch.bfloat16)
+    check()
+    assert decoder.key() == key  # same storage: graphs captured before still read the live adapter
+    with policy.disable_adapter():
+        decoder.prepare(torch.bfloat16)
+        assert not any(layer[k].adapter for layer in decoder.layers for k in GROUPS) and decoder.key() != key
+    decoder.prepare(torch.bfloat16)
+    check()
+    assert decoder.key() == key
+
+
+def test_training_mode_is_kept_and_does_not_change_the_rollout(policy, fused):
+    """A policy in training mode (the LightningModule's) samples what it samples in eval mode (no dropout: the
+    transformers step switches to eval and back, the fused step has none) and is left in training mode."""
+    engine = CUDAGraphRollout(max_new_tokens=6, temperature=0.7, seed=5, fused=fused)
+    mode = policy.training
+    try:
+        policy.eval()
+        ref = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        policy.train()
+        engine.reset_generator()
+        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        assert policy.training and all(m.training for m in policy.modules())
+        assert torch.equal(r.completion_ids, ref.completion_ids) and torch.equal(r.logprobs, ref.logprobs)
+    finally:
+        policy.train(mode)
