@@ -210,9 +210,11 @@ class CUDAGraphRollout(RolloutEngine):
             The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
             valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
         fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (~14 kernels per layer instead of
-            ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA). Llama/Qwen2-family
-            models only: others keep the transformers step (with a warning). The log-probs returned are those of the
-            distribution sampled (it rounds like transformers except the order of fp32 sums).
+            ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA), and prefill the
+            prompts through the same kernels (all their tokens at once; the attention is transformers' SDPA).
+            Llama/Qwen2-family models only: others keep the transformers step (with a warning). The log-probs
+            returned are those of the distribution sampled (it rounds like transformers except the order of fp32
+            sums).
         wide_batch_bf16: decode steps of more than 64 rows multiply a bf16 copy of the NVFP4 weights, made when the
             rollout starts and freed when it ends (one pass at memory speed, ~10 ms for a 7B model; 2 bytes per weight
             meanwhile): the mma GEMV stops at 64 rows and the NVFP4 tile kernel runs at ~0.6x cuBLAS above it. None:
