@@ -361,7 +361,7 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
         q, k_cache, v_cache, mask, m, lsum, o, last if last is not None else mask, out, k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
         G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), HAS_LAST=last is not None, DIRECT=direct, PDL=pdl,
-        num_warps=4, **_pdl.options(pdl))
+        num_warps=4, num_stages=2, **_pdl.options(pdl))  # 2 stages: 6-10% faster than 3 or 4 at 64-256 rows (H100)
     if not direct:
         _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), PDL=pdl, num_warps=4,
                                            **_pdl.options(pdl))
