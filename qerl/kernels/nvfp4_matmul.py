@@ -656,11 +656,13 @@ register_kernel("triton", forward, backward_input)
 
 
 def _graph_time_ms(fn: Callable[[int], object], calls: int, replays: int = 5) -> float:
-    """Median time of one ``fn(i)`` call, i = 0..calls-1 captured in a CUDA graph (no launch overhead)."""
+    """Median time of one ``fn(i)`` call, i = 0..calls-1 captured in a CUDA graph (no launch overhead). Every call
+    runs once before the capture: what a call builds lazily (a weight's GEMV repack, compiled variants) is never
+    built inside a capture, so a call whose state is missing would time its fallback path instead."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(min(calls, 3)):
+        for i in range(calls):
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
