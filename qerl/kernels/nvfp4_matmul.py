@@ -409,7 +409,7 @@ def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
     """What :func:`autotune` tries for a given M (plain-Triton unpack kept as a candidate for comparison)."""
     bucket = m_bucket(m)
     if bucket <= 16:
-        return ([] if transpose_w or m > 16 else gemv_configs()) + [
+        return ([] if transpose_w or m > 16 else gemv_configs(m)) + [
             TileConfig(bo, 16, br, w, st, min_programs=264, use_asm=asm)
             for bo, br, w, st, asm in (
                 (128, 128, 4, 3, False),
