@@ -29,8 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from qerl.kernels import nvfp4_matmul as kernels
+from qerl.kernels.grid import cdiv
 from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, NVFP4Linear, dequantize, reference_backward_input, reference_forward
 
 # (name, out_features, in_features) of the linears NVFP4 replaces.
@@ -84,8 +87,38 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, NUMEL, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Sum ITERS blocks of int32 words per program (the read-only stream that bounds a weight-bound kernel)."""
+    first = tl.program_id(0) * ITERS * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(ITERS):
+        offs = first + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + offs, mask=offs < NUMEL, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def read_floor_ms(nbytes: float, device: torch.device) -> float:
+    """Time of the fastest pure read of ``nbytes`` (rotated copies, CUDA graph, as the kernels are timed): a lower
+    bound for any kernel that reads an NVFP4 weight of that size once, launch and memory latency included."""
+    words = math.ceil(nbytes / 4)
+    bufs = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(copies_for(nbytes))]
+    best = math.inf
+    for block, iters, warps in ((1024, 1, 4), (1024, 2, 4), (2048, 2, 8), (1024, 4, 4), (2048, 4, 8), (4096, 4, 8)):
+        programs = cdiv(words, block * iters)
+        out = torch.empty(programs, dtype=torch.int32, device=device)
+        launch = _read_kernel[(programs,)]
+
+        def read(i, launch=launch, out=out, block=block, iters=iters, warps=warps):
+            launch(bufs[i % len(bufs)], out, words, BLOCK=block, ITERS=iters, num_warps=warps)
+
+        best = min(best, graph_ms(read, 2 * len(bufs)))
+    return best
+
+
 def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], device: torch.device) -> list[dict]:
     nvfp4_bytes = n * k * BYTES_PER_WEIGHT
+    floor = read_floor_ms(nvfp4_bytes, device)
     weights = [random_nvfp4(n, k, device) for _ in range(copies_for(nvfp4_bytes))]
     dense = [dequantize(*w, torch.bfloat16) for w in weights[: copies_for(n * k * 2)]]
     w64 = dequantize(*weights[0], torch.float64)
@@ -105,9 +138,9 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
             err_ours, err_bf16 = rel_err(ours[pick], ref), rel_err(bf16[pick], ref)
             finite = bool(torch.isfinite(ours).all())
 
-            # 2. autotune (cached per M bucket and shape; nothing below tunes)
-            key = kernels._key(transpose, m, out_dim, red, torch.bfloat16)
-            if key not in kernels._TUNED and len(kernels.candidate_configs(m)) > 1:
+            # 2. autotune at this M (the cache holds one winner per M bucket and shape: M = 4 and 16 share M = 1's
+            #    bucket, and each is tuned for itself before it is timed; nothing below tunes)
+            if len(kernels.candidate_configs(m, transpose)) > 1:
                 kernels.autotune(acts, weights, transpose)
             cfg = kernels.config_for(transpose, m, out_dim, red, torch.bfloat16)
             dense_path = cfg.dense
@@ -137,6 +170,8 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
                 "speedup_vs_bf16": ms_bf16 / ms_ours,
                 "speedup_vs_dequant": ms_deq / ms_ours,
                 "weight_gbps": nvfp4_bytes / (ms_ours * 1e-3) / 1e9,
+                "ms_read_floor": floor,
+                "ceiling_vs_bf16": ms_bf16 / floor,
                 "rel_err_ours": err_ours,
                 "rel_err_bf16": err_bf16,
                 "all_finite": finite,
@@ -145,7 +180,8 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
             rows.append(row)
             print(f"{row['shape']:>28} M={m:<5} {direction}  ours {ms_ours * 1e3:9.1f}us  bf16 {ms_bf16 * 1e3:9.1f}us  "
                   f"deq {ms_deq * 1e3:9.1f}us  x{row['speedup_vs_bf16']:5.2f} vs bf16  x{row['speedup_vs_dequant']:5.2f}"
-                  f" vs deq  {row['weight_gbps']:7.0f} GB/s  err {err_ours:.1e} (bf16 {err_bf16:.1e})"
+                  f" vs deq  {row['weight_gbps']:7.0f} GB/s  read floor {floor * 1e3:6.1f}us (x{row['ceiling_vs_bf16']:.2f})"
+                  f"  err {err_ours:.1e} (bf16 {err_bf16:.1e})"
                   f"  cfg {'dense' if dense_path else cfg}", flush=True)
     return rows
 
@@ -189,10 +225,36 @@ def _micro_step(blocks: nn.ModuleList, x: torch.Tensor) -> None:
     h.float().square().mean().backward()
 
 
+def _graphed_step_ms(blocks: nn.ModuleList, x: torch.Tensor, replays: int = 15) -> float:
+    """One micro-step (forward + backward, the gradients accumulating into the existing ``.grad``) captured in a CUDA
+    graph: its GPU time alone, without the host's Python and launch time (what a host fast enough to keep the GPU
+    busy, or a CUDA-graphed training step, would see)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            _micro_step(blocks, x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _micro_step(blocks, x)
+    times = []
+    for _ in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times[2:])
+
+
 def bench_training_step(device: torch.device, tokens: int = 2048, layers: int = 4, rounds: int = 8) -> list[dict]:
-    """fwd+bwd of NVFP4+LoRA vs bf16+LoRA stacks (eager, CUDA events): both stacks built up front, then ``rounds``
+    """fwd+bwd of NVFP4+LoRA vs bf16+LoRA stacks. Eager (CUDA events): both stacks built up front, then ``rounds``
     rounds of 3 steps of each in turn (drift in clocks or host load hits both alike), median per kind after a warm-up
-    round."""
+    round. Graphed: the same step replayed from a CUDA graph (GPU time only; the eager step is partly bound by this
+    machine's host: the NVFP4 stack launches a dequantize kernel per linear and direction)."""
     blocks = {kind: _stack(layers, kind == "nvfp4", device) for kind in ("bf16", "nvfp4")}
     x = torch.randn(tokens, 3584, device=device, dtype=torch.bfloat16, requires_grad=True)
     samples: dict[str, list[float]] = {"bf16": [], "nvfp4": []}
@@ -206,15 +268,18 @@ def bench_training_step(device: torch.device, tokens: int = 2048, layers: int = 
                 end.synchronize()
                 if r:
                     samples[kind].append(start.elapsed_time(end))
+    times = {kind: statistics.median(v) for kind, v in samples.items()}
+    graphed = {kind: _graphed_step_ms(blocks[kind], x) for kind in ("bf16", "nvfp4")}
     del blocks
     torch.cuda.empty_cache()
-    times = {kind: statistics.median(v) for kind, v in samples.items()}
     rows = [{"shape": f"7b.stack{layers}x7+lora16", "M": tokens, "direction": "fwd+bwd",
              "ms_nvfp4": times["nvfp4"], "ms_bf16": times["bf16"], "ratio_vs_bf16": times["nvfp4"] / times["bf16"],
-             "samples": len(samples["nvfp4"])}]
+             "samples": len(samples["nvfp4"]), "ms_nvfp4_graphed": graphed["nvfp4"], "ms_bf16_graphed": graphed["bf16"],
+             "ratio_vs_bf16_graphed": graphed["nvfp4"] / graphed["bf16"]}]
     print(f"training micro-step, {layers} 7B-shaped layers + LoRA r16, {tokens} tokens: nvfp4 {times['nvfp4']:.2f} ms, "
           f"bf16 {times['bf16']:.2f} ms, ratio {times['nvfp4'] / times['bf16']:.3f} (median of {len(samples['nvfp4'])}, "
-          f"interleaved)", flush=True)
+          f"interleaved, eager); CUDA-graphed: nvfp4 {graphed['nvfp4']:.2f} ms, bf16 {graphed['bf16']:.2f} ms, ratio "
+          f"{graphed['nvfp4'] / graphed['bf16']:.3f}", flush=True)
     return rows
 
 
@@ -242,6 +307,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                 out.append({"M": m, "direction": direction, "geomean_speedup_vs_bf16": geo("speedup_vs_bf16"),
                             "geomean_speedup_vs_dequant": geo("speedup_vs_dequant"),
                             "mean_weight_gbps": statistics.fmean(r["weight_gbps"] for r in sel),
+                            "geomean_read_floor_ceiling_vs_bf16": geo("ceiling_vs_bf16"),
+                            # what a kernel exactly as fast as cuBLAS bf16 would score against dequantize-then-matmul
+                            "geomean_dequant_over_bf16": math.exp(statistics.fmean(
+                                math.log(r["ms_dequant"] / r["ms_bf16"]) for r in sel)),
                             "max_rel_err": max(r["rel_err_ours"] for r in sel)})
     return out
 
@@ -274,10 +343,14 @@ def main() -> None:
               "tuned_configs": kernels.tuned_table()}
     path.write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {copy:.0f} GB/s; geomean over shapes (weight GB/s = NVFP4 bytes / our time)")
-    print(f"{'M':>6} {'dir':>4} {'x bf16':>8} {'x deq':>8} {'GB/s':>7} {'max err':>9}")
+    print("(read-floor ceiling: bf16 time / the time of only reading the NVFP4 weight; deq/bf16: the x deq of a kernel"
+          " exactly as fast as cuBLAS bf16)")
+    print(f"{'M':>6} {'dir':>4} {'x bf16':>8} {'x deq':>8} {'GB/s':>7} {'max err':>9} {'read-floor ceiling':>19}"
+          f" {'deq/bf16':>9}")
     for s in summary:
         print(f"{s['M']:>6} {s['direction']:>4} {s['geomean_speedup_vs_bf16']:8.2f} {s['geomean_speedup_vs_dequant']:8.2f}"
-              f" {s['mean_weight_gbps']:7.0f} {s['max_rel_err']:9.1e}")
+              f" {s['mean_weight_gbps']:7.0f} {s['max_rel_err']:9.1e} {s['geomean_read_floor_ceiling_vs_bf16']:19.2f}"
+              f" {s['geomean_dequant_over_bf16']:9.2f}")
     print(f"wrote {path}")
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import pdl as _pdl
+from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.kernels.nvfp4_mma_gemv import counters
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -35,7 +36,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(max(int(n), 1)))
+    return max(at_least, next_power_of_2(n))
 
 
 @triton.jit
@@ -124,8 +125,8 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0, pdl: bool = Fa
 
         max_splits = min(32, _sm_count(x.device))  # the consumers sum the partials: keep them few
     block_k = 64
-    chunk = triton.cdiv(triton.cdiv(K, min(max_splits, triton.cdiv(K, block_k))), block_k) * block_k
-    splits = triton.cdiv(K, chunk)
+    chunk = cdiv(cdiv(K, min(max_splits, cdiv(K, block_k))), block_k) * block_k
+    splits = cdiv(K, chunk)
     out = torch.empty(splits, b, n, dtype=torch.float32, device=x.device)
     bp, nap = _pow2(b, 16), _pow2(n, 16)
     _lora_a_kernel[(splits,)](x, x.stride(0), a, out, b, n, K, chunk, BP=bp, NAP=nap, BLOCK_K=block_k,
@@ -328,9 +329,9 @@ def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, S, D: tl.constexpr, SP
 
 def attention_splits(b: int, kv_heads: int, length: int, sms: int, block: int = 64) -> int:
     """Positions per program: enough programs for ~4 per SM, each a multiple of ``block`` positions."""
-    blocks = triton.cdiv(length, block)
+    blocks = cdiv(length, block)
     want = max(1, min(blocks, (4 * sms) // max(1, b * kv_heads)))
-    return triton.cdiv(blocks, want) * block
+    return cdiv(blocks, want) * block
 
 
 def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, split_len: int = 0,
@@ -350,7 +351,7 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
         from qerl.kernels.nvfp4_matmul import _sm_count
 
         split_len = attention_splits(b, hkv, length, _sm_count(q.device))
-    S = triton.cdiv(length, split_len)
+    S = cdiv(length, split_len)
     direct = S == 1  # wide batches: one program per (row, KV head) already fills the GPU, no partials to merge
     m = torch.empty(0 if direct else b * hq, S, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
@@ -433,7 +434,7 @@ def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=N
     r = lora_b.shape[1] if lora_b is not None else 0
     dummy = h
     block = 256
-    chunks = triton.cdiv(H, block)
+    chunks = cdiv(H, block)
     part = torch.empty(b, chunks, dtype=torch.float32, device=h.device)
     u_ptr, s_us, s_ub, S, SP = _u_args(u, dummy)
     _residual_norm_kernel[(b, chunks)](
@@ -530,7 +531,7 @@ def silu_mul_epilogue(yg, yu, u=None, lora_b=None, rows_per_program: int = 0, pd
     rows = rows_per_program or (1 if b <= 16 else 16)
     block = 256 if rows == 1 and r <= 16 else 128
     u_ptr, s_us, s_ub, S, SP = _u_args(u, yg)
-    _silu_mul_kernel[(triton.cdiv(b, rows), triton.cdiv(N, block))](
+    _silu_mul_kernel[(cdiv(b, rows), cdiv(N, block))](
         yg, yu, yg.stride(0), yu.stride(0), u_ptr, s_us, s_ub, S, lg, lu, r, out, b, N,
         HAS_LORA=lora_b is not None, RP=_pow2(r, 1 if rows == 1 else 16), SP=SP, DT=_TL[yg.dtype], BLOCK=block,
         ROWS=rows, PDL=pdl, num_warps=4, **_pdl.options(pdl))

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import nvfp4_mma_gemv as mma_gemv
+from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.modules.nvfp4 import BLOCK, register_kernel
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,8 +348,10 @@ _TUNED: dict[tuple, TileConfig] = {}
 
 
 def m_bucket(m: int) -> int:
-    """Tile configurations are chosen per bucket of M: 16 (decode), 32, 64, 128, 256, 512 (prefill/training)."""
-    return min(max(16, triton.next_power_of_2(m)), 512)
+    """Tile configurations are chosen per bucket of M: 8, 16 (decode), 32, 64, 128, 256, 512 (prefill/training).
+    The decode buckets are the mma GEMV's token-tile counts (1, 2, 4, 8 tiles of 8 rows): a configuration tuned at
+    M = 1 (e.g. an 8-stage ring, whose shared memory grows with the tiles) must not be applied at M = 16."""
+    return min(max(8, next_power_of_2(m)), 512)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -386,8 +389,11 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     """The mma GEMV candidates (forward, M <= 64); the first is the default (the wgmma loop on sm_90), then the
     wgmma loop's other warp/stage choices, then the mma.sync variants (what sm_80/sm_89 run)."""
     nt = mma_gemv.tiles_for(m)
-    wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
-             for w in (4, 8) for st in (3, 4, 5, 6, 8)
+    # min_programs: split K for about this many warps instead of the most one wave holds (0); fewer splits write
+    # fewer fp32 partials, which at 16 tokens cost more than the parallelism gains on small weights (H100, M = 16:
+    # 7B q 9.5 vs 11.1 us, 32B k 6.8 vs 9.5 us)
+    wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, min_programs=tw, mma_gemv=True, smem_stages=st, wgmma=True)
+             for w in (4, 8) for st in (3, 4, 5, 6, 8) for tw in ((0, 256, 512, 1024) if st in (4, 6) else (0,))
              if w <= 8 * nt and mma_gemv.wgmma_ring_bytes(nt, st, w) <= mma_gemv.WGMMA_SMEM_LIMIT]
     return [GEMV] + wgmma + _mma_sync_configs(m)
 
@@ -475,7 +481,7 @@ def dequantize_dense(
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     args = (weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k)
-    grid = (triton.cdiv(n, _DEQUANT_BLOCK[0]), triton.cdiv(k, _DEQUANT_BLOCK[1]), 1)
+    grid = (cdiv(n, _DEQUANT_BLOCK[0]), cdiv(k, _DEQUANT_BLOCK[1]), 1)
     if _INTERPRET:
         _dequantize_kernel[grid](*args, **_dequant_constants(dtype))
     else:  # the compiled kernel takes every parameter in order, the constexprs included
@@ -534,16 +540,16 @@ def _launch(
     out = torch.empty(m, out_dim, device=a.device, dtype=a.dtype)
     if m == 0:
         return out
-    tiles = triton.cdiv(out_dim, cfg.block_out) * triton.cdiv(m, cfg.block_m)
-    red_tiles = triton.cdiv(red, cfg.block_red)
+    tiles = cdiv(out_dim, cfg.block_out) * cdiv(m, cfg.block_m)
+    red_tiles = cdiv(red, cfg.block_red)
     splits = 1
     if cfg.min_programs and tiles < cfg.min_programs:
         # each split keeps >= 2 reduction tiles so the software pipeline has something to overlap
-        splits = max(1, min(triton.cdiv(cfg.min_programs, tiles), red_tiles // 2))
-    tiles_per_split = triton.cdiv(red_tiles, splits)
-    splits = triton.cdiv(red_tiles, tiles_per_split)
+        splits = max(1, min(cdiv(cfg.min_programs, tiles), red_tiles // 2))
+    tiles_per_split = cdiv(red_tiles, splits)
+    splits = cdiv(red_tiles, tiles_per_split)
     target = out if splits == 1 else torch.empty(splits, m, out_dim, device=a.device, dtype=torch.float32)
-    grid = (triton.cdiv(out_dim, cfg.block_out), triton.cdiv(m, cfg.block_m), splits)
+    grid = (cdiv(out_dim, cfg.block_out), cdiv(m, cfg.block_m), splits)
     _nvfp4_mm_kernel[grid](
         a,
         weight_packed.view(torch.int32),
@@ -566,7 +572,7 @@ def _launch(
     )
     if splits > 1:
         numel = m * out_dim
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
+        _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out
 
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import pdl as _pdl
+from qerl.kernels.grid import cdiv
 from qerl.modules.nvfp4 import unpack_codes
 
 # fragment element e -> (row offset within 16, k offset within the lane's 4-k group)
@@ -300,7 +301,7 @@ def _unpack_and_mma(a, nt: int, rb: int, acc, xfrag, steps=range(4)) -> None:
                   f"{{%a0, %a1, %a2, %a3}}, {{{b0}, {b1}}}, {{{c}}};")
 
 
-def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) -> str:
+def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1, unroll: int = 0) -> str:
     """PTX of the whole K loop for one lane.
 
     Operands: the fp32 accumulators $0..$(4nt-1) as outputs (``fused``: one dummy b32 output $0 instead, the
@@ -401,7 +402,7 @@ def _mainloop_asm(nt: int, fused: bool = False, xpre: bool = True, rb: int = 1) 
         a("@%p1 bra L_loop_${:uid};")
     a("L_done_${:uid}:")
     if fused:
-        _fused_reduce(a, nt, rb, acc, first + 8)
+        _fused_reduce(a, nt, rb, acc, first + 8, unroll)
     a("}")
     return "\n".join(L)
 
@@ -417,7 +418,7 @@ def _operand(name: str) -> str:
     return f"${1 + _FUSED_INPUTS.index(name)}"
 
 
-def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
+def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int, unroll: int = 0) -> str:
     """The wide-batch main loop: the program's warps share the activations through shared memory instead of each
     loading its own fragments (a warp of 16 rows would otherwise read M x K activations for 16 x K weights).
 
@@ -517,7 +518,7 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int) -> str:
     a("@%p1 bra L_loop_${:uid};")
     a("L_done_${:uid}:")
     a("cp.async.wait_group 0;")
-    _fused_reduce(a, nt, rb, acc, base)
+    _fused_reduce(a, nt, rb, acc, base, unroll)
     a("}")
     return "\n".join(L)
 
@@ -531,7 +532,7 @@ def wgmma_ring_bytes(nt: int, stages: int, warps: int) -> int:
     return (1024 * nt + -(-(640 * warps) // 1024) * 1024) * stages
 
 
-def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4) -> str:
+def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0) -> str:
     """The wide-batch main loop on Hopper's warpgroup MMA: each warpgroup of the program (4 warps, one 16-row block
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
@@ -672,7 +673,7 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4) -> str:
     a("L_done_${:uid}:")
     a("wgmma.wait_group.sync.aligned 0;")
     a("cp.async.wait_group 0;")
-    _fused_reduce(a, nt, 1, acc, base)
+    _fused_reduce(a, nt, 1, acc, base, unroll)
     a("}")
     return "\n".join(L)
 
@@ -766,7 +767,7 @@ def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
     return "\n".join(L)
 
 
-def _fused_reduce(a, nt: int, rb: int, acc, base: int) -> None:
+def _fused_reduce(a, nt: int, rb: int, acc, base: int, unroll: int = 0) -> None:
     """The epilogue inside the asm. One split: scale, round and store. Several: split-K without a second launch: each
     warp stores its fp32 partial [split, M, N], then the last warp of a row block (pair) to arrive (counter per
     warp's first row block, acq_rel at gpu scope, reset by that warp) sums the splits of its lane's own outputs,
@@ -819,9 +820,10 @@ def _fused_reduce(a, nt: int, rb: int, acc, base: int) -> None:
     for ai in range(4 * nt * rb):
         a(f"mov.f32 {acc(ai)}, 0f00000000;")
     # the splits' partials are read `unroll` splits at a time (loads in flight together: the reduction is a chain
-    # of L2 round trips otherwise, one per split)
+    # of L2 round trips otherwise, one per split); 0: at most 32 loads in flight per lane, at most 4 splits (more
+    # raises the registers of the whole kernel: see reduce_unroll)
     nout = 4 * nt * rb
-    unroll = max(1, min(4, 32 // nout))
+    unroll = unroll or max(1, min(4, 32 // nout))
     a(f".reg .pred %qs<{unroll}>, %pz; .reg .b64 %pu; .reg .b32 %su; .reg .f32 %w<{unroll * nout}>;")
     a(f"mov.b64 %pbs, {pb}; mov.u32 %s, 0;")
     a("L_red_${:uid}:")
@@ -903,12 +905,13 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
 _ASM: dict[tuple, str] = {}
 
 
-def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4, wgmma: bool = False) -> str:
-    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma)
+def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4, wgmma: bool = False,
+         unroll: int = 0) -> str:
+    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll)
     if key not in _ASM:
-        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps) if wgmma
-                     else _smem_mainloop_asm(nt, rb, stages, warps) if stages
-                     else _mainloop_asm(nt, fused, xpre, rb))
+        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll) if wgmma
+                     else _smem_mainloop_asm(nt, rb, stages, warps, unroll) if stages
+                     else _mainloop_asm(nt, fused, xpre, rb, unroll))
     return _ASM[key]
 
 
@@ -1092,18 +1095,19 @@ _CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3}
 _REGS: dict[tuple, int] = {}
 
 
-def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool) -> tuple:
+def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool,
+              unroll: int = 0) -> tuple:
     return (nt, fused, warps, xpre and not stages, rb, stages) + ((True,) if dense else ()) + (
-        ("wgmma", wgmma) if wgmma else ())
+        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ())
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
-                      stages: int = 0, wgmma: bool = False, dense: bool = False) -> int:
+                      stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
     smem = (228 * 1024 // (wgmma_ring_bytes(nt, stages, warps) + 1024)) if wgmma else 32
-    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma))
+    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
     regs = -(-regs // 8) * 8
@@ -1114,9 +1118,18 @@ def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fus
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
                 wgmma: bool = False, dense: bool = False) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
-    programs = triton.cdiv(row_blocks, warps * rb)
+    programs = cdiv(row_blocks, warps * rb)
     capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense)
     return max(1, min(capacity // programs, chunks // min_chunks))
+
+
+def wide_reduce_unroll(nt: int, rb: int = 1) -> int:
+    """Partials per round trip for a many-way split K (small weights: 7B k/v/q/o split 14 ways at M = 1): all of
+    them in flight together up to 16 splits at one or two token tiles (64 fp32 registers per lane at most), where the
+    default 4 made the reduction a chain of 4 L2 round trips. Kept out of the default variant: the registers it adds
+    would lower the occupancy of the large weights' launches, which split K at most a few ways. 0 (the default)
+    from 4 tiles up, where the accumulators already take most registers."""
+    return min(16, 64 // (4 * nt * rb)) if nt * rb <= 2 else 0
 
 
 def auto_warps(n: int, k: int, nt: int) -> int:
@@ -1129,7 +1142,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
            target_warps: int = 0, min_chunks: int = 4, cached: tuple | None = None, fused: bool = True,
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
            row_blocks_per_warp: int | None = None, smem_stages: int | None = None,
-           dense: tuple[torch.Tensor, int] | None = None, pdl: bool = False, wgmma: bool | None = None):
+           dense: tuple[torch.Tensor, int] | None = None, pdl: bool = False, wgmma: bool | None = None,
+           reduce_unroll: int | None = None):
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -1152,7 +1166,11 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
 
     ``wgmma``: the warpgroup-MMA loop (:func:`_wgmma_mainloop_asm`; sm_90 only); None: on sm_90 unless
     ``x_prefetch``, ``row_blocks_per_warp`` or ``smem_stages`` pin an mma.sync variant. Its warps and stages come
-    from :func:`default_wgmma` unless ``warps`` / ``smem_stages`` are given."""
+    from :func:`default_wgmma` unless ``warps`` / ``smem_stages`` are given.
+
+    ``reduce_unroll``: split-K partials the last warp loads per L2 round trip (0: the variant's default, <= 4;
+    None: :func:`wide_reduce_unroll` when K is split more than 4 ways). The split count is chosen before (from the
+    default variant's registers), so it never depends on this."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -1185,15 +1203,15 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
                      FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
     if target_warps:
-        splits = max(1, min(triton.cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
+        splits = max(1, min(cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
         key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
         if key not in _REGS:
             _REGS[key] = _variant_registers(a, weight_global_scale, constants, nt)
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm))
-    per_split = triton.cdiv(chunks, splits)
-    splits = triton.cdiv(chunks, per_split)
+    per_split = cdiv(chunks, splits)
+    splits = cdiv(chunks, per_split)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
         if splits > 1:
@@ -1203,15 +1221,28 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     else:
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
     split_fused = fused and splits > 1
-    weight_programs = triton.cdiv(row_blocks, warps * rbw)
+    weight_programs = cdiv(row_blocks, warps * rbw)
     grid_b, u, na, dx = weight_programs, None, 0, 1
     if dense is not None:
         frags, na = dense
         if frags.shape[1] != chunks or frags.shape[0] * 16 < na:
             raise ValueError(f"dense fragments {tuple(frags.shape)} do not cover {na} rows x {k} inputs")
-        dx = max(1, triton.cdiv(triton.cdiv(chunks, splits), 8))  # dense splits of <= 8 chunks: off the critical path
+        dx = max(1, cdiv(cdiv(chunks, splits), 8))  # dense splits of <= 8 chunks: off the critical path
         u = torch.empty(splits * dx, m, na, device=a.device, dtype=torch.float32)
-        grid_b += triton.cdiv(frags.shape[0], warps) * dx
+        grid_b += cdiv(frags.shape[0], warps) * dx
+    unroll = reduce_unroll or 0
+    if reduce_unroll is None and split_fused and splits > 4 and wide_reduce_unroll(nt, rbw):
+        # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
+        # the round trips saved (7B o-proj at M = 1: 9.6 vs 8.9 us)
+        unroll = wide_reduce_unroll(nt, rbw)
+        wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll)
+        if key not in _REGS:
+            _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
+        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll)
+        unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
+    if unroll:
+        constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
     _mma_gemv_kernel[(grid_b, splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
         part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
@@ -1219,7 +1250,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         weight_programs, dx, **constants)
     if splits > 1 and not fused:
         numel = m * n
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
+        _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out if dense is None else (out, u)
 
 
@@ -1238,4 +1269,4 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
 
 
 __all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked",
-           "supported", "tiles_for", "unrepack", "wgmma_ring_bytes", "wgmma_supported"]
+           "supported", "tiles_for", "unrepack", "wgmma_ring_bytes", "wgmma_supported", "wide_reduce_unroll"]

@@ -77,6 +77,30 @@ def linear_cases(gen: torch.Generator) -> dict[str, float]:
     }
 
 
+def tuning_bucket_cases() -> dict[str, float]:
+    """A tuned configuration is cached per (M bucket, shape) and reused for every M of its bucket, so every GEMV
+    candidate offered at some M must fit the shared memory at every M of that bucket; and a winner cached at M = 1
+    (an 8-warp 8-stage ring fits only one token tile) is not what M = 16 runs."""
+    from qerl.kernels import nvfp4_mma_gemv as gemv
+
+    fits = True
+    for m in range(1, gemv.MAX_M + 1):
+        same_bucket = [m2 for m2 in range(1, gemv.MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
+        for cfg in kernels.gemv_configs(m):
+            if cfg.wgmma:
+                fits &= all(gemv.wgmma_ring_bytes(gemv.tiles_for(m2), cfg.smem_stages, cfg.num_warps)
+                            <= gemv.WGMMA_SMEM_LIMIT for m2 in same_bucket)
+    big = next(c for c in kernels.gemv_configs(1) if c.wgmma and c.num_warps == 8 and c.smem_stages == 8)
+    key = kernels._key(False, 1, 3584, 3584, torch.bfloat16)
+    kernels._TUNED[key] = big
+    try:
+        separated = kernels.config_for(False, 4, 3584, 3584, torch.bfloat16) is big and \
+            kernels.config_for(False, 16, 3584, 3584, torch.bfloat16) is not big
+    finally:
+        del kernels._TUNED[key]
+    return {"tuning-candidates-fit-their-bucket": float(fits), "tuning-m1-winner-not-at-m16": float(separated)}
+
+
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
-    print(json.dumps({**matmul_cases(generator), **linear_cases(generator)}))
+    print(json.dumps({**matmul_cases(generator), **linear_cases(generator), **tuning_bucket_cases()}))

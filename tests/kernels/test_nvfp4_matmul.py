@@ -47,6 +47,11 @@ def test_nvfp4_linear_on_triton_kernel(interpreted_results, case):
     assert interpreted_results[case] < TOLERANCE["float32"], interpreted_results[case]
 
 
+@pytest.mark.parametrize("case", ["tuning-candidates-fit-their-bucket", "tuning-m1-winner-not-at-m16"])
+def test_tuned_configuration_serves_its_whole_bucket(interpreted_results, case):
+    assert interpreted_results[case] == 1.0
+
+
 def test_interpreter_setting_does_not_leak():
     assert os.environ.get("TRITON_INTERPRET") != "1"
     assert "qerl.kernels.nvfp4_matmul" not in sys.modules

@@ -149,7 +149,8 @@ for spec in sys.argv[1:]:
     dense, pdl = "d" in spec[5:], "P" in spec[5:]
     wgmma = "w" in spec[5:] or "W" in spec[5:]  # the warpgroup-MMA loop with 4 / 8 warps
     warps = 8 if "W" in spec[5:] else 4
-    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma), "SHIFT": 256.0,
+    unroll = G.wide_reduce_unroll(nt, rb) if "R" in spec[5:] else 0  # the many-split reduction of small weights
+    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma, unroll), "SHIFT": 256.0,
               "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "", "PDL": pdl}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "launch_pdl": pdl})
@@ -181,12 +182,14 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     # every (tiles, epilogue, activation prefetch, row blocks, shared-memory stages) the launcher's defaults and
     # candidates can pick
     # ("d": with the LoRA-A rows' programs, which must not raise the register count of the launch at M <= 16;
-    # "w"/"W": the wgmma loop with 4 / 8 warps at the stage counts default_wgmma picks)
+    # "w"/"W": the wgmma loop with 4 / 8 warps at the stage counts default_wgmma picks; "R": the wide split-K
+    # reduction small weights launch with)
     variants = ["1np10", "2np10", "1fp10", "1fp20", "1fn20", "2fp10", "2fp20", "2fn20", "2fn24", "4fp10", "4fn10",
                 "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24",
                 "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P",
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
-                "1fn16wP", "2fn16WdP", "8fn14wP"]
+                "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
+                "2fn16wR", "2fn16WdPR"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
