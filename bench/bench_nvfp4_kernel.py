@@ -7,13 +7,15 @@ Run on a CUDA machine from the repository root:
 For every Qwen2.5-7B / 32B linear shape (q, k, v, o, gate, up, down; lm_head stays bf16) and every M it
 1. checks the relative error of ours (and of cuBLAS on the dequantized bf16 weight) against the fp64 product of the
    dequantized weight, on fresh random inputs;
-2. autotunes our tile configuration (cached, before any timing);
+2. autotunes our tile configuration at that M (cached, before any timing);
 3. times forward ``x @ W.T`` and backward ``dy @ W`` for ours, cuBLAS bf16 (``F.linear`` / ``mm`` on the dense bf16
    weight) and the reference code's dequantize-then-matmul. Each time is the median over graph replays of a CUDA
    graph holding many calls that cycle through enough weight and input copies (> 2x L2) that nothing is served
    from L2, so launch gaps and cache hits stay out of the numbers.
-It then times one training micro-step (forward + backward) through a 7B-shaped stack of NVFP4 + LoRA r16 linears
-at 2048 tokens against the same stack on bf16 weights. Results go to ``<out>/kernel_<device>.json``.
+Each shape also gets a read floor: the time of a kernel that only reads the weight's NVFP4 bytes (timed the same way),
+which no kernel reading the weight can beat; ``ceiling_vs_bf16`` = bf16 time / floor. It then times one training
+micro-step (forward + backward) through a 7B-shaped stack of NVFP4 + LoRA r16 linears at 2048 tokens against the same
+stack on bf16 weights, eager and replayed from a CUDA graph. Results go to ``<out>/kernel_<device>.json``.
 """
 
 from __future__ import annotations
