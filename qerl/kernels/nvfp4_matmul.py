@@ -338,6 +338,9 @@ class TileConfig:
     loads its own; None: the kernel's default for the batch width)."""
     wgmma: bool | None = None
     """mma GEMV: the warpgroup-MMA loop (sm_90); None: there unless the fields above pin an mma.sync variant."""
+    cluster: bool | None = None
+    """wgmma GEMV: reduce the K splits through a thread-block cluster (None: the kernel's default for the batch
+    width, see ``nvfp4_mma_gemv.launch``)."""
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -395,6 +398,9 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, min_programs=tw, mma_gemv=True, smem_stages=st, wgmma=True)
              for w in (4, 8) for st in (3, 4, 5, 6, 8) for tw in ((0, 256, 512, 1024) if st in (4, 6) else (0,))
              if w <= 8 * nt and mma_gemv.wgmma_ring_bytes(nt, st, w) <= mma_gemv.WGMMA_SMEM_LIMIT]
+    # the split-K reduction the default does not take at this width (cluster at 9-16 tokens, global at 1-8)
+    wgmma += [dataclasses.replace(c, cluster=nt != 1) for c in wgmma
+              if nt <= 2 and c.smem_stages in (4, 6) and c.min_programs in (0, 512)]
     return [GEMV] + wgmma + _mma_sync_configs(m)
 
 
@@ -595,7 +601,7 @@ def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose
     return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
                            target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
                            x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks,
-                           smem_stages=cfg.smem_stages, wgmma=cfg.wgmma)
+                           smem_stages=cfg.smem_stages, wgmma=cfg.wgmma, cluster=cfg.cluster)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -532,7 +532,7 @@ def wgmma_ring_bytes(nt: int, stages: int, warps: int) -> int:
     return (1024 * nt + -(-(640 * warps) // 1024) * 1024) * stages
 
 
-def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0) -> str:
+def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, cluster: bool = False) -> str:
     """The wide-batch main loop on Hopper's warpgroup MMA: each warpgroup of the program (4 warps, one 16-row block
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
@@ -673,7 +673,10 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0) -
     a("L_done_${:uid}:")
     a("wgmma.wait_group.sync.aligned 0;")
     a("cp.async.wait_group 0;")
-    _fused_reduce(a, nt, 1, acc, base, unroll)
+    if cluster:
+        _cluster_reduce(a, nt, acc, base, warps, unroll or max(1, min(8, 32 // (4 * nt))))
+    else:
+        _fused_reduce(a, nt, 1, acc, base, unroll)
     a("}")
     return "\n".join(L)
 
@@ -767,47 +770,62 @@ def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
     return "\n".join(L)
 
 
+def _epilogue_operands(base: int) -> tuple[str, ...]:
+    """p_mine, p_base, mn4, n4, m, tok0, o_ptr, cnt, splits, valid, factor, valid2 (see :func:`_fused_reduce`)."""
+    return tuple(f"${base + i}" for i in range(12))
+
+
+def _walk(a, nt: int, rb: int, ptr: str, elem: int, emit, m: str, tok0: str) -> None:
+    """emit(acc index, predicate, address) for every output of this lane, walking the tiles from ``ptr`` (row offsets
+    as immediates rather than addresses held per output: registers); %st = bytes per token row (see
+    :func:`_strides`), %pv2 = the second row block is valid."""
+    a(f"mov.b64 %r0, {ptr};")
+    for t in range(nt):
+        if t:
+            a("add.s64 %r0, %r0, %st8;")
+        a("add.s64 %r1, %r0, %st;")
+        a(f"add.s32 %tk, {tok0}, {8 * t}; setp.lt.s32 %q0, %tk, {m}; "
+          f"add.s32 %tk, %tk, 1; setp.lt.s32 %q1, %tk, {m};")
+        if rb > 1:
+            a("and.pred %q2, %q0, %pv2; and.pred %q3, %q1, %pv2;")
+        for r in range(rb):
+            for i in range(4):
+                pred = f"%q{2 * r + i % 2}"
+                emit(4 * (r * nt + t) + i, pred, f"[%r{i % 2}+{elem * (16 * r + 8 * (i // 2))}]")
+
+
+def _strides(a, n4: str, elem: int) -> None:
+    a(f"cvt.s64.s32 %st, {n4};" + ("" if elem == 4 else " shr.s64 %st, %st, 1;"))
+    a("shl.b64 %st8, %st, 3;")
+
+
+def _write_scaled(a, nt: int, rb: int, acc, base: int) -> None:
+    """Scale the accumulators by the factor, round to bf16 and store this lane's outputs."""
+    _, _, _, n4, m, tok0, op, _, _, _, fac, _ = _epilogue_operands(base)
+    _strides(a, n4, 2)
+    _walk(a, nt, rb, op, 2, lambda ai, p, ad: a(f"mul.f32 %v, {acc(ai)}, {fac}; cvt.rn.bf16.f32 %h, %v; "
+                                                f"@{p} st.global.b16 {ad}, %h;"), m, tok0)
+
+
 def _fused_reduce(a, nt: int, rb: int, acc, base: int, unroll: int = 0) -> None:
     """The epilogue inside the asm. One split: scale, round and store. Several: split-K without a second launch: each
     warp stores its fp32 partial [split, M, N], then the last warp of a row block (pair) to arrive (counter per
     warp's first row block, acq_rel at gpu scope, reset by that warp) sums the splits of its lane's own outputs,
     scales, and writes bf16. Operands from ``base``: p_mine(l) (partial of this split at this lane's (token 2q, row
     g)), p_base(l) (same, split 0), mn4(l) (bytes per split), n4(r) (bytes per token row), m(r), tok0(r) (= 2q),
-    o_ptr(l) (bf16 output at (2q, g)), cnt(l), splits(r), valid(r) (first row block), factor(f), valid2(r).
-    Addresses are walked tile by tile (row offsets as immediates) rather than held per output: registers."""
-    pm, pb, mn4, n4, m, tok0, op, cnt, ns, valid, fac, valid2 = (f"${base + i}" for i in range(12))
+    o_ptr(l) (bf16 output at (2q, g)), cnt(l), splits(r), valid(r) (first row block), factor(f), valid2(r)."""
+    pm, pb, mn4, n4, m, tok0, _, cnt, ns, valid, _, valid2 = _epilogue_operands(base)
     a(".reg .pred %pv, %pv2, %pl, %p0, %q<4>;")
     a(".reg .b64 %r0, %r1, %st, %st8, %pbs;")
     a(".reg .b32 %tk, %old, %lid, %s, %ns1;")
     a(".reg .f32 %v;")
     a(".reg .b16 %h;")
-
-    def walk(ptr, elem, emit):
-        """emit(acc index, predicate, address) for every output of this lane; %st = bytes per token row."""
-        a(f"mov.b64 %r0, {ptr};")
-        for t in range(nt):
-            if t:
-                a("add.s64 %r0, %r0, %st8;")
-            a("add.s64 %r1, %r0, %st;")
-            a(f"add.s32 %tk, {tok0}, {8 * t}; setp.lt.s32 %q0, %tk, {m}; "
-              f"add.s32 %tk, %tk, 1; setp.lt.s32 %q1, %tk, {m};")
-            if rb > 1:
-                a("and.pred %q2, %q0, %pv2; and.pred %q3, %q1, %pv2;")
-            for r in range(rb):
-                for i in range(4):
-                    pred = f"%q{2 * r + i % 2}"
-                    emit(4 * (r * nt + t) + i, pred, f"[%r{i % 2}+{elem * (16 * r + 8 * (i // 2))}]")
-
-    def strides(elem):
-        a(f"cvt.s64.s32 %st, {n4};" + ("" if elem == 4 else " shr.s64 %st, %st, 1;"))
-        a("shl.b64 %st8, %st, 3;")
-
     a(f"setp.ne.s32 %pv, {valid}, 0; setp.ne.s32 %pv2, {valid2}, 0;")
     a("@!%pv bra L_end_${:uid};")
     a(f"setp.eq.s32 %p0, {ns}, 1;")
     a("@%p0 bra L_write_${:uid};")
-    strides(4)
-    walk(pm, 4, lambda ai, p, ad: a(f"@{p} st.global.f32 {ad}, {acc(ai)};"))
+    _strides(a, n4, 4)
+    _walk(a, nt, rb, pm, 4, lambda ai, p, ad: a(f"@{p} st.global.f32 {ad}, {acc(ai)};"), m, tok0)
     a("fence.acq_rel.gpu;")
     a("bar.warp.sync 0xffffffff;")
     a("mov.u32 %lid, %laneid; setp.eq.u32 %p0, %lid, 0;")
@@ -832,9 +850,9 @@ def _fused_reduce(a, nt: int, rb: int, acc, base: int, unroll: int = 0) -> None:
         if u:
             a(f"add.s64 %pu, %pu, {mn4};")
         a(f"add.s32 %su, %s, {u}; setp.lt.s32 %qs{u}, %su, {ns};")
-        walk("%pu", 4, lambda ai, p, ad, u=u: a(
+        _walk(a, nt, rb, "%pu", 4, lambda ai, p, ad, u=u: a(
             f"and.pred %pz, {p}, %qs{u}; mov.f32 %w{u * nout + ai}, 0f00000000; "
-            f"@%pz ld.relaxed.gpu.global.f32 %w{u * nout + ai}, {ad};"))
+            f"@%pz ld.relaxed.gpu.global.f32 %w{u * nout + ai}, {ad};"), m, tok0)
     for ai in range(nout):
         for u in range(unroll):
             a(f"add.f32 {acc(ai)}, {acc(ai)}, %w{u * nout + ai};")
@@ -844,10 +862,61 @@ def _fused_reduce(a, nt: int, rb: int, acc, base: int, unroll: int = 0) -> None:
     a("@%pl bra L_red_${:uid};")
     a(f"@%p0 st.relaxed.gpu.global.u32 [{cnt}], 0;")
     a("L_write_${:uid}:")
-    strides(2)
-    walk(op, 2, lambda ai, p, ad: a(f"mul.f32 %v, {acc(ai)}, {fac}; cvt.rn.bf16.f32 %h, %v; "
-                                    f"@{p} st.global.b16 {ad}, %h;"))
+    _write_scaled(a, nt, rb, acc, base)
     a("L_end_${:uid}:")
+
+
+def _cluster_reduce(a, nt: int, acc, base: int, warps: int, unroll: int) -> None:
+    """The split-K epilogue of a launch whose K splits of a row block are the CTAs of one thread-block cluster (sm_90):
+    every thread puts its fp32 accumulators in its CTA's shared memory (the ring's, once every warp of the CTA is past
+    its main loop), the cluster synchronizes (release / acquire),
+    and rank 0 sums, for each of its threads' outputs, the same thread's slot of every rank in rank (= split) order
+    through distributed shared memory, ``unroll`` ranks per round trip, then scales and stores. Same order of fp32
+    additions as :func:`_fused_reduce` (0 + split 0 + split 1 + ...): the same bits, without the global partials,
+    fence, counter atomic and L2 round trips. Every thread of every CTA reaches both cluster barriers (the second keeps
+    a CTA's shared memory alive until rank 0 has read it). Operands as :func:`_fused_reduce`'s (splits = the cluster
+    size; p_mine, p_base, mn4 and cnt unused); one row block per warp (the wgmma loop)."""
+    _, _, _, _, _, _, _, _, ns, valid, _, valid2 = _epilogue_operands(base)
+    nout = 4 * nt
+    slot = 4 * nout
+    a(".reg .pred %pv, %pv2, %p0, %pl, %q<4>;")
+    a(".reg .b64 %r0, %r1, %st, %st8;")
+    a(f".reg .b32 %tk, %rk, %ps, %s, %su, %pa<{unroll}>;")
+    a(f".reg .pred %qs<{unroll}>;")
+    a(".reg .f32 %v;")
+    a(".reg .b16 %h;")
+    a(f".reg .f32 %w<{unroll * nout}>;")
+    # the slots reuse the ring (qsm: >= 512 * warps * nt bytes at >= 3 stages) once every warp is past its loop
+    a(f"bar.sync 1, {32 * warps};")
+    a(f"mov.u32 %ps, qsm; mov.u32 %tk, %tid.x; mad.lo.u32 %ps, %tk, {slot}, %ps;")
+    for j in range(nout // 4):
+        a(f"st.shared.v4.f32 [%ps+{16 * j}], {{{', '.join(acc(4 * j + i) for i in range(4))}}};")
+    a("barrier.cluster.arrive.release.aligned;")
+    a("barrier.cluster.wait.acquire.aligned;")
+    a(f"setp.ne.s32 %pv, {valid}, 0; setp.ne.s32 %pv2, {valid2}, 0;")
+    a("mov.u32 %rk, %cluster_ctarank; setp.eq.u32 %p0, %rk, 0; and.pred %p0, %p0, %pv;")
+    a("@!%p0 bra L_cdone_${:uid};")  # warp-uniform: the rank is the CTA's, valid the warp's row block
+    for ai in range(nout):
+        a(f"mov.f32 {acc(ai)}, 0f00000000;")
+    a("mov.u32 %s, 0;")
+    a("L_cred_${:uid}:")
+    for u in range(unroll):
+        a(f"add.u32 %su, %s, {u}; setp.lt.u32 %qs{u}, %su, {ns};")
+        a(f"@%qs{u} mapa.shared::cluster.u32 %pa{u}, %ps, %su;")
+        for j in range(nout // 4):
+            regs = ", ".join(f"%w{u * nout + 4 * j + i}" for i in range(4))
+            a(f"mov.f32 %w{u * nout + 4 * j}, 0f00000000; mov.f32 %w{u * nout + 4 * j + 1}, 0f00000000; "
+              f"mov.f32 %w{u * nout + 4 * j + 2}, 0f00000000; mov.f32 %w{u * nout + 4 * j + 3}, 0f00000000;")
+            a(f"@%qs{u} ld.shared::cluster.v4.f32 {{{regs}}}, [%pa{u}+{16 * j}];")
+    for ai in range(nout):
+        for u in range(unroll):
+            a(f"add.f32 {acc(ai)}, {acc(ai)}, %w{u * nout + ai};")
+    a(f"add.u32 %s, %s, {unroll}; setp.lt.u32 %pl, %s, {ns};")
+    a("@%pl bra L_cred_${:uid};")
+    _write_scaled(a, nt, 1, acc, base)
+    a("L_cdone_${:uid}:")
+    a("barrier.cluster.arrive.release.aligned;")
+    a("barrier.cluster.wait.acquire.aligned;")
 
 
 MAX_M = 64
@@ -906,10 +975,12 @@ _ASM: dict[tuple, str] = {}
 
 
 def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4, wgmma: bool = False,
-         unroll: int = 0) -> str:
-    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll)
+         unroll: int = 0, cluster: bool = False) -> str:
+    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll, cluster)
+    if cluster and not (wgmma and fused):
+        raise ValueError("the cluster split-K reduction is built for the fused wgmma loop only")
     if key not in _ASM:
-        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll) if wgmma
+        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll, cluster) if wgmma
                      else _smem_mainloop_asm(nt, rb, stages, warps, unroll) if stages
                      else _mainloop_asm(nt, fused, xpre, rb, unroll))
     return _ASM[key]
@@ -935,9 +1006,17 @@ def _tid(dummy):
 
 
 @triton.jit
-def _lanes(WARPS: tl.constexpr):
-    """(warp, lane, g = lane // 4, q = lane % 4) of every thread, one element per thread."""
-    tid = _tid(tl.arange(0, 32 * WARPS))
+def _rank(dummy):
+    return tl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [dummy], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _lanes(WARPS: tl.constexpr, CL: tl.constexpr = 1):
+    """(warp, lane, g = lane // 4, q = lane % 4) of every thread, one element per thread: with CL > 1 CTAs per
+    cluster (``num_ctas``) Triton spreads a program's tensors over the cluster in contiguous blocks, so the tensors
+    span 32 * WARPS * CL elements, each thread of each CTA holding one."""
+    tid = _tid(tl.arange(0, 32 * WARPS * CL))
     lane = tid % 32
     return tid // 32, lane, lane // 4, lane % 4
 
@@ -951,11 +1030,13 @@ def _store(out_base, val, tok, row, M, N, valid):
 def _weight_program(
     pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
-    RB: tl.constexpr, PDL: tl.constexpr,
+    RB: tl.constexpr, PDL: tl.constexpr, CL: tl.constexpr = 1,
 ):
     # every warp of a program runs the same number of chunks (the shared-memory variant synchronizes them per chunk):
     # a warp past the last row block computes row block 0 again and stores nothing
-    warp, lane, g, q = _lanes(WARPS)
+    warp, lane, g, q = _lanes(WARPS, CL)
+    if CL > 1:  # the K splits of this program's row blocks are the CTAs of its cluster
+        pid_s = _rank(lane)
     nchunks_all = K // 64
     rb = (pid_b * WARPS + warp) * RB
     c0 = pid_s * CHUNKS_PER_SPLIT
@@ -986,14 +1067,16 @@ def _weight_program(
         cnt = c_addr + rb.to(tl.int64) * 4
         ns = tl.zeros_like(tok) + SPLITS
         vi = valid.to(tl.int32)
-        fac = tl.zeros([32 * WARPS], dtype=tl.float32) + factor
+        fac = tl.zeros([32 * WARPS * CL], dtype=tl.float32) + factor
         xs_base = tl.zeros_like(x0) + (x_addr + c0.to(tl.int64) * 128)
         k2 = tl.zeros_like(x0) + K.to(tl.int64) * 2
-        tl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS
+        done = tl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS
             ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
             [w_ptr, f_ptr, n, x0, x_step, m_g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns, vi,
              fac, valid2, xs_base, k2],
             dtype=tl.int32, is_pure=False, pack=1)
+        if CL > 1:  # Triton's cluster layout planning needs a store to anchor on (this one never writes: done == 0)
+            tl.store(out_ptr + lane, done.to(out_ptr.dtype.element_ty), mask=done != 0)
     else:
         out_base = out_ptr + pid_s.to(tl.int64) * M * N
         if NT == 1:
@@ -1048,10 +1131,11 @@ def _mma_gemv_kernel(
     x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
     d_addr, u_addr, NA, WEIGHT_PROGRAMS, DX,
     NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, FUSED: tl.constexpr,
-    RB: tl.constexpr, DENSE: tl.constexpr, DASM: tl.constexpr, PDL: tl.constexpr,
+    RB: tl.constexpr, DENSE: tl.constexpr, DASM: tl.constexpr, PDL: tl.constexpr, CL: tl.constexpr = 1,
 ):
     """Programs 0 .. WEIGHT_PROGRAMS - 1 (axis 0) multiply the NVFP4 weight; with ``DENSE``, the programs past them
-    multiply the dense rows (LoRA-A) of the same activations."""
+    multiply the dense rows (LoRA-A) of the same activations. ``CL`` > 1: launched as clusters of CL CTAs
+    (``num_ctas``), one per K split (axis 1 is then 1)."""
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     if DENSE:
@@ -1064,7 +1148,7 @@ def _mma_gemv_kernel(
                             SPLITS, p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL)
     else:
         _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS,
-                        p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL)
+                        p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL, CL)
     _pdl.release(PDL)  # after the main loop: see qerl.kernels.pdl
 
 
@@ -1132,6 +1216,13 @@ def wide_reduce_unroll(nt: int, rb: int = 1) -> int:
     return min(16, 64 // (4 * nt * rb)) if nt * rb <= 2 else 0
 
 
+def max_cluster(nt: int) -> int:
+    """The largest cluster of K splits a launch uses: 8 CTAs at one token tile, 4 from two (H100, at the same split
+    count: clusters of 8 at 16 tokens were up to 1.3x slower than the global reduction, 2-4 faster; 16, the
+    non-portable maximum, was slower everywhere: its CTAs must share one GPC)."""
+    return 8 if nt == 1 else 4
+
+
 def auto_warps(n: int, k: int, nt: int) -> int:
     """8 warps per program for long-K shapes at M <= 8 (H200: 7b/32b down 18.5/31.5 us vs 21.5/38.5 with 4);
     4 otherwise (at M = 16 the 8-warp version was slower: 29.1/52.9 vs 25.9/44.0 us; k/v: 5.5 vs 5.3 us)."""
@@ -1143,7 +1234,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
            row_blocks_per_warp: int | None = None, smem_stages: int | None = None,
            dense: tuple[torch.Tensor, int] | None = None, pdl: bool = False, wgmma: bool | None = None,
-           reduce_unroll: int | None = None):
+           reduce_unroll: int | None = None, cluster: bool | None = None):
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -1170,7 +1261,14 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
 
     ``reduce_unroll``: split-K partials the last warp loads per L2 round trip (0: the variant's default, <= 4;
     None: :func:`wide_reduce_unroll` when K is split more than 4 ways). The split count is chosen before (from the
-    default variant's registers), so it never depends on this."""
+    default variant's registers), so it never depends on this.
+
+    ``cluster``: (sm_90, the fused wgmma loop) launch the K splits of each program as one thread-block cluster and
+    reduce them through distributed shared memory (:func:`_cluster_reduce`) instead of global partials and a
+    counter; the split count becomes the largest power of two <= it and <= :func:`max_cluster` (with ``dense`` the
+    same count, reduced globally). None: at up to 8 tokens (H100: 1.0-1.16x faster there on the 7B/32B shapes, the
+    7B rollout step at batch 1 3.17 -> 3.08 ms; at 9-16 tokens the shapes alone gained up to 1.4x but the rollout
+    step at batch 16 lost 13%; from 17 tokens on, clusters of large CTAs were up to 2x slower)."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -1210,17 +1308,27 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
             _REGS[key] = _variant_registers(a, weight_global_scale, constants, nt)
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm))
-    per_split = cdiv(chunks, splits)
-    splits = cdiv(chunks, per_split)
+    if cluster is None:
+        cluster = nt == 1
+    # with dense rows in the launch the splits stay a global reduction, but of the same count as the cluster would
+    # have: the same order of fp32 sums, so the weight's output is bitwise the same with or without them
+    pow2 = cluster and wgmma and fused and splits > 1
+    clustered = pow2 and dense is None
+    if pow2:  # a power of two (Triton's num_ctas); trailing ranks may get no chunk (they add zeros)
+        splits = min(max_cluster(nt), 1 << (splits.bit_length() - 1))
+        per_split = cdiv(chunks, splits)
+    else:
+        per_split = cdiv(chunks, splits)
+        splits = cdiv(chunks, per_split)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
-        if splits > 1:
+        if splits > 1 and not clustered:
             counter = counter if counter is not None else counters(a.device, row_blocks)
             part = torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
         target = out
     else:
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
-    split_fused = fused and splits > 1
+    split_fused = fused and splits > 1 and not clustered
     weight_programs = cdiv(row_blocks, warps * rbw)
     grid_b, u, na, dx = weight_programs, None, 0, 1
     if dense is not None:
@@ -1243,7 +1351,10 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
-    _mma_gemv_kernel[(grid_b, splits)](
+    if clustered:
+        constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True),
+                         CL=splits, num_ctas=splits)
+    _mma_gemv_kernel[(grid_b, 1 if clustered else splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
         part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
         dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
@@ -1268,5 +1379,6 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
         return 128 // _CTAS_PER_SM[nt] * 8
 
 
-__all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "repack", "repacked",
-           "supported", "tiles_for", "unrepack", "wgmma_ring_bytes", "wgmma_supported", "wide_reduce_unroll"]
+__all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "max_cluster",
+           "repack", "repacked", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes", "wgmma_supported",
+           "wide_reduce_unroll"]

@@ -143,17 +143,20 @@ sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "ou
        "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
        "c_addr": "i64", "d_addr": "i64", "u_addr": "i64", "NA": "i32", "WEIGHT_PROGRAMS": "i32", "DX": "i32",
        "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
-       "FUSED": "constexpr", "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr", "PDL": "constexpr"}
+       "FUSED": "constexpr", "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr", "PDL": "constexpr",
+       "CL": "constexpr"}
 for spec in sys.argv[1:]:
     nt, fused, xpre, rb, st = int(spec[0]), spec[1] == "f", spec[2] == "p", int(spec[3]), int(spec[4])
     dense, pdl = "d" in spec[5:], "P" in spec[5:]
     wgmma = "w" in spec[5:] or "W" in spec[5:]  # the warpgroup-MMA loop with 4 / 8 warps
     warps = 8 if "W" in spec[5:] else 4
     unroll = G.wide_reduce_unroll(nt, rb) if "R" in spec[5:] else 0  # the many-split reduction of small weights
-    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma, unroll), "SHIFT": 256.0,
-              "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "", "PDL": pdl}
+    cl = 8 if "c" in spec[5:] else 1  # the K splits as a cluster of 8 CTAs, reduced through shared memory
+    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma, unroll, cl > 1),
+              "SHIFT": 256.0, "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "",
+              "PDL": pdl, "CL": cl}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "launch_pdl": pdl})
+                       options={"num_warps": warps, "launch_pdl": pdl, "num_ctas": cl})
     ptx = k.asm["ptx"]
     marks = [m for m in ("griddepcontrol.wait", "griddepcontrol.launch_dependents") if m in ptx]
     # with PDL nothing may touch memory before the wait
@@ -163,6 +166,8 @@ for spec in sys.argv[1:]:
         marks.append("ACCESS-BEFORE-WAIT")
     if wgmma != ("wgmma.mma_async" in ptx):
         marks.append("WGMMA-MISMATCH")
+    if (cl > 1) != (f".reqnctapercluster {cl}" in ptx and "ld.shared::cluster" in ptx and "atom." not in ptx):
+        marks.append("CLUSTER-MISMATCH")  # a cluster launch reduces through shared memory, never a global counter
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
@@ -183,13 +188,13 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     # candidates can pick
     # ("d": with the LoRA-A rows' programs, which must not raise the register count of the launch at M <= 16;
     # "w"/"W": the wgmma loop with 4 / 8 warps at the stage counts default_wgmma picks; "R": the wide split-K
-    # reduction small weights launch with)
+    # reduction small weights launch with; "c": the K splits as one thread-block cluster)
     variants = ["1np10", "2np10", "1fp10", "1fp20", "1fn20", "2fp10", "2fp20", "2fn20", "2fn24", "4fp10", "4fn10",
                 "4fp20", "4fn20", "4fn14", "4fn24", "8fp10", "8fn10", "8fn20", "8fn14", "8fn24",
                 "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P",
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
-                "2fn16wR", "2fn16WdPR"]
+                "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
