@@ -1223,6 +1223,23 @@ def max_cluster(nt: int) -> int:
     return 8 if nt == 1 else 4
 
 
+def split_plan(chunks: int, splits: int, nt: int, cluster: bool | None, wgmma: bool, fused: bool,
+               dense: bool) -> tuple[int, int, bool]:
+    """(splits, chunks per split, reduced through a cluster) of a launch that would split K ``splits`` ways.
+
+    Clusters (``cluster``; None: at one token tile) need the fused wgmma loop; their split count is a power of two
+    (Triton's ``num_ctas``) <= :func:`max_cluster`, trailing ranks possibly without a chunk (they add zeros). With
+    dense rows in the launch the splits stay a global reduction, but of the same count as the cluster would have: the
+    same order of fp32 sums, so the weight's output is bitwise the same with or without them."""
+    if cluster is None:
+        cluster = nt == 1
+    if cluster and wgmma and fused and splits > 1:
+        splits = min(max_cluster(nt), 1 << (splits.bit_length() - 1))
+        return splits, cdiv(chunks, splits), not dense
+    per_split = cdiv(chunks, splits)
+    return cdiv(chunks, per_split), per_split, False
+
+
 def auto_warps(n: int, k: int, nt: int) -> int:
     """8 warps per program for long-K shapes at M <= 8 (H200: 7b/32b down 18.5/31.5 us vs 21.5/38.5 with 4);
     4 otherwise (at M = 16 the 8-warp version was slower: 29.1/52.9 vs 25.9/44.0 us; k/v: 5.5 vs 5.3 us)."""
@@ -1308,18 +1325,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
             _REGS[key] = _variant_registers(a, weight_global_scale, constants, nt)
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm))
-    if cluster is None:
-        cluster = nt == 1
-    # with dense rows in the launch the splits stay a global reduction, but of the same count as the cluster would
-    # have: the same order of fp32 sums, so the weight's output is bitwise the same with or without them
-    pow2 = cluster and wgmma and fused and splits > 1
-    clustered = pow2 and dense is None
-    if pow2:  # a power of two (Triton's num_ctas); trailing ranks may get no chunk (they add zeros)
-        splits = min(max_cluster(nt), 1 << (splits.bit_length() - 1))
-        per_split = cdiv(chunks, splits)
-    else:
-        per_split = cdiv(chunks, splits)
-        splits = cdiv(chunks, per_split)
+    splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
         if splits > 1 and not clustered:
@@ -1380,5 +1386,5 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
 
 
 __all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "max_cluster",
-           "repack", "repacked", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes", "wgmma_supported",
-           "wide_reduce_unroll"]
+           "repack", "repacked", "split_plan", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes",
+           "wgmma_supported", "wide_reduce_unroll"]

@@ -104,6 +104,25 @@ def test_auto_shapes():
     assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
 
 
+def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
+    plan = gemv.split_plan
+    # one token tile: the wave rule's 14 splits of 56 chunks become a cluster of 8 (7 chunks each)
+    assert plan(56, 14, 1, None, True, True, False) == (8, 7, True)
+    # the same launch with LoRA-A rows: the same 8 splits, reduced globally (so the weight's sums are the same)
+    assert plan(56, 14, 1, None, True, True, True) == (8, 7, False)
+    # 9-16 tokens: no cluster unless asked (then at most 4); from 17 tokens only when asked
+    assert plan(56, 14, 2, None, True, True, False) == (14, 4, False)
+    assert plan(56, 14, 2, True, True, True, False) == (4, 14, True)
+    assert plan(56, 14, 4, None, True, True, False) == (14, 4, False)
+    # powers of two only, trailing ranks may be empty; nothing to reduce with one split; the mma.sync loops never
+    assert plan(56, 3, 1, None, True, True, False) == (2, 28, True)
+    assert plan(9, 8, 1, None, True, True, False) == (8, 2, True)  # ranks 5-7 get no chunk
+    assert plan(56, 1, 1, None, True, True, False) == (1, 56, False)
+    assert plan(56, 14, 1, None, False, True, False) == (14, 4, False)
+    assert plan(56, 14, 1, None, True, False, False) == (14, 4, False)
+    assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
+
+
 def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
     # every default the wgmma launch can pick fits the asm's static shared memory, with a token row per warp
     for nt in (1, 2, 4, 8):
