@@ -869,9 +869,9 @@ def _fused_reduce(a, nt: int, rb: int, acc, base: int, unroll: int = 0) -> None:
 def _cluster_reduce(a, nt: int, acc, base: int, warps: int, unroll: int) -> None:
     """The split-K epilogue of a launch whose K splits of a row block are the CTAs of one thread-block cluster (sm_90):
     every thread puts its fp32 accumulators in its CTA's shared memory (the ring's, once every warp of the CTA is past
-    its main loop), the cluster synchronizes (release / acquire),
-    and rank 0 sums, for each of its threads' outputs, the same thread's slot of every rank in rank (= split) order
-    through distributed shared memory, ``unroll`` ranks per round trip, then scales and stores. Same order of fp32
+    its main loop), the cluster synchronizes (release / acquire), and rank 0 sums, for each of its threads' outputs,
+    the same thread's slot of every rank in rank (= split) order through distributed shared memory, ``unroll`` ranks
+    per round trip, then scales and stores. Same order of fp32
     additions as :func:`_fused_reduce` (0 + split 0 + split 1 + ...): the same bits, without the global partials,
     fence, counter atomic and L2 round trips. Every thread of every CTA reaches both cluster barriers (the second keeps
     a CTA's shared memory alive until rank 0 has read it). Operands as :func:`_fused_reduce`'s (splits = the cluster
@@ -1284,8 +1284,10 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     reduce them through distributed shared memory (:func:`_cluster_reduce`) instead of global partials and a
     counter; the split count becomes the largest power of two <= it and <= :func:`max_cluster` (with ``dense`` the
     same count, reduced globally). None: at up to 8 tokens (H100: 1.0-1.16x faster there on the 7B/32B shapes, the
-    7B rollout step at batch 1 3.17 -> 3.08 ms; at 9-16 tokens the shapes alone gained up to 1.4x but the rollout
-    step at batch 16 lost 13%; from 17 tokens on, clusters of large CTAs were up to 2x slower)."""
+    7B rollout step at batch 1 3.18 -> 3.09 ms). At 9-16 tokens the shapes alone gained up to 1.4x, but the
+    power-of-two split count it implies for the decoder's LoRA-A launches made the batch-16 rollout step 13% slower
+    (clusters for the other launches changed nothing there), so it is off by default; from 17 tokens on, clusters
+    of large CTAs were up to 2x slower."""
     from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
 
     m, k = a.shape
@@ -1349,9 +1351,9 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
         # the round trips saved (7B o-proj at M = 1: 9.6 vs 8.9 us)
         unroll = wide_reduce_unroll(nt, rbw)
-        wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
         key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll)
-        if key not in _REGS:
+        if key not in _REGS:  # once per variant: compiled, not launched
+            wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
             _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
         resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll)
         unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
