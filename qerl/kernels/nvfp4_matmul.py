@@ -373,8 +373,9 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
     where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
     bucket = m_bucket(m)
-    if gemv and not transpose_w and m <= mma_gemv.MAX_M:
-        return GEMV
+    if gemv and not transpose_w and (m <= mma_gemv.MAX_M or (
+            m <= mma_gemv.WIDE_MAX_M and out * red >= mma_gemv.WIDE_MIN_WEIGHTS)):
+        return GEMV  # (the token-block wgmma loop above 64 rows: sm_90 only, falls back to the rules below)
     # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
     # rollout (which does not autotune) ran the first guesses
     if bucket <= 16:
@@ -392,6 +393,9 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     """The mma GEMV candidates (forward, M <= 64); the first is the default (the wgmma loop on sm_90), then the
     wgmma loop's other warp/stage choices, then the mma.sync variants (what sm_80/sm_89 run)."""
     nt = mma_gemv.tiles_for(m)
+    if nt > mma_gemv.MAX_M // 8:  # token blocks: the wgmma loop only, its ring in dynamic shared memory
+        return [GEMV] + [TileConfig(0, m_bucket(m), 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
+                         for w in (8, 4) for st in (3, 4, 5, 6)]
     # min_programs: split K for about this many warps instead of the most one wave holds (0); fewer splits write
     # fewer fp32 partials, which at 16 tokens cost more than the parallelism gains on small weights (H100, M = 16:
     # 7B q 9.5 vs 11.1 us, 32B k 6.8 vs 9.5 us)
@@ -401,6 +405,9 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     # the split-K reduction the default does not take at this width (cluster at 9-16 tokens, global at 1-8)
     wgmma += [dataclasses.replace(c, cluster=nt != 1) for c in wgmma
               if nt <= 2 and c.smem_stages in (4, 6) and c.min_programs in (0, 512)]
+    if nt == 8 and mma_gemv.gl is not None:  # deeper rings in dynamic shared memory (H100 32b.gate: 53.5 vs 70.1 us)
+        wgmma += [TileConfig(0, 64, 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
+                  for w, st in ((8, 4), (8, 5), (8, 6), (4, 6), (4, 8))]
     return [GEMV] + wgmma + _mma_sync_configs(m)
 
 
@@ -446,7 +453,7 @@ def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
             )
         ]
     if bucket <= 256:
-        return [
+        return ([] if transpose_w else gemv_configs(m)) + [
             DENSE,
             TileConfig(128, 128, 64, 8, 4, min_programs=132),
             TileConfig(128, 128, 128, 8, 3, min_programs=132),
@@ -470,7 +477,8 @@ def config_for(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype
 # From this many rows on, the default (until autotune measures otherwise) dequantizes the weight once per call into a
 # transient dense tensor (one fused pass at memory speed) and runs the library GEMM on it: once the GEMM is
 # compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes (measured on H200
-# with the first kernel: fused 0.3-0.45x of cuBLAS for M >= 256).
+# with the first kernel: fused 0.3-0.45x of cuBLAS for M >= 256). On sm_90 the token-block wgmma GEMV takes the
+# weights of >= mma_gemv.WIDE_MIN_WEIGHTS entries up to mma_gemv.WIDE_MAX_M rows first (1.4-2.9x the dense path).
 DENSE_MIN_M = 128
 
 
@@ -585,8 +593,8 @@ def _launch(
 def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg):
     """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] > mma_gemv.MAX_M
-            or a.shape[0] == 0 or not mma_gemv.supported(n, k)):
+    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] == 0
+            or a.shape[0] > mma_gemv.max_m(a.device) or not mma_gemv.supported(n, k)):
         return None
     # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
     capturing = torch.cuda.is_current_stream_capturing()
@@ -595,7 +603,7 @@ def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose
         return None
     fused = (cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
              or bool(cfg.smem_stages))
-    counter = mma_gemv.counters(a.device, n // 16, build=not capturing) if fused else None
+    counter = mma_gemv.counters(a.device, mma_gemv.counter_size(a.shape[0], n), build=not capturing) if fused else None
     if fused and counter is None:
         return None
     return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
@@ -719,7 +727,7 @@ def autotune(
     if any(c.mma_gemv for c in candidates) and mma_gemv.supported(n, k) and a0.is_cuda:
         for w in weights:  # build the repacks (and the split-K counters) before any graph capture
             mma_gemv.repacked(w[0], w[1])
-        mma_gemv.counters(a0.device, n // 16)
+        mma_gemv.counters(a0.device, mma_gemv.counter_size(a0.shape[0], n))
     for cfg in candidates:
         def call(i, cfg=cfg):
             return _launch(activations[i % len(activations)], *weights[i % len(weights)], transpose_weight, cfg)

@@ -17,6 +17,13 @@ tensor cores read from shared memory, the weights stream through the same shared
 several chunks ahead, and the next chunk is unpacked while the current one multiplies (H100 geomean vs cuBLAS bf16,
 14 shapes: M = 1 1.97x, 16 1.64x, 32 1.42x, 64 0.95x; the mma.sync loop 1.88 / 1.48 / 1.19 / 0.89x).
 
+Rings deeper than the 48 KiB a static ``.shared`` declaration in the asm may take (8 warps at 64 tokens; every ring
+at 65-256 tokens) live in dynamic shared memory that a Gluon launcher (:func:`_wide_gemv_kernel`) declares and the
+asm addresses from ``global_smem``. Above 64 tokens the same loop runs ``wgmma .n128`` on token blocks of 128 rows
+(a third grid axis; each block is a batch of <= 128 for the asm), K split by :func:`wide_splits` (H100, M = 256:
+0.68x cuBLAS geomean over the 14 shapes with the dense path for the small ones, was 0.56x dequantize + cuBLAS
+everywhere; M = 128 big weights 0.9-1.4x cuBLAS).
+
 Repacked layout for ``W [N, K]`` (N % 16 == 0, K % 64 == 0), row block ``rb`` (16 rows), chunk ``c`` (64 k), lane
 ``l = 4 g + q``, step ``j`` (0..3), fragment element ``e`` (0..7 = a0..a7 of the PTX m16n8k16 A fragment):
 
@@ -48,6 +55,12 @@ import triton.language as tl
 from qerl.kernels import pdl as _pdl
 from qerl.kernels.grid import cdiv
 from qerl.modules.nvfp4 import unpack_codes
+
+try:  # Triton >= 3.4: kernels that declare their shared memory (the wgmma rings above 48 KiB)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover (older Triton: batches <= MAX_M only)
+    gluon = gl = None
 
 # fragment element e -> (row offset within 16, k offset within the lane's 4-k group)
 _ROW_OFF = (0, 0, 8, 8, 0, 0, 8, 8)
@@ -523,7 +536,10 @@ def _smem_mainloop_asm(nt: int, rb: int, stages: int, warps: int, unroll: int = 
     return "\n".join(L)
 
 
-WGMMA_SMEM_LIMIT = 48 * 1024  # the ring is static shared memory declared in the asm
+WGMMA_SMEM_LIMIT = 48 * 1024
+"""The largest ring declared as static shared memory in the asm (ptxas' limit); larger rings live in the dynamic
+shared memory of the Gluon launcher (:func:`_wide_gemv_kernel`), up to :data:`WGMMA_DYNAMIC_LIMIT`."""
+WGMMA_DYNAMIC_LIMIT = 200 * 1024  # of the 227 KiB an sm_90 CTA may have (+ 1 KiB to align the ring)
 
 
 def wgmma_ring_bytes(nt: int, stages: int, warps: int) -> int:
@@ -554,12 +570,13 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     waited for (``wgmma.wait_group 1`` before the barrier every thread passes)."""
     if stages < 3:
         raise ValueError("the wgmma loop needs >= 3 shared-memory stages")
+    dynamic = wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
     if warps not in (4, 8) or 8 * nt < warps:
         raise ValueError(f"the wgmma loop takes 4 or 8 warps and at least one token row per warp, got {warps}, {nt}")
     ring = wgmma_ring_bytes(nt, stages, warps)
-    if ring > WGMMA_SMEM_LIMIT:
+    if ring > WGMMA_DYNAMIC_LIMIT:
         raise ValueError(f"{stages} stages of {nt} tiles x {warps} warps need {ring} bytes of shared memory "
-                         f"(> {WGMMA_SMEM_LIMIT})")
+                         f"(> {WGMMA_DYNAMIC_LIMIT})")
     threads = 32 * warps
     nacc = 4 * nt
     rows = 8 * nt
@@ -606,7 +623,8 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
         a("wgmma.commit_group.sync.aligned;")
 
     a("{")
-    a(f".shared .align 1024 .b8 qsm[{ring}];")
+    if not dynamic:
+        a(f".shared .align 1024 .b8 qsm[{ring}];")
     a(".reg .pred %p1, %pcc, %pr, %pcp, %pd;")
     a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %tq, %wp, %ln, %sb, %rd, %wr, %nv, %sw, %s4;")
     a(".reg .b32 " + ", ".join(f"%sd{z}, %e{z}" for z in swz) + ";")
@@ -622,7 +640,11 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("mov.b32 $0, 0; setp.ne.b32 %pd, 1, 0;")
     for i in range(nacc):
         a(f"mov.f32 %c{i}, 0f00000000;")
-    a("mov.u32 %tq, %tid.x; mov.u32 %sb, qsm; shl.b32 %sw, %tq, 4; shl.b32 %s4, %tq, 2;")
+    if dynamic:  # the launcher's dynamic shared memory (Triton's `global_smem`), aligned up to 1024 bytes
+        a("mov.u32 %sb, global_smem; add.u32 %sb, %sb, 1023; and.b32 %sb, %sb, 0xFFFFFC00;")
+    else:
+        a("mov.u32 %sb, qsm;")
+    a("mov.u32 %tq, %tid.x; shl.b32 %sw, %tq, 4; shl.b32 %s4, %tq, 2;")
     a("shr.u32 %wp, %tq, 5; and.b32 %ln, %tq, 31;")
     # zero the activation tiles once (rows >= M are never copied), visible to the async proxy before any wgmma
     a(f"setp.lt.u32 %pr, %sw, {act}; add.u32 %t, %sw, %sb;")
@@ -886,9 +908,9 @@ def _cluster_reduce(a, nt: int, acc, base: int, warps: int, unroll: int) -> None
     a(".reg .f32 %v;")
     a(".reg .b16 %h;")
     a(f".reg .f32 %w<{unroll * nout}>;")
-    # the slots reuse the ring (qsm: >= 512 * warps * nt bytes at >= 3 stages) once every warp is past its loop
+    # the slots reuse the ring (%sb: >= 512 * warps * nt bytes at >= 3 stages) once every warp is past its loop
     a(f"bar.sync 1, {32 * warps};")
-    a(f"mov.u32 %ps, qsm; mov.u32 %tk, %tid.x; mad.lo.u32 %ps, %tk, {slot}, %ps;")
+    a(f"mov.u32 %ps, %sb; mov.u32 %tk, %tid.x; mad.lo.u32 %ps, %tk, {slot}, %ps;")
     for j in range(nout // 4):
         a(f"st.shared.v4.f32 [%ps+{16 * j}], {{{', '.join(acc(4 * j + i) for i in range(4))}}};")
     a("barrier.cluster.arrive.release.aligned;")
@@ -920,7 +942,13 @@ def _cluster_reduce(a, nt: int, acc, base: int, warps: int, unroll: int) -> None
 
 
 MAX_M = 64
-"""The widest batch this GEMV takes: n8 tiles of tokens per warp, 1 (M <= 8), 2, 4 or 8 (M <= 64)."""
+"""The widest batch of the GEMV proper: n8 tiles of tokens per warp, 1 (M <= 8), 2, 4 or 8 (M <= 64)."""
+
+WIDE_MAX_M = 256
+"""The widest batch :func:`launch` takes on sm_90: above :data:`MAX_M` the wgmma loop runs on token blocks of
+:data:`TOKEN_BLOCK` rows (16 tiles, ``wgmma .n128``; a third grid axis), its ring in dynamic shared memory."""
+
+TOKEN_BLOCK = 128
 
 DENSE_MAX_M = 16
 """The widest batch at which :func:`launch` should take dense rows (``dense=``): up to 2 tiles their programs need no
@@ -929,7 +957,7 @@ occupancy -- launch them separately there."""
 
 
 def tiles_for(m: int) -> int:
-    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8 if m <= MAX_M else 16
 
 
 def default_x_prefetch(nt: int) -> bool:
@@ -968,7 +996,29 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
         return (8, 6) if size >= 100_000_000 else (4, 6)
     if nt == 4:
         return (8, 5) if size >= 100_000_000 or (size >= 10_000_000 and n <= 2 * k) else (4, 6)
-    return 4, 4
+    if nt == 8:
+        # the 32B MLP weights: 8 warps, 4 stages (53 KiB, dynamic shared memory): 32b.gate 53.5 vs 70.1 us,
+        # 32b.down 61.1 vs 72.4 (session 8, bench/results/wide_probe_h100.json); the 7B ones within 3% either way
+        return (8, 4) if size >= 100_000_000 and gl is not None else (4, 4)
+    # token blocks (M > 64): two warpgroups sharing each activation tile, 4 stages (84 KiB); H100 M = 128 / 256:
+    # 7b.gate 60.4 / 94.5 us, 32b.gate 84.1 / 169.0 (4 warps: 77.2 / 134.5, 133.5 / 264.8)
+    return 8, 4
+
+
+WIDE_MIN_WEIGHTS = 20_000_000
+"""Above :data:`MAX_M` tokens the GEMV is the default for weights of at least this many entries; the smaller ones
+(the 7B/32B attention projections) dequantize and run cuBLAS (H100, M = 128 / 256: 7b.q 21.4 / 26.5 us vs 20.1 /
+23.7 dense, 32b.k 18.5 / 19.2 vs 14.9 / 17.9; 32b.q 31.2 / 47.5 vs 48.0 / 53.7, 7b.gate 60.4 / 94.5 vs 122 / 131)."""
+
+
+def max_m(device: torch.device) -> int:
+    """The widest batch :func:`launch` takes on ``device``: :data:`WIDE_MAX_M` with the wgmma loop and Gluon."""
+    return WIDE_MAX_M if gl is not None and wgmma_supported(device) else MAX_M
+
+
+def counter_size(m: int, n: int) -> int:
+    """Split-K arrival counters a launch of ``m`` tokens over ``n`` outputs needs: one per row block and token block."""
+    return n // 16 * (cdiv(m, TOKEN_BLOCK) if m > MAX_M else 1)
 
 
 _ASM: dict[tuple, str] = {}
@@ -1152,6 +1202,95 @@ def _mma_gemv_kernel(
     _pdl.release(PDL)  # after the main loop: see qerl.kernels.pdl
 
 
+def shared_reservation(nbytes: int) -> tuple[int, ...]:
+    """Three allocations (powers of two, largest first) whose sum is the least multiple of an eighth of ``nbytes``'
+    leading power of two (>= 1 KiB) >= ``nbytes``: what :func:`_wide_gemv_kernel` declares for a ring of ``nbytes -
+    1024`` bytes (Gluon allocates power-of-two shapes only)."""
+    step = 1 << max(10, nbytes.bit_length() - 3)
+    total = cdiv(nbytes, step) * step
+    parts = [1 << b for b in reversed(range(total.bit_length())) if total >> b & 1]
+    while len(parts) < 3:  # split the smallest (one kernel signature for every ring)
+        parts[-1:] = [parts[-1] // 2] * 2
+    return tuple(parts)
+
+
+def wgmma_shared_bytes(nt: int, stages: int, warps: int) -> int:
+    """Shared memory one program of the wgmma loop takes: its static ring, or the dynamic reservation of a larger
+    one (the ring + 1024 bytes to align it, rounded up by :func:`shared_reservation`)."""
+    ring = wgmma_ring_bytes(nt, stages, warps)
+    return ring if ring <= WGMMA_SMEM_LIMIT else sum(shared_reservation(ring + 1024))
+
+
+if gl is not None:
+    @gluon.jit(do_not_specialize=["M"])
+    def _wide_gemv_kernel(
+        x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
+        WARPS: gl.constexpr, ASM: gl.constexpr, SHIFT: gl.constexpr, TB: gl.constexpr, PDL: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
+    ):
+        """The fused wgmma loop (:func:`_wgmma_mainloop_asm`) with its ring in dynamic shared memory: Gluon lets a
+        kernel declare shared memory that Triton's language does not (static ``.shared`` in the asm stops at 48 KiB).
+        Program (row group, K split, token block of ``TB`` rows); the asm sees the token block as its whole batch.
+        S0..S2: the allocations whose sum holds the ring (:func:`shared_reservation`); the asm addresses them from
+        ``global_smem``, Gluon never touches them (the stores that keep them are never executed: M >= 1)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        r0 = gl.allocate_shared_memory(gl.int8, [S0], shared)
+        r1 = gl.allocate_shared_memory(gl.int8, [S1], shared)
+        r2 = gl.allocate_shared_memory(gl.int8, [S2], shared)
+        offs = gl.arange(0, 32 * WARPS, layout=layout)
+        tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [offs], dtype=gl.int32, is_pure=True, pack=1)
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+        pid_b = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        t0 = gl.program_id(2) * TB
+        nchunks_all = K // 64
+        rb = pid_b * WARPS + warp
+        c0 = pid_s * CHUNKS_PER_SPLIT
+        c1 = gl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all)
+        valid = rb < N // 16
+        n = gl.zeros_like(rb) + (c1 - c0)
+        base = (gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane
+        w_ptr = w_addr + base * 16
+        f_ptr = f_addr + base * 4
+        if PDL:  # nothing read before the kernel before this one has completed (qerl.kernels.pdl)
+            gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [offs], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        factor = SHIFT / gl.load(gs_ptr)
+        row = rb * 16 + g
+        tok = 2 * q
+        here = (t0 + tok).to(gl.int64) * N + row
+        p_base = p_addr + here * 4
+        p_mine = p_base + pid_s.to(gl.int64) * M * N * 4
+        zero64 = gl.zeros_like(p_base)
+        mn4 = zero64 + M.to(gl.int64) * N * 4
+        n4 = gl.zeros_like(tok) + N * 4
+        mm = gl.zeros_like(tok) + gl.minimum(M - t0, TB)
+        o_ptr = o_addr + here * 2
+        cnt = c_addr + (gl.program_id(2) * (N // 16) + rb).to(gl.int64) * 4
+        ns = gl.zeros_like(tok) + SPLITS
+        fac = gl.zeros([32 * WARPS], gl.float32, layout) + factor
+        valid2 = (rb + 1 < N // 16).to(gl.int32)
+        xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
+        k2 = zero64 + K.to(gl.int64) * 2
+        zero = gl.zeros_like(tok)
+        done = gl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS (the mma.sync loops' unused: 0)
+            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
+            [w_ptr, f_ptr, n, zero64, zero64, zero, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+             valid.to(gl.int32), fac, valid2, xs_base, k2],
+            dtype=gl.int32, is_pure=False, pack=1)
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [done],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        if M < 0:  # never: keeps the three allocations (live together up to here, so they do not overlap)
+            r0.slice(0, 32 * WARPS).store(done.to(gl.int8))
+            r1.slice(0, 32 * WARPS).store(done.to(gl.int8))
+            r2.slice(0, 32 * WARPS).store(done.to(gl.int8))
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured earlier still point at them
 
@@ -1173,7 +1312,7 @@ def counters(device: torch.device, size: int, build: bool = True) -> torch.Tenso
 
 # resident 4-warp programs per SM until the first launch reports its registers (sm_90 builds with Triton 3.9, fused
 # epilogue: 58 / 80 / 128 / 154 registers at 1 / 2 / 4 (prefetching) / 8 (not prefetching) tiles)
-_CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3}
+_CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3, 16: 2}
 
 # registers per thread of each built variant, read off the compiled kernel after its first launch
 _REGS: dict[tuple, int] = {}
@@ -1190,7 +1329,7 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
-    smem = (228 * 1024 // (wgmma_ring_bytes(nt, stages, warps) + 1024)) if wgmma else 32
+    smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps) + 1024)) if wgmma else 32
     regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
@@ -1200,11 +1339,26 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
-                wgmma: bool = False, dense: bool = False) -> int:
-    """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks."""
-    programs = cdiv(row_blocks, warps * rb)
+                wgmma: bool = False, dense: bool = False, token_blocks: int = 1) -> int:
+    """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks; on
+    token blocks (``nt`` = 16) :func:`wide_splits` instead."""
+    programs = cdiv(row_blocks, warps * rb) * token_blocks
     capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense)
+    if nt > MAX_M // 8:
+        return wide_splits(programs, capacity, chunks // min_chunks, min(token_blocks * TOKEN_BLOCK, 256), chunks)
     return max(1, min(capacity // programs, chunks // min_chunks))
+
+
+def wide_splits(programs: int, capacity: int, max_splits: int, tokens: int, chunks: int) -> int:
+    """K splits for the token-block launches, whose programs are long (1 CTA of 8 warps per SM): the split count
+    minimizing (waves / splits) x (1 + the fp32 partials' bytes / the weight's), the partials written and read back
+    (8 bytes per token and output, 36 bytes per 64 weights: 14.2 tokens x splits / K). The one-wave rule of the
+    narrow launches left 80 programs of 32B down at M = 256 on 132 SMs (0.57x cuBLAS, H100); a second wave of a few
+    programs (7B gate: 148) costs less than the partials of a split at this many tokens."""
+    def cost(s: int) -> float:
+        return cdiv(programs * s, capacity) / s * (1 + (8 * tokens * s / (0.5625 * 64 * chunks) if s > 1 else 0))
+
+    return min(range(1, max(1, min(8, max_splits)) + 1), key=cost)
 
 
 def wide_reduce_unroll(nt: int, rb: int = 1) -> int:
@@ -1280,6 +1434,10 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     None: :func:`wide_reduce_unroll` when K is split more than 4 ways). The split count is chosen before (from the
     default variant's registers), so it never depends on this.
 
+    ``m`` > :data:`MAX_M` (up to :data:`WIDE_MAX_M`, sm_90 with Gluon): token blocks of :data:`TOKEN_BLOCK` rows,
+    the wgmma loop only (no ``dense`` rows, no clusters); ``counter`` then needs :func:`counter_size` entries. A ring
+    past 48 KiB (:func:`wgmma_ring_bytes`) takes the Gluon launcher, whatever ``m``.
+
     ``cluster``: (sm_90, the fused wgmma loop) launch the K splits of each program as one thread-block cluster and
     reduce them through distributed shared memory (:func:`_cluster_reduce`) instead of global partials and a
     counter; the split count becomes the largest power of two <= it and <= :func:`max_cluster` (with ``dense`` the
@@ -1293,8 +1451,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     m, k = a.shape
     words, factors = cached or repacked(weight_packed, weight_scale)
     n = words.shape[0] * 16
-    if m > MAX_M or a.dtype != torch.bfloat16:
-        raise ValueError(f"the mma GEMV takes bf16 activations with at most {MAX_M} rows")
+    if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
+        raise ValueError(f"the mma GEMV takes bf16 activations with at most {WIDE_MAX_M} rows")
     a = a.contiguous()
     if a.data_ptr() % 16:
         a = a.clone()
@@ -1304,6 +1462,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
                  and wgmma_supported(a.device))
     elif wgmma and not wgmma_supported(a.device):
         raise ValueError("the wgmma GEMV needs an sm_90 GPU (H100/H200)")
+    if m > MAX_M and not (wgmma and gl is not None):
+        raise ValueError(f"above {MAX_M} rows the GEMV runs the wgmma loop only (sm_90, Triton >= 3.4 for Gluon)")
     if wgmma:  # warpgroups of 4 single-row-block warps, activations and weights through shared memory
         w, st = default_wgmma(nt, n, k)
         warps, smem_stages, row_blocks_per_warp, x_prefetch = warps or w, smem_stages or st, 1, False
@@ -1316,6 +1476,12 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     chunks = k // CHUNK
     if not warps:
         warps = auto_warps(n, k, nt)
+    # a ring beyond static shared memory: the Gluon launcher (no dense rows, no clusters there)
+    dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
+    if dynamic and dense is not None:
+        raise ValueError(f"dense rows ride along up to {DENSE_MAX_M} tokens and a 48 KiB ring only")
+    cluster = False if dynamic else cluster
+    token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""
     constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
                      FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
@@ -1324,14 +1490,17 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     else:
         key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
         if key not in _REGS:
-            _REGS[key] = _variant_registers(a, weight_global_scale, constants, nt)
+            _REGS[key] = (_wide_registers(a, weight_global_scale, constants, nt, stages, warps) if dynamic
+                          else _variant_registers(a, weight_global_scale, constants, nt))
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
-                             stages=stages, wgmma=wgmma, dense=bool(dasm))
+                             stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
         if splits > 1 and not clustered:
-            counter = counter if counter is not None else counters(a.device, row_blocks)
+            counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
+            if counter.numel() < row_blocks * token_blocks:
+                raise ValueError(f"{counter.numel()} split-K counters for {row_blocks * token_blocks} row blocks")
             part = torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
         target = out
     else:
@@ -1359,6 +1528,12 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
+    if dynamic:
+        _wide_gemv_kernel[(grid_b, splits, token_blocks)](
+            a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
+            part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
+            **_wide_constants(constants, nt, stages, warps))
+        return out
     if clustered:
         constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True),
                          CL=splits, num_ctas=splits)
@@ -1371,6 +1546,23 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         numel = m * n
         _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out if dense is None else (out, u)
+
+
+def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
+    s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps) + 1024)
+    return dict(WARPS=warps, ASM=constants["ASM"], SHIFT=constants["SHIFT"], TB=TOKEN_BLOCK, PDL=constants["PDL"],
+                S0=s0, S1=s1, S2=s2, num_warps=warps, **_pdl.options(constants["PDL"]))
+
+
+def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:
+    """:func:`_variant_registers` of the Gluon launcher; also checks that Gluon reserved the ring's bytes."""
+    wide = _wide_constants(constants, nt, stages, warps)
+    compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, grid=(1, 1, 1), **wide)
+    need = wgmma_ring_bytes(nt, stages, warps) + 1024
+    if compiled.metadata.shared < need:
+        raise RuntimeError(f"Gluon reserved {compiled.metadata.shared} bytes of shared memory for a {need}-byte ring")
+    compiled[(1, 1, 1)]
+    return int(compiled.n_regs)
 
 
 def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int) -> int:
@@ -1387,6 +1579,7 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
         return 128 // _CTAS_PER_SM[nt] * 8
 
 
-__all__ = ["DENSE_MAX_M", "MAX_M", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "max_cluster",
-           "repack", "repacked", "split_plan", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes",
-           "wgmma_supported", "wide_reduce_unroll"]
+__all__ = ["DENSE_MAX_M", "MAX_M", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS", "counter_size", "default_wgmma",
+           "dense_fragments", "emulate_repacked", "launch", "max_cluster", "max_m", "repack", "repacked",
+           "shared_reservation", "split_plan", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes",
+           "wgmma_shared_bytes", "wgmma_supported", "wide_reduce_unroll", "wide_splits"]

@@ -84,12 +84,13 @@ def tuning_bucket_cases() -> dict[str, float]:
     from qerl.kernels import nvfp4_mma_gemv as gemv
 
     fits = True
-    for m in range(1, gemv.MAX_M + 1):
-        same_bucket = [m2 for m2 in range(1, gemv.MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
+    for m in range(1, gemv.WIDE_MAX_M + 1):
+        same_bucket = [m2 for m2 in range(1, gemv.WIDE_MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
         for cfg in kernels.gemv_configs(m):
-            if cfg.wgmma:
+            if cfg.wgmma and cfg.smem_stages:  # (static up to 16 tokens: the LoRA-A rows and clusters need it)
                 fits &= all(gemv.wgmma_ring_bytes(gemv.tiles_for(m2), cfg.smem_stages, cfg.num_warps)
-                            <= gemv.WGMMA_SMEM_LIMIT for m2 in same_bucket)
+                            <= (gemv.WGMMA_SMEM_LIMIT if m2 <= 16 else gemv.WGMMA_DYNAMIC_LIMIT)
+                            for m2 in same_bucket)
     big = next(c for c in kernels.gemv_configs(1) if c.wgmma and c.num_warps == 8 and c.smem_stages == 8)
     key = kernels._key(False, 1, 3584, 3584, torch.bfloat16)
     kernels._TUNED[key] = big

@@ -69,9 +69,18 @@ assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 assert any(c.mma_gemv for c in kernels.candidate_configs(4))
 assert not any(c.mma_gemv for c in kernels.candidate_configs(4, transpose_w=True))
 assert any(c.mma_gemv for c in kernels.candidate_configs(64))
-assert not any(c.mma_gemv for c in kernels.candidate_configs(65) + kernels.candidate_configs(64, transpose_w=True))
+assert not any(c.mma_gemv for c in kernels.candidate_configs(257) + kernels.candidate_configs(64, transpose_w=True)
+               + kernels.candidate_configs(128, transpose_w=True))
+# above 64 rows (token blocks, sm_90): wgmma candidates only; the default for big weights only
+assert all(c.wgmma is not False for c in kernels.candidate_configs(200) if c.mma_gemv)
 assert kernels.default_config(False, 64, 3584, 3584).mma_gemv
 assert not kernels.default_config(False, 65, 3584, 3584).mma_gemv
+assert kernels.default_config(False, 256, 18944, 3584).mma_gemv
+assert not kernels.default_config(False, 257, 18944, 3584).mma_gemv
+x = torch.randn(100, 128, generator=gen)  # the wide GEMV config off sm_90 falls back as well
+out = kernels._launch(x, p, s, g, False, kernels.gemv_configs(100)[1])
+ref = x.double() @ dequantize(p, s, g, torch.float64).t()
+assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 print("ok")
 """
 
@@ -101,7 +110,34 @@ def test_auto_shapes():
     finally:
         for key in ((1, True, 4, True, 1, 0), (8, True, 4, False, 1, 0), (8, True, 4, False, 2, 0)):
             del gemv._REGS[key]
-    assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    assert [gemv.counter_size(m, 3584) for m in (1, 64, 65, 128, 129, 256)] == [224, 224, 224, 224, 448, 448]
+
+
+def test_wide_splits_weigh_waves_against_the_partials():
+    # (programs, capacity, max splits, tokens, chunks) -> splits
+    assert gemv.wide_splits(80, 132, 108, 256, 432) == 3  # 32b.down, 2 token blocks: 80 programs on 132 SMs
+    assert gemv.wide_splits(40, 132, 108, 128, 432) == 3  # 32b.down, 1 block: the one-wave count
+    assert gemv.wide_splits(148, 132, 14, 128, 56) == 1  # 7b.gate: a short 2nd wave beats partials at 128 tokens
+    assert gemv.wide_splits(296, 132, 14, 256, 56) == 1
+    assert gemv.wide_splits(56, 132, 74, 256, 296) == 2  # 7b.down, 2 blocks
+    assert gemv.wide_splits(10, 132, 1, 128, 4) == 1  # no chunks to split
+    # brute force: the cost model's minimum over 1..8
+    for args in ((80, 132, 108, 256, 432), (28, 132, 74, 128, 296), (100, 264, 20, 192, 80)):
+        p, c, mx, t, ch = args
+
+        def cost(s, p=p, c=c, t=t, ch=ch):
+            return -(-p * s // c) / s * (1 + (8 * t * s / (0.5625 * 64 * ch) if s > 1 else 0))
+        assert cost(gemv.wide_splits(*args)) == min(cost(s) for s in range(1, min(8, mx) + 1))
+
+
+def test_shared_reservation_covers_the_ring_in_three_powers_of_two():
+    for ring in (49152, 53248, 77824, 86016, 116736, 129024, 172032, gemv.WGMMA_DYNAMIC_LIMIT):
+        parts = gemv.shared_reservation(ring + 1024)
+        assert len(parts) == 3 and all(p & (p - 1) == 0 and p >= 256 for p in parts)
+        assert ring + 1024 <= sum(parts) <= (ring + 1024) * 1.15 and sum(parts) <= 227 * 1024
+    assert gemv.wgmma_shared_bytes(8, 4, 4) == gemv.wgmma_ring_bytes(8, 4, 4)  # static: the ring itself
+    assert gemv.wgmma_shared_bytes(16, 4, 8) == sum(gemv.shared_reservation(gemv.wgmma_ring_bytes(16, 4, 8) + 1024))
 
 
 def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
@@ -124,14 +160,19 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
 
 
 def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
-    # every default the wgmma launch can pick fits the asm's static shared memory, with a token row per warp
-    for nt in (1, 2, 4, 8):
+    # every default the wgmma launch can pick fits shared memory (static up to 16 tokens), a token row per warp
+    for nt in (1, 2, 4, 8, 16):
         for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (3584, 18944), (27648, 5120), (37888, 3584)):
             warps, stages = gemv.default_wgmma(nt, n, k)
             assert warps in (4, 8) and warps <= 8 * nt and stages >= 3
-            assert gemv.wgmma_ring_bytes(nt, stages, warps) <= gemv.WGMMA_SMEM_LIMIT
+            ring = gemv.wgmma_ring_bytes(nt, stages, warps)
+            assert ring <= (gemv.WGMMA_SMEM_LIMIT if nt <= 2 else gemv.WGMMA_DYNAMIC_LIMIT)
+            asm = gemv._wgmma_mainloop_asm(nt, stages, warps)
+            # a ring past ptxas' static limit is the launcher's dynamic shared memory, never a static declaration
+            assert ("global_smem" in asm) == (".shared .align" not in asm) == (ring > gemv.WGMMA_SMEM_LIMIT)
+            assert f"m64n{8 * nt}k16" in asm
     with pytest.raises(ValueError, match="shared memory"):
-        gemv._wgmma_mainloop_asm(8, 5, 8)
+        gemv._wgmma_mainloop_asm(16, 12, 8)
     # the ring bounds residency: 4 stages of 8 tiles (44 KiB) leave 5 programs per SM whatever the registers
     key = (8, True, 4, False, 1, 4, "wgmma", True)
     gemv._REGS[key] = 64
@@ -194,6 +235,17 @@ for spec in sys.argv[1:]:
 """
 
 
+def _build_for_sm90(script: Path, variants: list[str]) -> list[str]:
+    """Run a build script on the variant specs in a child process; its output lines, one per variant."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(variants), proc.stdout
+    return lines
+
+
 def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
     # ptxas checks the generated PTX (operand numbering, register declarations) for the H100 target on this CPU
     # machine; a variant that spilled to local memory would lose its bandwidth
@@ -214,12 +266,7 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
                 "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == len(variants), proc.stdout
+    lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
         regs[line.split()[0]] = int(line.split("REG:")[1].split()[0])
@@ -235,7 +282,64 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         assert regs[spec + "P"] <= regs[spec] + 4, (spec, regs)
     for nt, (w, st) in ((nt, gemv.default_wgmma(nt, n, k)) for nt in (1, 2, 4, 8)
                         for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (27648, 5120))):
-        assert f"{nt}fn1{st}{'W' if w == 8 else 'w'}" in regs  # every default the launcher can pick is built here
+        if gemv.wgmma_ring_bytes(nt, st, w) <= gemv.WGMMA_SMEM_LIMIT:  # (the larger: the Gluon build test's)
+            assert f"{nt}fn1{st}{'W' if w == 8 else 'w'}" in regs  # every default the launcher can pick is built
+
+
+_SM90_WIDE_BUILD = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from qerl.kernels import nvfp4_mma_gemv as G
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+       "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
+       "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr", "PDL": "constexpr",
+       "S0": "constexpr", "S1": "constexpr", "S2": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[P]
+    nt, st, warps = (int(v) for v in spec.rstrip("P").split("."))
+    pdl = spec.endswith("P")
+    consts = G._wide_constants({"ASM": G._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
+                               nt, st, warps)
+    opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
+    k = triton.compile(GluonASTSource(G._wide_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    marks = [m for m in ("griddepcontrol.wait", "griddepcontrol.launch_dependents") if m in ptx]
+    if f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16" not in ptx or "mov.u32 %sb, global_smem" not in ptx:
+        marks.append("NOT-THE-DYNAMIC-WGMMA-LOOP")
+    access = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "cp.async.c")) if i >= 0),
+                 default=len(ptx))
+    if pdl and ptx.find("griddepcontrol.wait") > access:
+        marks.append("ACCESS-BEFORE-WAIT")
+    path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
+    path.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    print(spec, k.metadata.shared, G.wgmma_ring_bytes(nt, st, warps) + 1024,
+          " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
+"""
+
+
+def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_path):
+    # the Gluon launcher of the rings past 48 KiB: ptxas accepts it for the H100, Gluon reserves at least the ring
+    # (+ 1 KiB to align it) as dynamic shared memory, no spills, PDL marks where asked
+    import triton
+
+    pytest.importorskip("triton.experimental.gluon")
+    if gemv.gl is None or not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this triton has no Gluon or no bundled CUDA tools")
+    script = tmp_path / "build.py"
+    script.write_text(_SM90_WIDE_BUILD)
+    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4"]
+    lines = _build_for_sm90(script, variants)
+    for line in lines:
+        spec, shared, need = line.split()[:3]
+        assert int(shared) >= int(need) > gemv.WGMMA_SMEM_LIMIT, line
+        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
+        marks = line.split("MARKS:")[1]
+        assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if spec.endswith("P") else ""), line
 
 
 @pytest.mark.parametrize("n,k", [(48, 192), (16, 64), (40, 128)])
