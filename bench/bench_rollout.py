@@ -12,7 +12,7 @@ Run on a CUDA machine from the repository root:
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
    The engine runs its default step (``FusedDecoder``; NVFP4 steps above 64 rows on the rollout's bf16 copy of the
-   weights, also timed on the NVFP4 tile kernel: ``--tile-too``); the 7B r16 model is also timed with the
+   weights, also timed without it: ``--no-copy-too``); the 7B r16 model is also timed with the
    transformers step at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot
    fit is skipped and listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
 Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
@@ -192,7 +192,38 @@ def fused_kernel_checks() -> dict:
         lg = (rnd(18944, 16, scale=0.05), rnd(18944, 16, scale=0.05))
         res[f"silu_mul_max_abs_diff_b{b}"] = diff(K.silu_mul_epilogue(yg, yu, ug, lg),
                                                    K.silu_mul_epilogue_torch(yg, yu, ug, lg))
+    res.update(wide_batch_gemm_checks())
     log("fused kernel checks", json.dumps(res))
+    return res
+
+
+def wide_batch_gemm_checks() -> dict:
+    """The decoder's stacked 7B gate|up at 65-256 rows on the token-block wgmma GEMV (no bf16 copy): vs the fp64
+    product per layer, launched twice (bitwise equal), and the path it took (the repack built, not dense)."""
+    from qerl.modules.nvfp4 import NVFP4Linear, dequantize
+    from qerl.rollout.fused_decoder import BaseGEMM
+
+    res, dev = {}, torch.device("cuda")
+    layers = []
+    for _ in range(2):
+        layer = NVFP4Linear(3584, 18944, device=dev)
+        scale = torch.rand(18944, 224, device=dev) * 2.0 ** torch.randint(-8, 9, (18944, 224), device=dev)
+        layer.load_nvfp4({"weight_packed": torch.randint(0, 256, (18944, 1792), dtype=torch.uint8, device=dev),
+                          "weight_scale": scale.clamp(max=448).to(torch.float8_e4m3fn),
+                          "weight_global_scale": torch.tensor([448.0 * 6.0 / 0.05], device=dev)})
+        layers.append(layer)
+    gemm = BaseGEMM(layers, fast=True)
+    for m in (100, 256):
+        x = torch.randn(m, 3584, device=dev).to(torch.bfloat16)
+        outs, again = gemm(x), gemm(x)
+        errs = []
+        for layer, y in zip(layers, outs):
+            ref = x.double() @ dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
+                                          torch.float64).t()
+            errs.append(float((y.double() - ref).norm() / ref.norm()))
+        res[f"wide_batch_gemm_rel_err_m{m}"] = max(errs)
+        res[f"wide_batch_gemm_repeatable_m{m}"] = all(torch.equal(a, b) for a, b in zip(outs, again))
+    res["wide_batch_gemm_on_repack"] = gemm._repacked is not None
     return res
 
 
@@ -278,8 +309,8 @@ def main():
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
     ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
                                                           "loop instead of the wgmma one ('' none)")
-    ap.add_argument("--tile-too", default="7b", help="NVFP4 batches > 64: also time the NVFP4 tile kernel instead of "
-                                                      "the rollout's bf16 copy ('' none)")
+    ap.add_argument("--no-copy-too", default="7b", help="NVFP4 batches > 64: also time without the rollout's bf16 "
+                                                         "copy (token-block GEMV / groups dequantized per call; '' none)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -337,14 +368,17 @@ def main():
                     st.update(ms_step_mma_sync=st2["ms_step"], tok_s_mma_sync=st2["tok_s"])
                     log(model, quant, f"r{rank}", f"batch {b} on the mma.sync GEMV: {st2['ms_step']:.3f} ms/step "
                         f"(wgmma {st['ms_step']:.3f})")
-                if (quant == "nvfp4" and b > 64 and args.tile_too and rank == 16
-                        and model.endswith(tuple(args.tile_too.split(",")))):
+                if (quant == "nvfp4" and b > 64 and args.no_copy_too and rank == 16
+                        and model.endswith(tuple(args.no_copy_too.split(",")))):
                     st1 = time_engine(policy, b, args.new, wide_batch_bf16=False)
-                    st.update(ms_step_tile_kernel=st1["ms_step"], tok_s_tile_kernel=st1["tok_s"],
-                              peak_gb_tile_kernel=st1["peak_gb"])
-                    log(model, quant, f"r{rank}", f"batch {b} on the NVFP4 tile kernel (no bf16 copy): "
-                        f"{st1['ms_step']:.3f} ms/step (with the copy {st['ms_step']:.3f}), "
-                        f"peak {st1['peak_gb']:.1f} GB")
+                    # what ran there before the token-block GEMV: every group dequantized per call (the mma.sync
+                    # setting keeps the repacked launch at <= 64 rows)
+                    st0 = time_engine(policy, b, args.new, wide_batch_bf16=False, wgmma=False)
+                    st.update(ms_step_no_copy=st1["ms_step"], tok_s_no_copy=st1["tok_s"],
+                              peak_gb_no_copy=st1["peak_gb"], ms_step_no_copy_dequantized=st0["ms_step"])
+                    log(model, quant, f"r{rank}", f"batch {b} without the bf16 copy: "
+                        f"{st1['ms_step']:.3f} ms/step (with the copy {st['ms_step']:.3f}, groups dequantized per "
+                        f"call {st0['ms_step']:.3f}), peak {st1['peak_gb']:.1f} GB")
                 if b == bs[0] and rank == 16 and model == "qwen2.5-7b":
                     for fz in (True, False):
                         try:
@@ -403,10 +437,11 @@ def main():
             if "ms_step_mma_sync" in st:
                 result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
                                           nvfp4_mma_sync_over_bf16=o and st["tok_s_mma_sync"] / o["tok_s"])
-            if "ms_step_tile_kernel" in st:
-                result["rows"][-1].update(ms_step_nvfp4_tile_kernel=st["ms_step_tile_kernel"],
-                                          nvfp4_tile_kernel_over_bf16=o and st["tok_s_tile_kernel"] / o["tok_s"],
-                                          peak_gb_tile_kernel=st["peak_gb_tile_kernel"])
+            if "ms_step_no_copy" in st:
+                result["rows"][-1].update(ms_step_nvfp4_no_copy=st["ms_step_no_copy"],
+                                          ms_step_nvfp4_no_copy_dequantized=st["ms_step_no_copy_dequantized"],
+                                          nvfp4_no_copy_over_bf16=o and st["tok_s_no_copy"] / o["tok_s"],
+                                          peak_gb_no_copy=st["peak_gb_no_copy"])
             if "ms_step_no_pdl" in st:
                 result["rows"][-1].update(ms_step_nvfp4_no_pdl=st["ms_step_no_pdl"],
                                           ms_step_bf16_no_pdl=o and o.get("ms_step_no_pdl"),
@@ -436,11 +471,12 @@ def main():
             print(f"mma.sync GEMV instead of wgmma, {r['model']} batch {r['batch']}: {f(r['ms_step_nvfp4_mma_sync'])} "
                   f"ms/step (ratio {f(r['nvfp4_mma_sync_over_bf16'])}) vs {f(r['ms_step_nvfp4'])} "
                   f"(ratio {f(r['nvfp4_over_bf16'])})")
-        if "ms_step_nvfp4_tile_kernel" in r:
-            print(f"NVFP4 tile kernel instead of the rollout's bf16 copy, {r['model']} batch {r['batch']}: "
-                  f"{f(r['ms_step_nvfp4_tile_kernel'])} ms/step (ratio {f(r['nvfp4_tile_kernel_over_bf16'])}, peak "
-                  f"{f(r['peak_gb_tile_kernel'], 1)} GB) vs {f(r['ms_step_nvfp4'])} (ratio {f(r['nvfp4_over_bf16'])}, "
-                  f"peak {f(r['peak_gb'], 1)} GB)")
+        if "ms_step_nvfp4_no_copy" in r:
+            print(f"NVFP4 without the rollout's bf16 copy, {r['model']} batch {r['batch']}: "
+                  f"{f(r['ms_step_nvfp4_no_copy'])} ms/step (ratio {f(r['nvfp4_no_copy_over_bf16'])}, peak "
+                  f"{f(r['peak_gb_no_copy'], 1)} GB) vs {f(r['ms_step_nvfp4'])} (ratio {f(r['nvfp4_over_bf16'])}, "
+                  f"peak {f(r['peak_gb'], 1)} GB); every group dequantized per call (the path before the token-block "
+                  f"GEMV): {f(r['ms_step_nvfp4_no_copy_dequantized'])} ms/step")
         if "ms_step_nvfp4_no_pdl" in r:
             print(f"without PDL {r['model']} batch {r['batch']}: ms/step nvfp4 {f(r['ms_step_nvfp4_no_pdl'])} "
                   f"bf16 {f(r['ms_step_bf16_no_pdl'])} ratio {f(r['nvfp4_over_bf16_no_pdl'])}  (with: "

@@ -217,15 +217,17 @@ class CUDAGraphRollout(RolloutEngine):
             sums).
         wide_batch_bf16: decode steps of more than 64 rows multiply a bf16 copy of the NVFP4 weights, made when the
             rollout starts and freed when it ends (one pass at memory speed, ~10 ms for a 7B model; 2 bytes per weight
-            meanwhile): the mma GEMV stops at 64 rows and the NVFP4 tile kernel runs at ~0.6x cuBLAS above it. None:
-            when the rollout has more than 64 rows and the copy fits in free GPU memory with 2 GiB to spare (the
-            KV cache already allocated). Fused step only; bf16 models are unaffected.
+            meanwhile). Without it (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV
+            on sm_90 and the others are dequantized per call (H100, 7B: 10.7 / 17.0 ms per step at 128 / 256 rows vs
+            10.5 / 14.5 with the copy, 17.0 / 20.8 with every group dequantized; 32B at 128 rows, where no copy fits:
+            32.5 vs 67.0 ms). None: when the rollout has more than 64 rows and the copy fits in free GPU memory with
+            2 GiB to spare (the KV cache already allocated). Fused step only; bf16 models are unaffected.
         pdl: launch the fused step's Triton kernels with programmatic dependent launch, each overlapping the end of
             the one before (``qerl.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
             False is the plain launch order (for comparison; the tokens sampled are the same).
-        wgmma: the NVFP4 GEMV of the fused step (batch <= 64) on Hopper's warpgroup MMA (``qerl.kernels.
-            nvfp4_mma_gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync loop (what other GPUs run;
-            for comparison).
+        wgmma: the NVFP4 GEMV of the fused step (batch <= 64, and the token blocks up to 256 rows) on Hopper's
+            warpgroup MMA (``qerl.kernels.nvfp4_mma_gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync
+            loop up to 64 rows, groups dequantized per call above (what other GPUs run; for comparison).
     """
 
     def __init__(

@@ -97,8 +97,9 @@ class BaseGEMM:
     """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
 
     On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
-    (batch <= 64); wider batches use the layers' own kernels, or a stacked bf16 copy of the group made for one
-    rollout (:meth:`dequantize`: cuBLAS at the bf16 speed, 2 bytes per weight while it lives). Frozen ``nn.Linear``
+    (batch <= 64; on sm_90 up to 256 for groups of >= ``WIDE_MIN_WEIGHTS`` weights, on token blocks); wider batches
+    use a stacked bf16 copy of the group made for one rollout when there is one (:meth:`dequantize`: cuBLAS at the
+    bf16 speed, 2 bytes per weight while it lives), else the group dequantized per call. Frozen ``nn.Linear``
     weights are moved into one buffer (views handed back to the modules)."""
 
     def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
@@ -192,10 +193,10 @@ class BaseGEMM:
         return stacked
 
     def _ensure_mma(self, x: torch.Tensor) -> bool:
-        """The repacked copy is built on the first batch <= 64 step (eager: the warm-up before its capture), so
-        rollouts that never decode at batch <= 64 do not hold it (+0.625 bytes per weight)."""
+        """The repacked copy is built on the first step it serves (eager: the warm-up before its capture), so
+        rollouts that never decode at its batches do not hold it (+0.625 bytes per weight)."""
         if (self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda
-                or x.shape[0] > mma.MAX_M):
+                or x.shape[0] > self._widest(x.device)):
             return False
         if self._repacked is None:
             if self._no_mma or torch.cuda.is_current_stream_capturing():
@@ -203,8 +204,17 @@ class BaseGEMM:
             if self._mma_weight() is None:  # shapes or distinct global scales: the per-layer kernels
                 self._no_mma = True
                 return False
-            mma.counters(x.device, self._repacked[0].shape[0])  # the split-K arrival counters
+            # the split-K arrival counters, for the widest batch (one per row block and token block)
+            mma.counters(x.device, mma.counter_size(self._widest(x.device), sum(self.sizes)))
         return True
+
+    def _widest(self, device: torch.device) -> int:
+        """The widest batch the repacked launch serves: the GEMV's 64 rows, or on sm_90 (the wgmma loop) its token
+        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized:
+        H100, M = 128, 7b.q 21.4 vs 20.1 us)."""
+        if self.wgmma is False or sum(self.sizes) * self.layers[0].in_features < mma.WIDE_MIN_WEIGHTS:
+            return mma.MAX_M
+        return mma.max_m(device)
 
     def key(self) -> tuple:
         return (self._rebuilds,)
@@ -222,7 +232,7 @@ class BaseGEMM:
             return [F.linear(x, m.weight) for m in self.layers]
         if self._ensure_mma(x):
             words, factors, gs = self._repacked
-            counter = mma.counters(x.device, words.shape[0], build=False)
+            counter = mma.counters(x.device, mma.counter_size(x.shape[0], sum(self.sizes)), build=False)
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
                            counter=counter, pdl=self.pdl, wgmma=self.wgmma)
             return list(y.split(self.sizes, dim=1))
