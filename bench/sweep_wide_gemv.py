@@ -3,7 +3,7 @@
 (token blocks of 128 rows), against cuBLAS bf16 and dequantize-then-cuBLAS, for 8 of the 7B/32B shapes; relative
 error vs fp64 for every configuration, then ragged M (65 ... 256) over NaN poison, twice (bitwise repeatable).
 
-    PYTHONPATH=. python bench/sweep_wide_gemv.py OUT_DIR      (MS=64,128 to choose the batches)
+    PYTHONPATH=. python bench/sweep_wide_gemv.py OUT_DIR      (env MS=64,128 / SHAPES=7b.gate,32b.q / WARPS=8,16)
 
 Writes OUT_DIR/wide_probe_h100.json (rows: times in ms per configuration, the best, x bf16, x dense; checks).
 """
@@ -26,8 +26,9 @@ from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
 from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
 
 
-SHAPES_SWEPT = [("7b", "q"), ("7b", "k"), ("7b", "gate"), ("7b", "down"),
-                ("32b", "q"), ("32b", "k"), ("32b", "gate"), ("32b", "down")]
+SHAPES_SWEPT = [tuple(s.split(".")) for s in os.environ.get(
+    "SHAPES", "7b.q,7b.k,7b.gate,7b.down,32b.q,32b.k,32b.gate,32b.down").split(",")]
+WARPS = [int(w) for w in os.environ.get("WARPS", "4,8,16").split(",")]
 
 
 def time_configs(weights, dense, cached, m: int, k: int, dev) -> dict:
@@ -47,9 +48,10 @@ def time_configs(weights, dense, cached, m: int, k: int, dev) -> dict:
     if m <= gemv.MAX_M:
         row["ms_gemv_default"] = graph_ms(
             lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, cached=cached[i % nw]), 2 * nw)
-        cfgs = [(8, 4), (8, 5), (8, 6), (8, 8), (4, 5), (4, 6), (4, 8)]
+        cfgs = [(8, 4), (8, 5), (8, 6), (8, 8), (4, 5), (4, 6), (4, 8), (16, 3), (16, 4), (16, 6)]
     else:
-        cfgs = [(4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4), (8, 5), (8, 6)]
+        cfgs = [(4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4), (8, 5), (8, 6), (16, 3), (16, 4)]
+    cfgs = [c for c in cfgs if c[0] in WARPS]
     res = {}
     for w, st in cfgs:
         try:
@@ -74,7 +76,7 @@ def ragged_checks(dev) -> list[dict]:
             w = random_nvfp4(n, k, dev)
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.double() @ dequantize(*w, torch.float64).t()
-            for warps, st in ((4, 4), (8, 4)):
+            for warps, st in ((4, 4), (8, 4), (16, 4)):
                 poison = torch.full((64 * 2**20,), float("nan"), device=dev)
                 del poison
                 y = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True)

@@ -406,8 +406,10 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     wgmma += [dataclasses.replace(c, cluster=nt != 1) for c in wgmma
               if nt <= 2 and c.smem_stages in (4, 6) and c.min_programs in (0, 512)]
     if nt == 8 and mma_gemv.gl is not None:  # deeper rings in dynamic shared memory (H100 32b.gate: 53.5 vs 70.1 us)
+        # and 16 warps (256 weight rows sharing each activation tile: 7b.gate 33.6 vs 36.8 us, 32b.gate 49.2 vs 54.3;
+        # the long-K and small weights lose, bench/results/wide_probe_h100_w16.json)
         wgmma += [TileConfig(0, 64, 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
-                  for w, st in ((8, 4), (8, 5), (8, 6), (4, 6), (4, 8))]
+                  for w, st in ((8, 4), (8, 5), (8, 6), (4, 6), (4, 8), (16, 4), (16, 6))]
     return [GEMV] + wgmma + _mma_sync_configs(m)
 
 

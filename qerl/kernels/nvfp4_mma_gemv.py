@@ -553,7 +553,7 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
     B = the activation tile read by the tensor cores straight from shared memory (no per-warp fragment loads; with 8
-    warps two warpgroups share each tile, halving the activation traffic from L2). The next chunk is unpacked into a
+    or 16 warps two or four warpgroups share each tile, halving or quartering the activation traffic from L2). The next chunk is unpacked into a
     second register set while the tensor cores multiply the current one.
 
     Same operands as :func:`_smem_mainloop_asm` (rb = 1). A ring of ``stages`` >= 3 shared-memory stages, filled with
@@ -571,8 +571,9 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     if stages < 3:
         raise ValueError("the wgmma loop needs >= 3 shared-memory stages")
     dynamic = wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
-    if warps not in (4, 8) or 8 * nt < warps:
-        raise ValueError(f"the wgmma loop takes 4 or 8 warps and at least one token row per warp, got {warps}, {nt}")
+    if warps not in (4, 8, 16) or 8 * nt < warps:
+        raise ValueError(f"the wgmma loop takes 4, 8 or 16 warps and at least one token row per warp, got {warps}, "
+                         f"{nt}")
     ring = wgmma_ring_bytes(nt, stages, warps)
     if ring > WGMMA_DYNAMIC_LIMIT:
         raise ValueError(f"{stages} stages of {nt} tiles x {warps} warps need {ring} bytes of shared memory "

@@ -332,7 +332,7 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
         pytest.skip("this triton has no Gluon or no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
-    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4"]
+    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16"]
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
