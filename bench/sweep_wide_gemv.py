@@ -37,10 +37,10 @@ def time_configs(weights, dense, cached, m: int, k: int, dev) -> dict:
     ref = acts[0].double() @ dequantize(*weights[0], torch.float64).t()
     nw, nd = len(weights), len(dense)
 
-    def gemv_call(warps, stages):
+    def gemv_call(warps, stages, stream_k=None):
         def call(i):
             return gemv.launch(acts[i % 4], *weights[i % nw], warps=warps, smem_stages=stages, wgmma=True,
-                               cached=cached[i % nw])
+                               cached=cached[i % nw], stream_k=stream_k)
         return call
 
     row = {"ms_bf16": graph_ms(lambda i: F.linear(acts[i % 4], dense[i % nd]), 2 * nd),
@@ -51,15 +51,18 @@ def time_configs(weights, dense, cached, m: int, k: int, dev) -> dict:
         cfgs = [(8, 4), (8, 5), (8, 6), (8, 8), (4, 5), (4, 6), (4, 8), (16, 3), (16, 4), (16, 6)]
     else:
         cfgs = [(4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4), (8, 5), (8, 6), (16, 3), (16, 4)]
-    cfgs = [c for c in cfgs if c[0] in WARPS]
+    cfgs = [(w, st, None) for w, st in cfgs if w in WARPS]
+    if m > gemv.MAX_M:  # token blocks: also the (row group, split, token block) grid instead of stream-K
+        cfgs += [(w, st, False) for w, st, _ in cfgs]
     res = {}
-    for w, st in cfgs:
+    for w, st, sk in cfgs:
+        key = f"w{w}s{st}" + ("-grid" if sk is False else "")
         try:
-            y = gemv_call(w, st)(0)
+            y = gemv_call(w, st, sk)(0)
             err = rel_err(y, ref) if bool(torch.isfinite(y).all()) else float("nan")
-            res[f"w{w}s{st}"] = {"ms": graph_ms(gemv_call(w, st), 2 * nw), "err": err}
+            res[key] = {"ms": graph_ms(gemv_call(w, st, sk), 2 * nw), "err": err}
         except Exception as e:  # noqa: BLE001 (a configuration that does not fit: recorded, not fatal)
-            res[f"w{w}s{st}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            res[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     row["configs"] = res
     ok = {c: v["ms"] for c, v in res.items() if "ms" in v and v["err"] < 5e-3}
     if ok:
@@ -76,13 +79,14 @@ def ragged_checks(dev) -> list[dict]:
             w = random_nvfp4(n, k, dev)
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.double() @ dequantize(*w, torch.float64).t()
-            for warps, st in ((4, 4), (8, 4), (16, 4)):
+            for warps, st, sk in ((4, 4, None), (8, 4, None), (16, 4, None), (8, 4, False)):
                 poison = torch.full((64 * 2**20,), float("nan"), device=dev)
                 del poison
-                y = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True)
-                y2 = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True)
-                checks.append({"M": m, "n": n, "k": k, "w": warps, "st": st, "err": rel_err(y, ref),
-                               "finite": bool(torch.isfinite(y).all()), "repeatable": bool(torch.equal(y, y2))})
+                y = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True, stream_k=sk)
+                y2 = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True, stream_k=sk)
+                checks.append({"M": m, "n": n, "k": k, "w": warps, "st": st, "stream_k": sk is not False,
+                               "err": rel_err(y, ref), "finite": bool(torch.isfinite(y).all()),
+                               "repeatable": bool(torch.equal(y, y2))})
     return checks
 
 

@@ -45,6 +45,7 @@ register spills); ``bench/bench_gemv.py`` checks every variant against float64 o
 
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 
@@ -1223,17 +1224,57 @@ def wgmma_shared_bytes(nt: int, stages: int, warps: int) -> int:
 
 
 if gl is not None:
+    @gluon.jit
+    def _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, rg, t, c0, n_chunks, slot, count, p_addr, o_addr, c_addr,
+                      warp, lane, WARPS: gl.constexpr, ASM: gl.constexpr, TB: gl.constexpr):
+        """One run of the asm: row group ``rg`` (WARPS row blocks), token block ``t``, chunks ``c0 .. c0 + n_chunks``,
+        split-K partial ``slot`` of ``count`` (1: the result itself)."""
+        g = lane // 4
+        q = lane % 4
+        t0 = t * TB
+        nchunks_all = K // 64
+        rb = rg * WARPS + warp
+        valid = (rb < N // 16) & (n_chunks > 0)
+        n = gl.zeros_like(rb) + n_chunks
+        base = (gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane
+        w_ptr = w_addr + base * 16
+        f_ptr = f_addr + base * 4
+        row = rb * 16 + g
+        tok = 2 * q
+        here = (t0 + tok).to(gl.int64) * N + row
+        p_base = p_addr + here * 4
+        p_mine = p_base + slot.to(gl.int64) * M * N * 4
+        zero64 = gl.zeros_like(p_base)
+        mn4 = zero64 + M.to(gl.int64) * N * 4
+        n4 = gl.zeros_like(tok) + N * 4
+        mm = gl.zeros_like(tok) + gl.minimum(M - t0, TB)
+        o_ptr = o_addr + here * 2
+        cnt = c_addr + (t * (N // 16) + rb).to(gl.int64) * 4
+        ns = gl.zeros_like(tok) + count
+        valid2 = (rb + 1 < N // 16).to(gl.int32)
+        xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
+        k2 = zero64 + K.to(gl.int64) * 2
+        zero = gl.zeros_like(tok)
+        return gl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS (the mma.sync loops' unused: 0)
+            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
+            [w_ptr, f_ptr, n, zero64, zero64, zero, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+             valid.to(gl.int32), fac, valid2, xs_base, k2],
+            dtype=gl.int32, is_pure=False, pack=1)
+
     @gluon.jit(do_not_specialize=["M"])
     def _wide_gemv_kernel(
-        x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr,
+        x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr, plan_ptr,
         WARPS: gl.constexpr, ASM: gl.constexpr, SHIFT: gl.constexpr, TB: gl.constexpr, PDL: gl.constexpr,
-        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0,
     ):
         """The fused wgmma loop (:func:`_wgmma_mainloop_asm`) with its ring in dynamic shared memory: Gluon lets a
         kernel declare shared memory that Triton's language does not (static ``.shared`` in the asm stops at 48 KiB).
-        Program (row group, K split, token block of ``TB`` rows); the asm sees the token block as its whole batch.
-        S0..S2: the allocations whose sum holds the ring (:func:`shared_reservation`); the asm addresses them from
-        ``global_smem``, Gluon never touches them (the stores that keep them are never executed: M >= 1)."""
+        ``SEGS`` = 0: program (row group, K split, token block of ``TB`` rows); the asm sees the token block as its
+        whole batch. ``SEGS`` > 0: stream-K, program i runs the ``SEGS`` segments of row ``i`` of the int32 table at
+        ``plan_ptr`` (:func:`stream_k_plan`), one after the other (a CTA barrier between: the next run refills the
+        ring the last one's wgmma may still read in a slower warp). S0..S2: the allocations whose sum holds the ring
+        (:func:`shared_reservation`); the asm addresses them from ``global_smem``, Gluon never touches them (the
+        stores that keep them are never executed: M >= 1)."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         r0 = gl.allocate_shared_memory(gl.int8, [S0], shared)
@@ -1243,46 +1284,26 @@ if gl is not None:
         tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [offs], dtype=gl.int32, is_pure=True, pack=1)
         warp = tid // 32
         lane = tid % 32
-        g = lane // 4
-        q = lane % 4
-        pid_b = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        t0 = gl.program_id(2) * TB
-        nchunks_all = K // 64
-        rb = pid_b * WARPS + warp
-        c0 = pid_s * CHUNKS_PER_SPLIT
-        c1 = gl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all)
-        valid = rb < N // 16
-        n = gl.zeros_like(rb) + (c1 - c0)
-        base = (gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane
-        w_ptr = w_addr + base * 16
-        f_ptr = f_addr + base * 4
         if PDL:  # nothing read before the kernel before this one has completed (qerl.kernels.pdl)
             gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [offs], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        factor = SHIFT / gl.load(gs_ptr)
-        row = rb * 16 + g
-        tok = 2 * q
-        here = (t0 + tok).to(gl.int64) * N + row
-        p_base = p_addr + here * 4
-        p_mine = p_base + pid_s.to(gl.int64) * M * N * 4
-        zero64 = gl.zeros_like(p_base)
-        mn4 = zero64 + M.to(gl.int64) * N * 4
-        n4 = gl.zeros_like(tok) + N * 4
-        mm = gl.zeros_like(tok) + gl.minimum(M - t0, TB)
-        o_ptr = o_addr + here * 2
-        cnt = c_addr + (gl.program_id(2) * (N // 16) + rb).to(gl.int64) * 4
-        ns = gl.zeros_like(tok) + SPLITS
-        fac = gl.zeros([32 * WARPS], gl.float32, layout) + factor
-        valid2 = (rb + 1 < N // 16).to(gl.int32)
-        xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
-        k2 = zero64 + K.to(gl.int64) * 2
-        zero = gl.zeros_like(tok)
-        done = gl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS (the mma.sync loops' unused: 0)
-            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
-            [w_ptr, f_ptr, n, zero64, zero64, zero, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
-             valid.to(gl.int32), fac, valid2, xs_base, k2],
-            dtype=gl.int32, is_pure=False, pack=1)
+        fac = gl.zeros([32 * WARPS], gl.float32, layout) + SHIFT / gl.load(gs_ptr)
+        if SEGS == 0:
+            c0 = gl.program_id(1) * CHUNKS_PER_SPLIT
+            done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.program_id(0), gl.program_id(2), c0,
+                                 gl.minimum(CHUNKS_PER_SPLIT, K // 64 - c0), gl.program_id(1), SPLITS, p_addr,
+                                 o_addr, c_addr, warp, lane, WARPS, ASM, TB)
+        else:
+            entry = plan_ptr + gl.program_id(0) * SEGS * 6
+            done = offs
+            for s in gl.static_range(SEGS):
+                if s > 0:
+                    done = gl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [done], dtype=gl.int32,
+                                                     is_pure=False, pack=1)
+                e = entry + s * 6
+                done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.load(e + 1), gl.load(e),
+                                     gl.load(e + 2), gl.load(e + 3), gl.load(e + 4), gl.load(e + 5), p_addr, o_addr,
+                                     c_addr, warp, lane, WARPS, ASM, TB)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [done],
                                       dtype=gl.int32, is_pure=False, pack=1)
@@ -1290,6 +1311,49 @@ if gl is not None:
             r0.slice(0, 32 * WARPS).store(done.to(gl.int8))
             r1.slice(0, 32 * WARPS).store(done.to(gl.int8))
             r2.slice(0, 32 * WARPS).store(done.to(gl.int8))
+
+
+def stream_k_plan(token_blocks: int, row_groups: int, chunks: int, programs: int) -> list[list[tuple]]:
+    """Stream-K: the (token block, row group, chunk) work units spread evenly over ``programs`` CTAs, each taking a
+    contiguous run of units (token block major, then row group, then chunk): per program its segments ``(token
+    block, row group, first chunk, chunks, slot, count)``, one per row group it touches; ``count`` = the programs
+    sharing that row group (1: it writes the result itself), ``slot`` = this program's split-K partial among them.
+    Every SM gets the same work whatever the number of row groups (7B gate at 128 tokens: 148 groups of 8 warps on
+    132 SMs ran two waves, the second 12% full)."""
+    units = token_blocks * row_groups * chunks
+    bounds = [i * units // programs for i in range(programs + 1)]
+
+    def owner(u: int) -> int:  # the program whose run holds unit u
+        return bisect.bisect_right(bounds, u) - 1
+
+    plan = []
+    for i in range(programs):
+        segs, u = [], bounds[i]
+        while u < bounds[i + 1]:
+            grp = u // chunks
+            end = min(bounds[i + 1], (grp + 1) * chunks)
+            first, last = owner(grp * chunks), owner((grp + 1) * chunks - 1)
+            segs.append((grp // row_groups, grp % row_groups, u - grp * chunks, end - u, i - first, last - first + 1))
+            u = end
+        plan.append(segs)
+    return plan
+
+
+_PLANS: dict[tuple, tuple[torch.Tensor, int, int]] = {}
+
+
+def _stream_k_table(device: torch.device, token_blocks: int, row_groups: int, chunks: int,
+                    programs: int) -> tuple[torch.Tensor, int, int]:
+    """(the plan as an int32 [programs, segments, 6] device table, segments, most programs sharing a row group),
+    built once per shape (before any graph capture: the first call is eager)."""
+    key = (device, token_blocks, row_groups, chunks, programs)
+    if key not in _PLANS:
+        plan = stream_k_plan(token_blocks, row_groups, chunks, programs)
+        segs = max(len(p) for p in plan)
+        rows = [[list(s) for s in p] + [[0, 0, 0, 0, 0, 1]] * (segs - len(p)) for p in plan]
+        _PLANS[key] = (torch.tensor(rows, dtype=torch.int32).to(device), segs,
+                       max(s[5] for p in plan for s in p))
+    return _PLANS[key]
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -1350,6 +1414,21 @@ def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fus
     return max(1, min(capacity // programs, chunks // min_chunks))
 
 
+STREAM_K_MIN_CHUNKS = 8
+"""Stream-K launches give each CTA at least this many chunks of 64 (small weights: fewer, longer runs)."""
+
+
+def token_blocks_stream_k(nt: int, stream_k: bool | None, token_blocks: int) -> bool:
+    """Whether a token-block launch spreads its work by stream-K (:func:`stream_k_plan`) rather than the (row group,
+    split, token block) grid. None: from two token blocks (129-256 tokens) on, where it was as fast or faster on all
+    six 7B/32B shapes swept (H100, M = 256: 32b.down 155.7 vs 169.6 us, 32b.gate 161.9 vs 169.9, 7b.gate 89.7 vs
+    94.5); at one block the grid's unsplit row groups mostly win (7b.q 24.4 vs 33.2, 32b.gate 86.0 vs 91.4; 7b.gate
+    54.3 vs 61.8 the exception: `results/wide_probe_h100_stream_k.json`)."""
+    if nt <= MAX_M // 8 or stream_k is False:
+        return False
+    return bool(stream_k) or token_blocks >= 2
+
+
 def wide_splits(programs: int, capacity: int, max_splits: int, tokens: int, chunks: int) -> int:
     """K splits for the token-block launches, whose programs are long (1 CTA of 8 warps per SM): the split count
     minimizing (waves / splits) x (1 + the fp32 partials' bytes / the weight's), the partials written and read back
@@ -1406,7 +1485,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
            counter: torch.Tensor | None = None, x_prefetch: bool | None = None,
            row_blocks_per_warp: int | None = None, smem_stages: int | None = None,
            dense: tuple[torch.Tensor, int] | None = None, pdl: bool = False, wgmma: bool | None = None,
-           reduce_unroll: int | None = None, cluster: bool | None = None):
+           reduce_unroll: int | None = None, cluster: bool | None = None, stream_k: bool | None = None):
     """``a [M, K] @ W.T`` for M <= :data:`MAX_M`, bf16, on CUDA (the caller checks :func:`supported`); ``cached``:
     the repacked (words, factors) to use (then ``weight_packed``/``weight_scale`` are not read: a stacked weight has
     none).
@@ -1438,6 +1517,9 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     ``m`` > :data:`MAX_M` (up to :data:`WIDE_MAX_M`, sm_90 with Gluon): token blocks of :data:`TOKEN_BLOCK` rows,
     the wgmma loop only (no ``dense`` rows, no clusters); ``counter`` then needs :func:`counter_size` entries. A ring
     past 48 KiB (:func:`wgmma_ring_bytes`) takes the Gluon launcher, whatever ``m``.
+
+    ``stream_k``: token blocks only: spread the (token block, row group, chunk) units evenly over one wave of CTAs
+    (:func:`stream_k_plan`) instead of the split grid; None: :func:`token_blocks_stream_k`.
 
     ``cluster``: (sm_90, the fused wgmma loop) launch the K splits of each program as one thread-block cluster and
     reduce them through distributed shared memory (:func:`_cluster_reduce`) instead of global partials and a
@@ -1529,10 +1611,23 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
+    if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
+        # the work units spread evenly over one wave of CTAs (replaces the split count above)
+        units = token_blocks * weight_programs * chunks
+        programs = min(_sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
+                       max(1, units // STREAM_K_MIN_CHUNKS))
+        plan, segs, shares = _stream_k_table(a.device, token_blocks, weight_programs, chunks, programs)
+        part = torch.empty(shares, m, n, device=a.device, dtype=torch.float32) if shares > 1 else None
+        counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
+        _wide_gemv_kernel[(programs, 1, 1)](
+            a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
+            part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
+            SEGS=segs, **_wide_constants(constants, nt, stages, warps))
+        return out
     if dynamic:
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
-            part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0,
+            part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0, 0,
             **_wide_constants(constants, nt, stages, warps))
         return out
     if clustered:
@@ -1558,7 +1653,7 @@ def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
 def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:
     """:func:`_variant_registers` of the Gluon launcher; also checks that Gluon reserved the ring's bytes."""
     wide = _wide_constants(constants, nt, stages, warps)
-    compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, grid=(1, 1, 1), **wide)
+    compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, 0, grid=(1, 1, 1), **wide)
     need = wgmma_ring_bytes(nt, stages, warps) + 1024
     if compiled.metadata.shared < need:
         raise RuntimeError(f"Gluon reserved {compiled.metadata.shared} bytes of shared memory for a {need}-byte ring")
@@ -1580,7 +1675,8 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
         return 128 // _CTAS_PER_SM[nt] * 8
 
 
-__all__ = ["DENSE_MAX_M", "MAX_M", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS", "counter_size", "default_wgmma",
-           "dense_fragments", "emulate_repacked", "launch", "max_cluster", "max_m", "repack", "repacked",
-           "shared_reservation", "split_plan", "supported", "tiles_for", "unrepack", "wgmma_ring_bytes",
-           "wgmma_shared_bytes", "wgmma_supported", "wide_reduce_unroll", "wide_splits"]
+__all__ = ["DENSE_MAX_M", "MAX_M", "STREAM_K_MIN_CHUNKS", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS",
+           "counter_size", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "max_cluster", "max_m",
+           "repack", "repacked", "shared_reservation", "split_plan", "stream_k_plan", "supported", "tiles_for",
+           "token_blocks_stream_k", "unrepack", "wgmma_ring_bytes", "wgmma_shared_bytes", "wgmma_supported",
+           "wide_reduce_unroll", "wide_splits"]

@@ -131,6 +131,31 @@ def test_wide_splits_weigh_waves_against_the_partials():
         assert cost(gemv.wide_splits(*args)) == min(cost(s) for s in range(1, min(8, mx) + 1))
 
 
+@pytest.mark.parametrize("blocks,groups,chunks,programs", [(1, 148, 56, 132), (2, 148, 56, 132), (1, 40, 432, 132),
+                                                            (2, 4, 56, 28), (1, 3, 5, 15), (1, 132, 7, 132)])
+def test_stream_k_plan_covers_every_unit_once_with_consistent_shares(blocks, groups, chunks, programs):
+    plan = gemv.stream_k_plan(blocks, groups, chunks, programs)
+    assert len(plan) == programs
+    seen = {}
+    for i, segs in enumerate(plan):
+        assert segs, i  # every program has work (programs <= units)
+        for t, g, c0, n, slot, count in segs:
+            assert 0 <= t < blocks and 0 <= g < groups and n > 0 and 0 <= c0 and c0 + n <= chunks
+            for c in range(c0, c0 + n):
+                assert (t, g, c) not in seen
+                seen[(t, g, c)] = (i, slot, count)
+    assert len(seen) == blocks * groups * chunks
+    # the programs sharing a row group agree on the count and hold distinct slots 0 .. count - 1
+    for t in range(blocks):
+        for g in range(groups):
+            owners = {seen[(t, g, c)] for c in range(chunks)}
+            counts = {cnt for _, _, cnt in owners}
+            assert len(counts) == 1 and sorted(s for _, s, _ in owners) == list(range(counts.pop()))
+    # as even as the units allow
+    sizes = [sum(n for *_, n, _, _ in segs) for segs in plan]
+    assert max(sizes) - min(sizes) <= 1
+
+
 def test_shared_reservation_covers_the_ring_in_three_powers_of_two():
     for ring in (49152, 53248, 77824, 86016, 116736, 129024, 172032, gemv.WGMMA_DYNAMIC_LIMIT):
         parts = gemv.shared_reservation(ring + 1024)
@@ -296,13 +321,15 @@ from qerl.kernels import nvfp4_mma_gemv as G
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
-       "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr", "PDL": "constexpr",
-       "S0": "constexpr", "S1": "constexpr", "S2": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[P]
-    nt, st, warps = (int(v) for v in spec.rstrip("P").split("."))
+       "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
+       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = the stream-K table's runs
+    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").split(".")] + [0])[:4]
     pdl = spec.endswith("P")
     consts = G._wide_constants({"ASM": G._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
                                nt, st, warps)
+    consts["SEGS"] = segs
+    sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
     k = triton.compile(GluonASTSource(G._wide_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options=opts)
@@ -332,7 +359,7 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
         pytest.skip("this triton has no Gluon or no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
-    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16"]
+    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P"]
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
