@@ -1612,18 +1612,21 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
     if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
-        # the work units spread evenly over one wave of CTAs (replaces the split count above)
+        # the work units spread evenly over one wave of CTAs (replaces the split count above); the plan's table is
+        # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
         units = token_blocks * weight_programs * chunks
         programs = min(_sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
                        max(1, units // STREAM_K_MIN_CHUNKS))
-        plan, segs, shares = _stream_k_table(a.device, token_blocks, weight_programs, chunks, programs)
-        part = torch.empty(shares, m, n, device=a.device, dtype=torch.float32) if shares > 1 else None
-        counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
-        _wide_gemv_kernel[(programs, 1, 1)](
-            a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
-            part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
-            SEGS=segs, **_wide_constants(constants, nt, stages, warps))
-        return out
+        plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
+        if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
+            plan, segs, shares = _stream_k_table(*plan_key)
+            part = torch.empty(shares, m, n, device=a.device, dtype=torch.float32) if shares > 1 else None
+            counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
+            _wide_gemv_kernel[(programs, 1, 1)](
+                a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
+                part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
+                SEGS=segs, **_wide_constants(constants, nt, stages, warps))
+            return out
     if dynamic:
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
