@@ -309,8 +309,9 @@ def main():
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
     ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
                                                           "loop instead of the wgmma one ('' none)")
-    ap.add_argument("--no-copy-too", default="7b", help="NVFP4 batches > 64: also time without the rollout's bf16 "
-                                                         "copy (token-block GEMV / groups dequantized per call; '' none)")
+    ap.add_argument("--no-copy-too", default="7b",
+                    help="NVFP4 batches > 64: also time without the rollout's bf16 copy (token-block GEMV / groups "
+                         "dequantized per call; '' none)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()

@@ -102,9 +102,10 @@ def main() -> None:
         cached = [gemv.repacked(w[0], w[1]) for w in weights]
         gemv.counters(dev, gemv.counter_size(max(ms_list), n))
         for m in ms_list:
-            row = {"shape": f"{model}.{name}", "n": n, "k": k, "M": m, **time_configs(weights, dense, cached, m, k, dev)}
-            print(json.dumps({c: (round(v, 4) if isinstance(v, float) else v) for c, v in row.items() if c != "configs"}),
-                  flush=True)
+            row = {"shape": f"{model}.{name}", "n": n, "k": k, "M": m,
+                   **time_configs(weights, dense, cached, m, k, dev)}
+            print(json.dumps({c: (round(v, 4) if isinstance(v, float) else v)
+                              for c, v in row.items() if c != "configs"}), flush=True)
             rows.append(row)
         torch.cuda.empty_cache()
     checks = ragged_checks(dev)

@@ -20,9 +20,10 @@ several chunks ahead, and the next chunk is unpacked while the current one multi
 Rings deeper than the 48 KiB a static ``.shared`` declaration in the asm may take (8 warps at 64 tokens; every ring
 at 65-256 tokens) live in dynamic shared memory that a Gluon launcher (:func:`_wide_gemv_kernel`) declares and the
 asm addresses from ``global_smem``. Above 64 tokens the same loop runs ``wgmma .n128`` on token blocks of 128 rows
-(a third grid axis; each block is a batch of <= 128 for the asm), K split by :func:`wide_splits` (H100, M = 256:
-0.68x cuBLAS geomean over the 14 shapes with the dense path for the small ones, was 0.56x dequantize + cuBLAS
-everywhere; M = 128 big weights 0.9-1.4x cuBLAS).
+(a third grid axis; each block is a batch of <= 128 for the asm), K split by :func:`wide_splits` at one block and
+the work spread by stream-K (:func:`stream_k_plan`) from two (H100, M = 256: 0.71x cuBLAS geomean over the 14 shapes
+with the dense path for the small ones, was 0.56x with dequantize + cuBLAS everywhere; M = 128, the big weights:
+0.9-1.4x cuBLAS).
 
 Repacked layout for ``W [N, K]`` (N % 16 == 0, K % 64 == 0), row block ``rb`` (16 rows), chunk ``c`` (64 k), lane
 ``l = 4 g + q``, step ``j`` (0..3), fragment element ``e`` (0..7 = a0..a7 of the PTX m16n8k16 A fragment):
@@ -554,8 +555,8 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
     B = the activation tile read by the tensor cores straight from shared memory (no per-warp fragment loads; with 8
-    or 16 warps two or four warpgroups share each tile, halving or quartering the activation traffic from L2). The next chunk is unpacked into a
-    second register set while the tensor cores multiply the current one.
+    or 16 warps two or four warpgroups share each tile, halving or quartering the activation traffic from L2). The
+    next chunk is unpacked into a second register set while the tensor cores multiply the current one.
 
     Same operands as :func:`_smem_mainloop_asm` (rb = 1). A ring of ``stages`` >= 3 shared-memory stages, filled with
     ``cp.async`` ``stages - 2`` chunks ahead, holds per chunk the activation tile [8 nt tokens, 64 k] bf16 in the
