@@ -373,8 +373,7 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
     where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
     bucket = m_bucket(m)
-    if gemv and not transpose_w and (m <= mma_gemv.MAX_M or (
-            m <= mma_gemv.WIDE_MAX_M and out * red >= mma_gemv.WIDE_MIN_WEIGHTS)):
+    if gemv and not transpose_w and m <= mma_gemv.default_widest(out, red):
         return GEMV  # (the token-block wgmma loop above 64 rows: sm_90 only, falls back to the rules below)
     # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
     # rollout (which does not autotune) ran the first guesses

@@ -1014,6 +1014,13 @@ WIDE_MIN_WEIGHTS = 20_000_000
 23.7 dense, 32b.k 18.5 / 19.2 vs 14.9 / 17.9; 32b.q 31.2 / 47.5 vs 48.0 / 53.7, 7b.gate 60.4 / 94.5 vs 122 / 131)."""
 
 
+def default_widest(n: int, k: int) -> int:
+    """The widest batch the GEMV is the default for on an ``n x k`` weight (the per-layer kernels' and the rollout
+    decoder's choice): the token blocks' :data:`WIDE_MAX_M` for at least :data:`WIDE_MIN_WEIGHTS` entries (where
+    :func:`max_m` allows it), else :data:`MAX_M`."""
+    return WIDE_MAX_M if n * k >= WIDE_MIN_WEIGHTS else MAX_M
+
+
 def max_m(device: torch.device) -> int:
     """The widest batch :func:`launch` takes on ``device``: :data:`WIDE_MAX_M` with the wgmma loop and Gluon."""
     return WIDE_MAX_M if gl is not None and wgmma_supported(device) else MAX_M
@@ -1579,18 +1586,33 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
+    weight_programs = cdiv(row_blocks, warps * rbw)
+    if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
+        # the work units spread evenly over one wave of CTAs (instead of the split count above); the plan's table is
+        # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
+        units = token_blocks * weight_programs * chunks
+        programs = min(_sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
+                       max(1, units // STREAM_K_MIN_CHUNKS))
+        plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
+        if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
+            plan, segs, shares = _stream_k_table(*plan_key)
+            out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+            part = torch.empty(shares, m, n, device=a.device, dtype=torch.float32) if shares > 1 else None
+            counter = _split_counters(counter, a.device, row_blocks * token_blocks)
+            _wide_gemv_kernel[(programs, 1, 1)](
+                a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
+                part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
+                SEGS=segs, **_wide_constants(constants, nt, stages, warps))
+            return out
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
         if splits > 1 and not clustered:
-            counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
-            if counter.numel() < row_blocks * token_blocks:
-                raise ValueError(f"{counter.numel()} split-K counters for {row_blocks * token_blocks} row blocks")
+            counter = _split_counters(counter, a.device, row_blocks * token_blocks)
             part = torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
         target = out
     else:
         target = out if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
     split_fused = fused and splits > 1 and not clustered
-    weight_programs = cdiv(row_blocks, warps * rbw)
     grid_b, u, na, dx = weight_programs, None, 0, 1
     if dense is not None:
         frags, na = dense
@@ -1612,22 +1634,6 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
-    if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
-        # the work units spread evenly over one wave of CTAs (replaces the split count above); the plan's table is
-        # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
-        units = token_blocks * weight_programs * chunks
-        programs = min(_sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
-                       max(1, units // STREAM_K_MIN_CHUNKS))
-        plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
-        if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
-            plan, segs, shares = _stream_k_table(*plan_key)
-            part = torch.empty(shares, m, n, device=a.device, dtype=torch.float32) if shares > 1 else None
-            counter = counter if counter is not None else counters(a.device, row_blocks * token_blocks)
-            _wide_gemv_kernel[(programs, 1, 1)](
-                a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
-                part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
-                SEGS=segs, **_wide_constants(constants, nt, stages, warps))
-            return out
     if dynamic:
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
@@ -1646,6 +1652,14 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         numel = m * n
         _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
     return out if dense is None else (out, u)
+
+
+def _split_counters(counter: torch.Tensor | None, device: torch.device, size: int) -> torch.Tensor:
+    """The caller's split-K arrival counters (checked to cover ``size`` row blocks), else the shared buffer."""
+    counter = counter if counter is not None else counters(device, size)
+    if counter.numel() < size:
+        raise ValueError(f"{counter.numel()} split-K counters for {size} row blocks")
+    return counter
 
 
 def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
@@ -1680,7 +1694,7 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
 
 
 __all__ = ["DENSE_MAX_M", "MAX_M", "STREAM_K_MIN_CHUNKS", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS",
-           "counter_size", "default_wgmma", "dense_fragments", "emulate_repacked", "launch", "max_cluster", "max_m",
-           "repack", "repacked", "shared_reservation", "split_plan", "stream_k_plan", "supported", "tiles_for",
-           "token_blocks_stream_k", "unrepack", "wgmma_ring_bytes", "wgmma_shared_bytes", "wgmma_supported",
-           "wide_reduce_unroll", "wide_splits"]
+           "counter_size", "default_wgmma", "default_widest", "dense_fragments", "emulate_repacked", "launch",
+           "max_cluster", "max_m", "repack", "repacked", "shared_reservation", "split_plan", "stream_k_plan",
+           "supported", "tiles_for", "token_blocks_stream_k", "unrepack", "wgmma_ring_bytes", "wgmma_shared_bytes",
+           "wgmma_supported", "wide_reduce_unroll", "wide_splits"]

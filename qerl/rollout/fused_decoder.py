@@ -212,9 +212,9 @@ class BaseGEMM:
         """The widest batch the repacked launch serves: the GEMV's 64 rows, or on sm_90 (the wgmma loop) its token
         blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized:
         H100, M = 128, 7b.q 21.4 vs 20.1 us)."""
-        if self.wgmma is False or sum(self.sizes) * self.layers[0].in_features < mma.WIDE_MIN_WEIGHTS:
+        if self.wgmma is False:
             return mma.MAX_M
-        return mma.max_m(device)
+        return min(mma.default_widest(sum(self.sizes), self.layers[0].in_features), mma.max_m(device))
 
     def key(self) -> tuple:
         return (self._rebuilds,)

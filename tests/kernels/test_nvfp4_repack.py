@@ -112,6 +112,8 @@ def test_auto_shapes():
             del gemv._REGS[key]
     assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
     assert [gemv.counter_size(m, 3584) for m in (1, 64, 65, 128, 129, 256)] == [224, 224, 224, 224, 448, 448]
+    # token blocks by default for weights of >= 20M entries only (7B gate, the stacked 7B q|k|v is below)
+    assert gemv.default_widest(18944, 3584) == gemv.WIDE_MAX_M and gemv.default_widest(4608, 3584) == gemv.MAX_M
 
 
 def test_wide_splits_weigh_waves_against_the_partials():
