@@ -67,6 +67,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    torch.cuda.reset_accumulated_memory_stats()
     cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
@@ -78,7 +79,9 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
+        *args.overrides,
     ])
+    alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # cudaFree + retry: memory pressure
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(sorted(glob.glob(str(log_root / name / "*" / "events*")))[-1])
@@ -93,6 +96,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "completion_length": steady("train/completion_length"),
         "truncated_frac": steady("train/truncated_frac"),
         "update_tokens": (steady("perf/update_tokens") if "perf/update_tokens" in series else None),
+        "alloc_retries": alloc_retries,
         "steps": len(series["perf/rollout_s"]),
     }
 
@@ -114,6 +118,7 @@ def main() -> None:
     parser.add_argument("--label", default="current", help="names this build in the JSON (e.g. main-fb9bbcc)")
     parser.add_argument("--compare", default=None, help="a JSON of an earlier run of this benchmark")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
+    parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
     work = Path(args.work)
     from transformers import AutoTokenizer
@@ -131,7 +136,7 @@ def main() -> None:
         print(quantization, results[quantization], flush=True)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
            "lengths": args.lengths, "label": args.label, "micro_batch_tokens": args.micro_batch_tokens,
-           "checkpointing": args.checkpointing}
+           "checkpointing": args.checkpointing, "overrides": args.overrides}
     floor_params = linear_params(args.size, vocab)
     for q, r in results.items():
         row[f"rollout_s_{q}"], row[f"train_s_{q}"] = r["rollout_s"], r["train_s"]
