@@ -26,8 +26,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "performance.md"
-VARIANTS = ("nvfp4", "bf16", "qlora")
-DECODE_M = 64  # above this the matmul is compute-bound and the read floor says nothing  # suffixes of the end-to-end rows' per-variant keys, in column order
+VARIANTS = ("nvfp4", "bf16", "qlora")  # suffixes of the end-to-end rows' per-variant keys, in column order
+DECODE_M = 64  # above this the matmul is compute-bound and the read floor says nothing
 
 
 # ---------------------------------------------------------------------------------------------------- formatting
@@ -67,14 +67,6 @@ def provenance(result: dict, default_command: str) -> str:
             f"Reproduce: `{result.get('command', default_command)}`")
 
 
-def short_shape(shape: str) -> str:
-    return shape.split("[")[0]
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 # ---------------------------------------------------------------------------------------------------- sections
 
 
@@ -89,7 +81,8 @@ def kernel_section(result: dict) -> list[str]:
                      num(fwd.get("geomean_read_floor_ceiling_vs_bf16") if m <= DECODE_M else None),
                      num(max(s.get("max_rel_err", 0.0) for s in (fwd, bwd)), 4)])
     out = table(["M (tokens)", "forward x cuBLAS bf16", "backward x cuBLAS bf16", "forward x dequantize + matmul",
-                 "backward x dequantize + matmul", f"read-floor ceiling (forward, x bf16, M <= {DECODE_M})", "max rel. error"], rows)
+                 "backward x dequantize + matmul", f"read-floor ceiling (forward, x bf16, M <= {DECODE_M})",
+                 "max rel. error"], rows)
     out += ["", "Forward, per weight shape (x cuBLAS bf16; > 1 is faster):", ""]
     fwd_rows = [r for r in result["rows"] if r["direction"] == "fwd"]
     shapes = list(dict.fromkeys(r["shape"] for r in fwd_rows))

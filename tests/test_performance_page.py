@@ -105,7 +105,8 @@ def test_a_file_no_section_can_render_is_an_error_naming_it(results):
 
 def test_a_results_file_missing_a_field_is_an_error_naming_the_file_and_field(results):
     broken = json.loads((results / "train_e2e_h100.json").read_text())
-    (results / "rollout_h100.json").write_text(json.dumps({"device": "x", "date": "2026-12-01", "rows": broken["rows"]}))
+    rollout = {"device": "x", "date": "2026-12-01", "rows": broken["rows"]}  # end-to-end rows in a rollout file
+    (results / "rollout_h100.json").write_text(json.dumps(rollout))
     with pytest.raises(ValueError, match="rollout_h100.json: missing or malformed field 'lora_rank'"):
         make_performance.render(results)
 
