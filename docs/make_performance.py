@@ -165,7 +165,7 @@ def rollout_section(result: dict) -> list[str]:
 
 def split_variants(rows: list[dict]) -> tuple[list[str], list[str]]:
     """Column stems that come per variant (``step_s_nvfp4``, ``step_s_bf16`` -> ``step_s``) and the other keys."""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
     stems, others = [], []
     for k in keys:
         m = re.fullmatch(r"(.+)_(" + "|".join(VARIANTS) + r")", k)

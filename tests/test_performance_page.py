@@ -72,7 +72,8 @@ def test_new_end_to_end_keys_and_a_memory_file_are_rendered_without_editing_the_
     new = {"device": "NVIDIA H200", "date": "2026-12-01T10:00:00", "command": "python bench/bench_train_e2e.py --x",
            "rows": [{"model": "qwen2.5-7b", "prompts": 16, "group_size": 8, "new_tokens": 2048,
                      "lengths": "lognormal", "step_s_nvfp4": 31.5, "step_s_bf16": 47.25, "step_s_qlora": 190.0,
-                     "update_s_nvfp4": 20.0, "update_s_bf16": 30.0, "step_bf16_over_nvfp4": 1.5}]}
+                     "update_s_nvfp4": 20.0, "update_s_bf16": 30.0, "step_bf16_over_nvfp4": 1.5,
+                     "lengths_drawn": [400, 812]}]}
     (results / "train_e2e_h200.json").write_text(json.dumps(new))
     memory = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-02", "command": "python bench/bench_memory.py",
               "rows": [{"model": "qwen2.5-32b", "peak_gb": 71.25, "peak_gb_rollout": 60.5, "peak_gb_update": 71.25,
@@ -88,6 +89,7 @@ def test_new_end_to_end_keys_and_a_memory_file_are_rendered_without_editing_the_
     assert cells["step s (nvfp4 / bf16 / qlora)"] == "31.50 / 47.25 / 190.00"
     assert cells["update s (nvfp4 / bf16 / qlora)"] == "20.00 / 30.00 / -"
     assert cells["step bf16 / nvfp4"] == "1.50" and cells["lengths"] == "lognormal"
+    assert "lengths drawn" not in header  # lists and objects stay in the file
     assert "train_e2e_memory_h100.json" not in e2e  # the memory file has its own section
 
     mem = section(page, "Memory")
