@@ -3,12 +3,14 @@
     python docs/make_performance.py            # rewrite docs/performance.md
     python docs/make_performance.py --check    # exit 1 when the page is not what the results give
 
-Standard library only, no GPU. Each results file goes to the section whose file pattern it matches (``kernel_*``,
-``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``*memory*``, ``decode_profile_*``, ``wide_probe_*``); a file that
-matches none is shown as a plain table of its ``rows``. Every table names its device, date and the command that
-reproduces it (the file's ``command`` key, else the benchmark's default command). ``tests/test_performance_page.py``
-checks that the committed page is what this script writes from the committed results, so the figures cannot drift:
-after a benchmark run, run this script and commit the page with the results.
+Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
+the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``*memory*``,
+``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
+table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
+default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
+the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
+is current, so the figures cannot drift: after a benchmark run, run this script and commit the page and plots with
+the results.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import hashlib
+import importlib.util
 import math
 import re
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,8 @@ RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 VARIANTS = ("nvfp4", "bf16", "qlora")  # suffixes of the end-to-end rows' per-variant keys, in column order
 DECODE_M = 64  # above this the matmul is compute-bound and the read floor says nothing
+PLOTS = "performance"  # folder of the page's plots, beside the page
+DIGEST_KEY = "qerl-plot-data-sha256"
 
 
 # ---------------------------------------------------------------------------------------------------- formatting
@@ -258,6 +265,121 @@ def e2e_glance(result: dict) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------------------------------- plots
+# A plot is plain data (what the *_plot functions return), drawn by matplotlib where it is installed. Each PNG carries
+# the digest of its data, so a plot that no longer shows the results is found without matplotlib.
+
+
+def kernel_plot(result: dict) -> dict:
+    series = []
+    for direction, name in (("fwd", "forward"), ("bwd", "backward")):
+        points = sorted((s["M"], s["geomean_speedup_vs_bf16"])
+                        for s in result["summary"] if s["direction"] == direction)
+        series.append({"label": name, "x": [m for m, _ in points], "y": [v for _, v in points]})
+    return {"kind": "line", "title": "NVFP4 matmul vs cuBLAS bf16 (geomean over the shapes)", "xlabel": "M (tokens)",
+            "ylabel": "x cuBLAS bf16 (> 1: NVFP4 faster)", "xlog": True, "hline": 1.0, "series": series}
+
+
+def gemv_plot(result: dict) -> dict:
+    summary = sorted(result["summary"], key=lambda s: s["M"])
+    ms = [s["M"] for s in summary]
+    series = [{"label": label, "x": ms, "y": [s.get(key) for s in summary]}
+              for label, key in (("GEMV (engine default)", "geomean_speedup_vs_bf16"),
+                                 ("mma.sync loop", "geomean_mma_sync_vs_bf16"),
+                                 ("Triton tile kernel", "geomean_prev_vs_bf16"))]
+    return {"kind": "line", "title": "Decode GEMV vs cuBLAS bf16 (geomean over the shapes)", "xlabel": "M (tokens)",
+            "ylabel": "x cuBLAS bf16 (> 1: NVFP4 faster)", "xlog": True, "hline": 1.0,
+            "series": [s for s in series if None not in s["y"]]}
+
+
+def rollout_plot(result: dict) -> dict:
+    series = []
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["model"] == model and r["lora_rank"] == 16),
+                      key=lambda r: r["batch"])
+        for quant, key in (("NVFP4", "ms_step_nvfp4"), ("bf16", "ms_step_bf16")):
+            points = [(r["batch"], r[key]) for r in rows if r.get(key)]
+            if points:
+                series.append({"label": f"{model} {quant}", "x": [b for b, _ in points], "y": [v for _, v in points]})
+    return {"kind": "line", "title": "Rollout decode step, LoRA r16", "xlabel": "batch (rows)", "ylabel": "ms per step",
+            "xlog": True, "series": series}
+
+
+def e2e_plot(result: dict) -> dict:
+    rows = result["rows"]
+    stems, _ = split_variants(rows)
+    phases = [s for s in stems if s.endswith("_s")]
+    categories = [f"{label(p)[:-2]} ({r['prompts']}x{r['group_size']}, {r['new_tokens']} tok)" if len(rows) > 1
+                  else label(p)[:-2] for r in rows for p in phases]
+    series = [{"label": v, "y": [r.get(f"{p}_{v}") for r in rows for p in phases]} for v in VARIANTS
+              if any(f"{p}_{v}" in r for p in phases for r in rows)]
+    setting = f", {rows[0]['prompts']} prompts x {rows[0]['group_size']}, {rows[0]['new_tokens']} new tokens"
+    return {"kind": "bar", "title": f"GRPO step, {rows[0]['model']}" + (setting if len(rows) == 1 else ""),
+            "ylabel": "seconds", "categories": categories, "series": series}
+
+
+def digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def draw(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if data["kind"] == "line":
+        for s in data["series"]:
+            ax.plot(s["x"], s["y"], marker="o", label=s["label"])
+        if data.get("xlog"):
+            ticks = sorted({x for s in data["series"] for x in s["x"]})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+        ax.set_xlabel(data["xlabel"])
+    else:
+        width = 0.8 / len(data["series"])
+        for i, s in enumerate(data["series"]):
+            ax.bar([j + (i - (len(data["series"]) - 1) / 2) * width for j in range(len(s["y"]))],
+                   [0 if v is None else v for v in s["y"]], width, label=s["label"])
+        ax.set_xticks(range(len(data["categories"])), data["categories"])
+    if "hline" in data:
+        ax.axhline(data["hline"], color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title(data["title"])
+    ax.set_ylabel(data["ylabel"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None, DIGEST_KEY: digest(data)})
+    plt.close(fig)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt entries of a PNG file (standard library: the chunk layout of the PNG specification)."""
+    data = path.read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path}: not a PNG file")
+    entries, at = {}, 8
+    while at + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            entries[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + size
+    return entries
+
+
+def stale_plots(results_dir: Path, page: Path) -> list[Path]:
+    """The plots the page links whose PNG is missing or shows other data than the results."""
+    stale = []
+    for name, data in plot_specs(results_dir).items():
+        png = page.parent / name
+        if not png.exists() or png_text(png).get(DIGEST_KEY) != digest(data):
+            stale.append(png)
+    return stale
+
+
 @dataclass(frozen=True)
 class Section:
     title: str
@@ -266,6 +388,7 @@ class Section:
     intro: str
     render: Callable[[dict], list[str]]
     glance: Callable[[dict], list[str]] = lambda result: []  # headline lines for the top of the page
+    plot: Callable[[dict], dict] | None = None
 
 
 SECTIONS = (
@@ -275,24 +398,25 @@ SECTIONS = (
             "(autotuned per M) against cuBLAS on the bf16 weight and against dequantizing the weight then a matmul "
             "(what the reference code does). Geometric means over the shapes; x > 1 means NVFP4 is faster. The read "
             "floor is a kernel that only reads the NVFP4 bytes: no NVFP4 kernel can beat it.", kernel_section,
-            kernel_glance),
+            kernel_glance, kernel_plot),
     Section("Decode GEMV (the rollout's batch <= 64 path)", "gemv_*.json",
             "PYTHONPATH=. python bench/bench_gemv.py --out bench/results",
             "The repacked-weight GEMV with the engine's own defaults (no tuning) at decode sizes, against cuBLAS bf16 "
             "(geometric mean over the 14 shapes); every output checked against float64 over NaN-poisoned memory.",
-            gemv_section),
+            gemv_section, plot=gemv_plot),
     Section("Rollout: decode speed, NVFP4 vs bf16", "rollout_*.json",
             "PYTHONPATH=. python bench/bench_rollout.py --out bench/results",
             "`CUDAGraphRollout` on random-init models with the real Qwen2.5 shapes, LoRA on q,k,v,o,gate,up,down, "
             "prompt 256 tokens, a fixed number of new tokens (EOS ignored), G = min(8, batch) samples per prompt. "
             "ms/step is one decode step (graph replay); tokens/s includes the prefill. The floor is the weight bytes "
             "read per step over the measured copy bandwidth. NVFP4 and bf16 of a row are timed in the same run; the "
-            "32B model does not fit in bf16.", rollout_section, rollout_glance),
+            "32B model does not fit in bf16.", rollout_section, rollout_glance,
+            rollout_plot),
     Section("End to end: one GRPO step", "train_e2e_*.json",
             "python bench/bench_train_e2e.py --tokenizer DIR --out bench/results",
             "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
             "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
-            e2e_section, e2e_glance),
+            e2e_section, e2e_glance, e2e_plot),
     Section("Memory", "*memory*.json", "(see the results file)",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Where a decode step's time goes", "decode_profile_*.json",
@@ -322,8 +446,8 @@ def section_of(name: str) -> Section:
 HEADER = """# Performance
 
 Generated by `python docs/make_performance.py` from the results in `bench/results/` (one file per benchmark and
-device); `tests/test_performance_page.py` fails when this page and the results disagree. Do not edit by hand: run the
-benchmark, then the script, and commit both.
+device); `tests/test_performance_page.py` fails when this page or its plots and the results disagree. Do not edit by
+hand: run the benchmark, then the script (the plots need matplotlib: `pip install -e ".[docs]"`), and commit all.
 
 All timings use random-init weights with the real model shapes (speed does not depend on the weight values when the
 lengths are fixed). Ratios are measured side by side in one run; absolute times differ by up to ~15% between machines
@@ -340,6 +464,17 @@ def load(results_dir: Path) -> dict[str, dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON ({err}); fix or delete the file") from None
     return results
+
+
+def plot_name(results_name: str) -> str:
+    return f"{PLOTS}/{Path(results_name).stem}.png"
+
+
+def plot_specs(results_dir: Path) -> dict[str, dict]:
+    """{plot path relative to the page: plot data} for every results file whose section draws one."""
+    results = load(results_dir)
+    return {plot_name(name): section_of(name).plot(result) for name, result in results.items()
+            if section_of(name).plot}
 
 
 def render(results_dir: Path = RESULTS) -> str:
@@ -362,6 +497,8 @@ def render(results_dir: Path = RESULTS) -> str:
                 raise ValueError(f"{results_dir / name}: missing or malformed field {err} for the section "
                                  f"'{section.title}'; re-run its benchmark or fix the file") from None
             sections += ["", f"`{name}`: {provenance(result, section.command)}", ""] + body
+            if section.plot:
+                sections += ["", f"![{section.plot(result)['title']}]({plot_name(name)})"]
     head = HEADER.splitlines() + ([""] + ["## At a glance", ""] + glance if glance else [])
     return "\n".join(head + sections) + "\n"
 
@@ -370,16 +507,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--page", type=Path, default=PAGE)
-    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the page differs")
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the page or a plot is stale")
     args = parser.parse_args(argv)
     text = render(args.results)
     if args.check:
-        if not args.page.exists() or args.page.read_text() != text:
-            print(f"{args.page} is out of date: run python docs/make_performance.py", file=sys.stderr)
+        problems = [] if args.page.exists() and args.page.read_text() == text else [str(args.page)]
+        problems += [str(p) for p in stale_plots(args.results, args.page)]
+        if problems:
+            print(f"out of date: {', '.join(problems)}; run python docs/make_performance.py", file=sys.stderr)
             return 1
         return 0
     args.page.write_text(text)
     print(f"wrote {args.page}")
+    stale = stale_plots(args.results, args.page)
+    if stale and importlib.util.find_spec("matplotlib") is None:
+        print(f"matplotlib is not installed (pip install -e '.[docs]'): {len(stale)} plots not redrawn: "
+              f"{', '.join(map(str, stale))}", file=sys.stderr)
+        return 1
+    for name, data in plot_specs(args.results).items():
+        png = args.page.parent / name
+        if png in stale:
+            png.parent.mkdir(parents=True, exist_ok=True)
+            draw(data, png)
+            print(f"drew {png}")
     return 0
 
 

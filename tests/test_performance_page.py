@@ -39,6 +39,28 @@ def test_every_results_file_is_on_the_page_with_its_device_date_and_command():
         assert result["device"] in line and str(result["date"])[:10] in line and result["command"] in line
 
 
+def test_committed_plots_show_the_committed_results():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    specs = make_performance.plot_specs(ROOT / "bench" / "results")
+    assert {f"performance/{n}_h100.png" for n in ("kernel", "gemv", "rollout", "train_e2e")} <= set(specs)
+    for name in specs:
+        assert f"]({name})" in page
+    assert make_performance.stale_plots(ROOT / "bench" / "results", ROOT / "docs" / "performance.md") == []
+
+
+def test_a_changed_result_makes_its_plot_stale(results, tmp_path_factory):
+    docs = tmp_path_factory.mktemp("docs")
+    shutil.copytree(ROOT / "docs" / "performance", docs / "performance")
+    page = docs / "performance.md"
+    assert make_performance.stale_plots(results, page) == []
+    changed = json.loads((results / "train_e2e_h100.json").read_text())
+    changed["rows"][0]["step_s_nvfp4"] = 30.0
+    (results / "train_e2e_h100.json").write_text(json.dumps(changed))
+    assert make_performance.stale_plots(results, page) == [docs / "performance" / "train_e2e_h100.png"]
+    with pytest.raises(ValueError, match="not a PNG"):
+        make_performance.png_text(results / "train_e2e_h100.json")
+
+
 def test_headlines_name_the_file_they_come_from():
     glance = section((ROOT / "docs" / "performance.md").read_text(), "At a glance")
     for name in ("kernel_h100.json", "rollout_h100.json", "train_e2e_h100.json"):
@@ -123,6 +145,7 @@ def test_unknown_files_with_rows_get_a_plain_table(results):
 
 def test_check_mode_reports_a_stale_page(results, tmp_path_factory, capsys):
     page = tmp_path_factory.mktemp("page") / "performance.md"
+    shutil.copytree(ROOT / "docs" / "performance", page.parent / "performance")  # the plots, current for `results`
     assert make_performance.main(["--results", str(results), "--page", str(page)]) == 0
     assert make_performance.main(["--results", str(results), "--page", str(page), "--check"]) == 0
     page.write_text(page.read_text().replace("64.21", "60.00"))
