@@ -1,0 +1,537 @@
+"""Writes ``docs/performance.md`` from the benchmark results in ``bench/results/*.json``.
+
+    python docs/make_performance.py            # rewrite docs/performance.md
+    python docs/make_performance.py --check    # exit 1 when the page is not what the results give
+
+Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
+the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``*memory*``,
+``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
+table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
+default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
+the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
+is current, so the figures cannot drift: after a benchmark run, run this script and commit the page and plots with
+the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import hashlib
+import importlib.util
+import math
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+VARIANTS = ("nvfp4", "bf16", "qlora")  # suffixes of the end-to-end rows' per-variant keys, in column order
+DECODE_M = 64  # above this the matmul is compute-bound and the read floor says nothing
+PLOTS = "performance"  # folder of the page's plots, beside the page
+DIGEST_KEY = "qerl-plot-data-sha256"
+
+
+# ---------------------------------------------------------------------------------------------------- formatting
+
+
+def num(value, digits: int = 2) -> str:
+    """A number with ``digits`` decimals; '-' for a missing value."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return f"{value:,.{digits}f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def cell(value) -> str:
+    """A table cell for any JSON scalar: integers as they are, floats with 2-4 significant decimals."""
+    if isinstance(value, bool) or value is None:
+        return num(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return num(value, 2 if abs(value) >= 0.1 else 4)
+    return str(value).replace("|", "/")
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def provenance(result: dict, default_command: str) -> str:
+    date = str(result.get("date", "undated"))[:10]
+    recorded = f", recorded in `{result['recorded_in']}`" if result.get("recorded_in") else ""
+    return (f"{result.get('device', 'unknown device')}, {date}{recorded}. "
+            f"Reproduce: `{result.get('command', default_command)}`")
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+
+
+def kernel_section(result: dict) -> list[str]:
+    summary = {(s["M"], s["direction"]): s for s in result["summary"]}
+    ms = sorted({m for m, _ in summary})
+    rows = []
+    for m in ms:
+        fwd, bwd = summary.get((m, "fwd"), {}), summary.get((m, "bwd"), {})
+        rows.append([str(m), num(fwd.get("geomean_speedup_vs_bf16")), num(bwd.get("geomean_speedup_vs_bf16")),
+                     num(fwd.get("geomean_speedup_vs_dequant"), 1), num(bwd.get("geomean_speedup_vs_dequant"), 1),
+                     num(fwd.get("geomean_read_floor_ceiling_vs_bf16") if m <= DECODE_M else None),
+                     num(max(s.get("max_rel_err", 0.0) for s in (fwd, bwd)), 4)])
+    out = table(["M (tokens)", "forward x cuBLAS bf16", "backward x cuBLAS bf16", "forward x dequantize + matmul",
+                 "backward x dequantize + matmul", f"read-floor ceiling (forward, x bf16, M <= {DECODE_M})",
+                 "max rel. error"], rows)
+    out += ["", "Forward, per weight shape (x cuBLAS bf16; > 1 is faster):", ""]
+    fwd_rows = [r for r in result["rows"] if r["direction"] == "fwd"]
+    shapes = list(dict.fromkeys(r["shape"] for r in fwd_rows))
+    by = {(r["shape"], r["M"]): r["speedup_vs_bf16"] for r in fwd_rows}
+    out += table(["shape"] + [f"M={m}" for m in ms], [[s] + [num(by.get((s, m))) for m in ms] for s in shapes])
+    for step in result.get("training_step", []):
+        out += ["", f"Training micro-step ({step['shape']}, {step['M']} tokens, forward + backward): NVFP4 "
+                f"{num(step['ms_nvfp4'])} ms vs bf16 {num(step['ms_bf16'])} ms eager "
+                f"(NVFP4 takes {num(step['ratio_vs_bf16'])}x the bf16 time); replayed from a CUDA graph "
+                f"{num(step.get('ms_nvfp4_graphed'))} vs {num(step.get('ms_bf16_graphed'))} ms "
+                f"({num(step.get('ratio_vs_bf16_graphed'))}x)."]
+    return out
+
+
+def gemv_section(result: dict) -> list[str]:
+    rows = [[str(s["M"]), num(s["geomean_speedup_vs_bf16"]), num(s.get("geomean_mma_sync_vs_bf16")),
+             num(s.get("geomean_prev_vs_bf16")), num(s.get("mean_weight_gbps"), 0),
+             num(s.get("lora_a_separate_over_fused")), num(s.get("chain_plain_over_pdl")),
+             num(s.get("max_rel_err"), 4), num(s.get("all_repeatable"))]
+            for s in result["summary"]]
+    out = table(["M (tokens)", "GEMV x cuBLAS bf16", "mma.sync loop x cuBLAS", "tile kernel x cuBLAS",
+                 "mean weight GB/s", "LoRA-A in the launch (x separate)", "chained with PDL (x plain)",
+                 "max rel. error", "bitwise repeatable"], rows)
+    ms = [s["M"] for s in result["summary"]]
+    by = {(r["shape"], r["M"]): r for r in result["rows"] if r["direction"] == "fwd"}
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    out += ["", "Per weight shape, microseconds (GEMV / cuBLAS bf16):", ""]
+    out += table(["shape"] + [f"M={m}" for m in ms],
+                 [[s] + [f"{num(by[s, m]['ms_ours'] * 1e3, 1)} / {num(by[s, m]['ms_bf16'] * 1e3, 1)}"
+                         if (s, m) in by else "-" for m in ms] for s in shapes])
+    return out
+
+
+def rollout_section(result: dict) -> list[str]:
+    rows = result["rows"]
+    out = table(["model", "LoRA r", "batch", "new tokens", "ms/step NVFP4", "ms/step bf16", "step bf16 / NVFP4",
+                 "tokens/s NVFP4", "tokens/s bf16", "tokens/s NVFP4 / bf16", "floor ms NVFP4 / bf16",
+                 "peak GB NVFP4 / bf16", "run"],
+                [[r["model"], str(r["lora_rank"]), str(r["batch"]), str(r.get("new_tokens", result.get("new_tokens"))),
+                  num(r["ms_step_nvfp4"]), num(r["ms_step_bf16"]),
+                  num(r["ms_step_bf16"] / r["ms_step_nvfp4"] if r["ms_step_bf16"] else None),
+                  num(r["tok_s_nvfp4"], 0), num(r["tok_s_bf16"], 0), num(r["nvfp4_over_bf16"]),
+                  f"{num(r['floor_ms_nvfp4'])} / {num(r['floor_ms_bf16'])}",
+                  f"{num(r['peak_gb'], 1)} / {num(r['peak_gb_bf16'], 1)}",
+                  f"{str(r.get('date', result.get('date', '')))[:10]} {r.get('recorded_in', '')}".strip()]
+                 for r in rows])
+    no_copy = [r for r in rows if "ms_step_nvfp4_no_copy" in r]
+    if no_copy:
+        out += ["", "Above 64 rows the engine decodes on a bf16 copy of the weights made for the rollout when it fits; "
+                "without it (`wide_batch_bf16: false`, or no room), on the NVFP4 weights:", ""]
+        out += table(["model", "batch", "ms/step with the bf16 copy", "ms/step NVFP4 weights",
+                      "ms/step before the token-block GEMV", "peak GB NVFP4 weights"],
+                     [[r["model"], str(r["batch"]), num(r["ms_step_nvfp4"]), num(r["ms_step_nvfp4_no_copy"]),
+                       num(r.get("ms_step_nvfp4_no_copy_dequantized")), num(r.get("peak_gb_no_copy"), 1)]
+                      for r in no_copy])
+    notes = []
+    if result.get("bf16_engine_speedup_vs_hf_generate_b64"):
+        notes.append(f"the bf16 engine is {num(result['bf16_engine_speedup_vs_hf_generate_b64'], 1)}x transformers' "
+                     f"`generate` with a static cache at batch 64 "
+                     f"({num(result['hf_generate_static_eager_ms_step_b64'], 1)} ms/step)")
+    kernels = result.get("kernels_per_decode_step_b1")
+    if kernels:
+        notes.append("kernels per decode step at batch 1: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.0f}" for k, v in kernels.items()))
+    checks = {**result.get("checks", {}), **result.get("fused_kernel_checks", {})}
+    flags = {k: v for k, v in checks.items() if isinstance(v, bool)}
+    if flags:
+        failed = [k for k, v in flags.items() if not v]
+        notes.append(f"GPU checks in the newest run: {len(flags) - len(failed)} of {len(flags)} pass"
+                     + (f" (failed: {', '.join(failed)})" if failed else ""))
+    for run in result.get("runs", []):
+        notes.append(f"rows of {', '.join(run['rows'])}: run of {str(run['date'])[:10]} recorded in "
+                     f"`{run['recorded_in']}`, `{run['command']}`")
+    for skip in result.get("skipped", []):
+        notes.append(f"skipped: {skip['model']} {skip['quant']} batch {skip['batch']} ({skip['why']})")
+    if notes:
+        out += [""] + [f"- {n[0].upper()}{n[1:]}." for n in notes]
+    return out
+
+
+def split_variants(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """Column stems that come per variant (``step_s_nvfp4``, ``step_s_bf16`` -> ``step_s``) and the other keys."""
+    keys = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
+    stems, others = [], []
+    for k in keys:
+        m = re.fullmatch(r"(.+)_(" + "|".join(VARIANTS) + r")", k)
+        if m and "_over_" not in k:  # a ratio (step_bf16_over_nvfp4) is one column of its own
+            if m.group(1) not in stems:
+                stems.append(m.group(1))
+        else:
+            others.append(k)
+    return stems, others
+
+
+def label(key: str) -> str:
+    """A column header from a results key: ``step_bf16_over_nvfp4`` -> ``step bf16 / nvfp4``."""
+    return re.sub(r"\bgb\b", "GB", key.replace("_over_", " / ").replace("_", " "))
+
+
+def variant_table(rows: list[dict], leading: list[str]) -> list[str]:
+    """One column per leading key, one per per-variant stem (values joined as NVFP4 / bf16 / ...), then the rest."""
+    stems, others = split_variants(rows)
+    present = [v for v in VARIANTS if any(f"{s}_{v}" in r for s in stems for r in rows)]
+    rest = [k for k in others if k not in leading]
+    header = [label(k) for k in leading]
+    header += [f"{label(s)} ({' / '.join(present)})" for s in stems]
+    header += [label(k) for k in rest]
+    body = [[cell(r.get(k)) for k in leading]
+            + [" / ".join(cell(r.get(f"{s}_{v}")) for v in present) for s in stems]
+            + [cell(r.get(k)) for k in rest] for r in rows]
+    return table(header, body)
+
+
+def e2e_section(result: dict) -> list[str]:
+    out = variant_table(result["rows"], ["model", "prompts", "group_size", "new_tokens"])
+    out += ["", "Seconds per GRPO step (rollout = sampling, train = the update, step = both); a ratio bf16 / nvfp4 "
+            "above 1 means NVFP4 is faster. Medians over the steps after the first (graph capture, autotuning)."]
+    return out
+
+
+def memory_section(result: dict) -> list[str]:
+    return variant_table(result["rows"], ["model"])
+
+
+def kernel_name(name: str) -> str:
+    """cuBLAS's generated kernel names (``nvjet_sm90_tst_192x8_...``) say only that they are a cuBLAS GEMM."""
+    return "cuBLAS GEMM" if name.startswith("nvjet") else name.split("(")[0][:40]
+
+
+def profile_section(result: dict) -> list[str]:
+    rows = []
+    for run in result["runs"]:
+        top = ", ".join(f"{kernel_name(t['kernel'])} {num(t['us_per_step'] / 1e3)}" for t in run["top"][:3])
+        rows.append([run["model"], run["quant"], str(run["batch"]), f"{run['kernels_per_step']:.0f}",
+                     num(run["kernel_ms_per_step"]), top])
+    return table(["model", "weights", "batch", "kernels per step", "kernel ms per step", "top kernels (ms per step)"],
+                 rows)
+
+
+def wide_section(result: dict) -> list[str]:
+    rows = [[r["shape"], str(r["M"]), num(r["ms_bf16"] * 1e3, 1), num(r["ms_dense"] * 1e3, 1), r["best"],
+             num(r["ms_best"] * 1e3, 1), num(r["x_bf16"]), num(r["x_dense"])] for r in result["rows"]]
+    return table(["shape", "M", "cuBLAS bf16 us", "dequantize + cuBLAS us", "best (warps, stages)", "best us",
+                  "x cuBLAS bf16", "x dequantize + cuBLAS"], rows)
+
+
+def generic_section(result: dict) -> list[str]:
+    keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
+    return table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
+
+
+def kernel_glance(result: dict) -> list[str]:
+    fwd = {s["M"]: s["geomean_speedup_vs_bf16"] for s in result["summary"] if s["direction"] == "fwd"}
+    return ["NVFP4 matmul vs cuBLAS bf16 (forward, geomean): "
+            + ", ".join(f"{num(v)}x at M={m}" for m, v in sorted(fwd.items()))]
+
+
+def rollout_glance(result: dict) -> list[str]:
+    r16 = [r for r in result["rows"] if r["lora_rank"] == 16 and r["ms_step_bf16"]]
+    return [f"{model} decode step, bf16 time / NVFP4 time: " + ", ".join(
+        f"{num(r['ms_step_bf16'] / r['ms_step_nvfp4'])}x at batch {r['batch']}" for r in r16 if r["model"] == model)
+        for model in dict.fromkeys(r["model"] for r in r16)]
+
+
+def e2e_glance(result: dict) -> list[str]:
+    lines = []
+    for r in result["rows"]:
+        if "step_s_nvfp4" in r and "step_s_bf16" in r:
+            peak = (f"; peak {num(r['peak_gb_nvfp4'], 1)} vs {num(r['peak_gb_bf16'], 1)} GB"
+                    if "peak_gb_nvfp4" in r and "peak_gb_bf16" in r else "")
+            lines.append(f"{r['model']} GRPO step, {r['prompts']} prompts x {r['group_size']}, {r['new_tokens']} new "
+                         f"tokens: NVFP4 {num(r['step_s_nvfp4'], 1)} s vs bf16 {num(r['step_s_bf16'], 1)} s{peak}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+# A plot is plain data (what the *_plot functions return), drawn by matplotlib where it is installed. Each PNG carries
+# the digest of its data, so a plot that no longer shows the results is found without matplotlib.
+
+
+def kernel_plot(result: dict) -> dict:
+    series = []
+    for direction, name in (("fwd", "forward"), ("bwd", "backward")):
+        points = sorted((s["M"], s["geomean_speedup_vs_bf16"])
+                        for s in result["summary"] if s["direction"] == direction)
+        series.append({"label": name, "x": [m for m, _ in points], "y": [v for _, v in points]})
+    return {"kind": "line", "title": "NVFP4 matmul vs cuBLAS bf16 (geomean over the shapes)", "xlabel": "M (tokens)",
+            "ylabel": "x cuBLAS bf16 (> 1: NVFP4 faster)", "xlog": True, "hline": 1.0, "series": series}
+
+
+def gemv_plot(result: dict) -> dict:
+    summary = sorted(result["summary"], key=lambda s: s["M"])
+    ms = [s["M"] for s in summary]
+    series = [{"label": label, "x": ms, "y": [s.get(key) for s in summary]}
+              for label, key in (("GEMV (engine default)", "geomean_speedup_vs_bf16"),
+                                 ("mma.sync loop", "geomean_mma_sync_vs_bf16"),
+                                 ("Triton tile kernel", "geomean_prev_vs_bf16"))]
+    return {"kind": "line", "title": "Decode GEMV vs cuBLAS bf16 (geomean over the shapes)", "xlabel": "M (tokens)",
+            "ylabel": "x cuBLAS bf16 (> 1: NVFP4 faster)", "xlog": True, "hline": 1.0,
+            "series": [s for s in series if None not in s["y"]]}
+
+
+def rollout_plot(result: dict) -> dict:
+    series = []
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["model"] == model and r["lora_rank"] == 16),
+                      key=lambda r: r["batch"])
+        for quant, key in (("NVFP4", "ms_step_nvfp4"), ("bf16", "ms_step_bf16")):
+            points = [(r["batch"], r[key]) for r in rows if r.get(key)]
+            if points:
+                series.append({"label": f"{model} {quant}", "x": [b for b, _ in points], "y": [v for _, v in points]})
+    return {"kind": "line", "title": "Rollout decode step, LoRA r16", "xlabel": "batch (rows)", "ylabel": "ms per step",
+            "xlog": True, "series": series}
+
+
+def e2e_plot(result: dict) -> dict:
+    rows = result["rows"]
+    stems, _ = split_variants(rows)
+    phases = [s for s in stems if s.endswith("_s")]
+    categories = [f"{label(p)[:-2]} ({r['prompts']}x{r['group_size']}, {r['new_tokens']} tok)" if len(rows) > 1
+                  else label(p)[:-2] for r in rows for p in phases]
+    series = [{"label": v, "y": [r.get(f"{p}_{v}") for r in rows for p in phases]} for v in VARIANTS
+              if any(f"{p}_{v}" in r for p in phases for r in rows)]
+    setting = f", {rows[0]['prompts']} prompts x {rows[0]['group_size']}, {rows[0]['new_tokens']} new tokens"
+    return {"kind": "bar", "title": f"GRPO step, {rows[0]['model']}" + (setting if len(rows) == 1 else ""),
+            "ylabel": "seconds", "categories": categories, "series": series}
+
+
+def digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def draw(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if data["kind"] == "line":
+        for s in data["series"]:
+            ax.plot(s["x"], s["y"], marker="o", label=s["label"])
+        if data.get("xlog"):
+            ticks = sorted({x for s in data["series"] for x in s["x"]})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+        ax.set_xlabel(data["xlabel"])
+    else:
+        width = 0.8 / len(data["series"])
+        for i, s in enumerate(data["series"]):
+            ax.bar([j + (i - (len(data["series"]) - 1) / 2) * width for j in range(len(s["y"]))],
+                   [0 if v is None else v for v in s["y"]], width, label=s["label"])
+        ax.set_xticks(range(len(data["categories"])), data["categories"])
+    if "hline" in data:
+        ax.axhline(data["hline"], color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title(data["title"])
+    ax.set_ylabel(data["ylabel"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None, DIGEST_KEY: digest(data)})
+    plt.close(fig)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt entries of a PNG file (standard library: the chunk layout of the PNG specification)."""
+    data = path.read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path}: not a PNG file")
+    entries, at = {}, 8
+    while at + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            entries[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + size
+    return entries
+
+
+def stale_plots(results_dir: Path, page: Path) -> list[Path]:
+    """The plots the page links whose PNG is missing or shows other data than the results."""
+    stale = []
+    for name, data in plot_specs(results_dir).items():
+        png = page.parent / name
+        if not png.exists() or png_text(png).get(DIGEST_KEY) != digest(data):
+            stale.append(png)
+    return stale
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    pattern: str
+    command: str  # the default command, for results files that do not record theirs
+    intro: str
+    render: Callable[[dict], list[str]]
+    glance: Callable[[dict], list[str]] = lambda result: []  # headline lines for the top of the page
+    plot: Callable[[dict], dict] | None = None
+
+
+SECTIONS = (
+    Section("Kernels: NVFP4 x bf16 matmul vs cuBLAS bf16", "kernel_*.json",
+            "PYTHONPATH=. python bench/bench_nvfp4_kernel.py --out bench/results",
+            "Every Qwen2.5-7B / 32B linear shape (q, k, v, o, gate, up, down) at M tokens: the product's NVFP4 path "
+            "(autotuned per M) against cuBLAS on the bf16 weight and against dequantizing the weight then a matmul "
+            "(what the reference code does). Geometric means over the shapes; x > 1 means NVFP4 is faster. The read "
+            "floor is a kernel that only reads the NVFP4 bytes: no NVFP4 kernel can beat it.", kernel_section,
+            kernel_glance, kernel_plot),
+    Section("Decode GEMV (the rollout's batch <= 64 path)", "gemv_*.json",
+            "PYTHONPATH=. python bench/bench_gemv.py --out bench/results",
+            "The repacked-weight GEMV with the engine's own defaults (no tuning) at decode sizes, against cuBLAS bf16 "
+            "(geometric mean over the 14 shapes); every output checked against float64 over NaN-poisoned memory.",
+            gemv_section, plot=gemv_plot),
+    Section("Rollout: decode speed, NVFP4 vs bf16", "rollout_*.json",
+            "PYTHONPATH=. python bench/bench_rollout.py --out bench/results",
+            "`CUDAGraphRollout` on random-init models with the real Qwen2.5 shapes, LoRA on q,k,v,o,gate,up,down, "
+            "prompt 256 tokens, a fixed number of new tokens (EOS ignored), G = min(8, batch) samples per prompt. "
+            "ms/step is one decode step (graph replay); tokens/s includes the prefill. The floor is the weight bytes "
+            "read per step over the measured copy bandwidth. NVFP4 and bf16 of a row are timed in the same run; the "
+            "32B model does not fit in bf16.", rollout_section, rollout_glance,
+            rollout_plot),
+    Section("End to end: one GRPO step", "train_e2e_*.json",
+            "python bench/bench_train_e2e.py --tokenizer DIR --out bench/results",
+            "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
+            "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
+            e2e_section, e2e_glance, e2e_plot),
+    Section("Memory", "*memory*.json", "(see the results file)",
+            "Peak GPU memory per phase of a training step.", memory_section),
+    Section("Where a decode step's time goes", "decode_profile_*.json",
+            "PYTHONPATH=. python bench/profile_decode.py --out bench/results",
+            "Kernel time and count per eager decode step (torch profiler; a replayed graph adds only launch gaps).",
+            profile_section),
+    Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
+            "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
+            "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "
+            "bf16 and against dequantize + cuBLAS.", wide_section),
+)
+OTHER = Section("Other results", "*", "(see the results file)", "Results files without a section of their own.",
+                generic_section)
+
+
+def section_of(name: str) -> Section:
+    # a memory benchmark's file may also match another benchmark's prefix (train_e2e_memory_h100.json)
+    for section in sorted(SECTIONS, key=lambda s: not s.pattern.startswith("*")):
+        if fnmatch.fnmatch(name, section.pattern):
+            return section
+    return OTHER
+
+
+# ---------------------------------------------------------------------------------------------------- the page
+
+
+HEADER = """# Performance
+
+Generated by `python docs/make_performance.py` from the results in `bench/results/` (one file per benchmark and
+device); `tests/test_performance_page.py` fails when this page or its plots and the results disagree. Do not edit by
+hand: run the benchmark, then the script (the plots need matplotlib: `pip install -e ".[docs]"`), and commit all.
+
+All timings use random-init weights with the real model shapes (speed does not depend on the weight values when the
+lengths are fixed). Ratios are measured side by side in one run; absolute times differ by up to ~15% between machines
+of the same kind, so compare ratios, not times across runs. What each benchmark measures and what was tried on the
+way: `bench/README.md`.
+"""
+
+
+def load(results_dir: Path) -> dict[str, dict]:
+    results = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            results[path.name] = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); fix or delete the file") from None
+    return results
+
+
+def plot_name(results_name: str) -> str:
+    return f"{PLOTS}/{Path(results_name).stem}.png"
+
+
+def plot_specs(results_dir: Path) -> dict[str, dict]:
+    """{plot path relative to the page: plot data} for every results file whose section draws one."""
+    results = load(results_dir)
+    return {plot_name(name): section_of(name).plot(result) for name, result in results.items()
+            if section_of(name).plot}
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    results = load(results_dir)
+    glance, sections = [], []
+    for section in SECTIONS + (OTHER,):
+        files = [name for name in results if section_of(name) is section]
+        if not files:
+            continue
+        sections += ["", f"## {section.title}", "", section.intro]
+        for name in files:
+            result = results[name]
+            if section is OTHER and not isinstance(result.get("rows"), list):
+                raise ValueError(f"{results_dir / name}: no section renders this file and it has no 'rows' list; "
+                                 f"add a section for it to docs/make_performance.py")
+            try:
+                glance += [f"- {line} (`{name}`)" for line in section.glance(result)]
+                body = section.render(result)
+            except (KeyError, TypeError, ZeroDivisionError) as err:
+                raise ValueError(f"{results_dir / name}: missing or malformed field {err} for the section "
+                                 f"'{section.title}'; re-run its benchmark or fix the file") from None
+            sections += ["", f"`{name}`: {provenance(result, section.command)}", ""] + body
+            if section.plot:
+                sections += ["", f"![{section.plot(result)['title']}]({plot_name(name)})"]
+    head = HEADER.splitlines() + ([""] + ["## At a glance", ""] + glance if glance else [])
+    return "\n".join(head + sections) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--page", type=Path, default=PAGE)
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the page or a plot is stale")
+    args = parser.parse_args(argv)
+    text = render(args.results)
+    if args.check:
+        problems = [] if args.page.exists() and args.page.read_text() == text else [str(args.page)]
+        problems += [str(p) for p in stale_plots(args.results, args.page)]
+        if problems:
+            print(f"out of date: {', '.join(problems)}; run python docs/make_performance.py", file=sys.stderr)
+            return 1
+        return 0
+    args.page.write_text(text)
+    print(f"wrote {args.page}")
+    stale = stale_plots(args.results, args.page)
+    if stale and importlib.util.find_spec("matplotlib") is None:
+        print(f"matplotlib is not installed (pip install -e '.[docs]'): {len(stale)} plots not redrawn: "
+              f"{', '.join(map(str, stale))}", file=sys.stderr)
+        return 1
+    for name, data in plot_specs(args.results).items():
+        png = args.page.parent / name
+        if png in stale:
+            png.parent.mkdir(parents=True, exist_ok=True)
+            draw(data, png)
+            print(f"drew {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""docs/performance.md is what docs/make_performance.py writes from bench/results/*.json (so its figures cannot drift
+from the results), and new results files land in their benchmark's section without editing the page by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_performance", ROOT / "docs" / "make_performance.py")
+make_performance = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("make_performance", make_performance)  # dataclasses look their module up there
+_spec.loader.exec_module(make_performance)
+
+
+def section(page: str, title: str) -> str:
+    """The text of one '## title' section of the page."""
+    start = page.index(f"\n## {title}\n")
+    end = page.find("\n## ", start + 1)
+    return page[start:end if end != -1 else None]
+
+
+def test_committed_page_is_what_the_committed_results_give():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert make_performance.render(ROOT / "bench" / "results") == page, (
+        "docs/performance.md is out of date: run python docs/make_performance.py and commit the page")
+
+
+def test_every_results_file_is_on_the_page_with_its_device_date_and_command():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        line = next(line for line in page.splitlines() if line.startswith(f"`{path.name}`: "))
+        command = result.get("command", make_performance.section_of(path.name).command)
+        assert result["device"] in line and str(result.get("date", "undated"))[:10] in line and command in line
+
+
+def test_committed_plots_show_the_committed_results():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    specs = make_performance.plot_specs(ROOT / "bench" / "results")
+    assert {f"performance/{n}_h100.png" for n in ("kernel", "gemv", "rollout", "train_e2e")} <= set(specs)
+    for name in specs:
+        assert f"]({name})" in page
+    assert make_performance.stale_plots(ROOT / "bench" / "results", ROOT / "docs" / "performance.md") == []
+
+
+def test_a_changed_result_makes_its_plot_stale(results, tmp_path_factory):
+    docs = tmp_path_factory.mktemp("docs")
+    shutil.copytree(ROOT / "docs" / "performance", docs / "performance")
+    page = docs / "performance.md"
+    assert make_performance.stale_plots(results, page) == []
+    changed = json.loads((results / "train_e2e_h100.json").read_text())
+    changed["rows"][0]["step_s_nvfp4"] = 30.0
+    (results / "train_e2e_h100.json").write_text(json.dumps(changed))
+    assert make_performance.stale_plots(results, page) == [docs / "performance" / "train_e2e_h100.png"]
+    with pytest.raises(ValueError, match="not a PNG"):
+        make_performance.png_text(results / "train_e2e_h100.json")
+
+
+def test_headlines_name_the_file_they_come_from():
+    glance = section((ROOT / "docs" / "performance.md").read_text(), "At a glance")
+    for name in ("kernel_h100.json", "rollout_h100.json", "train_e2e_h100.json"):
+        assert f"(`{name}`)" in glance
+
+
+def test_rollout_table_shows_each_rows_own_figures():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    rows = json.loads((ROOT / "bench" / "results" / "rollout_h100.json").read_text())["rows"]
+    text = section(page, "Rollout: decode speed, NVFP4 vs bf16")
+    for r in rows:
+        line = next(line for line in text.splitlines()
+                    if line.startswith(f"| {r['model']} | {r['lora_rank']} | {r['batch']} |"))
+        assert f"| {r['ms_step_nvfp4']:.2f} |" in line
+        if r["ms_step_bf16"]:
+            assert f"| {r['ms_step_bf16']:.2f} | {r['ms_step_bf16'] / r['ms_step_nvfp4']:.2f} |" in line
+
+
+def cells_of(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    """A results directory holding a copy of the committed end-to-end result."""
+    shutil.copy(ROOT / "bench" / "results" / "train_e2e_h100.json", tmp_path / "train_e2e_h100.json")
+    return tmp_path
+
+
+def test_new_end_to_end_keys_and_a_memory_file_are_rendered_without_editing_the_script(results):
+    new = {"device": "NVIDIA H200", "date": "2026-12-01T10:00:00", "command": "python bench/bench_train_e2e.py --x",
+           "rows": [{"model": "qwen2.5-7b", "prompts": 16, "group_size": 8, "new_tokens": 2048,
+                     "lengths": "lognormal", "step_s_nvfp4": 31.5, "step_s_bf16": 47.25, "step_s_qlora": 190.0,
+                     "update_s_nvfp4": 20.0, "update_s_bf16": 30.0, "step_bf16_over_nvfp4": 1.5,
+                     "lengths_drawn": [400, 812]}]}
+    (results / "train_e2e_h200.json").write_text(json.dumps(new))
+    memory = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-02", "command": "python bench/bench_memory.py",
+              "rows": [{"model": "qwen2.5-32b", "peak_gb": 71.25, "peak_gb_rollout": 60.5, "peak_gb_update": 71.25,
+                        "step_s": 88.0}]}
+    (results / "train_e2e_memory_h100.json").write_text(json.dumps(memory))
+    page = make_performance.render(results)
+
+    e2e = section(page, "End to end: one GRPO step")
+    assert "`train_e2e_h200.json`: NVIDIA H200, 2026-12-01" in e2e and "`python bench/bench_train_e2e.py --x`" in e2e
+    header = next(line for line in e2e.splitlines() if line.startswith("| model | prompts") and "qlora" in line)
+    row = next(line for line in e2e.splitlines() if "lognormal" in line)
+    cells = dict(zip(cells_of(header), cells_of(row)))
+    assert cells["step s (nvfp4 / bf16 / qlora)"] == "31.50 / 47.25 / 190.00"
+    assert cells["update s (nvfp4 / bf16 / qlora)"] == "20.00 / 30.00 / -"
+    assert cells["step bf16 / nvfp4"] == "1.50" and cells["lengths"] == "lognormal"
+    assert "lengths drawn" not in header  # lists and objects stay in the file
+    assert "train_e2e_memory_h100.json" not in e2e  # the memory file has its own section
+
+    mem = section(page, "Memory")
+    assert "`train_e2e_memory_h100.json`: NVIDIA H100 80GB HBM3, 2026-12-02" in mem
+    assert "| model | peak GB | peak GB rollout | peak GB update | step s |" in mem
+    assert "| qwen2.5-32b | 71.25 | 60.50 | 71.25 | 88.00 |" in mem
+    assert "GRPO step, 16 prompts x 8, 2048 new tokens: NVFP4 31.5 s vs bf16 47.2 s" in section(page, "At a glance")
+
+
+def test_a_file_no_section_can_render_is_an_error_naming_it(results):
+    (results / "mystery_h100.json").write_text(json.dumps({"device": "x", "value": 3}))
+    with pytest.raises(ValueError, match="mystery_h100.json.*add a section"):
+        make_performance.render(results)
+
+
+def test_a_results_file_missing_a_field_is_an_error_naming_the_file_and_field(results):
+    broken = json.loads((results / "train_e2e_h100.json").read_text())
+    rollout = {"device": "x", "date": "2026-12-01", "rows": broken["rows"]}  # end-to-end rows in a rollout file
+    (results / "rollout_h100.json").write_text(json.dumps(rollout))
+    with pytest.raises(ValueError, match="rollout_h100.json: missing or malformed field 'lora_rank'"):
+        make_performance.render(results)
+
+
+def test_unknown_files_with_rows_get_a_plain_table(results):
+    (results / "new_bench_h100.json").write_text(json.dumps(
+        {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-03", "command": "python bench/new.py",
+         "rows": [{"batch": 4, "ms": 1.25, "nested": {"skip": 1}}, {"batch": 8, "ms": 2.5, "note": "a|b"}]}))
+    text = section(make_performance.render(results), "Other results")
+    assert "| batch | ms | note |" in text and "| 4 | 1.25 | - |" in text and "| 8 | 2.50 | a/b |" in text
+
+
+def test_check_mode_reports_a_stale_page(results, tmp_path_factory, capsys):
+    page = tmp_path_factory.mktemp("page") / "performance.md"
+    shutil.copytree(ROOT / "docs" / "performance", page.parent / "performance")  # the plots, current for `results`
+    assert make_performance.main(["--results", str(results), "--page", str(page)]) == 0
+    assert make_performance.main(["--results", str(results), "--page", str(page), "--check"]) == 0
+    page.write_text(page.read_text().replace("64.21", "60.00"))
+    assert make_performance.main(["--results", str(results), "--page", str(page), "--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
