@@ -2,7 +2,7 @@
 ``generate`` for the rollout, and qerl's own loss code for the update, at the end-to-end benchmark's settings.
 
     python bench/bench_qlora_peer.py --model DIR --tokenizer DIR --out bench/results [--new-tokens 256] [--steps 2]
-        [--compare train_e2e_<device>_fixed_<label>.json]
+        [--compare train_e2e_<device>_<label>.json]
 
 ``DIR``: the bf16 checkpoint ``bench_train_e2e.py`` writes (random weights, real Qwen2.5 shapes), loaded the way a
 QLoRA user loads a model (``BitsAndBytesConfig`` NF4, double quantization, bf16 compute), prepared with peft's

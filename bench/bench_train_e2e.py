@@ -174,7 +174,8 @@ def main() -> None:
     tag = device.split()[1].lower() if len(device.split()) > 1 else "gpu"
     report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": [row],
               "runs": results, "command": " ".join(sys.argv)}
-    (out / f"train_e2e_{tag}_{args.lengths}_{args.label}.json").write_text(json.dumps(report, indent=2))
+    suffix = ("" if args.lengths == "fixed" else f"_{args.lengths}") + ("" if args.label == "current" else f"_{args.label}")
+    (out / f"train_e2e_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))
 
 
 def linear_params(size: str, vocab: int) -> tuple[int, int]:
