@@ -25,9 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import SHAPES, copies_for, device_header, graph_ms, random_nvfp4, rel_err  # noqa: E402
 
-from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
-from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels import gemv as gemv  # noqa: E402
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
 
 MMA_SYNC = dataclasses.replace(kernels.GEMV, wgmma=False)
 
@@ -40,7 +40,7 @@ def poison(device):
 def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
     kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
-    from qerl.kernels import fused_decode
+    from qerl.nvfp4.kernels import fused_decode
 
     a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
     frags = gemv.dense_fragments(a)
@@ -63,7 +63,7 @@ def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
 def pdl_variants(x, acts, weights, calls) -> dict:
     """Back-to-back launches of the default GEMV with and without programmatic dependent launch (each starts while the
     one before finishes). The output must not change (bitwise)."""
-    from qerl.kernels import pdl
+    from qerl.nvfp4.kernels import pdl
 
     if not pdl.supported(x.device):
         return {}

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.kernels import nvfp4_matmul as kernels
-from qerl.kernels.grid import cdiv
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, NVFP4Linear, dequantize, reference_backward_input, reference_forward
+from qerl.nvfp4.kernels import matmul as kernels
+from qerl.nvfp4.kernels.grid import cdiv
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize
+from qerl.nvfp4.linear import NVFP4Linear, reference_backward_input, reference_forward
 
 # (name, out_features, in_features) of the linears NVFP4 replaces.
 SHAPES = {

@@ -152,7 +152,7 @@ def weight_bytes(policy) -> int:
 def fused_kernel_checks() -> dict:
     """The fused decode kernels on the GPU (7B shapes, bf16, fresh random inputs) vs their torch twins (same
     roundings, run by torch on the same GPU) and the attention vs float64."""
-    from qerl.kernels import fused_decode as K
+    from qerl.nvfp4.kernels import fused_decode as K
 
     res = {}
     dev, bf = "cuda", torch.bfloat16
@@ -200,7 +200,8 @@ def fused_kernel_checks() -> dict:
 def wide_batch_gemm_checks() -> dict:
     """The decoder's stacked 7B gate|up at 65-256 rows on the token-block wgmma GEMV (no bf16 copy): vs the fp64
     product per layer, launched twice (bitwise equal), and the path it took (the repack built, not dense)."""
-    from qerl.modules.nvfp4 import NVFP4Linear, dequantize
+    from qerl.nvfp4.format import dequantize
+    from qerl.nvfp4.linear import NVFP4Linear
     from qerl.rollout.fused_decoder import BaseGEMM
 
     res, dev = {}, torch.device("cuda")

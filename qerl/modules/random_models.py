@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from qerl.modules.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
-from qerl.modules.nvfp4 import BLOCK, NVFP4Linear
+from qerl.nvfp4.format import BLOCK
+from qerl.nvfp4.linear import NVFP4Linear
 
 # From the Qwen2.5-*-Instruct config.json files (all: vocab 152064, untied LM head, q/k/v bias, rope theta 1e6).
 QWEN25 = {

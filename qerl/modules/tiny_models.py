@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
+from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 
 ARCHITECTURES = ("llama", "qwen2")
 

@@ -146,7 +146,7 @@ def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None
     """Whether a rollout of ``rows`` rows makes the bf16 copy of ``need`` bytes (``CUDAGraphRollout.wide_batch_bf16``
     = ``setting``; ``free``: free GPU memory, None off CUDA): only above the mma GEMV's 64 rows, and by default only
     with ``spare`` bytes left over."""
-    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.nvfp4.kernels import gemv as mma
 
     if setting is False or rows <= mma.MAX_M or not need or free is None:
         return False
@@ -223,10 +223,10 @@ class CUDAGraphRollout(RolloutEngine):
             32.5 vs 67.0 ms). None: when the rollout has more than 64 rows and the copy fits in free GPU memory with
             2 GiB to spare (the KV cache already allocated). Fused step only; bf16 models are unaffected.
         pdl: launch the fused step's Triton kernels with programmatic dependent launch, each overlapping the end of
-            the one before (``qerl.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
+            the one before (``qerl.nvfp4.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
             False is the plain launch order (for comparison; the tokens sampled are the same).
         wgmma: the NVFP4 GEMV of the fused step (batch <= 64, and the token blocks up to 256 rows) on Hopper's
-            warpgroup MMA (``qerl.kernels.nvfp4_mma_gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync
+            warpgroup MMA (``qerl.nvfp4.kernels.gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync
             loop up to 64 rows, groups dequantized per call above (what other GPUs run; for comparison).
     """
 
@@ -373,8 +373,8 @@ class CUDAGraphRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
-        from qerl.kernels import nvfp4_mma_gemv as M
-        from qerl.kernels import pdl as P
+        from qerl.nvfp4.kernels import gemv as M
+        from qerl.nvfp4.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
         if not (device.type == "cuda" if self.fused is None else self.fused):

@@ -17,7 +17,7 @@ step's time at small batch. This module runs the same mathematics from the model
     u = act @ A_d.T ; y_d = base GEMM
     h += down-output ; x = next RMSNorm(h)            residual_rms_norm
 
-Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
+Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.nvfp4.kernels.gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
 instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
 bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same
@@ -34,7 +34,7 @@ epilogue writes token t of prompt s to cache row s, column t; the attention is t
 causal + padding mask); above 128 rows each NVFP4 group is dequantized into one stacked bf16 weight for one cuBLAS
 GEMM. Through transformers + peft the prefill was ~2,800 kernel launches for a 7B model, host-bound.
 
-On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.kernels.pdl``):
+On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``):
 each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
 """
 
@@ -46,9 +46,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl.kernels import fused_decode as K
-from qerl.kernels import nvfp4_mma_gemv as mma
-from qerl.modules.nvfp4 import NVFP4Linear
+from qerl.nvfp4.kernels import fused_decode as K
+from qerl.nvfp4.kernels import gemv as mma
+from qerl.nvfp4.kernels.split_k import counters
+from qerl.nvfp4.linear import NVFP4Linear
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
@@ -154,7 +155,7 @@ class BaseGEMM:
                 return None
             self._rebuilds += self._repacked is not None
             if len(ms) == 1:
-                words, factors = mma.repacked(ms[0].weight_packed, ms[0].weight_scale)
+                words, factors = ms[0].gemv_weight()  # the layer's own copy: the per-layer kernels use it too
             else:
                 parts = [mma.repack(m.weight_packed, m.weight_scale) for m in ms]
                 words = torch.cat([p[0] for p in parts])
@@ -182,7 +183,7 @@ class BaseGEMM:
 
     def _dense_stack(self, dtype) -> torch.Tensor:
         """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
-        from qerl.kernels.nvfp4_matmul import dequantize_dense
+        from qerl.nvfp4.kernels.matmul import dequantize_dense
 
         ms = self.layers
         stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_packed.device)
@@ -205,7 +206,7 @@ class BaseGEMM:
                 self._no_mma = True
                 return False
             # the split-K arrival counters, for the widest batch (one per row block and token block)
-            mma.counters(x.device, mma.counter_size(self._widest(x.device), sum(self.sizes)))
+            counters(x.device, mma.counter_size(self._widest(x.device), sum(self.sizes)))
         return True
 
     def _widest(self, device: torch.device) -> int:
@@ -232,12 +233,12 @@ class BaseGEMM:
             return [F.linear(x, m.weight) for m in self.layers]
         if self._ensure_mma(x):
             words, factors, gs = self._repacked
-            counter = mma.counters(x.device, mma.counter_size(x.shape[0], sum(self.sizes)), build=False)
+            counter = counters(x.device, mma.counter_size(x.shape[0], sum(self.sizes)), build=False)
             y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
                            counter=counter, pdl=self.pdl, wgmma=self.wgmma)
             return list(y.split(self.sizes, dim=1))
         if self.kind == "nvfp4" and self.fast and x.is_cuda:
-            from qerl.kernels.nvfp4_matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
+            from qerl.nvfp4.kernels.matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
 
             if x.shape[0] >= DENSE_MIN_M:
                 # what each layer's kernel does at this many rows (dequantize, then cuBLAS), once for the group: a
@@ -252,7 +253,7 @@ class BaseGEMM:
             return None
 
         words, factors, gs = self._repacked
-        counter = mma.counters(x.device, words.shape[0], build=False)
+        counter = counters(x.device, words.shape[0], build=False)
         y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
                           counter=counter, dense=(frags, rows), pdl=self.pdl, wgmma=self.wgmma)
         return list(y.split(self.sizes, dim=1)), u
@@ -320,7 +321,7 @@ class _Group:
 class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
     or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
-    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.kernels.pdl.supported``).
+    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.nvfp4.kernels.pdl.supported``).
     ``wgmma``: the NVFP4 GEMV's loop (``nvfp4_mma_gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
     mma.sync loop).
 

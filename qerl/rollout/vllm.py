@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from qerl.modules.checkpoint_io import is_nvfp4_checkpoint, resolve_model
-from qerl.modules.nvfp4 import NVFP4Linear
+from qerl.hub import resolve_model
 from qerl.modules.policy import DTYPES, is_rms_norm
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
+from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad
 

@@ -12,9 +12,12 @@ from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from qerl import quantize as quantize_cli
-from qerl.modules import checkpoint_io
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, EMBEDDED_MODEL, load_model, resolve_model, save_nvfp4
-from qerl.modules.nvfp4 import NVFP4Linear, global_scale, quantize
+from qerl import hub
+from qerl.hub import EMBEDDED_MODEL, resolve_model
+from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.nvfp4.checkpoint import save_nvfp4
+from qerl.nvfp4.format import global_scale, quantize
+from qerl.nvfp4.linear import NVFP4Linear
 
 NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 # Groups that vLLM fuses (one global scale each) and the layers quantized alone.
@@ -175,7 +178,7 @@ def test_quantize_cli(tiny_model_dirs, tmp_path, capsys):
 def test_embedded_name_resolves_under_qerl_cache(tmp_path, monkeypatch):
     converted = []
     monkeypatch.setenv("QERL_CACHE", str(tmp_path))
-    monkeypatch.setattr(checkpoint_io, "convert_embedded", converted.append)
+    monkeypatch.setattr(hub, "convert_embedded", converted.append)
     assert resolve_model(EMBEDDED_MODEL) == str(tmp_path / EMBEDDED_MODEL)
     assert converted == [tmp_path / EMBEDDED_MODEL]  # converted once when missing ...
     (tmp_path / EMBEDDED_MODEL).mkdir()

@@ -135,7 +135,7 @@ def test_noise_applied_for_rollout_and_removed_exactly(policy, fused):
 
 
 def test_random_nvfp4_builder_makes_a_working_policy():
-    from qerl.modules.nvfp4 import NVFP4Linear
+    from qerl.nvfp4.linear import NVFP4Linear
     from qerl.modules.random_models import build_random_policy, qwen25_config
 
     config = qwen25_config("qwen2.5-7b", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -178,7 +178,7 @@ def test_fused_step_follows_the_adapter_state(policy):
 
 
 def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
-    from qerl.kernels import pdl
+    from qerl.nvfp4.kernels import pdl
 
     assert not pdl.supported("cpu") and pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
     base = policy.get_base_model()
@@ -188,7 +188,7 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
 
 
 def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
-    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.nvfp4.kernels import gemv as mma
 
     assert not mma.wgmma_supported(torch.device("cpu"))
     base = policy.get_base_model()
@@ -206,7 +206,7 @@ def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
 def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(policy):
     """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
     an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
-    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.nvfp4.kernels import gemv as mma
     from qerl.rollout.cuda_graph import wants_bf16_copy
 
     gib = 1 << 30
@@ -316,7 +316,7 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
 def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_path):
     """The LoRA-A rows of every layer's group of a kind share one 16-row-aligned buffer and its GEMV fragments; a
     new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
-    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.nvfp4.kernels import gemv as mma
     from qerl.rollout.fused_decoder import GROUPS, FusedDecoder
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)

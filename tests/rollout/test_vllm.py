@@ -97,7 +97,7 @@ def policy():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from qerl.modules.checkpoint_io import load_tokenizer
+    from qerl.hub import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 

@@ -54,4 +54,4 @@ def test_tuned_configuration_serves_its_whole_bucket(interpreted_results, case):
 
 def test_interpreter_setting_does_not_leak():
     assert os.environ.get("TRITON_INTERPRET") != "1"
-    assert "qerl.kernels.nvfp4_matmul" not in sys.modules
+    assert "qerl.nvfp4.kernels.matmul" not in sys.modules

@@ -1,4 +1,4 @@
-"""CPU checks of the load-time repacked NVFP4 layout that the mma GEMV (qerl.kernels.nvfp4_mma_gemv) consumes.
+"""CPU checks of the load-time repacked NVFP4 layout that the mma GEMV (qerl.nvfp4.kernels.gemv) consumes.
 
 The kernel itself is inline PTX (no interpreter path); what can be checked without a GPU is that the repack is a
 permutation (repack -> unrepack is the identity on the compressed-tensors tensors), and that decoding the repacked
@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402  (does not import nvfp4_matmul)
-from qerl.modules.nvfp4 import dequantize  # noqa: E402
+from qerl.nvfp4.kernels import gemv as gemv  # noqa: E402  (does not import nvfp4_matmul)
+from qerl.nvfp4.format import dequantize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,8 +56,8 @@ def test_bit_positions_partition_the_word():
 
 _CONFIG_CHECK = """
 import torch
-from qerl.kernels import nvfp4_matmul as kernels
-from qerl.modules.nvfp4 import dequantize
+from qerl.nvfp4.kernels import matmul as kernels
+from qerl.nvfp4.format import dequantize
 gen = torch.Generator().manual_seed(3)
 p = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=gen)
 s = (torch.rand(32, 8, generator=gen) * 4).to(torch.float8_e4m3fn)
@@ -224,7 +224,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qerl.kernels import nvfp4_mma_gemv as G
+from qerl.nvfp4.kernels import gemv as G
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
        "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
@@ -319,7 +319,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from qerl.kernels import nvfp4_mma_gemv as G
+from qerl.nvfp4.kernels import gemv as G
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",

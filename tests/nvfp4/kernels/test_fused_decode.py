@@ -70,8 +70,9 @@ def test_wide_batch_dense_copy_is_the_dequantized_stack(interpreted):
 
 def test_stacked_nvfp4_repack_is_the_stacked_weight():
     """q|k|v (one global scale) repacked as one weight decodes to the three dequantized weights stacked."""
-    from qerl.kernels import nvfp4_mma_gemv as mma
-    from qerl.modules.nvfp4 import NVFP4Linear, dequantize
+    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.format import dequantize
+    from qerl.nvfp4.linear import NVFP4Linear
     from qerl.rollout.fused_decoder import BaseGEMM
 
     g = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qerl.kernels import fused_decode as K
+from qerl.nvfp4.kernels import fused_decode as K
 consts = {
     "_lora_a_kernel": dict(BP=16, NAP=64, BLOCK_K=64),
     "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16),

@@ -11,8 +11,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/tes
 
 import torch  # noqa: E402
 
-from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
-from qerl.modules.nvfp4 import NVFP4Linear, dequantize  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.format import dequantize  # noqa: E402
+from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 
 def random_nvfp4(n: int, k: int, gen: torch.Generator):
@@ -81,7 +82,7 @@ def tuning_bucket_cases() -> dict[str, float]:
     """A tuned configuration is cached per (M bucket, shape) and reused for every M of its bucket, so every GEMV
     candidate offered at some M must fit the shared memory at every M of that bucket; and a winner cached at M = 1
     (an 8-warp 8-stage ring fits only one token tile) is not what M = 16 runs."""
-    from qerl.kernels import nvfp4_mma_gemv as gemv
+    from qerl.nvfp4.kernels import gemv as gemv
 
     fits = True
     for m in range(1, gemv.WIDE_MAX_M + 1):

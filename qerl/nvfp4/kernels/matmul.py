@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels import nvfp4_mma_gemv as mma_gemv
-from qerl.kernels.grid import cdiv, next_power_of_2
-from qerl.modules.nvfp4 import BLOCK, register_kernel
+from qerl.nvfp4.kernels import gemv as mma_gemv
+from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.nvfp4.kernels.split_k import counters, sum_splits
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -294,17 +294,6 @@ def _dequantize_kernel(
              mask=(rows[:, None] < ROWS) & (cols[None, :] < COLS))
 
 
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, SPLITS, NUMEL, BLOCK: tl.constexpr):
-    """``out = sum over the leading dim of partial [SPLITS, NUMEL]`` (fp32), cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < NUMEL
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLITS):
-        total += tl.load(partial_ptr + s * NUMEL + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Configurations
 
@@ -343,6 +332,9 @@ class TileConfig:
     width, see ``nvfp4_mma_gemv.launch``)."""
 
 
+GemvWeight = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
+"""``gemv_weight(build: bool)``: a layer's repacked (words, factors) for the GEMV; None when absent and not built."""
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
@@ -355,12 +347,6 @@ def m_bucket(m: int) -> int:
     The decode buckets are the mma GEMV's token-tile counts (1, 2, 4, 8 tiles of 8 rows): a configuration tuned at
     M = 1 (e.g. an 8-stage ring, whose shared memory grows with the tiles) must not be applied at M = 16."""
     return min(max(8, next_power_of_2(m)), 512)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 DENSE = TileConfig(0, 0, 0, dense=True)
@@ -487,7 +473,7 @@ def dequantize_dense(
     weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.modules.nvfp4.dequantize``);
+    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.nvfp4.format.dequantize``);
     ``out``: a contiguous ``[N, K]`` tensor to write (e.g. rows of a stacked weight)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
     if out is None:
@@ -534,6 +520,7 @@ def _launch(
     weight_global_scale: torch.Tensor,
     transpose_w: bool,
     config: TileConfig | None = None,
+    gemv_weight: GemvWeight | None = None,
 ) -> torch.Tensor:
     if a.dtype not in _COMPUTE:
         raise TypeError(f"NVFP4 triton kernels take bf16, fp16 or fp32 activations, got {a.dtype}.")
@@ -545,7 +532,7 @@ def _launch(
     m = a.shape[0]
     cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
     if cfg.mma_gemv:
-        out = _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg)
+        out = _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight)
         if out is not None:
             return out
         cfg = default_config(transpose_w, m, out_dim, red, gemv=False)
@@ -586,28 +573,26 @@ def _launch(
         num_stages=cfg.num_stages,
     )
     if splits > 1:
-        numel = m * out_dim
-        _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
+        sum_splits(target, out)
     return out
 
 
-def _try_mma_gemv(a, weight_packed, weight_scale, weight_global_scale, transpose_w, cfg):
+def _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight):
     """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    if (transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16 or a.shape[0] == 0
-            or a.shape[0] > mma_gemv.max_m(a.device) or not mma_gemv.supported(n, k)):
+    if (gemv_weight is None or transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16
+            or a.shape[0] == 0 or a.shape[0] > mma_gemv.max_m(a.device) or not mma_gemv.supported(n, k)):
         return None
     # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
     capturing = torch.cuda.is_current_stream_capturing()
-    cached = mma_gemv.repacked(weight_packed, weight_scale, build=not capturing)
+    cached = gemv_weight(build=not capturing)
     if cached is None:
         return None
     fused = (cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
              or bool(cfg.smem_stages))
-    counter = mma_gemv.counters(a.device, mma_gemv.counter_size(a.shape[0], n), build=not capturing) if fused else None
+    counter = counters(a.device, mma_gemv.counter_size(a.shape[0], n), build=not capturing) if fused else None
     if fused and counter is None:
         return None
-    return mma_gemv.launch(a, weight_packed, weight_scale, weight_global_scale, warps=cfg.num_warps,
+    return mma_gemv.launch(a, None, None, weight_global_scale, warps=cfg.num_warps,
                            target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
                            x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks,
                            smem_stages=cfg.smem_stages, wgmma=cfg.wgmma, cluster=cfg.cluster)
@@ -650,26 +635,24 @@ def _nvfp4_mm_backward(ctx, grad):
 nvfp4_mm.register_autograd(_nvfp4_mm_backward, setup_context=_nvfp4_mm_setup)
 
 
-def _matmul(a, weight_packed, weight_scale, weight_global_scale, transpose_weight):
-    # NVFP4Linear's autograd.Function is the gradient boundary: traced code (torch.compile) needs the custom op, eager
-    # calls launch directly (the op's Python dispatch was ~55 us of host time per call on the H100 machine, where a
-    # 2,048-token training micro-step is host-bound)
+def _matmul(a, weight_packed, weight_scale, weight_global_scale, transpose_weight, gemv_weight=None):
+    # NVFP4Linear's autograd.Function is the gradient boundary: traced code (torch.compile) needs the custom op (the
+    # Triton tiles only: the GEMV's repacked weight lives on the layer), eager calls launch directly (the op's Python
+    # dispatch costs host time on every call, and a training micro-step is host-bound)
     if torch.compiler.is_compiling():
         return nvfp4_mm(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
-    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight, gemv_weight=gemv_weight)
 
 
-def forward(x, weight_packed, weight_scale, weight_global_scale):
-    """``x [M, in] @ W.T -> [M, out]`` (NVFP4Linear's forward kernel)."""
-    return _matmul(x, weight_packed, weight_scale, weight_global_scale, False)
+def forward(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight | None = None):
+    """``x [M, in] @ W.T -> [M, out]`` (NVFP4Linear's forward kernel); ``gemv_weight``: the layer's repacked copy
+    for the decode GEMV (``NVFP4Linear.gemv_weight``; None: the Triton tiles only)."""
+    return _matmul(x, weight_packed, weight_scale, weight_global_scale, False, gemv_weight)
 
 
 def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
     """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
     return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
-
-
-register_kernel("triton", forward, backward_input)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.kernels import pdl as _pdl
-from qerl.kernels.grid import cdiv, next_power_of_2
-from qerl.kernels.nvfp4_mma_gemv import counters
+from qerl.nvfp4.kernels import pdl as _pdl
+from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2, sm_count
+from qerl.nvfp4.kernels.split_k import counters
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -121,9 +121,7 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0, pdl: bool = Fa
     if b > 64 or n > 256 or not x.is_cuda and not _INTERPRET:
         return F.linear(x, a)[None]
     if not max_splits:
-        from qerl.kernels.nvfp4_matmul import _sm_count
-
-        max_splits = min(32, _sm_count(x.device))  # the consumers sum the partials: keep them few
+        max_splits = min(32, sm_count(x.device))  # the consumers sum the partials: keep them few
     block_k = 64
     chunk = cdiv(cdiv(K, min(max_splits, cdiv(K, block_k))), block_k) * block_k
     splits = cdiv(K, chunk)
@@ -348,9 +346,7 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
     if b == 0:
         return out
     if not split_len:
-        from qerl.kernels.nvfp4_matmul import _sm_count
-
-        split_len = attention_splits(b, hkv, length, _sm_count(q.device))
+        split_len = attention_splits(b, hkv, length, sm_count(q.device))
     S = cdiv(length, split_len)
     direct = S == 1  # wide batches: one program per (row, KV head) already fills the GPU, no partials to merge
     m = torch.empty(0 if direct else b * hq, S, dtype=torch.float32, device=q.device)

@@ -48,15 +48,15 @@ from __future__ import annotations
 
 import bisect
 import functools
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels import pdl as _pdl
-from qerl.kernels.grid import cdiv
-from qerl.modules.nvfp4 import unpack_codes
+from qerl.nvfp4.format import unpack_codes
+from qerl.nvfp4.kernels import pdl as _pdl
+from qerl.nvfp4.kernels.grid import cdiv, sm_count
+from qerl.nvfp4.kernels.split_k import counters, sum_splits
 
 try:  # Triton >= 3.4: kernels that declare their shared memory (the wgmma rings above 48 KiB)
     from triton.experimental import gluon
@@ -203,30 +203,6 @@ def emulate_repacked(words: torch.Tensor, factors: torch.Tensor) -> torch.Tensor
     dense = torch.zeros(nb, nc, 16 * CHUNK, dtype=torch.float32, device=dev)
     dense[:, :, idx.reshape(-1)] = v.reshape(nb, nc, -1)
     return dense.view(nb, nc, 16, CHUNK).permute(0, 2, 1, 3).reshape(nb * 16, nc * CHUNK)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Cache of repacked weights, keyed by the compressed tensor (alive and unmodified)
-
-_CACHE: dict[tuple, tuple] = {}
-
-
-def repacked(weight_packed: torch.Tensor, weight_scale: torch.Tensor, build: bool = True):
-    """The cached repack of this weight (built on first use; None when absent and ``build`` is False)."""
-    version = -1 if weight_packed.is_inference() else weight_packed._version
-    sversion = -1 if weight_scale.is_inference() else weight_scale._version
-    key = (weight_packed.data_ptr(), tuple(weight_packed.shape), weight_packed.device, weight_scale.data_ptr())
-    hit = _CACHE.get(key)
-    if hit is not None:
-        ref, ver, words, factors = hit
-        if ref() is weight_packed and ver == (version, sversion):
-            return words, factors
-    if not build:
-        return None
-    words, factors = repack(weight_packed, weight_scale)
-    _CACHE[key] = (weakref.ref(weight_packed, lambda _, key=key: _CACHE.pop(key, None)), (version, sversion),
-                   words, factors)
-    return words, factors
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1209,7 +1185,7 @@ def _mma_gemv_kernel(
     else:
         _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS,
                         p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL, CL)
-    _pdl.release(PDL)  # after the main loop: see qerl.kernels.pdl
+    _pdl.release(PDL)  # after the main loop: see qerl.nvfp4.kernels.pdl
 
 
 def shared_reservation(nbytes: int) -> tuple[int, ...]:
@@ -1292,7 +1268,7 @@ if gl is not None:
         tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [offs], dtype=gl.int32, is_pure=True, pack=1)
         warp = tid // 32
         lane = tid % 32
-        if PDL:  # nothing read before the kernel before this one has completed (qerl.kernels.pdl)
+        if PDL:  # nothing read before the kernel before this one has completed (qerl.nvfp4.kernels.pdl)
             gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [offs], dtype=gl.int32,
                                       is_pure=False, pack=1)
         fac = gl.zeros([32 * WARPS], gl.float32, layout) + SHIFT / gl.load(gs_ptr)
@@ -1362,25 +1338,6 @@ def _stream_k_table(device: torch.device, token_blocks: int, row_groups: int, ch
         _PLANS[key] = (torch.tensor(rows, dtype=torch.int32).to(device), segs,
                        max(s[5] for p in plan for s in p))
     return _PLANS[key]
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured earlier still point at them
-
-
-def counters(device: torch.device, size: int, build: bool = True) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (this GEMV's split-K reduction,
-    ``fused_decode.residual_rms_norm``): each use leaves its entries zero, so one buffer serves every kernel on a
-    stream. Built outside graph captures (``build=False`` returns None when it is missing or too small)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < size:
-        if not build:
-            return None
-        if c is not None:
-            _RETIRED.append(c)
-        c = torch.zeros(max(size, 8192), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
 
 
 # resident 4-warp programs per SM until the first launch reports its registers (sm_90 builds with Triton 3.9, fused
@@ -1511,7 +1468,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     launch (the LoRA-A matrices: one launch instead of two per layer group); returns ``(out, u)`` with ``u [S, M,
     NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks).
 
-    ``pdl``: launch with programmatic dependent launch (:mod:`qerl.kernels.pdl`; the caller checks
+    ``pdl``: launch with programmatic dependent launch (:mod:`qerl.nvfp4.kernels.pdl`; the caller checks
     ``pdl.supported``): the launch overlaps the end of the kernel before it.
 
     ``wgmma``: the warpgroup-MMA loop (:func:`_wgmma_mainloop_asm`; sm_90 only); None: on sm_90 unless
@@ -1537,10 +1494,8 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
     power-of-two split count it implies for the decoder's LoRA-A launches made the batch-16 rollout step 13% slower
     (clusters for the other launches changed nothing there), so it is off by default; from 17 tokens on, clusters
     of large CTAs were up to 2x slower."""
-    from qerl.kernels.nvfp4_matmul import _sm_count, _sum_splits_kernel
-
     m, k = a.shape
-    words, factors = cached or repacked(weight_packed, weight_scale)
+    words, factors = cached
     n = words.shape[0] * 16
     if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
         raise ValueError(f"the mma GEMV takes bf16 activations with at most {WIDE_MAX_M} rows")
@@ -1583,7 +1538,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         if key not in _REGS:
             _REGS[key] = (_wide_registers(a, weight_global_scale, constants, nt, stages, warps) if dynamic
                           else _variant_registers(a, weight_global_scale, constants, nt))
-        splits = auto_splits(row_blocks, chunks, nt, warps, _sm_count(a.device), fused, xpre=xpre, rb=rbw,
+        splits = auto_splits(row_blocks, chunks, nt, warps, sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     weight_programs = cdiv(row_blocks, warps * rbw)
@@ -1591,7 +1546,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         # the work units spread evenly over one wave of CTAs (instead of the split count above); the plan's table is
         # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
         units = token_blocks * weight_programs * chunks
-        programs = min(_sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
+        programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
                        max(1, units // STREAM_K_MIN_CHUNKS))
         plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
         if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
@@ -1631,7 +1586,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
             wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
             _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
         resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll)
-        unroll = unroll if grid_b * splits <= _sm_count(a.device) * resident else 0
+        unroll = unroll if grid_b * splits <= sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
     if dynamic:
@@ -1649,8 +1604,7 @@ def launch(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, wa
         dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
         weight_programs, dx, **constants)
     if splits > 1 and not fused:
-        numel = m * n
-        _sum_splits_kernel[(cdiv(numel, 1024),)](target, out, splits, numel, BLOCK=1024, num_warps=4)
+        sum_splits(target, out)
     return out if dense is None else (out, u)
 
 
@@ -1695,6 +1649,6 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
 
 __all__ = ["DENSE_MAX_M", "MAX_M", "STREAM_K_MIN_CHUNKS", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS",
            "counter_size", "default_wgmma", "default_widest", "dense_fragments", "emulate_repacked", "launch",
-           "max_cluster", "max_m", "repack", "repacked", "shared_reservation", "split_plan", "stream_k_plan",
+           "max_cluster", "max_m", "repack", "shared_reservation", "split_plan", "stream_k_plan",
            "supported", "tiles_for", "token_blocks_stream_k", "unrepack", "wgmma_ring_bytes", "wgmma_shared_bytes",
            "wgmma_supported", "wide_reduce_unroll", "wide_splits"]

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qerl.kernels import fused_decode as K
+from qerl.nvfp4.kernels import fused_decode as K
 
 res = {}
 g = torch.Generator().manual_seed(0)
@@ -109,7 +109,8 @@ for dtype in (torch.float32, torch.float16):
 
 # wide batches: the stacked dense copy of an NVFP4 group (made per rollout) vs the layers' own dequantized weights
 # (fp32: the interpreter's numpy cannot do the kernel's bf16 bit tricks; the GPU benchmarks check bf16)
-from qerl.modules.nvfp4 import NVFP4Linear, dequantize
+from qerl.nvfp4.format import dequantize
+from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.fused_decoder import BaseGEMM
 
 lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 48)]
