@@ -146,9 +146,9 @@ def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None
     """Whether a rollout of ``rows`` rows makes the bf16 copy of ``need`` bytes (``CUDAGraphRollout.wide_batch_bf16``
     = ``setting``; ``free``: free GPU memory, None off CUDA): only above the mma GEMV's 64 rows, and by default only
     with ``spare`` bytes left over."""
-    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.kernels import gemv_plan
 
-    if setting is False or rows <= mma.MAX_M or not need or free is None:
+    if setting is False or rows <= gemv_plan.MAX_M or not need or free is None:
         return False
     return bool(setting) or free >= need + spare
 
@@ -373,7 +373,7 @@ class CUDAGraphRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
-        from qerl.nvfp4.kernels import gemv as M
+        from qerl.nvfp4.kernels import gemv_plan
         from qerl.nvfp4.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
@@ -384,7 +384,7 @@ class CUDAGraphRollout(RolloutEngine):
         if pdl and not P.supported(device):
             raise ValueError(f"CUDAGraphRollout(pdl=True) needs a CUDA device of compute capability >= 9.0 and Triton "
                              f">= 3.4 (got {device}); set pdl to null (auto) or false.")
-        if self.wgmma and not (fast and M.wgmma_supported(device)):
+        if self.wgmma and not (fast and gemv_plan.wgmma_supported(device)):
             raise ValueError(f"CUDAGraphRollout(wgmma=True) needs an sm_90 GPU (H100/H200), got {device}; set wgmma "
                              "to null (auto) or false.")
         wgmma = None if self.wgmma is None else (fast and self.wgmma)

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.nvfp4.kernels import fused_decode as K
-from qerl.nvfp4.kernels import gemv as mma
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.split_k import counters
 from qerl.nvfp4.linear import NVFP4Linear
 
@@ -143,7 +143,7 @@ class BaseGEMM:
     def _mma_weight(self):
         ms = self.layers
         k = ms[0].in_features
-        if not all(mma.supported(m.out_features, k) and m.in_features == k for m in ms):
+        if not all(gemv_layout.supported(m.out_features, k) and m.in_features == k for m in ms):
             return None
         gs = ms[0].weight_global_scale
         versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
@@ -157,7 +157,7 @@ class BaseGEMM:
             if len(ms) == 1:
                 words, factors = ms[0].gemv_weight()  # the layer's own copy: the per-layer kernels use it too
             else:
-                parts = [mma.repack(m.weight_packed, m.weight_scale) for m in ms]
+                parts = [gemv_layout.repack(m.weight_packed, m.weight_scale) for m in ms]
                 words = torch.cat([p[0] for p in parts])
                 factors = torch.cat([p[1] for p in parts])
                 del parts
@@ -206,7 +206,7 @@ class BaseGEMM:
                 self._no_mma = True
                 return False
             # the split-K arrival counters, for the widest batch (one per row block and token block)
-            counters(x.device, mma.counter_size(self._widest(x.device), sum(self.sizes)))
+            counters(x.device, gemv_plan.counter_size(self._widest(x.device), sum(self.sizes)))
         return True
 
     def _widest(self, device: torch.device) -> int:
@@ -214,8 +214,12 @@ class BaseGEMM:
         blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized:
         H100, M = 128, 7b.q 21.4 vs 20.1 us)."""
         if self.wgmma is False:
-            return mma.MAX_M
-        return min(mma.default_widest(sum(self.sizes), self.layers[0].in_features), mma.max_m(device))
+            return gemv_plan.MAX_M
+        return min(gemv_plan.default_widest(sum(self.sizes), self.layers[0].in_features), gemv_plan.max_m(device))
+
+    def _gemv_config(self, counter: torch.Tensor | None) -> gemv_plan.GemvConfig:
+        # no counters (a capture that found none built): the splits are summed by Triton stores instead
+        return gemv_plan.GemvConfig(fused=counter is not None, pdl=self.pdl, wgmma=self.wgmma)
 
     def key(self) -> tuple:
         return (self._rebuilds,)
@@ -225,7 +229,7 @@ class BaseGEMM:
         return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self._dequantized is not None and x.shape[0] > mma.MAX_M and x.dtype == self._dequantized.dtype:
+        if self._dequantized is not None and x.shape[0] > gemv_plan.MAX_M and x.dtype == self._dequantized.dtype:
             return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
         if self.kind == "dense":
             if self.dense is not None:
@@ -233,9 +237,8 @@ class BaseGEMM:
             return [F.linear(x, m.weight) for m in self.layers]
         if self._ensure_mma(x):
             words, factors, gs = self._repacked
-            counter = counters(x.device, mma.counter_size(x.shape[0], sum(self.sizes)), build=False)
-            y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                           counter=counter, pdl=self.pdl, wgmma=self.wgmma)
+            counter = counters(x.device, gemv_plan.counter_size(x.shape[0], sum(self.sizes)), build=False)
+            y = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter)
             return list(y.split(self.sizes, dim=1))
         if self.kind == "nvfp4" and self.fast and x.is_cuda:
             from qerl.nvfp4.kernels.matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
@@ -248,14 +251,13 @@ class BaseGEMM:
 
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
-        ``nvfp4_mma_gemv.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
-        if x.shape[0] > mma.DENSE_MAX_M or not self._ensure_mma(x):
+        ``gemv_layout.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
+        if x.shape[0] > gemv_plan.DENSE_MAX_M or not self._ensure_mma(x):
             return None
 
         words, factors, gs = self._repacked
         counter = counters(x.device, words.shape[0], build=False)
-        y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                          counter=counter, dense=(frags, rows), pdl=self.pdl, wgmma=self.wgmma)
+        y, u = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter, dense=(frags, rows))
         return list(y.split(self.sizes, dim=1)), u
 
 
@@ -289,7 +291,7 @@ class _Group:
         """Whether the GEMV multiplies this group's LoRA-A rows in its own launch (then they are kept in its
         fragment order too)."""
         return (self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16
-                and self.modules[0].in_features % mma.CHUNK == 0)
+                and self.modules[0].in_features % gemv_layout.CHUNK == 0)
 
     def key(self) -> tuple:
         ptrs = tuple(t.data_ptr() for t in (self.a, self.a_frags, *(self.b or ())) if t is not None)
@@ -322,7 +324,7 @@ class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
     or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
     launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.nvfp4.kernels.pdl.supported``).
-    ``wgmma``: the NVFP4 GEMV's loop (``nvfp4_mma_gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
+    ``wgmma``: the NVFP4 GEMV's loop (``gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
     mma.sync loop).
 
     Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
@@ -434,10 +436,10 @@ class FusedDecoder:
                 continue
             # the LoRA-A rows in the GEMV's fragment order (16-row blocks are independent: one call for the stack)
             if frags is None:
-                frags = mma.dense_fragments(buf)
+                frags = gemv_layout.dense_fragments(buf)
                 self._lora_a_stacks[kind] = (layout, buf, frags)
             else:
-                mma.dense_fragments(buf, out=frags)
+                gemv_layout.dense_fragments(buf, out=frags)
             block = 0
             for g in groups:
                 blocks = -(-g.a.shape[0] // 16)
@@ -447,7 +449,7 @@ class FusedDecoder:
     def key(self, batch: int = 1) -> tuple:
         """Identifies what a captured step of ``batch`` rows reads (graphs are keyed on it): above the GEMV's batch
         also the per-rollout dense copies, so the steps up to it keep their graphs when those move."""
-        return self._wide_key if batch > mma.MAX_M else self._key
+        return self._wide_key if batch > gemv_plan.MAX_M else self._key
 
     def dequantized_bytes(self, dtype: torch.dtype) -> int:
         """What ``prepare(dtype, dequantize=True)`` allocates."""

@@ -76,3 +76,21 @@ def test_linear_rejects_bad_shapes_and_kernels():
         layer(torch.randn(1, 48))
     with pytest.raises(ValueError, match="weight_packed has shape"):
         layer.load_nvfp4(quantize(torch.randn(24, 32)))
+
+
+def test_gemv_weight_lives_on_the_layer_and_follows_in_place_writes():
+    from qerl.nvfp4.kernels.gemv_layout import repack, unrepack
+
+    layer, _ = make_layer(False, "torch", out_features=32, in_features=64)
+    words, factors = layer.gemv_weight()
+    assert layer.gemv_weight(build=False)[0] is words  # built once, kept beside the storage
+    packed, scale = unrepack(words, factors)
+    assert torch.equal(packed, layer.weight_packed) and torch.equal(scale.view(torch.uint8),
+                                                                   layer.weight_scale.view(torch.uint8))
+    other, _ = make_layer(False, "torch", out_features=32, in_features=64, seed=1)
+    layer.load_state_dict(other.state_dict())  # in place: same pointers, new versions
+    assert layer.gemv_weight(build=False) is None  # stale: never handed out
+    new_words, new_factors = layer.gemv_weight()
+    expected = repack(other.weight_packed, other.weight_scale)
+    assert torch.equal(new_words, expected[0]) and torch.equal(new_factors, expected[1])
+    assert set(layer.state_dict()) == {"weight_packed", "weight_scale", "weight_global_scale"}

@@ -188,9 +188,9 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
 
 
 def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
-    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.kernels import gemv_layout, gemv_plan
 
-    assert not mma.wgmma_supported(torch.device("cpu"))
+    assert not gemv_plan.wgmma_supported(torch.device("cpu"))
     base = policy.get_base_model()
     with pytest.raises(ValueError, match="sm_90 GPU.*set wgmma to null"):
         CUDAGraphRollout(fused=True, wgmma=True)._fused_decoder(base, torch.device("cpu"))
@@ -206,7 +206,7 @@ def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
 def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(policy):
     """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
     an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
-    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.kernels import gemv_layout, gemv_plan
     from qerl.rollout.cuda_graph import wants_bf16_copy
 
     gib = 1 << 30
@@ -219,7 +219,7 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     decoder = engine._state["decoder"]
     assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, torch.device("cpu"))
     narrow = decoder.key(1)
-    assert decoder.key(mma.MAX_M) == narrow and decoder.key(mma.MAX_M + 1)[: len(narrow)] == narrow
+    assert decoder.key(gemv_plan.MAX_M) == narrow and decoder.key(gemv_plan.MAX_M + 1)[: len(narrow)] == narrow
     current, old = decoder.key(1), decoder.key(1) + ("an earlier layout",)
     graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale",
               (2, 256, 1.0, False, None): "hf"}
@@ -316,7 +316,7 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
 def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_path):
     """The LoRA-A rows of every layer's group of a kind share one 16-row-aligned buffer and its GEMV fragments; a
     new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
-    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.kernels import gemv_layout, gemv_plan
     from qerl.rollout.fused_decoder import GROUPS, FusedDecoder
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
@@ -334,7 +334,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
                 a = torch.cat([m.lora_A["default"].weight for m in g.modules]).to(torch.bfloat16)
                 assert g.adapter and torch.equal(g.a, a)
                 assert g.takes_fragments(torch.bfloat16)
-                assert torch.equal(mma.undense_fragments(g.a_frags, a.shape[0]), a)
+                assert torch.equal(gemv_layout.undense_fragments(g.a_frags, a.shape[0]), a)
                 for m, b in zip(g.modules, g.b):
                     s = m.scaling["default"]
                     assert torch.equal(b, (m.lora_B["default"].weight.to(torch.bfloat16).float() * s).to(b.dtype))

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels import gemv as mma_gemv
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, gemv_ptx
 from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
 from qerl.nvfp4.kernels.split_k import counters, sum_splits
 
@@ -314,7 +314,7 @@ class TileConfig:
     dense: bool = False
     """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
     mma_gemv: bool = False
-    """Forward, M <= 64, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``nvfp4_mma_gemv``);
+    """Forward, M <= 64, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``gemv``);
     ``num_warps`` warps per program, split-K up to ``min_programs`` warps (0: one full wave), the splits reduced in
     the kernel when ``fused_reduce``. Anything else (backward, other dtypes, CPU) takes the default config instead."""
     fused_reduce: bool = True
@@ -329,7 +329,7 @@ class TileConfig:
     """mma GEMV: the warpgroup-MMA loop (sm_90); None: there unless the fields above pin an mma.sync variant."""
     cluster: bool | None = None
     """wgmma GEMV: reduce the K splits through a thread-block cluster (None: the kernel's default for the batch
-    width, see ``nvfp4_mma_gemv.launch``)."""
+    width, see ``gemv.launch``)."""
 
 
 GemvWeight = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -359,7 +359,7 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
     where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
     bucket = m_bucket(m)
-    if gemv and not transpose_w and m <= mma_gemv.default_widest(out, red):
+    if gemv and not transpose_w and m <= gemv_plan.default_widest(out, red):
         return GEMV  # (the token-block wgmma loop above 64 rows: sm_90 only, falls back to the rules below)
     # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
     # rollout (which does not autotune) ran the first guesses
@@ -377,8 +377,8 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
 def gemv_configs(m: int = 1) -> list[TileConfig]:
     """The mma GEMV candidates (forward, M <= 64); the first is the default (the wgmma loop on sm_90), then the
     wgmma loop's other warp/stage choices, then the mma.sync variants (what sm_80/sm_89 run)."""
-    nt = mma_gemv.tiles_for(m)
-    if nt > mma_gemv.MAX_M // 8:  # token blocks: the wgmma loop only, its ring in dynamic shared memory
+    nt = gemv_plan.tiles_for(m)
+    if nt > gemv_plan.MAX_M // 8:  # token blocks: the wgmma loop only, its ring in dynamic shared memory
         return [GEMV] + [TileConfig(0, m_bucket(m), 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
                          for w in (8, 4) for st in (3, 4, 5, 6)]
     # min_programs: split K for about this many warps instead of the most one wave holds (0); fewer splits write
@@ -386,11 +386,11 @@ def gemv_configs(m: int = 1) -> list[TileConfig]:
     # 7B q 9.5 vs 11.1 us, 32B k 6.8 vs 9.5 us)
     wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, min_programs=tw, mma_gemv=True, smem_stages=st, wgmma=True)
              for w in (4, 8) for st in (3, 4, 5, 6, 8) for tw in ((0, 256, 512, 1024) if st in (4, 6) else (0,))
-             if w <= 8 * nt and mma_gemv.wgmma_ring_bytes(nt, st, w) <= mma_gemv.WGMMA_SMEM_LIMIT]
+             if w <= 8 * nt and gemv_ptx.wgmma_ring_bytes(nt, st, w) <= gemv_ptx.WGMMA_SMEM_LIMIT]
     # the split-K reduction the default does not take at this width (cluster at 9-16 tokens, global at 1-8)
     wgmma += [dataclasses.replace(c, cluster=nt != 1) for c in wgmma
               if nt <= 2 and c.smem_stages in (4, 6) and c.min_programs in (0, 512)]
-    if nt == 8 and mma_gemv.gl is not None:  # deeper rings in dynamic shared memory (H100 32b.gate: 53.5 vs 70.1 us)
+    if nt == 8 and gemv_plan.HAS_GLUON:  # deeper rings in dynamic shared memory (H100 32b.gate: 53.5 vs 70.1 us)
         # and 16 warps (256 weight rows sharing each activation tile: 7b.gate 33.6 vs 36.8 us, 32b.gate 49.2 vs 54.3;
         # the long-K and small weights lose, bench/results/wide_probe_h100_w16.json)
         wgmma += [TileConfig(0, 64, 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
@@ -465,7 +465,7 @@ def config_for(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype
 # transient dense tensor (one fused pass at memory speed) and runs the library GEMM on it: once the GEMM is
 # compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes (measured on H200
 # with the first kernel: fused 0.3-0.45x of cuBLAS for M >= 256). On sm_90 the token-block wgmma GEMV takes the
-# weights of >= mma_gemv.WIDE_MIN_WEIGHTS entries up to mma_gemv.WIDE_MAX_M rows first (1.4-2.9x the dense path).
+# weights of >= gemv_plan.WIDE_MIN_WEIGHTS entries up to gemv_plan.WIDE_MAX_M rows first (1.4-2.9x the dense path).
 DENSE_MIN_M = 128
 
 
@@ -580,22 +580,22 @@ def _launch(
 def _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight):
     """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
     if (gemv_weight is None or transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16
-            or a.shape[0] == 0 or a.shape[0] > mma_gemv.max_m(a.device) or not mma_gemv.supported(n, k)):
+            or a.shape[0] == 0 or a.shape[0] > gemv_plan.max_m(a.device) or not gemv_layout.supported(n, k)):
         return None
     # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
     capturing = torch.cuda.is_current_stream_capturing()
     cached = gemv_weight(build=not capturing)
     if cached is None:
         return None
-    fused = (cfg.fused_reduce or mma_gemv.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
+    fused = (cfg.fused_reduce or gemv_plan.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
              or bool(cfg.smem_stages))
-    counter = counters(a.device, mma_gemv.counter_size(a.shape[0], n), build=not capturing) if fused else None
+    counter = counters(a.device, gemv_plan.counter_size(a.shape[0], n), build=not capturing) if fused else None
     if fused and counter is None:
         return None
-    return mma_gemv.launch(a, None, None, weight_global_scale, warps=cfg.num_warps,
-                           target_warps=cfg.min_programs, cached=cached, fused=fused, counter=counter,
-                           x_prefetch=cfg.x_prefetch, row_blocks_per_warp=cfg.row_blocks,
-                           smem_stages=cfg.smem_stages, wgmma=cfg.wgmma, cluster=cfg.cluster)
+    config = gemv_plan.GemvConfig(
+        warps=cfg.num_warps, target_warps=cfg.min_programs, fused=fused, x_prefetch=cfg.x_prefetch,
+        row_blocks=cfg.row_blocks, smem_stages=cfg.smem_stages, wgmma=cfg.wgmma, cluster=cfg.cluster)
+    return gemv.launch(a, *cached, weight_global_scale, config, counter)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -708,10 +708,10 @@ def autotune(
     calls = max(len(activations), len(weights))
     best: tuple[TileConfig, float] | None = None
     candidates = candidates or candidate_configs(a0.shape[0], transpose_weight)
-    if any(c.mma_gemv for c in candidates) and mma_gemv.supported(n, k) and a0.is_cuda:
+    if any(c.mma_gemv for c in candidates) and gemv_layout.supported(n, k) and a0.is_cuda:
         for w in weights:  # build the repacks (and the split-K counters) before any graph capture
-            mma_gemv.repacked(w[0], w[1])
-        mma_gemv.counters(a0.device, mma_gemv.counter_size(a0.shape[0], n))
+            gemv_layout.repack(w[0], w[1])
+        counters(a0.device, gemv_plan.counter_size(a0.shape[0], n))
     for cfg in candidates:
         def call(i, cfg=cfg):
             return _launch(activations[i % len(activations)], *weights[i % len(weights)], transpose_weight, cfg)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_nvfp4_matmul.py"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/nvfp4/kernels/test_nvfp4_matmul.py"
 
 import torch  # noqa: E402
 
@@ -82,15 +82,15 @@ def tuning_bucket_cases() -> dict[str, float]:
     """A tuned configuration is cached per (M bucket, shape) and reused for every M of its bucket, so every GEMV
     candidate offered at some M must fit the shared memory at every M of that bucket; and a winner cached at M = 1
     (an 8-warp 8-stage ring fits only one token tile) is not what M = 16 runs."""
-    from qerl.nvfp4.kernels import gemv as gemv
+    from qerl.nvfp4.kernels import gemv_plan, gemv_ptx
 
     fits = True
-    for m in range(1, gemv.WIDE_MAX_M + 1):
-        same_bucket = [m2 for m2 in range(1, gemv.WIDE_MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
+    for m in range(1, gemv_plan.WIDE_MAX_M + 1):
+        same_bucket = [m2 for m2 in range(1, gemv_plan.WIDE_MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
         for cfg in kernels.gemv_configs(m):
             if cfg.wgmma and cfg.smem_stages:  # (static up to 16 tokens: the LoRA-A rows and clusters need it)
-                fits &= all(gemv.wgmma_ring_bytes(gemv.tiles_for(m2), cfg.smem_stages, cfg.num_warps)
-                            <= (gemv.WGMMA_SMEM_LIMIT if m2 <= 16 else gemv.WGMMA_DYNAMIC_LIMIT)
+                fits &= all(gemv_ptx.wgmma_ring_bytes(gemv_plan.tiles_for(m2), cfg.smem_stages, cfg.num_warps)
+                            <= (gemv_ptx.WGMMA_SMEM_LIMIT if m2 <= 16 else gemv_ptx.WGMMA_DYNAMIC_LIMIT)
                             for m2 in same_bucket)
     big = next(c for c in kernels.gemv_configs(1) if c.wgmma and c.num_warps == 8 and c.smem_stages == 8)
     key = kernels._key(False, 1, 3584, 3584, torch.bfloat16)

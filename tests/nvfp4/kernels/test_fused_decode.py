@@ -70,7 +70,7 @@ def test_wide_batch_dense_copy_is_the_dequantized_stack(interpreted):
 
 def test_stacked_nvfp4_repack_is_the_stacked_weight():
     """q|k|v (one global scale) repacked as one weight decodes to the three dequantized weights stacked."""
-    from qerl.nvfp4.kernels import gemv as mma
+    from qerl.nvfp4.kernels import gemv_layout
     from qerl.nvfp4.format import dequantize
     from qerl.nvfp4.linear import NVFP4Linear
     from qerl.rollout.fused_decoder import BaseGEMM
@@ -88,10 +88,10 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     gemm = BaseGEMM(mods, fast=True)
     words, factors, gs = gemm._mma_weight()
     assert words.shape[0] * 16 == 128 and gs is mods[0].weight_global_scale
-    assert torch.equal(torch.cat([mma.repack(m.weight_packed, m.weight_scale)[0] for m in mods]), words)
+    assert torch.equal(torch.cat([gemv_layout.repack(m.weight_packed, m.weight_scale)[0] for m in mods]), words)
     # the kernel's operand is W * gs * 2^-8, exactly (the global scale is applied once, after the sum)
     ref = torch.cat([dequantize(m.weight_packed, m.weight_scale, torch.ones(1), torch.float64) for m in mods]) / 256
-    assert torch.equal(mma.emulate_repacked(words, factors).double(), ref)
+    assert torch.equal(gemv_layout.emulate_repacked(words, factors).double(), ref)
     assert gemm._mma_weight()[0] is words  # cached while the weights are unchanged
 
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from qerl.nvfp4.kernels import gemv as gemv  # noqa: E402  (does not import nvfp4_matmul)
+from qerl.nvfp4.kernels import gemv_layout, gemv_plan, gemv_ptx  # noqa: E402
 from qerl.nvfp4.format import dequantize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,10 +31,10 @@ def random_nvfp4(n, k, seed):
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (32, 448)])
 def test_repack_roundtrip(n, k):
     p, s, _ = random_nvfp4(n, k, n + k)
-    words, factors = gemv.repack(p, s)
+    words, factors = gemv_layout.repack(p, s)
     assert words.shape == (n // 16, k // 64, 32, 4) and words.dtype == torch.int32
     assert factors.shape == (n // 16, k // 64, 32) and factors.dtype == torch.int32
-    p2, s2 = gemv.unrepack(words, factors)
+    p2, s2 = gemv_layout.unrepack(words, factors)
     assert torch.equal(p2, p)
     assert torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
 
@@ -42,15 +42,15 @@ def test_repack_roundtrip(n, k):
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (32, 448)])
 def test_asm_decode_of_repack_equals_dequantize(n, k):
     p, s, g = random_nvfp4(n, k, 7 * n + k)
-    words, factors = gemv.repack(p, s)
+    words, factors = gemv_layout.repack(p, s)
     ref = dequantize(p, s, torch.ones(1), torch.float64) / 256  # the kernel's operand is W * gs * 2^-8, exact
-    assert torch.equal(gemv.emulate_repacked(words, factors).double(), ref)
+    assert torch.equal(gemv_layout.emulate_repacked(words, factors).double(), ref)
 
 
 def test_bit_positions_partition_the_word():
     bits = []
     for e in range(8):
-        bits += [gemv.MAG_BASE[e] + i for i in range(3)] + [gemv.SIGN_BASE[e]]
+        bits += [gemv_layout.MAG_BASE[e] + i for i in range(3)] + [gemv_layout.SIGN_BASE[e]]
     assert sorted(bits) == list(range(32))
 
 
@@ -95,48 +95,48 @@ def test_gemv_config_falls_back_and_is_forward_small_m_only():
 
 def test_auto_shapes():
     # 7b.down at M <= 8 takes 8 warps, everything else 4; splits keep one resident wave and >= 4 chunks each
-    assert gemv.auto_warps(3584, 18944, 1) == 8 and gemv.auto_warps(3584, 18944, 2) == 4
-    assert gemv.auto_warps(512, 3584, 1) == 4 and gemv.auto_warps(18944, 3584, 1) == 4
-    gemv._REGS[(1, True, 4, True, 1, 0)] = 64  # as built on the H200: 8 programs of 4 warps per SM
-    gemv._REGS[(8, True, 4, False, 1, 0)] = 154  # 3 programs per SM
-    gemv._REGS[(8, True, 4, False, 2, 0)] = 208  # 2 programs per SM
+    assert gemv_plan.auto_warps(3584, 18944, 1) == 8 and gemv_plan.auto_warps(3584, 18944, 2) == 4
+    assert gemv_plan.auto_warps(512, 3584, 1) == 4 and gemv_plan.auto_warps(18944, 3584, 1) == 4
+    gemv_plan._REGS[(1, True, 4, True, 1, 0)] = 64  # as built on the H200: 8 programs of 4 warps per SM
+    gemv_plan._REGS[(8, True, 4, False, 1, 0)] = 154  # 3 programs per SM
+    gemv_plan._REGS[(8, True, 4, False, 2, 0)] = 208  # 2 programs per SM
     try:
-        assert gemv.auto_splits(18944 // 16, 3584 // 64, 1, 4, 132) == 3  # 296 programs, 1056 resident
-        assert gemv.auto_splits(512 // 16, 3584 // 64, 1, 4, 132) == 14  # capped at 56 chunks / 4
-        assert gemv.auto_splits(27648 // 16, 5120 // 64, 1, 4, 132) == 2
-        assert gemv.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132) == 7  # 56 programs, 396 resident
-        assert gemv.auto_splits(37888 // 16, 3584 // 64, 8, 4, 132) == 1  # more than a wave already
-        assert gemv.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132, xpre=False, rb=2) == 9  # 28 programs, 264
+        assert gemv_plan.auto_splits(18944 // 16, 3584 // 64, 1, 4, 132) == 3  # 296 programs, 1056 resident
+        assert gemv_plan.auto_splits(512 // 16, 3584 // 64, 1, 4, 132) == 14  # capped at 56 chunks / 4
+        assert gemv_plan.auto_splits(27648 // 16, 5120 // 64, 1, 4, 132) == 2
+        assert gemv_plan.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132) == 7  # 56 programs, 396 resident
+        assert gemv_plan.auto_splits(37888 // 16, 3584 // 64, 8, 4, 132) == 1  # more than a wave already
+        assert gemv_plan.auto_splits(3584 // 16, 3584 // 64, 8, 4, 132, xpre=False, rb=2) == 9  # 28 programs, 264
     finally:
         for key in ((1, True, 4, True, 1, 0), (8, True, 4, False, 1, 0), (8, True, 4, False, 2, 0)):
-            del gemv._REGS[key]
-    assert [gemv.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
-    assert [gemv.counter_size(m, 3584) for m in (1, 64, 65, 128, 129, 256)] == [224, 224, 224, 224, 448, 448]
+            del gemv_plan._REGS[key]
+    assert [gemv_plan.tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    assert [gemv_plan.counter_size(m, 3584) for m in (1, 64, 65, 128, 129, 256)] == [224, 224, 224, 224, 448, 448]
     # token blocks by default for weights of >= 20M entries only (7B gate, the stacked 7B q|k|v is below)
-    assert gemv.default_widest(18944, 3584) == gemv.WIDE_MAX_M and gemv.default_widest(4608, 3584) == gemv.MAX_M
+    assert gemv_plan.default_widest(18944, 3584) == gemv_plan.WIDE_MAX_M and gemv_plan.default_widest(4608, 3584) == gemv_plan.MAX_M
 
 
 def test_wide_splits_weigh_waves_against_the_partials():
     # (programs, capacity, max splits, tokens, chunks) -> splits
-    assert gemv.wide_splits(80, 132, 108, 256, 432) == 3  # 32b.down, 2 token blocks: 80 programs on 132 SMs
-    assert gemv.wide_splits(40, 132, 108, 128, 432) == 3  # 32b.down, 1 block: the one-wave count
-    assert gemv.wide_splits(148, 132, 14, 128, 56) == 1  # 7b.gate: a short 2nd wave beats partials at 128 tokens
-    assert gemv.wide_splits(296, 132, 14, 256, 56) == 1
-    assert gemv.wide_splits(56, 132, 74, 256, 296) == 2  # 7b.down, 2 blocks
-    assert gemv.wide_splits(10, 132, 1, 128, 4) == 1  # no chunks to split
+    assert gemv_plan.wide_splits(80, 132, 108, 256, 432) == 3  # 32b.down, 2 token blocks: 80 programs on 132 SMs
+    assert gemv_plan.wide_splits(40, 132, 108, 128, 432) == 3  # 32b.down, 1 block: the one-wave count
+    assert gemv_plan.wide_splits(148, 132, 14, 128, 56) == 1  # 7b.gate: a short 2nd wave beats partials at 128 tokens
+    assert gemv_plan.wide_splits(296, 132, 14, 256, 56) == 1
+    assert gemv_plan.wide_splits(56, 132, 74, 256, 296) == 2  # 7b.down, 2 blocks
+    assert gemv_plan.wide_splits(10, 132, 1, 128, 4) == 1  # no chunks to split
     # brute force: the cost model's minimum over 1..8
     for args in ((80, 132, 108, 256, 432), (28, 132, 74, 128, 296), (100, 264, 20, 192, 80)):
         p, c, mx, t, ch = args
 
         def cost(s, p=p, c=c, t=t, ch=ch):
             return -(-p * s // c) / s * (1 + (8 * t * s / (0.5625 * 64 * ch) if s > 1 else 0))
-        assert cost(gemv.wide_splits(*args)) == min(cost(s) for s in range(1, min(8, mx) + 1))
+        assert cost(gemv_plan.wide_splits(*args)) == min(cost(s) for s in range(1, min(8, mx) + 1))
 
 
 @pytest.mark.parametrize("blocks,groups,chunks,programs", [(1, 148, 56, 132), (2, 148, 56, 132), (1, 40, 432, 132),
                                                             (2, 4, 56, 28), (1, 3, 5, 15), (1, 132, 7, 132)])
 def test_stream_k_plan_covers_every_unit_once_with_consistent_shares(blocks, groups, chunks, programs):
-    plan = gemv.stream_k_plan(blocks, groups, chunks, programs)
+    plan = gemv_plan.stream_k_plan(blocks, groups, chunks, programs)
     assert len(plan) == programs
     seen = {}
     for i, segs in enumerate(plan):
@@ -159,16 +159,16 @@ def test_stream_k_plan_covers_every_unit_once_with_consistent_shares(blocks, gro
 
 
 def test_shared_reservation_covers_the_ring_in_three_powers_of_two():
-    for ring in (49152, 53248, 77824, 86016, 116736, 129024, 172032, gemv.WGMMA_DYNAMIC_LIMIT):
-        parts = gemv.shared_reservation(ring + 1024)
+    for ring in (49152, 53248, 77824, 86016, 116736, 129024, 172032, gemv_ptx.WGMMA_DYNAMIC_LIMIT):
+        parts = gemv_plan.shared_reservation(ring + 1024)
         assert len(parts) == 3 and all(p & (p - 1) == 0 and p >= 256 for p in parts)
         assert ring + 1024 <= sum(parts) <= (ring + 1024) * 1.15 and sum(parts) <= 227 * 1024
-    assert gemv.wgmma_shared_bytes(8, 4, 4) == gemv.wgmma_ring_bytes(8, 4, 4)  # static: the ring itself
-    assert gemv.wgmma_shared_bytes(16, 4, 8) == sum(gemv.shared_reservation(gemv.wgmma_ring_bytes(16, 4, 8) + 1024))
+    assert gemv_plan.wgmma_shared_bytes(8, 4, 4) == gemv_ptx.wgmma_ring_bytes(8, 4, 4)  # static: the ring itself
+    assert gemv_plan.wgmma_shared_bytes(16, 4, 8) == sum(gemv_plan.shared_reservation(gemv_ptx.wgmma_ring_bytes(16, 4, 8) + 1024))
 
 
 def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
-    plan = gemv.split_plan
+    plan = gemv_plan.split_plan
     # one token tile: the wave rule's 14 splits of 56 chunks become a cluster of 8 (7 chunks each)
     assert plan(56, 14, 1, None, True, True, False) == (8, 7, True)
     # the same launch with LoRA-A rows: the same 8 splits, reduced globally (so the weight's sums are the same)
@@ -190,32 +190,32 @@ def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
     # every default the wgmma launch can pick fits shared memory (static up to 16 tokens), a token row per warp
     for nt in (1, 2, 4, 8, 16):
         for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (3584, 18944), (27648, 5120), (37888, 3584)):
-            warps, stages = gemv.default_wgmma(nt, n, k)
+            warps, stages = gemv_plan.default_wgmma(nt, n, k)
             assert warps in (4, 8) and warps <= 8 * nt and stages >= 3
-            ring = gemv.wgmma_ring_bytes(nt, stages, warps)
-            assert ring <= (gemv.WGMMA_SMEM_LIMIT if nt <= 2 else gemv.WGMMA_DYNAMIC_LIMIT)
-            asm = gemv._wgmma_mainloop_asm(nt, stages, warps)
+            ring = gemv_ptx.wgmma_ring_bytes(nt, stages, warps)
+            assert ring <= (gemv_ptx.WGMMA_SMEM_LIMIT if nt <= 2 else gemv_ptx.WGMMA_DYNAMIC_LIMIT)
+            asm = gemv_ptx._wgmma_mainloop_asm(nt, stages, warps)
             # a ring past ptxas' static limit is the launcher's dynamic shared memory, never a static declaration
-            assert ("global_smem" in asm) == (".shared .align" not in asm) == (ring > gemv.WGMMA_SMEM_LIMIT)
+            assert ("global_smem" in asm) == (".shared .align" not in asm) == (ring > gemv_ptx.WGMMA_SMEM_LIMIT)
             assert f"m64n{8 * nt}k16" in asm
     with pytest.raises(ValueError, match="shared memory"):
-        gemv._wgmma_mainloop_asm(16, 12, 8)
+        gemv_ptx._wgmma_mainloop_asm(16, 12, 8)
     # the ring bounds residency: 4 stages of 8 tiles (44 KiB) leave 5 programs per SM whatever the registers
     key = (8, True, 4, False, 1, 4, "wgmma", True)
-    gemv._REGS[key] = 64
+    gemv_plan._REGS[key] = 64
     try:
-        assert gemv.resident_programs(8, True, 4, False, 1, 4, wgmma=True) == 5
-        assert gemv.resident_programs(8, True, 4, False, 1, 4) != 5  # the mma.sync smem variant: another key
+        assert gemv_plan.resident_programs(8, True, 4, False, 1, 4, wgmma=True) == 5
+        assert gemv_plan.resident_programs(8, True, 4, False, 1, 4) != 5  # the mma.sync smem variant: another key
     finally:
-        del gemv._REGS[key]
+        del gemv_plan._REGS[key]
     # the LoRA-fused variant (dense rows in the launch) is looked up under its own key, never the plain one's
     plain, fused = (1, True, 4, False, 1, 6, "wgmma", True), (1, True, 4, False, 1, 6, True, "wgmma", True)
-    gemv._REGS[plain], gemv._REGS[fused] = 64, 250
+    gemv_plan._REGS[plain], gemv_plan._REGS[fused] = 64, 250
     try:
-        assert gemv.resident_programs(1, True, 4, False, 1, 6, wgmma=True, dense=True) == 2
-        assert gemv.resident_programs(1, True, 4, False, 1, 6, wgmma=True) == 8  # 64 registers: 8 programs
+        assert gemv_plan.resident_programs(1, True, 4, False, 1, 6, wgmma=True, dense=True) == 2
+        assert gemv_plan.resident_programs(1, True, 4, False, 1, 6, wgmma=True) == 8  # 64 registers: 8 programs
     finally:
-        del gemv._REGS[plain], gemv._REGS[fused]
+        del gemv_plan._REGS[plain], gemv_plan._REGS[fused]
 
 
 _SM90_BUILD = """
@@ -224,7 +224,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qerl.nvfp4.kernels import gemv as G
+from qerl.nvfp4.kernels import gemv as G, gemv_plan, gemv_ptx
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
        "N": "i32", "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
@@ -237,10 +237,10 @@ for spec in sys.argv[1:]:
     dense, pdl = "d" in spec[5:], "P" in spec[5:]
     wgmma = "w" in spec[5:] or "W" in spec[5:]  # the warpgroup-MMA loop with 4 / 8 warps
     warps = 8 if "W" in spec[5:] else 4
-    unroll = G.wide_reduce_unroll(nt, rb) if "R" in spec[5:] else 0  # the many-split reduction of small weights
+    unroll = gemv_plan.wide_reduce_unroll(nt, rb) if "R" in spec[5:] else 0  # the many-split reduction of small weights
     cl = 8 if "c" in spec[5:] else 1  # the K splits as a cluster of 8 CTAs, reduced through shared memory
-    consts = {"NT": nt, "WARPS": warps, "ASM": G._asm(nt, fused, xpre, rb, st, warps, wgmma, unroll, cl > 1),
-              "SHIFT": 256.0, "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": G._dense_asm(nt) if dense else "",
+    consts = {"NT": nt, "WARPS": warps, "ASM": gemv_ptx._asm(nt, fused, xpre, rb, st, warps, wgmma, unroll, cl > 1),
+              "SHIFT": 256.0, "FUSED": fused, "RB": rb, "DENSE": dense, "DASM": gemv_ptx._dense_asm(nt) if dense else "",
               "PDL": pdl, "CL": cl}
     k = triton.compile(ASTSource(G._mma_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "launch_pdl": pdl, "num_ctas": cl})
@@ -307,9 +307,9 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if "P" in spec else ""), line
     for spec in ("1fp10", "1fp10d", "2fp20d", "4fn14", "8fn24", "1fn16w", "2fn16Wd", "8fn14w"):
         assert regs[spec + "P"] <= regs[spec] + 4, (spec, regs)
-    for nt, (w, st) in ((nt, gemv.default_wgmma(nt, n, k)) for nt in (1, 2, 4, 8)
+    for nt, (w, st) in ((nt, gemv_plan.default_wgmma(nt, n, k)) for nt in (1, 2, 4, 8)
                         for n, k in ((512, 3584), (3584, 3584), (18944, 3584), (27648, 5120))):
-        if gemv.wgmma_ring_bytes(nt, st, w) <= gemv.WGMMA_SMEM_LIMIT:  # (the larger: the Gluon build test's)
+        if gemv_ptx.wgmma_ring_bytes(nt, st, w) <= gemv_ptx.WGMMA_SMEM_LIMIT:  # (the larger: the Gluon build test's)
             assert f"{nt}fn1{st}{'W' if w == 8 else 'w'}" in regs  # every default the launcher can pick is built
 
 
@@ -319,7 +319,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from qerl.nvfp4.kernels import gemv as G
+from qerl.nvfp4.kernels import gemv as G, gemv_plan, gemv_ptx
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
@@ -328,7 +328,7 @@ sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M"
 for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = the stream-K table's runs
     nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").split(".")] + [0])[:4]
     pdl = spec.endswith("P")
-    consts = G._wide_constants({"ASM": G._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
+    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
                                nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
@@ -346,7 +346,7 @@ for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = th
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
-    print(spec, k.metadata.shared, G.wgmma_ring_bytes(nt, st, warps) + 1024,
+    print(spec, k.metadata.shared, gemv_ptx.wgmma_ring_bytes(nt, st, warps) + 1024,
           " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
 """
 
@@ -357,7 +357,7 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
     import triton
 
     pytest.importorskip("triton.experimental.gluon")
-    if gemv.gl is None or not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+    if not gemv_plan.HAS_GLUON or not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("this triton has no Gluon or no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
@@ -365,7 +365,7 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
-        assert int(shared) >= int(need) > gemv.WGMMA_SMEM_LIMIT, line
+        assert int(shared) >= int(need) > gemv_ptx.WGMMA_SMEM_LIMIT, line
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         marks = line.split("MARKS:")[1]
         assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if spec.endswith("P") else ""), line
@@ -375,9 +375,9 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
 def test_dense_fragments_are_the_mma_a_operand(n, k):
     gen = torch.Generator().manual_seed(n + k)
     a = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    frag = gemv.dense_fragments(a)
+    frag = gemv_layout.dense_fragments(a)
     assert frag.shape == (-(-n // 16), k // 64, 32, 4, 4) and frag.dtype == torch.int32
-    assert torch.equal(gemv.undense_fragments(frag, n), a)
+    assert torch.equal(gemv_layout.undense_fragments(frag, n), a)
     # lane (g, q), k16 step j: registers a0..a3 of m16n8k16 = rows (g, g+8, g, g+8) x k pairs (0-1, 0-1, 2-3, 2-3) of
     # k = 16 q + 4 j (the permuted k order the activation fragments share)
     padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bfloat16)
@@ -391,4 +391,4 @@ def test_dense_fragments_are_the_mma_a_operand(n, k):
                               padded[rows[0], k0 + 2:k0 + 4], padded[rows[1], k0 + 2:k0 + 4]]).reshape(-1)
         assert torch.equal(regs, expect)
     with pytest.raises(ValueError, match="K % 64"):
-        gemv.dense_fragments(torch.zeros(16, 96, dtype=torch.bfloat16))
+        gemv_layout.dense_fragments(torch.zeros(16, 96, dtype=torch.bfloat16))
