@@ -28,6 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
+import rollout_hooks
 import torch
 
 from qerl.modules.aqn import rms_norms
@@ -63,7 +64,7 @@ def checks() -> dict:
     eng = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
     a = eng.generate(policy, prompts, 4, 0, [])
     res["graphs_captured"] = eng.graphs_captured
-    eager = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, use_graphs=False)
+    eager = rollout_hooks.engine(use_graphs=False, max_new_tokens=24, seed=0, check_every=4)
     e = eager.generate(policy, prompts, 4, 0, [])
     res["graph_eq_eager_tokens"] = bool(torch.equal(a.completion_ids, e.completion_ids))
     res["graph_vs_eager_max_lp_diff"] = float((a.logprobs - e.logprobs).abs().max())
@@ -114,7 +115,7 @@ def checks() -> dict:
     del junk
     runs = {}
     for pdl in (False, True):  # programmatic dependent launch changes when kernels start, never what they compute
-        p = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4, pdl=pdl)
+        p = rollout_hooks.engine(pdl=pdl, max_new_tokens=40, seed=2, check_every=4)
         runs[pdl] = p.generate(policy, prompts, 8, 0, list(range(100, 104)))
     res["pdl_same_tokens_and_logprobs"] = bool(torch.equal(runs[True].completion_ids, runs[False].completion_ids)
                                                and torch.equal(runs[True].logprobs, runs[False].logprobs))
@@ -235,10 +236,10 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch)]
     counts = {}
     for steps in (4, 12):
-        eng = CUDAGraphRollout(max_new_tokens=64, seed=0, fused=fused, use_graphs=False)
-        eng.stop_after = 2
+        eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
+        rollout_hooks.stop_after(eng, 2)
         eng.generate(policy, prompts, 1, 0, [])  # warm-up (Triton compiles, repacks)
-        eng.stop_after = steps
+        rollout_hooks.stop_after(eng, steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eng.generate(policy, prompts, 1, 0, [])
@@ -252,19 +253,20 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
-    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl,
-                           wide_batch_bf16=wide_batch_bf16, wgmma=wgmma)
+    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, max_new_tokens=new, seed=0, check_every=16, fused=fused,
+                               wide_batch_bf16=wide_batch_bf16)
+    timer = rollout_hooks.PhaseTimer(eng)
     torch.cuda.reset_peak_memory_stats()
-    eng.stop_after = 16
+    rollout_hooks.stop_after(eng, 16)
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
-    eng.stop_after = None
+    rollout_hooks.stop_after(eng, None)
     torch.cuda.synchronize()
     t = time.perf_counter()
     r = eng.generate(policy, prompts, group, 0, [])  # EOS ignored: fixed length
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     assert r.completion_ids.shape == (batch, new)
-    tm = eng.last_timing
+    tm = timer.timing()
     # the warm-up captured the first length bucket only; steps of the timed call that captured a later one (eager
     # step + capture, once per rollout shape and engine) are left out of ms/step and reported apart
     # (tok/s: the capturing steps counted at the replayed steps' time)

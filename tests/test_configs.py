@@ -81,3 +81,13 @@ def test_recipes_on_the_cuda_graph_engine_keep_a_kv_cache_that_leaves_room_to_tr
     assert on_graphs == (gib <= 20), (recipe.name, round(gib, 1), type(cli.model.rollout).__name__)
     if on_graphs:
         assert f"({gib:.1f} GiB" in recipe.read_text()  # the recipe's comment states it
+
+
+def test_rollout_engine_help_shows_user_options_only(capsys):
+    # the comparison switches of the benchmarks (PDL, the GEMV loop, eager steps) are no engine options
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--model.rollout.help", "qerl.rollout.cuda_graph.CUDAGraphRollout"])
+    printed = capsys.readouterr().out
+    assert "--model.rollout.max_new_tokens" in printed and "--model.rollout.wide_batch_bf16" in printed
+    for switch in ("pdl", "wgmma", "use_graphs", "stop_after", "last_timing"):
+        assert f"--model.rollout.{switch}" not in printed

@@ -20,25 +20,25 @@ constexpr taken from the activation dtype: bf16 on GPUs, fp16/fp32 where Triton'
 flushes bf16 subnormals, which the code trick needs for E2M1 0.5).
 
 Small M uses split-K (fp32 partials plus a summing kernel) when there are too few output tiles to fill the GPU.
-Tile configurations come from a per-M-bucket default or from :func:`autotune`, which times candidates in CUDA graphs
-over rotated weight copies and caches the winner (call it while warming up, never inside a timed region).
+Tile configurations come from a per-M-bucket default (:func:`default_config`, the winners of the tuning benchmark
+``bench/nvfp4_tuning.py``); forward products of decode size go to the GEMV (``gemv``) on the layer's repacked weight.
 
-The public entry points are torch custom ops (``torch.ops.qerl.nvfp4_mm``) with fake implementations, so they trace
-under ``torch.compile`` and replay inside CUDA graphs; importing this module registers them as NVFP4Linear's
-``"triton"`` kernel.
+:func:`forward` and :func:`backward_input` are NVFP4Linear's ``"triton"`` kernel; the torch custom op
+(``torch.ops.qerl.nvfp4_mm``, with a fake implementation) is what traces under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, gemv_ptx
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig
 from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
 from qerl.nvfp4.kernels.split_k import counters, sum_splits
 
@@ -309,27 +309,11 @@ class TileConfig:
     num_stages: int = 3
     min_programs: int = 0
     """Split the reduction until at least this many programs run (0: never split)."""
-    use_asm: bool = True
-    """Marlin-style inline-PTX unpack (bf16 on CUDA only; the interpreter and fp16/fp32 always take plain Triton)."""
     dense: bool = False
     """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
-    mma_gemv: bool = False
-    """Forward, M <= 64, bf16 on CUDA: the mma.sync GEMV on the load-time repacked weight (``gemv``);
-    ``num_warps`` warps per program, split-K up to ``min_programs`` warps (0: one full wave), the splits reduced in
-    the kernel when ``fused_reduce``. Anything else (backward, other dtypes, CPU) takes the default config instead."""
-    fused_reduce: bool = True
-    x_prefetch: bool | None = None
-    """mma GEMV: load the activations a chunk ahead (None: the kernel's default for the batch width)."""
-    row_blocks: int | None = None
-    """mma GEMV: 16-row weight blocks per warp, 1 or 2 (None: the kernel's default for the batch width)."""
-    smem_stages: int | None = None
-    """mma GEMV: activations shared by the program's warps through this many shared-memory stages (0: each warp
-    loads its own; None: the kernel's default for the batch width)."""
-    wgmma: bool | None = None
-    """mma GEMV: the warpgroup-MMA loop (sm_90); None: there unless the fields above pin an mma.sync variant."""
-    cluster: bool | None = None
-    """wgmma GEMV: reduce the K splits through a thread-block cluster (None: the kernel's default for the batch
-    width, see ``gemv.launch``)."""
+    gemv: GemvConfig | None = None
+    """Forward, bf16 on CUDA, up to ``gemv_plan.max_m`` rows: the decode GEMV on the layer's repacked weight,
+    launched with this configuration. Anything else (backward, other dtypes, CPU) takes the default tiles instead."""
 
 
 GemvWeight = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -339,7 +323,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}
-_TUNED: dict[tuple, TileConfig] = {}
 
 
 def m_bucket(m: int) -> int:
@@ -350,11 +333,11 @@ def m_bucket(m: int) -> int:
 
 
 DENSE = TileConfig(0, 0, 0, dense=True)
-GEMV = TileConfig(0, 16, 64, 0, 1, min_programs=0, mma_gemv=True)  # 0 warps/programs: chosen per shape
+GEMV = TileConfig(0, 16, 64, 0, 1, gemv=GemvConfig())  # warps, splits and loop: chosen per shape
 
 
 def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = True) -> TileConfig:
-    """Defaults per M bucket until :func:`autotune` caches a measured winner (``gemv=False``: the Triton kernels only).
+    """The configuration per M bucket (``gemv=False``: the Triton kernels only).
 
     Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
     where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
@@ -372,89 +355,6 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     if m < DENSE_MIN_M:
         return TileConfig(128, bucket, 128, 8, 3, min_programs=132)
     return DENSE
-
-
-def gemv_configs(m: int = 1) -> list[TileConfig]:
-    """The mma GEMV candidates (forward, M <= 64); the first is the default (the wgmma loop on sm_90), then the
-    wgmma loop's other warp/stage choices, then the mma.sync variants (what sm_80/sm_89 run)."""
-    nt = gemv_plan.tiles_for(m)
-    if nt > gemv_plan.MAX_M // 8:  # token blocks: the wgmma loop only, its ring in dynamic shared memory
-        return [GEMV] + [TileConfig(0, m_bucket(m), 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
-                         for w in (8, 4) for st in (3, 4, 5, 6)]
-    # min_programs: split K for about this many warps instead of the most one wave holds (0); fewer splits write
-    # fewer fp32 partials, which at 16 tokens cost more than the parallelism gains on small weights (H100, M = 16:
-    # 7B q 9.5 vs 11.1 us, 32B k 6.8 vs 9.5 us)
-    wgmma = [TileConfig(0, m_bucket(m), 64, w, 1, min_programs=tw, mma_gemv=True, smem_stages=st, wgmma=True)
-             for w in (4, 8) for st in (3, 4, 5, 6, 8) for tw in ((0, 256, 512, 1024) if st in (4, 6) else (0,))
-             if w <= 8 * nt and gemv_ptx.wgmma_ring_bytes(nt, st, w) <= gemv_ptx.WGMMA_SMEM_LIMIT]
-    # the split-K reduction the default does not take at this width (cluster at 9-16 tokens, global at 1-8)
-    wgmma += [dataclasses.replace(c, cluster=nt != 1) for c in wgmma
-              if nt <= 2 and c.smem_stages in (4, 6) and c.min_programs in (0, 512)]
-    if nt == 8 and gemv_plan.HAS_GLUON:  # deeper rings in dynamic shared memory (H100 32b.gate: 53.5 vs 70.1 us)
-        # and 16 warps (256 weight rows sharing each activation tile: 7b.gate 33.6 vs 36.8 us, 32b.gate 49.2 vs 54.3;
-        # the long-K and small weights lose, bench/results/wide_probe_h100_w16.json)
-        wgmma += [TileConfig(0, 64, 64, w, 1, mma_gemv=True, smem_stages=st, wgmma=True)
-                  for w, st in ((8, 4), (8, 5), (8, 6), (4, 6), (4, 8), (16, 4), (16, 6))]
-    return [GEMV] + wgmma + _mma_sync_configs(m)
-
-
-def _mma_sync_configs(m: int) -> list[TileConfig]:
-    if m > 16:  # the asm always writes the output itself there; prefetch, row blocks and staging trade registers
-        wide = [(False, rb, 4) for rb in (1, 2)] + [
-            (xp, rb, 0) for xp in (True, False) for rb in (1, 2) if not (xp and rb == 2 and m > 32)]  # that spills
-        return [TileConfig(0, m_bucket(m), 64, 4, 1, mma_gemv=True, x_prefetch=xp, row_blocks=rb, smem_stages=st)
-                for xp, rb, st in wide]
-    return [TileConfig(0, 16, 64, w, 1, min_programs=tw, mma_gemv=True, fused_reduce=f, x_prefetch=xp,
-                       row_blocks=rb, smem_stages=st)
-            for w, tw, f, xp, rb, st in ((4, 0, True, True, 1, 0), (8, 0, True, True, 1, 0),
-                                         (4, 0, True, True, 2, 0), (4, 0, True, False, 2, 0),
-                                         (4, 0, True, False, 2, 4), (4, 2048, False, True, 1, 0))]
-
-
-def candidate_configs(m: int, transpose_w: bool = False) -> list[TileConfig]:
-    """What :func:`autotune` tries for a given M (plain-Triton unpack kept as a candidate for comparison)."""
-    bucket = m_bucket(m)
-    if bucket <= 16:
-        return ([] if transpose_w or m > 16 else gemv_configs(m)) + [
-            TileConfig(bo, 16, br, w, st, min_programs=264, use_asm=asm)
-            for bo, br, w, st, asm in (
-                (128, 128, 4, 3, False),
-                (128, 128, 4, 2, True),
-                (128, 256, 4, 2, True),
-                (128, 256, 4, 3, True),
-                (64, 256, 4, 2, True),
-                (256, 128, 8, 2, True),
-                (128, 256, 8, 2, True),
-            )
-        ]
-    if bucket <= 64:
-        return ([] if transpose_w else gemv_configs(m)) + [
-            TileConfig(bo, bucket, br, w, st, min_programs=mp, use_asm=asm)
-            for bo, br, w, st, mp, asm in (
-                (128, 128, 4, 4, 264, False),
-                (128, 128, 4, 3, 264, True),
-                (128, 128, 8, 3, 132, True),
-                (64, 128, 4, 3, 264, True),
-                (256, 128, 8, 2, 132, True),
-                (128, 64, 4, 4, 264, True),
-            )
-        ]
-    if bucket <= 256:
-        return ([] if transpose_w else gemv_configs(m)) + [
-            DENSE,
-            TileConfig(128, 128, 64, 8, 4, min_programs=132),
-            TileConfig(128, 128, 128, 8, 3, min_programs=132),
-            TileConfig(256, 128, 64, 8, 3, min_programs=132),
-        ]
-    return [DENSE]
-
-
-def _key(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype) -> tuple:
-    return (transpose_w, m_bucket(m), out, red, dtype)
-
-
-def config_for(transpose_w: bool, m: int, out: int, red: int, dtype: torch.dtype) -> TileConfig:
-    return _TUNED.get(_key(transpose_w, m, out, red, dtype)) or default_config(transpose_w, m, out, red)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -530,8 +430,8 @@ def _launch(
     if a.shape[1] != red:
         raise ValueError(f"Activation has {a.shape[1]} columns, the NVFP4 weight expects {red}.")
     m = a.shape[0]
-    cfg = config or config_for(transpose_w, m, out_dim, red, a.dtype)
-    if cfg.mma_gemv:
+    cfg = config or default_config(transpose_w, m, out_dim, red)
+    if cfg.gemv is not None:
         out = _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight)
         if out is not None:
             return out
@@ -568,7 +468,7 @@ def _launch(
         BLOCK_RED=cfg.block_red,
         COMPUTE=_COMPUTE[a.dtype],
         SHIFT=_SHIFT[a.dtype],
-        USE_ASM=cfg.use_asm and a.dtype == torch.bfloat16 and not _INTERPRET,
+        USE_ASM=a.dtype == torch.bfloat16 and not _INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -587,15 +487,12 @@ def _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight):
     cached = gemv_weight(build=not capturing)
     if cached is None:
         return None
-    fused = (cfg.fused_reduce or gemv_plan.tiles_for(a.shape[0]) > 2 or (cfg.row_blocks or 1) > 1
-             or bool(cfg.smem_stages))
+    g = cfg.gemv
+    fused = g.fused or gemv_plan.tiles_for(a.shape[0]) > 2 or (g.row_blocks or 1) > 1 or bool(g.smem_stages)
     counter = counters(a.device, gemv_plan.counter_size(a.shape[0], n), build=not capturing) if fused else None
     if fused and counter is None:
         return None
-    config = gemv_plan.GemvConfig(
-        warps=cfg.num_warps, target_warps=cfg.min_programs, fused=fused, x_prefetch=cfg.x_prefetch,
-        row_blocks=cfg.row_blocks, smem_stages=cfg.smem_stages, wgmma=cfg.wgmma, cluster=cfg.cluster)
-    return gemv.launch(a, *cached, weight_global_scale, config, counter)
+    return gemv.launch(a, *cached, weight_global_scale, dataclasses.replace(g, fused=fused), counter)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -655,99 +552,5 @@ def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
     return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Autotuning (CUDA only)
-
-
-def _graph_time_ms(fn: Callable[[int], object], calls: int, replays: int = 5) -> float:
-    """Median time of one ``fn(i)`` call, i = 0..calls-1 captured in a CUDA graph (no launch overhead). Every call
-    runs once before the capture: what a call builds lazily (a weight's GEMV repack, compiled variants) is never
-    built inside a capture, so a call whose state is missing would time its fallback path instead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def autotune(
-    activations: Sequence[torch.Tensor],
-    weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    transpose_weight: bool,
-    candidates: Sequence[TileConfig] | None = None,
-) -> tuple[TileConfig, float]:
-    """Time every candidate over rotated (activation, weight) sets and cache the fastest for this key.
-
-    Args:
-        activations: inputs ``[M, red]`` of one shape, cycled through so weights and inputs leave L2 between calls.
-        weights: ``(weight_packed, weight_scale, weight_global_scale)`` copies of one shape, cycled likewise.
-        transpose_weight: False for the forward product, True for the backward one.
-        candidates: configurations to try (default :func:`candidate_configs`).
-
-    Returns:
-        The winning configuration and its time per call in ms.
-    """
-    a0, (p0, _, _) = activations[0], weights[0]
-    n, k = p0.shape[0], p0.shape[1] * 2
-    out_dim, red = (k, n) if transpose_weight else (n, k)
-    calls = max(len(activations), len(weights))
-    best: tuple[TileConfig, float] | None = None
-    candidates = candidates or candidate_configs(a0.shape[0], transpose_weight)
-    if any(c.mma_gemv for c in candidates) and gemv_layout.supported(n, k) and a0.is_cuda:
-        for w in weights:  # build the repacks (and the split-K counters) before any graph capture
-            gemv_layout.repack(w[0], w[1])
-        counters(a0.device, gemv_plan.counter_size(a0.shape[0], n))
-    for cfg in candidates:
-        def call(i, cfg=cfg):
-            return _launch(activations[i % len(activations)], *weights[i % len(weights)], transpose_weight, cfg)
-
-        try:
-            ms = _graph_time_ms(call, calls)
-        except Exception as err:  # e.g. shared memory over the limit, or a candidate that does not compile
-            print(f"nvfp4 autotune: {cfg} failed: {type(err).__name__}: {str(err)[:200]}")
-            continue
-        if best is None or ms < best[1]:
-            best = (cfg, ms)
-    if best is None:
-        raise RuntimeError("No NVFP4 tile configuration ran.")
-    _TUNED[_key(transpose_weight, a0.shape[0], out_dim, red, a0.dtype)] = best[0]
-    return best
-
-
-def tuned_table() -> list[dict]:
-    """The cached autotune winners, as JSON-ready rows."""
-    return [
-        {"transpose_weight": t, "m_bucket": b, "out": o, "red": r, "dtype": str(d), **dataclasses.asdict(c)}
-        for (t, b, o, r, d), c in _TUNED.items()
-    ]
-
-
-__all__ = [
-    "TileConfig",
-    "autotune",
-    "backward_input",
-    "candidate_configs",
-    "config_for",
-    "DENSE_MIN_M",
-    "default_config",
-    "dequantize_dense",
-    "forward",
-    "m_bucket",
-    "nvfp4_mm",
-    "tuned_table",
-]
+__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "default_config", "dequantize_dense", "forward", "m_bucket",
+           "nvfp4_mm"]

@@ -79,27 +79,32 @@ def linear_cases(gen: torch.Generator) -> dict[str, float]:
 
 
 def tuning_bucket_cases() -> dict[str, float]:
-    """A tuned configuration is cached per (M bucket, shape) and reused for every M of its bucket, so every GEMV
-    candidate offered at some M must fit the shared memory at every M of that bucket; and a winner cached at M = 1
-    (an 8-warp 8-stage ring fits only one token tile) is not what M = 16 runs."""
+    """The tuning benchmark (bench/nvfp4_tuning.py) keeps a winner per (M bucket, shape) and reuses it for every M of
+    its bucket, so every GEMV candidate offered at some M must fit the shared memory at every M of that bucket; and a
+    winner kept at M = 1 (an 8-warp 8-stage ring fits only one token tile) is not what M = 16 runs."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import nvfp4_tuning as tuning
+
     from qerl.nvfp4.kernels import gemv_plan, gemv_ptx
 
     fits = True
     for m in range(1, gemv_plan.WIDE_MAX_M + 1):
         same_bucket = [m2 for m2 in range(1, gemv_plan.WIDE_MAX_M + 1) if kernels.m_bucket(m2) == kernels.m_bucket(m)]
-        for cfg in kernels.gemv_configs(m):
+        for cfg in (c.gemv for c in tuning.gemv_configs(m)):
             if cfg.wgmma and cfg.smem_stages:  # (static up to 16 tokens: the LoRA-A rows and clusters need it)
-                fits &= all(gemv_ptx.wgmma_ring_bytes(gemv_plan.tiles_for(m2), cfg.smem_stages, cfg.num_warps)
+                fits &= all(gemv_ptx.wgmma_ring_bytes(gemv_plan.tiles_for(m2), cfg.smem_stages, cfg.warps)
                             <= (gemv_ptx.WGMMA_SMEM_LIMIT if m2 <= 16 else gemv_ptx.WGMMA_DYNAMIC_LIMIT)
                             for m2 in same_bucket)
-    big = next(c for c in kernels.gemv_configs(1) if c.wgmma and c.num_warps == 8 and c.smem_stages == 8)
-    key = kernels._key(False, 1, 3584, 3584, torch.bfloat16)
-    kernels._TUNED[key] = big
+    big = next(c for c in tuning.gemv_configs(1) if c.gemv.wgmma and c.gemv.warps == 8 and c.gemv.smem_stages == 8)
+    key = tuning.key(False, 1, 3584, 3584, torch.bfloat16)
+    tuning.TUNED[key] = big
     try:
-        separated = kernels.config_for(False, 4, 3584, 3584, torch.bfloat16) is big and \
-            kernels.config_for(False, 16, 3584, 3584, torch.bfloat16) is not big
+        separated = tuning.config_for(False, 4, 3584, 3584, torch.bfloat16) is big and \
+            tuning.config_for(False, 16, 3584, 3584, torch.bfloat16) is not big
     finally:
-        del kernels._TUNED[key]
+        del tuning.TUNED[key]
     return {"tuning-candidates-fit-their-bucket": float(fits), "tuning-m1-winner-not-at-m16": float(separated)}
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # fp32 products of exact weights: only summation order differs; fp16 rounds inputs and outputs once (2^-11).
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3}
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from qerl.nvfp4.kernels import gemv_layout, gemv_plan, gemv_ptx  # noqa: E402
 from qerl.nvfp4.format import dequantize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def random_nvfp4(n, k, seed):
@@ -55,7 +55,10 @@ def test_bit_positions_partition_the_word():
 
 
 _CONFIG_CHECK = """
+import sys
 import torch
+sys.path.insert(0, "bench")
+import nvfp4_tuning as tuning
 from qerl.nvfp4.kernels import matmul as kernels
 from qerl.nvfp4.format import dequantize
 gen = torch.Generator().manual_seed(3)
@@ -63,22 +66,22 @@ p = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=gen)
 s = (torch.rand(32, 8, generator=gen) * 4).to(torch.float8_e4m3fn)
 g = torch.tensor([2688.0 / 0.7])
 x = torch.randn(3, 128, generator=gen)
-out = kernels._launch(x, p, s, g, False, kernels.gemv_configs()[0])  # not CUDA: falls back to the Triton path
+out = kernels._launch(x, p, s, g, False, tuning.gemv_configs()[0])  # not CUDA: falls back to the Triton path
 ref = x.double() @ dequantize(p, s, g, torch.float64).t()
 assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
-assert any(c.mma_gemv for c in kernels.candidate_configs(4))
-assert not any(c.mma_gemv for c in kernels.candidate_configs(4, transpose_w=True))
-assert any(c.mma_gemv for c in kernels.candidate_configs(64))
-assert not any(c.mma_gemv for c in kernels.candidate_configs(257) + kernels.candidate_configs(64, transpose_w=True)
-               + kernels.candidate_configs(128, transpose_w=True))
+assert any(c.gemv for c in tuning.candidate_configs(4))
+assert not any(c.gemv for c in tuning.candidate_configs(4, transpose_w=True))
+assert any(c.gemv for c in tuning.candidate_configs(64))
+assert not any(c.gemv for c in tuning.candidate_configs(257) + tuning.candidate_configs(64, transpose_w=True)
+               + tuning.candidate_configs(128, transpose_w=True))
 # above 64 rows (token blocks, sm_90): wgmma candidates only; the default for big weights only
-assert all(c.wgmma is not False for c in kernels.candidate_configs(200) if c.mma_gemv)
-assert kernels.default_config(False, 64, 3584, 3584).mma_gemv
-assert not kernels.default_config(False, 65, 3584, 3584).mma_gemv
-assert kernels.default_config(False, 256, 18944, 3584).mma_gemv
-assert not kernels.default_config(False, 257, 18944, 3584).mma_gemv
+assert all(c.gemv.wgmma is not False for c in tuning.candidate_configs(200) if c.gemv)
+assert kernels.default_config(False, 64, 3584, 3584).gemv
+assert not kernels.default_config(False, 65, 3584, 3584).gemv
+assert kernels.default_config(False, 256, 18944, 3584).gemv
+assert not kernels.default_config(False, 257, 18944, 3584).gemv
 x = torch.randn(100, 128, generator=gen)  # the wide GEMV config off sm_90 falls back as well
-out = kernels._launch(x, p, s, g, False, kernels.gemv_configs(100)[1])
+out = kernels._launch(x, p, s, g, False, tuning.gemv_configs(100)[1])
 ref = x.double() @ dequantize(p, s, g, torch.float64).t()
 assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 print("ok")
