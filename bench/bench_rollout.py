@@ -32,7 +32,7 @@ import rollout_hooks
 import torch
 
 from qerl.modules.aqn import rms_norms
-from qerl.modules.random_models import build_random_policy, qwen25_config
+from qerl.testing.random_models import build_random_policy, qwen25_config
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
 

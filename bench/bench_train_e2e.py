@@ -28,7 +28,7 @@ def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int) -> dict[
     from transformers import AutoTokenizer
 
     from qerl.nvfp4.checkpoint import save_nvfp4
-    from qerl.modules.random_models import build_random_model, qwen25_config
+    from qerl.testing.random_models import build_random_model, qwen25_config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = qwen25_config(size, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,

@@ -19,7 +19,7 @@ import torch
 import rollout_hooks
 from torch.profiler import ProfilerActivity, profile
 
-from qerl.modules.random_models import build_random_policy, qwen25_config
+from qerl.testing.random_models import build_random_policy, qwen25_config
 
 
 def kernel_table(policy, batch: int, fused: bool = True) -> dict:

@@ -10,7 +10,7 @@ import torch
 
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.modules.checkpoint_io import load_model
-from qerl.modules.tiny_models import save_tiny_model
+from qerl.testing.tiny_models import save_tiny_model
 from qerl.quantize import quantize_checkpoint
 
 

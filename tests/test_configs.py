@@ -67,7 +67,7 @@ def test_recipes_on_the_cuda_graph_engine_keep_a_kv_cache_that_leaves_room_to_tr
     # update need the rest (3B bigmath: 22.5 GiB, 7B bigmath 35, 14B/32B gsm8k 54/72 stay on the built-in engine)
     import torch
 
-    from qerl.modules.random_models import qwen25_config
+    from qerl.testing.random_models import qwen25_config
     from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
 
     monkeypatch.chdir(tmp_path)

@@ -134,7 +134,7 @@ def test_load_model_errors(tiny_model_dirs, tmp_path):
 
 
 def test_load_model_names_a_layer_whose_input_dim_is_not_a_multiple_of_16(tmp_path):
-    from qerl.modules.tiny_models import save_tiny_model
+    from qerl.testing.tiny_models import save_tiny_model
 
     # hidden 40 (head_dim 10): every Linear reading the hidden state has 40 inputs.
     directory = save_tiny_model(tmp_path / "odd", "llama", hidden_size=40, layers=1, vocab_size=256)

@@ -5,7 +5,7 @@ import torch
 
 from qerl.modules.aqn import rms_norms
 from qerl.modules.policy import build_policy
-from qerl.modules.tiny_models import save_tiny_model
+from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout, check_kv_cache_fits, kv_cache_bytes
 
@@ -136,7 +136,7 @@ def test_noise_applied_for_rollout_and_removed_exactly(policy, fused):
 
 def test_random_nvfp4_builder_makes_a_working_policy():
     from qerl.nvfp4.linear import NVFP4Linear
-    from qerl.modules.random_models import build_random_policy, qwen25_config
+    from qerl.testing.random_models import build_random_policy, qwen25_config
 
     config = qwen25_config("qwen2.5-7b", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
