@@ -38,6 +38,13 @@ def aqn_sigma(step: int, total_steps: int, sigma_start: float = 1e-2, sigma_end:
     return sigma_start * (sigma_end / sigma_start) ** ((stage - 1) / (num_stages - 2))
 
 
+def aqn_noise(weight: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fresh Z ~ N(0, std^2) of ``weight``'s shape, in its dtype and on its device: drawn in fp32 from ``generator``
+    (a CPU generator: the same draws whichever device the engine runs on), then cast. Every engine's noise."""
+    z = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * std
+    return z.to(device=weight.device, dtype=weight.dtype)
+
+
 def rms_norms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_rms_norm(m)]
 
@@ -52,8 +59,7 @@ def noisy_norms(model: nn.Module, std: float, generator: torch.Generator | None 
     try:
         with torch.no_grad():
             for module in norms:
-                z = torch.randn(module.weight.shape, generator=generator, dtype=torch.float32) * std
-                z = z.to(device=module.weight.device, dtype=module.weight.dtype)
+                z = aqn_noise(module.weight, std, generator)
                 module.weight.add_(z)
                 noises.append(z)
         yield noises

@@ -13,7 +13,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.data.prompts import format_prompt
-from qerl.modules.aqn import aqn_sigma, aqn_stage, noisy_norms, rms_norms
+from qerl.modules.aqn import aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
 from qerl.modules.grpo_module import GRPOModule
 from qerl.modules.policy import PolicyConfig, build_policy, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
@@ -123,6 +123,17 @@ def test_noise_has_the_scheduled_std_one_value_per_channel():
     assert z.std().item() == pytest.approx(sigma, rel=0.03)
     assert abs(z.mean().item()) < 4 * sigma / z.numel() ** 0.5
     assert not torch.equal(deltas[0], deltas[1])  # fresh noise for each norm
+
+
+def test_the_built_in_engines_draw_with_the_one_noise_helper():
+    # every engine (the built-in ones through noisy_norms, vLLM's in its norm writes) draws with aqn_noise: the same
+    # generator state gives the same noise, in the weight's dtype and on its device
+    model = Norms(n=3, width=64).to(torch.bfloat16)
+    with noisy_norms(model, 0.02, torch.Generator().manual_seed(5)) as noises:
+        pass
+    again = torch.Generator().manual_seed(5)
+    expected = [aqn_noise(m.weight, 0.02, again) for m in rms_norms(model)]
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(noises, expected))
 
 
 def test_noise_is_fresh_each_time_and_zero_std_is_a_no_op():

@@ -45,6 +45,19 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
 
 
 @needs_vllm
+def test_noisy_norms_are_clean_plus_the_shared_aqn_noise():
+    from qerl.modules.aqn import aqn_noise
+    from qerl.rollout.vllm import VLLMRollout
+
+    engine = VLLMRollout()
+    engine._clean_norms = {"model.norm.weight": torch.linspace(0.5, 1.5, 64, dtype=torch.bfloat16)}
+    engine.set_noise(0.01, torch.Generator().manual_seed(2))
+    noisy = engine._noisy_norms()["model.norm.weight"]
+    clean = engine._clean_norms["model.norm.weight"]
+    assert torch.equal(noisy, clean + aqn_noise(clean, 0.01, torch.Generator().manual_seed(2)))
+
+
+@needs_vllm
 def test_seed_stream_survives_a_checkpoint():
     """A resumed run must send vLLM the per-request seeds the uninterrupted run would have sent."""
     from qerl.rollout.vllm import VLLMRollout
