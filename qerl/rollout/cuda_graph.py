@@ -17,8 +17,8 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
   eagerly first and doubles as the warm-up), kept across calls. They read the LoRA matrices and RMSNorm weights from
   their storage at replay time, so an optimizer step (in place) and AQN noise (added in place, restored exactly by
   ``noisy_norms``) are live; if any parameter is *replaced* (a new storage), the graphs are dropped and recaptured.
-- The decode step itself is ``qerl.rollout.fused_decoder.FusedDecoder`` for Llama/Qwen2-family models (~15 kernels
-  per layer: stacked GEMMs, fused epilogues, flash-decoding attention over the cache rows). Other models go through
+- The decode step itself is ``qerl.rollout.fused_decoder.FusedDecoder`` for Llama/Qwen2-family models (a few
+  kernels per layer: stacked GEMMs, fused epilogues, flash-decoding attention over the cache rows). Other models go through
   the transformers forward, whose decode attention is a GQA matmul over the cache views (``qerl_decode``, registered
   with transformers' AttentionInterface: its SDPA path with a mask would repeat K/V for every query head).
 - Masks are passed as ready 4-D bool tensors, which transformers' mask builders return as they are.
@@ -205,22 +205,21 @@ class CUDAGraphRollout(RolloutEngine):
         length_bucket: cache columns are attended in multiples of this many tokens (one graph per multiple).
         min_bucket: the smallest batch bucket (buckets are the request's row count and the powers of two below it).
         adapter_in_model_dtype: run the LoRA matrices in the model's dtype (bf16) during the rollout: peft keeps them
-            fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts (~5 ms of a 7B step on the H100).
+            fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts.
             The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
             valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
-        fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (~14 kernels per layer instead of
-            ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA), and prefill the
+        fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (a few kernels per layer instead of
+            dozens through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA), and prefill the
             prompts through the same kernels (all their tokens at once; the attention is transformers' SDPA).
             Llama/Qwen2-family models only: others keep the transformers step (with a warning). The log-probs
             returned are those of the distribution sampled (it rounds like transformers except the order of fp32
             sums).
         wide_batch_bf16: decode steps of more than 64 rows multiply a bf16 copy of the NVFP4 weights, made when the
-            rollout starts and freed when it ends (one pass at memory speed, ~10 ms for a 7B model; 2 bytes per weight
-            meanwhile). Without it (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV
-            on sm_90 and the others are dequantized per call (H100, 7B: 10.7 / 17.0 ms per step at 128 / 256 rows vs
-            10.5 / 14.5 with the copy, 17.0 / 20.8 with every group dequantized; 32B at 128 rows, where no copy fits:
-            32.5 vs 67.0 ms). None: when the rollout has more than 64 rows and the copy fits in free GPU memory with
-            2 GiB to spare (the KV cache already allocated). Fused step only; bf16 models are unaffected.
+            rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
+            (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
+            are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
+            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with 2 GiB to spare
+            (the KV cache already allocated). Fused step only; bf16 models are unaffected.
     """
 
     def __init__(

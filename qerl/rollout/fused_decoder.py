@@ -1,9 +1,9 @@
-"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in 11-17 kernels per layer, and
+"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in a few kernels per layer, and
 the prompts' prefill through the same kernels.
 
-The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is ~1,900 small
-kernels for a 7B model (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the
-step's time at small batch. This module runs the same mathematics from the model's own parameters, per layer:
+The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is thousands of small
+kernels (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the step's time at
+small batch. This module runs the same mathematics from the model's own parameters, per layer:
 
     x = RMSNorm(h)                                    (fused into the previous layer's residual kernel)
     u = x @ [A_q; A_k; A_v].T                         LoRA-A of the three projections at once
@@ -22,7 +22,7 @@ copy of q|k|v and gate|up (they share one global scale, so the stack is itself a
 instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
 bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same
 launch also multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each
-rollout): the LoRA-A line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group
+rollout): the LoRA-A line above costs no launch of its own. Frozen bf16 weights of a group
 are moved into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
 
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
@@ -32,7 +32,7 @@ place. On CPU the same step runs with the kernels' torch twins (the tests compar
 The prefill (:meth:`FusedDecoder.prefill`) sends all ``B * P`` prompt tokens through the same per-layer kernels (the
 epilogue writes token t of prompt s to cache row s, column t; the attention is transformers' own SDPA under the
 causal + padding mask); above 128 rows each NVFP4 group is dequantized into one stacked bf16 weight for one cuBLAS
-GEMM. Through transformers + peft the prefill was ~2,800 kernel launches for a 7B model, host-bound.
+GEMM. Through transformers + peft the prefill is thousands of kernel launches, host-bound.
 
 On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``):
 each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
@@ -211,8 +211,7 @@ class BaseGEMM:
 
     def _widest(self, device: torch.device) -> int:
         """The widest batch the repacked launch serves: the GEMV's 64 rows, or on sm_90 (the wgmma loop) its token
-        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized:
-        H100, M = 128, 7b.q 21.4 vs 20.1 us)."""
+        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized)."""
         if self.wgmma is False:
             return gemv_plan.MAX_M
         return min(gemv_plan.default_widest(sum(self.sizes), self.layers[0].in_features), gemv_plan.max_m(device))
@@ -387,7 +386,7 @@ class FusedDecoder:
         """Copy the adapter into the step's buffers (which captured graphs read): each group's LoRA-A matrices
         stacked, its LoRA-B matrices scaled, in ``dtype``. The LoRA-A stacks of one group kind (q|k|v, o, ...) of
         all layers share one buffer, 16-row aligned, so their GEMV fragment order is one call; all copies are
-        multi-tensor kernels (per module, they were ~1,800 launches per rollout for a 7B model: host-bound)."""
+        multi-tensor kernels (one copy per module would be thousands of launches per rollout: host-bound)."""
         a_dst, a_src, b_dst, b_src, b_scale = [], [], [], [], []
         for kind in GROUPS:
             groups, plans = [], []
@@ -479,8 +478,8 @@ class FusedDecoder:
         """The prompts ``tokens [B, P]`` (position ids ``pos [B, P]``) in one pass, all ``B * P`` rows through each
         kernel of the step: their K/V go to rows 0..B-1, columns 0..P-1 of ``keys[i]/values[i]``; the attention is
         transformers' SDPA under ``mask [B, 1, P, P]`` (bool, True = attended). Returns the logits ``[B, V]`` of the
-        token after each prompt. (Through transformers + peft the same pass is ~2,800 kernel launches for a 7B model,
-        host-bound: ~150 ms on the H100 machine for ~22 ms of GPU work.)"""
+        token after each prompt. (Through transformers + peft the same pass is thousands of kernel launches, and
+        host-bound.)"""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         B, P = tokens.shape

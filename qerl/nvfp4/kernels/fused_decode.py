@@ -1,8 +1,8 @@
 """The glue of one decode step as a few Triton kernels (one token per row; used by ``qerl.rollout.fused_decoder``).
 
-A 7B decode step run through transformers + peft launched 2,460 kernels with LoRA (H100 profile; each ~2 us even
-inside a CUDA graph): most of the step at small batch. Per layer the fused step runs the base GEMMs, the LoRA-A GEMMs
-and:
+A decode step run through transformers + peft launches thousands of small kernels with LoRA, and at small batch their
+launch gaps (inside a CUDA graph too) are most of the step. Per layer the fused step runs the base GEMMs, the LoRA-A
+GEMMs and:
 
     qkv_epilogue        bias + LoRA-B of q, k, v; rotary on q and k; k, v written into the KV cache     (1 kernel)
     decode_attention    GQA flash-decoding over the cache, split along the length, then merged        (2 kernels)
@@ -115,7 +115,7 @@ def _lora_a_kernel(x_ptr, sx, a_ptr, out_ptr, B, NA, K, CHUNK,
 def lora_a(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0, pdl: bool = False) -> torch.Tensor:
     """``x [b, K] @ a.T`` for the stacked LoRA-A matrices ``a [n, K]``: fp32 split-K partials ``[S, b, n]`` (b <= 64,
     one launch, no reduction kernel: the consumers sum them; a cuBLAS GEMM of this shape is a split-K GEMM plus a
-    reduction kernel, ~2.5x the time at batch 64 on the H100); larger batches: one GEMM, ``[1, b, n]``."""
+    reduction kernel); larger batches: one GEMM, ``[1, b, n]``."""
     b, K = x.shape
     n = a.shape[0]
     if b > 64 or n > 256 or not x.is_cuda and not _INTERPRET:
@@ -358,7 +358,7 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
         q, k_cache, v_cache, mask, m, lsum, o, last if last is not None else mask, out, k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
         G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), HAS_LAST=last is not None, DIRECT=direct, PDL=pdl,
-        num_warps=4, num_stages=2, **_pdl.options(pdl))  # 2 stages: 6-10% faster than 3 or 4 at 64-256 rows (H100)
+        num_warps=4, num_stages=2, **_pdl.options(pdl))  # 2 stages: the fastest at 64-256 rows
     if not direct:
         _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), PDL=pdl, num_warps=4,
                                            **_pdl.options(pdl))
@@ -421,8 +421,8 @@ def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=N
                       pdl: bool = False) -> torch.Tensor:
     """``h += module output`` (``y`` + ``bias`` + LoRA-B of ``u [S, b, r]``, rounded like peft; skipped when ``y``
     is None), in place on the residual stream ``h [b, H]``; returns ``RMSNorm(h) [b, H]`` (transformers' roundings).
-    Kernels using it must not run concurrently on several streams (shared arrival counters). (One program per row,
-    without the counter, took 9.4 vs 4.5 us at batch 1 on the H100, 7B shapes.)"""
+    Kernels using it must not run concurrently on several streams (shared arrival counters): one program per row,
+    without the counter, was the slower design at batch 1."""
     b, H = h.shape
     x = torch.empty_like(h)
     if b == 0:
@@ -489,8 +489,8 @@ def _silu_mul_kernel(
     ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Programs (block of ``ROWS`` rows, block of columns). ``ROWS`` = 1: the LoRA-B terms as fp32 dot products on
-    the CUDA cores; ``ROWS`` = 16 (more rows): one small tensor-core product per program (per-row dot products were
-    compute-bound there: ~17 us per call at batch 64 on the H100, 7B shapes, vs ~9)."""
+    the CUDA cores; ``ROWS`` = 16 (more rows): one small tensor-core product per program (per-row dot products are
+    compute-bound there)."""
     _pdl.enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rok = rows < B

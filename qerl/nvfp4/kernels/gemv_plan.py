@@ -76,8 +76,8 @@ TOKEN_BLOCK = 128
 
 DENSE_MAX_M = 16
 """The widest batch at which :func:`launch` should take dense rows (``dense=``): up to 2 tiles their programs need no
-more registers than the weight's (sm_90: 62/80); at 8 tiles 156 vs 122, which lowers the weight programs'
-occupancy -- launch them separately there."""
+more registers than the weight's; at 8 tiles they need more, which lowers the weight programs' occupancy -- launch
+them separately there."""
 
 
 def tiles_for(m: int) -> int:
@@ -90,9 +90,8 @@ def default_x_prefetch(nt: int) -> bool:
 
 
 def default_row_blocks(n: int, k: int, stages: int = 0) -> int:
-    """Row blocks per warp when each warp loads its own activations: 2 for the big weights (H100: 32b.gate M = 16/64
-    45/92 us vs 51/157 with 1, 7b.gate 26/65 vs 28/65), 1 for the rest, where halving the programs costs more than
-    the activation reloads (7b.q M = 32: 20 vs 15 us). With shared activations 1 (7b.gate M = 64: 43 vs 49 us)."""
+    """Row blocks per warp when each warp loads its own activations: 2 for the big weights (half the activation
+    reloads), 1 for the rest, where halving the programs costs more than the reloads. With shared activations 1."""
     return 2 if not stages and (n >= 16384 or n * k >= 100_000_000) else 1
 
 
@@ -108,11 +107,10 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
-    """(warps, shared-memory stages) of the wgmma loop per batch width and weight, the H100 winners of session 5
-    (bench/results/gemv_h100.json): 8 warps (two warpgroups sharing each activation tile, half the activation reads
-    from L2) for the biggest weights at 9..32 tokens and for the squarer 10M+ ones at 17..32 (32b.gate M = 16: 37.2
-    vs 38.7 us; 7b.q M = 32: 12.2 vs 12.6), 4 warps otherwise (7b.gate M = 16: 23.8 vs 27.0; at 64 tokens the ring's
-    48 KiB leaves 8 warps 3 stages: 49.8 vs 36.6 us)."""
+    """(warps, shared-memory stages) of the wgmma loop per batch width and weight, the winners of the GEMV benchmark
+    (bench/bench_gemv.py, bench/sweep_wide_gemv.py): 8 warps (two warpgroups sharing each activation tile, half the
+    activation reads from L2) for the biggest weights at 9..32 tokens and for the squarer 10M+ ones at 17..32, 4 warps
+    otherwise (at 64 tokens the static ring's 48 KiB would leave 8 warps 3 stages)."""
     size = n * k
     if nt == 1:
         return 4, 6
@@ -121,18 +119,15 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
     if nt == 4:
         return (8, 5) if size >= 100_000_000 or (size >= 10_000_000 and n <= 2 * k) else (4, 6)
     if nt == 8:
-        # the 32B MLP weights: 8 warps, 4 stages (53 KiB, dynamic shared memory): 32b.gate 53.5 vs 70.1 us,
-        # 32b.down 61.1 vs 72.4 (session 8, bench/results/wide_probe_h100.json); the 7B ones within 3% either way
+        # the 32B MLP weights: 8 warps, 4 stages (53 KiB, dynamic shared memory); the 7B ones gain nothing from it
         return (8, 4) if size >= 100_000_000 and HAS_GLUON else (4, 4)
-    # token blocks (M > 64): two warpgroups sharing each activation tile, 4 stages (84 KiB); H100 M = 128 / 256:
-    # 7b.gate 60.4 / 94.5 us, 32b.gate 84.1 / 169.0 (4 warps: 77.2 / 134.5, 133.5 / 264.8)
+    # token blocks (M > 64): two warpgroups sharing each activation tile, 4 stages (84 KiB)
     return 8, 4
 
 
 WIDE_MIN_WEIGHTS = 20_000_000
 """Above :data:`MAX_M` tokens the GEMV is the default for weights of at least this many entries; the smaller ones
-(the 7B/32B attention projections) dequantize and run cuBLAS (H100, M = 128 / 256: 7b.q 21.4 / 26.5 us vs 20.1 /
-23.7 dense, 32b.k 18.5 / 19.2 vs 14.9 / 17.9; 32b.q 31.2 / 47.5 vs 48.0 / 53.7, 7b.gate 60.4 / 94.5 vs 122 / 131)."""
+(the 7B/32B attention projections) dequantize and run cuBLAS, which is as fast or faster there."""
 
 
 def default_widest(n: int, k: int) -> int:
@@ -154,8 +149,7 @@ def counter_size(m: int, n: int) -> int:
 
 def default_smem_stages(nt: int, n: int, k: int) -> int:
     """Shared activations (4 stages of [8 nt, 64] bf16: 16/32 KiB) from 4 tiles (M > 16) up, for weights of 20M
-    and more (H100 M = 64: 7b.gate 43 vs 57 us, 32b.q 26 vs 28); the small ones are latency-bound and lose to the
-    per-warp loads (7b.q 22 vs 19 us)."""
+    and more; the small ones are latency-bound and lose to the per-warp loads."""
     return 4 if nt >= 4 and n * k >= 20_000_000 else 0
 
 
@@ -183,8 +177,8 @@ def stream_k_plan(token_blocks: int, row_groups: int, chunks: int, programs: int
     contiguous run of units (token block major, then row group, then chunk): per program its segments ``(token
     block, row group, first chunk, chunks, slot, count)``, one per row group it touches; ``count`` = the programs
     sharing that row group (1: it writes the result itself), ``slot`` = this program's split-K partial among them.
-    Every SM gets the same work whatever the number of row groups (7B gate at 128 tokens: 148 groups of 8 warps on
-    132 SMs ran two waves, the second 12% full)."""
+    Every SM gets the same work whatever the number of row groups (a grid of a few more row groups than SMs runs a
+    second, nearly empty wave)."""
     units = token_blocks * row_groups * chunks
     bounds = [i * units // programs for i in range(programs + 1)]
 
@@ -250,9 +244,7 @@ STREAM_K_MIN_CHUNKS = 8
 def token_blocks_stream_k(nt: int, stream_k: bool | None, token_blocks: int) -> bool:
     """Whether a token-block launch spreads its work by stream-K (:func:`stream_k_plan`) rather than the (row group,
     split, token block) grid. None: from two token blocks (129-256 tokens) on, where it was as fast or faster on all
-    six 7B/32B shapes swept (H100, M = 256: 32b.down 155.7 vs 169.6 us, 32b.gate 161.9 vs 169.9, 7b.gate 89.7 vs
-    94.5); at one block the grid's unsplit row groups mostly win (7b.q 24.4 vs 33.2, 32b.gate 86.0 vs 91.4; 7b.gate
-    54.3 vs 61.8 the exception: `results/wide_probe_h100_stream_k.json`)."""
+    the 7B/32B shapes swept; at one block the grid's unsplit row groups mostly win."""
     if nt <= MAX_M // 8 or stream_k is False:
         return False
     return bool(stream_k) or token_blocks >= 2
@@ -262,8 +254,8 @@ def wide_splits(programs: int, capacity: int, max_splits: int, tokens: int, chun
     """K splits for the token-block launches, whose programs are long (1 CTA of 8 warps per SM): the split count
     minimizing (waves / splits) x (1 + the fp32 partials' bytes / the weight's), the partials written and read back
     (8 bytes per token and output, 36 bytes per 64 weights: 14.2 tokens x splits / K). The one-wave rule of the
-    narrow launches left 80 programs of 32B down at M = 256 on 132 SMs (0.57x cuBLAS, H100); a second wave of a few
-    programs (7B gate: 148) costs less than the partials of a split at this many tokens."""
+    narrow launches leaves long-K weights with fewer programs than SMs; a second wave of a few programs costs less
+    than the partials of a split at this many tokens."""
     def cost(s: int) -> float:
         return cdiv(programs * s, capacity) / s * (1 + (8 * tokens * s / (0.5625 * 64 * chunks) if s > 1 else 0))
 
@@ -280,9 +272,9 @@ def wide_reduce_unroll(nt: int, rb: int = 1) -> int:
 
 
 def max_cluster(nt: int) -> int:
-    """The largest cluster of K splits a launch uses: 8 CTAs at one token tile, 4 from two (H100, at the same split
-    count: clusters of 8 at 16 tokens were up to 1.3x slower than the global reduction, 2-4 faster; 16, the
-    non-portable maximum, was slower everywhere: its CTAs must share one GPC)."""
+    """The largest cluster of K splits a launch uses: 8 CTAs at one token tile, 4 from two (at 16 tokens clusters of
+    8 lose to the global reduction, 2-4 win; 16, the non-portable maximum, loses everywhere: its CTAs must share one
+    GPC)."""
     return 8 if nt == 1 else 4
 
 
@@ -304,6 +296,6 @@ def split_plan(chunks: int, splits: int, nt: int, cluster: bool | None, wgmma: b
 
 
 def auto_warps(n: int, k: int, nt: int) -> int:
-    """8 warps per program for long-K shapes at M <= 8 (H200: 7b/32b down 18.5/31.5 us vs 21.5/38.5 with 4);
-    4 otherwise (at M = 16 the 8-warp version was slower: 29.1/52.9 vs 25.9/44.0 us; k/v: 5.5 vs 5.3 us)."""
+    """8 warps per program for long-K shapes at M <= 8; 4 otherwise (from 16 tokens the 8-warp version loses, and
+    so does it on the small k/v weights)."""
     return 8 if nt == 1 and k >= 4 * n and n >= 2048 else 4

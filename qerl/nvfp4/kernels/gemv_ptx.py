@@ -1,11 +1,10 @@
 """The decode GEMV's main loops and epilogues as inline PTX, generated per variant (token tiles, row blocks per warp,
 shared-memory stages, warps, mma.sync or wgmma, split-K reduction): strings that ``gemv`` hands to Triton.
 
-The compressed-tensors layout stays the stored/on-disk format; on first use on CUDA a repacked copy is built once per
-weight (cached beside it, 0.625 bytes per weight) in which every thread's 16-byte load *is* its ``mma.sync
-m16n8k16`` A-operand fragments for 4 k16 steps, with the sign/magnitude bits of each bf16 pair pre-placed so that the
-unpack costs ~11 integer ops per 8 codes (vs 16 on the compressed layout), and the block scales pre-converted to bf16
-(times 2^118, the same exact bit trick as ``matmul``). Each warp owns 16 (or 32: two row blocks) weight rows and
+The loops read the repacked weight of ``gemv_layout`` (0.625 bytes per weight), in which every thread's 16-byte load
+*is* its ``mma.sync m16n8k16`` A-operand fragments for 4 k16 steps, with the sign/magnitude bits of each bf16 pair
+pre-placed so that the unpack takes fewer integer ops per 8 codes than on the compressed layout, and the block scales
+pre-converted to bf16 (times 2^118, the same exact bit trick as ``matmul``). Each warp owns 16 (or 32: two row blocks) weight rows and
 walks K in chunks of 64 (1 KiB of codes per row block and chunk), prefetching the weights two chunks ahead; the
 tokens are 1, 2, 4 or 8 n8 tiles (M <= 8, 16, 32, 64). Activations: each warp loads its own fragments (prefetched a
 chunk ahead, or refilled by halves), or, for the wide batches on big weights, the program's warps share them through
@@ -15,16 +14,14 @@ its 16 x K weights). Split-K partials are reduced in the same launch by the last
 On sm_90 (H100/H200) the default loop is the warpgroup-MMA one (:func:`_wgmma_mainloop_asm`): the same unpacked
 fragments feed an asynchronous ``wgmma`` (4 warps = 64 weight rows per instruction) whose activation operand the
 tensor cores read from shared memory, the weights stream through the same shared-memory ring ``cp.async`` fills
-several chunks ahead, and the next chunk is unpacked while the current one multiplies (H100 geomean vs cuBLAS bf16,
-14 shapes: M = 1 1.97x, 16 1.64x, 32 1.42x, 64 0.95x; the mma.sync loop 1.88 / 1.48 / 1.19 / 0.89x).
+several chunks ahead, and the next chunk is unpacked while the current one multiplies (faster than the mma.sync loop
+at every batch width; docs/performance.md has the numbers against cuBLAS).
 
 Rings deeper than the 48 KiB a static ``.shared`` declaration in the asm may take (8 warps at 64 tokens; every ring
 at 65-256 tokens) live in dynamic shared memory that a Gluon launcher (:func:`_wide_gemv_kernel`) declares and the
 asm addresses from ``global_smem``. Above 64 tokens the same loop runs ``wgmma .n128`` on token blocks of 128 rows
-(a third grid axis; each block is a batch of <= 128 for the asm), K split by :func:`wide_splits` at one block and
-the work spread by stream-K (:func:`stream_k_plan`) from two (H100, M = 256: 0.71x cuBLAS geomean over the 14 shapes
-with the dense path for the small ones, was 0.56x with dequantize + cuBLAS everywhere; M = 128, the big weights:
-0.9-1.4x cuBLAS).
+(a third grid axis; each block is a batch of <= 128 for the asm), K split by ``gemv_plan.wide_splits`` at one block and
+the work spread by stream-K (``gemv_plan.stream_k_plan``) from two.
 """
 
 from __future__ import annotations
@@ -362,8 +359,7 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     canonical K-major 128-byte-swizzled layout (row r at 128 r, 16-byte segment s at s ^ (r % 8); base 1024-aligned),
     described to the wgmma by a matrix descriptor (stride 1024 bytes between 8-row groups, start + 32 bytes per k16
     step), and each thread's 16 bytes of weight words and 4 bytes of factors (read back by the same thread: the depth
-    of the weight stream is not bounded by registers; H100, M = 64: 7b.gate 36.6 us vs 42.4 with the weights two
-    chunks ahead in registers). The repacked weight's k order inside a chunk is
+    of the weight stream is not bounded by registers, which beat keeping the weights two chunks ahead in registers). The repacked weight's k order inside a chunk is
     permuted (lane q's fragment element covers k = 16 q + 4 j + (0, 1, 0, 1, 2, 3, 2, 3)[e], see :func:`repack`): the
     activations are copied in the same order, 4 bytes (a k pair) per ``cp.async``: position 8 j + 4 h + q (in pairs)
     of a row takes pair 8 q + 2 j + h. Every thread copies pair ``lane`` of rows warp + warps * i; rows >= M are never

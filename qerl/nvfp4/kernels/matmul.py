@@ -344,8 +344,7 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
     bucket = m_bucket(m)
     if gemv and not transpose_w and m <= gemv_plan.default_widest(out, red):
         return GEMV  # (the token-block wgmma loop above 64 rows: sm_90 only, falls back to the rules below)
-    # the H100 autotune winners of bench/results/kernel_h100.json for the 7B/32B forward shapes: without them a
-    # rollout (which does not autotune) ran the first guesses
+    # the winners of the tuning benchmark (bench/nvfp4_tuning.py) for the 7B/32B forward shapes
     if bucket <= 16:
         return TileConfig(128 if red > 8192 else 64, 16, 256, 4, 2, min_programs=264)
     if bucket <= 64:
@@ -361,11 +360,11 @@ def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = T
 # Launch
 
 
-# From this many rows on, the default (until autotune measures otherwise) dequantizes the weight once per call into a
+# From this many rows on, the default dequantizes the weight once per call into a
 # transient dense tensor (one fused pass at memory speed) and runs the library GEMM on it: once the GEMM is
-# compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes (measured on H200
-# with the first kernel: fused 0.3-0.45x of cuBLAS for M >= 256). On sm_90 the token-block wgmma GEMV takes the
-# weights of >= gemv_plan.WIDE_MIN_WEIGHTS entries up to gemv_plan.WIDE_MAX_M rows first (1.4-2.9x the dense path).
+# compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes. On sm_90 the
+# token-block wgmma GEMV takes the weights of >= gemv_plan.WIDE_MIN_WEIGHTS entries up to gemv_plan.WIDE_MAX_M rows
+# first (it beats the dense path there).
 DENSE_MIN_M = 128
 
 
@@ -402,7 +401,7 @@ def _dequant_constants(dtype: torch.dtype) -> dict:
 def _dequant_compiled(args: tuple, dtype: torch.dtype):
     """The dequantize kernel compiled for these arguments' specialization (what Triton keys its own cache on: each
     pointer's 16-byte alignment, each integer's divisibility by 16 and equality to 1), launched directly (Triton's
-    tutorials' ``warmup`` pattern): the JIT's per-call dispatch was ~40 us of host time on the H100 machine, and the
+    tutorials' ``warmup`` pattern): the JIT's per-call dispatch costs host time on every launch, and the
     training step and the prefill dequantize every weight on every call."""
     key = (dtype, args[0].device) + tuple(
         t.data_ptr() % 16 == 0 for t in args[:4]) + tuple((v % 16 == 0, v == 1, v >= 2**31) for v in args[4:])

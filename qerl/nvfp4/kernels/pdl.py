@@ -1,17 +1,17 @@
 """Programmatic dependent launch (PDL, sm_90+): the next kernel of a decode step starts before this one ends.
 
-A decode step at small batch is a chain of ~300 short kernels; between two of them the GPU drains the first grid,
-then launches and ramps up the second (a few microseconds each, also inside a CUDA graph). A kernel launched with
+A decode step at small batch is a chain of hundreds of short kernels; between two of them the GPU drains the first
+grid, then launches and ramps up the second (also inside a CUDA graph). A kernel launched with
 PDL (``launch_pdl``) may be scheduled as soon as every program of the kernel before it has signalled
 ``griddepcontrol.launch_dependents``; it then must not touch what the earlier kernel writes (or reads) until its
 ``griddepcontrol.wait`` returns, which waits for that kernel to complete and its memory to be visible: what
 overlaps is the launch and the programs' set-up. (Bulk-prefetching the GEMV's first weight chunks into L2 before the
-wait measured 0.90-0.98x of not doing it on the H100: not done.)
+wait lost to not doing it: not done.)
 
 Every kernel launched with PDL here calls :func:`wait` before its first dependent access and then signals its own
 dependents (:func:`release`): at once for the short kernels, after the main loop for the GEMV (its successor's
 programs, resident early, would otherwise take the SMs the next GEMV's programs should spread over; a chain of
-batch-64 GEMVs ran 15% slower with the early signal on the H100). At most two grids of the chain are resident.
+batch-64 GEMVs ran slower with the early signal). At most two grids of the chain are resident.
 Stream capture keeps the dependencies as programmatic edges of the CUDA graph (CUDA >= 12.3).
 """
 
