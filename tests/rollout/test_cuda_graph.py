@@ -5,6 +5,7 @@ import torch
 
 from qerl.modules.aqn import rms_norms
 from qerl.modules.policy import build_policy
+from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout, check_kv_cache_fits, kv_cache_bytes
@@ -34,19 +35,6 @@ def fused(request):
 
 def used_decoder(engine) -> bool:
     return engine._decoder is not None and engine._decoder[1] is not None and engine._state["decoder"] is not None
-
-
-def recompute(policy, rollout, temperature):
-    """Log-probs of the sampled tokens from one plain full forward over prompt + completion."""
-    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
-    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), 1)
-    with torch.no_grad():
-        logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
-    P = rollout.prompt_ids.shape[1]
-    lp = (logits[:, P - 1 : -1] / temperature).log_softmax(-1)
-    token_lp = lp.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
-    entropy = -(lp.exp() * lp).sum(-1)
-    return token_lp * rollout.completion_mask, entropy * rollout.completion_mask
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

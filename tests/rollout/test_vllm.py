@@ -139,14 +139,9 @@ def sample(engine, policy, prompts, tokenizer, seed=123):
 @torch.no_grad()
 def recompute(policy, rollout):
     """Log-probs of the rollout's tokens under the (clean) policy at the sampling temperature, as the loss sees them."""
-    from qerl.rollout.builtin import position_ids
+    from qerl.testing.rollouts import recompute as full_forward
 
-    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
-    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), 1)
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
-    P = rollout.prompt_ids.shape[1]
-    logp = (logits[:, P - 1 : -1] / TEMPERATURE).log_softmax(-1)
-    return logp.gather(-1, rollout.completion_ids[..., None]).squeeze(-1) * rollout.completion_mask
+    return full_forward(policy, rollout, TEMPERATURE)[0]
 
 
 @needs_vllm
