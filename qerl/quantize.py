@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qerl.hub import load_tokenizer
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
 from qerl.nvfp4.checkpoint import save_nvfp4
 
 

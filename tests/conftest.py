@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
-from qerl.modules.checkpoint_io import load_model
+from qerl.model.checkpoint_io import load_model
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.quantize import quantize_checkpoint
 

@@ -32,9 +32,9 @@ def no_model_loads(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a config test loaded a model")
 
-    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
-    monkeypatch.setattr("qerl.modules.checkpoint_io.resolve_model", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io.resolve_model", forbidden)
+    monkeypatch.setattr("qerl.model.policy.build_policy", forbidden)
 
 
 @pytest.mark.parametrize("paths", CASES[: len(SINGLE)], ids=IDS[: len(SINGLE)])

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nvfp4 layer, checkpoint", ("qerl.nvfp4",)),
     ("hub", ("qerl.hub",)),
     ("data", ("qerl.data",)),
-    ("model", ("qerl.modules.policy", "qerl.modules.checkpoint_io", "qerl.modules.aqn")),
+    ("model", ("qerl.model",)),
     ("rollout", ("qerl.rollout",)),
     ("RL step", ("qerl.modules",)),
     ("callbacks", ("qerl.callbacks",)),

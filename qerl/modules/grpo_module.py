@@ -39,7 +39,7 @@ from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
-from qerl.modules.policy import PolicyConfig, save_adapter, trainable_parameters
+from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout, position_ids
 

@@ -11,7 +11,7 @@ Three engines sit behind it:
 
 Pick one by ``class_path`` in the config. Every engine applies Adaptive Quantization Noise (AQN) to its rollout
 model's RMSNorm weights itself, because only the engine knows where its norm weights live; all draw the noise with
-``qerl.modules.aqn.aqn_noise``.
+``qerl.model.aqn.aqn_noise``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from qerl.modules.aqn import noisy_norms
+from qerl.model.aqn import noisy_norms
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
 

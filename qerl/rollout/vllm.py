@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from qerl.hub import resolve_model
-from qerl.modules.aqn import aqn_noise
-from qerl.modules.policy import DTYPES, is_rms_norm
+from qerl.model.aqn import aqn_noise
+from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.base import Rollout, RolloutEngine

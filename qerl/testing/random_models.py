@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
 from qerl.nvfp4.format import BLOCK
 from qerl.nvfp4.linear import NVFP4Linear
 
@@ -92,7 +92,7 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     LoRA B is random too (not peft's zeros), so the adapter takes part in the outputs."""
     from peft import get_peft_model
 
-    from qerl.modules.policy import lora_config, quiet_custom_layers
+    from qerl.model.policy import lora_config, quiet_custom_layers
 
     base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
     with quiet_custom_layers():

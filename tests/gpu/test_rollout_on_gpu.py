@@ -9,7 +9,7 @@ decoder's Triton kernels and the NVFP4 GEMV run as in a real rollout.
 import pytest
 import torch
 
-from qerl.modules.aqn import rms_norms
+from qerl.model.aqn import rms_norms
 from qerl.nvfp4.kernels import pdl
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.testing.random_models import build_random_policy, qwen25_config

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from qerl.modules.aqn import rms_norms
-from qerl.modules.policy import build_policy
+from qerl.model.aqn import rms_norms
+from qerl.model.policy import build_policy
 from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids

@@ -46,7 +46,7 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
 
 @needs_vllm
 def test_noisy_norms_are_clean_plus_the_shared_aqn_noise():
-    from qerl.modules.aqn import aqn_noise
+    from qerl.model.aqn import aqn_noise
     from qerl.rollout.vllm import VLLMRollout
 
     engine = VLLMRollout()
@@ -95,7 +95,7 @@ def test_vllm_outputs_become_a_builtin_layout_rollout():
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy():
-    from qerl.modules.policy import build_policy
+    from qerl.model.policy import build_policy
 
     policy = build_policy("smollm2-135m-instruct", quantization="bf16", lora_rank=4, dtype="float32")
     g = torch.Generator().manual_seed(0)

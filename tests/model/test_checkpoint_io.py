@@ -14,7 +14,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 from qerl import quantize as quantize_cli
 from qerl import hub
 from qerl.hub import EMBEDDED_MODEL, resolve_model
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
 from qerl.nvfp4.checkpoint import save_nvfp4
 from qerl.nvfp4.format import global_scale, quantize
 from qerl.nvfp4.linear import NVFP4Linear

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from qerl.modules.policy import is_rms_norm
+from qerl.model.policy import is_rms_norm
 
 
 def aqn_stage(step: int, total_steps: int, num_stages: int) -> int:

@@ -9,9 +9,9 @@ import torch
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.modules.policy import build_policy, is_rms_norm, save_adapter, trainable_parameters
+from qerl.model.policy import build_policy, is_rms_norm, save_adapter, trainable_parameters
 
 IDS = torch.tensor([[1, 520, 3000, 17, 9, 400, 2], [1, 77, 4000, 5, 300, 12, 2]])
 BASE_LAYER = {"nvfp4": NVFP4Linear, "bf16": torch.nn.Linear}

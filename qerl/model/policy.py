@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
 from qerl.nvfp4.linear import NVFP4Linear
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -13,9 +13,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.data.prompts import format_prompt
-from qerl.modules.aqn import aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
+from qerl.model.aqn import aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
 from qerl.modules.grpo_module import GRPOModule
-from qerl.modules.policy import PolicyConfig, build_policy, trainable_parameters
+from qerl.model.policy import PolicyConfig, build_policy, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 
 QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?")
