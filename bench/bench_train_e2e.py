@@ -1,6 +1,14 @@
 """End to end on one GPU: ``train.py fit`` on a 7B-shaped model, NVFP4 + LoRA against bf16 + LoRA, same settings.
 
-    python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4]
+    python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
+        [--lengths fixed|lognormal] [--micro-batch-tokens T] [--compare earlier.json]
+
+``--lengths fixed``: every completion runs to ``--new-tokens`` (random weights never sample EOS). ``lognormal``: each
+completion ends at a length drawn from a lognormal of median 400 tokens and sigma 0.8 (``bench/forced_lengths.py``;
+draws over ``--new-tokens`` are truncated), the same draws for both formats, so that batch compaction in the rollout
+and padding-free updates count as they would with a real policy. ``--compare`` adds the step of an earlier run of
+this benchmark (e.g. an older checkout on the same lengths) to the table. The update's floor is its FLOPs at the
+dense bf16 rate (6 x linear params x real tokens, plus causal attention) over 790 TFLOP/s.
 
 Random-init weights with the real Qwen2.5 shapes (vocabulary cut to the tokenizer's, so that the embedded SmolLM2
 tokenizer drives it) are written once as checkpoints (NVFP4: compressed-tensors; bf16: safetensors) and trained
@@ -18,6 +26,7 @@ import gc
 import glob
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -54,15 +63,18 @@ def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int) -> dict[
 def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
-    name = f"{quantization}"
+    name = f"{quantization}_{args.lengths}_{args.label}"
+    engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
+              else "qerl.rollout.cuda_graph.CUDAGraphRollout")
+    budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
-        "--model.policy.gradient_checkpointing", "true",
-        "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
+        "--model.policy.gradient_checkpointing", str(args.checkpointing).lower(),
+        "--model.rollout.class_path", engine,
         "--model.rollout.init_args.max_new_tokens", str(args.new_tokens),
         "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
-        "--model.micro_batch_size", str(args.micro_batch), "--model.mask_truncated", "false",
+        "--model.micro_batch_size", str(args.micro_batch), *budget, "--model.mask_truncated", "false",
         "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
@@ -79,6 +91,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "rollout_tok_s": steady("perf/rollout_tokens_per_s"),
         "peak_gb": max(series.get("perf/peak_memory_gb", [0.0])),
         "completion_length": steady("train/completion_length"),
+        "truncated_frac": steady("train/truncated_frac"),
+        "update_tokens": (steady("perf/update_tokens") if "perf/update_tokens" in series else None),
         "steps": len(series["perf/rollout_s"]),
     }
 
@@ -93,43 +107,78 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=True)
+    parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed")
+    parser.add_argument("--quantizations", default="nvfp4,bf16")
+    parser.add_argument("--label", default="current", help="names this build in the JSON (e.g. main-fb9bbcc)")
+    parser.add_argument("--compare", default=None, help="a JSON of an earlier run of this benchmark")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     args = parser.parse_args()
     work = Path(args.work)
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
-    dirs = write_models(args.size, args.tokenizer, work, vocab)
+    dirs = {q: work / f"{args.size}-{q}" for q in ("nvfp4", "bf16")}
+    if not all((d / "config.json").exists() for d in dirs.values()):  # an earlier call on this machine wrote them
+        dirs = write_models(args.size, args.tokenizer, work, vocab)
     results = {}
-    for quantization in ("nvfp4", "bf16"):
+    quantizations = args.quantizations.split(",")
+    for quantization in quantizations:
         results[quantization] = fit(dirs[quantization], quantization, args, work / "runs")
         gc.collect()
         torch.cuda.empty_cache()
         print(quantization, results[quantization], flush=True)
-    n, b = results["nvfp4"], results["bf16"]
-    row = {
-        "model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
-        "rollout_s_nvfp4": n["rollout_s"], "rollout_s_bf16": b["rollout_s"],
-        "train_s_nvfp4": n["train_s"], "train_s_bf16": b["train_s"],
-        "step_s_nvfp4": n["rollout_s"] + n["train_s"], "step_s_bf16": b["rollout_s"] + b["train_s"],
-        "peak_gb_nvfp4": n["peak_gb"], "peak_gb_bf16": b["peak_gb"],
-    }
-    row["rollout_bf16_over_nvfp4"] = row["rollout_s_bf16"] / row["rollout_s_nvfp4"]
-    row["train_bf16_over_nvfp4"] = row["train_s_bf16"] / row["train_s_nvfp4"]
-    row["step_bf16_over_nvfp4"] = row["step_s_bf16"] / row["step_s_nvfp4"]
+    row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
+           "lengths": args.lengths, "label": args.label, "micro_batch_tokens": args.micro_batch_tokens,
+           "checkpointing": args.checkpointing}
+    floor_params = linear_params(args.size, vocab)
+    for q, r in results.items():
+        row[f"rollout_s_{q}"], row[f"train_s_{q}"] = r["rollout_s"], r["train_s"]
+        row[f"step_s_{q}"], row[f"peak_gb_{q}"] = r["rollout_s"] + r["train_s"], r["peak_gb"]
+        row[f"completion_length_{q}"] = r["completion_length"]
+        if r["update_tokens"]:
+            rows = args.prompts * args.group_size
+            tokens = r["update_tokens"]
+            flops = 6 * floor_params[0] * tokens + 6 * floor_params[1] * tokens**2 / rows  # causal attention >= this
+            row[f"update_floor_s_{q}"] = flops / 790e12
+            row[f"update_over_floor_{q}"] = r["train_s"] / row[f"update_floor_s_{q}"]
+    if {"nvfp4", "bf16"} <= results.keys():
+        row["rollout_bf16_over_nvfp4"] = row["rollout_s_bf16"] / row["rollout_s_nvfp4"]
+        row["train_bf16_over_nvfp4"] = row["train_s_bf16"] / row["train_s_nvfp4"]
+        row["step_bf16_over_nvfp4"] = row["step_s_bf16"] / row["step_s_nvfp4"]
+        row["step_nvfp4_over_bf16"] = row["step_s_nvfp4"] / row["step_s_bf16"]
+    if args.compare:
+        before = json.loads(Path(args.compare).read_text())["rows"][0]
+        for q in results:
+            if f"step_s_{q}" in before:
+                row[f"step_s_{q}_{before['label']}"] = before[f"step_s_{q}"]
+                row[f"speedup_{q}_vs_{before['label']}"] = before[f"step_s_{q}"] / row[f"step_s_{q}"]
     device = torch.cuda.get_device_name()
-    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens, {device}")
-    print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'peak GB':>10}")
-    for q, r in (("nvfp4", n), ("bf16", b)):
-        print(f"{q:10}{r['rollout_s']:12.2f}{r['train_s']:12.2f}{r['rollout_s'] + r['train_s']:12.2f}{r['peak_gb']:10.1f}")
-    print(f"{'bf16/nvfp4':10}{row['rollout_bf16_over_nvfp4']:12.2f}{row['train_bf16_over_nvfp4']:12.2f}"
-          f"{row['step_bf16_over_nvfp4']:12.2f}{b['peak_gb'] / n['peak_gb']:10.2f}")
+    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}),"
+          f" {args.label}, {device}")
+    print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'peak GB':>10}{'len':>8}{'upd/floor':>10}")
+    for q, r in results.items():
+        print(f"{q:10}{r['rollout_s']:12.2f}{r['train_s']:12.2f}{r['rollout_s'] + r['train_s']:12.2f}"
+              f"{r['peak_gb']:10.1f}{r['completion_length']:8.0f}{row.get(f'update_over_floor_{q}', float('nan')):10.2f}")
+    for key, value in row.items():
+        if "_over_" in key or key.startswith("speedup") or "_main" in key:
+            print(f"  {key}: {value:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = device.split()[1].lower() if len(device.split()) > 1 else "gpu"
     report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": [row],
-              "runs": results}
-    (out / f"train_e2e_{tag}.json").write_text(json.dumps(report, indent=2))
+              "runs": results, "command": " ".join(sys.argv)}
+    (out / f"train_e2e_{tag}_{args.lengths}_{args.label}.json").write_text(json.dumps(report, indent=2))
+
+
+def linear_params(size: str, vocab: int) -> tuple[int, int]:
+    """(parameters of the linears the tokens go through, incl. the LM head; hidden size x layers for attention)."""
+    shapes = {"qwen2.5-3b": (2048, 11008, 36, 16, 2, 151936), "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
+              "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064), "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064)}
+    h, i, n, heads, kv_heads, _ = shapes[size]
+    kv = kv_heads * h // heads
+    return n * (2 * h * h + 2 * h * kv + 3 * h * i) + h * vocab, n * h
 
 
 if __name__ == "__main__":

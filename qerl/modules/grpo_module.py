@@ -5,7 +5,8 @@ One ``training_step`` = one batch of B prompts:
     (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
     (2) rewards     answer checking (+ DAPO overlong shaping)
     (3) advantages  group-normalized; DAPO dynamic sampling drops groups whose rewards are all equal
-    (4) loss        clipped surrogate with truncated IS, micro-batched, log-probs from hidden states in chunks
+    (4) loss        clipped surrogate with truncated IS, in micro-batches of rows of similar length within a token
+                    budget (no padding work), log-probs from hidden states in chunks
     (5) optimizer   clip grad-norm, AdamW step, warmup + cosine; ``num_iterations`` updates per rollout
 
 What this keeps and drops, against the QeRL reference: no critic, no reference model unless the loss's beta > 0
@@ -25,6 +26,7 @@ completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_int
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -38,10 +40,11 @@ from qerl.hub import load_tokenizer
 from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
+from qerl.modules.micro_batches import plan_micro_batches, right_align
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
-from qerl.rollout.builtin import BuiltinRollout, position_ids
+from qerl.rollout.builtin import BuiltinRollout
 
 
 class GRPOModule(L.LightningModule):
@@ -53,7 +56,10 @@ class GRPOModule(L.LightningModule):
         reward: scores completions against reference answers.
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
-        micro_batch_size: sequences per forward/backward (gradient accumulation within a step).
+        micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
+        micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
+            longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone.
+            A sequence longer than the budget still gets a micro-batch of its own.
         num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
         lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
         weight_decay: AdamW weight decay.
@@ -83,6 +89,7 @@ class GRPOModule(L.LightningModule):
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int | None = None,
         num_iterations: int = 1,
         lr: float = 1e-5,
         weight_decay: float = 0.1,
@@ -108,6 +115,8 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"model.group_size must be >= 2 (advantages compare samples of one prompt), got {group_size}.")
         if micro_batch_size < 1 or num_iterations < 1:
             raise ValueError("model.micro_batch_size and model.num_iterations must be >= 1.")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"model.micro_batch_tokens must be >= 1 (or null), got {micro_batch_tokens}.")
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         policy.validate()
@@ -168,31 +177,34 @@ class GRPOModule(L.LightningModule):
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
         lr = self.lr_schedulers().get_last_lr()[0]  # this step's LR: the update below steps the scheduler
         start = time.perf_counter()
-        stats, entropy = self._policy_update(rollout, advantages, loss_mask)
+        stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
 
-        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr)
+        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr, update_tokens)
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
 
     # ------------------------------------------------------------------------------------------------------------
-    def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor) -> tuple[list[LossStats], Tensor]:
+    def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor
+                       ) -> tuple[list[LossStats], Tensor, int]:
         """``num_iterations`` optimizer steps over the rows that carry loss; returns the loss stats of the last
-        iteration and the per-token entropy of the clean policy on the sampled completions (first iteration)."""
+        iteration, the per-token entropy of the clean policy on the sampled completions (first iteration) and the
+        number of real tokens (prompt + completion) each iteration ran through the policy."""
         opt, scheduler = self.optimizers(), self.lr_schedulers()
-        sequences = torch.cat((rollout.prompt_ids, rollout.completion_ids), dim=1)  # [N, P+L]
-        attention = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)  # [N, P+L]
         rows = loss_mask.sum(-1).nonzero().squeeze(-1)  # rows with any loss token: the others cost nothing
-        weights = self.loss.token_weights(loss_mask[rows])  # [n, L], over the whole accumulated batch
-        # No row with loss (all truncated, or all groups uninformative) means no chunk: `split` of an empty tensor
-        # would give one empty chunk, and a forward over zero rows fails.
-        chunks = rows.split(self.hparams.micro_batch_size) if rows.numel() else ()
-        old = self._logprobs_no_grad(sequences, attention, rollout, chunks) if self.hparams.num_iterations > 1 else None
+        weights = torch.zeros_like(loss_mask, dtype=torch.float32)  # [N, L], over the whole accumulated batch
+        weights[rows] = self.loss.token_weights(loss_mask[rows])
+        # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
+        # over zero rows fails).
+        lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
+        plan = plan_micro_batches(lengths, self.hparams.micro_batch_tokens, self.hparams.micro_batch_size)
+        chunks = [rows[torch.tensor(batch, device=rows.device)] for batch in plan]
+        old = self._logprobs_no_grad(rollout, chunks) if self.hparams.num_iterations > 1 else None
         ref = None
         if self.loss.beta > 0:
             with self.policy.disable_adapter():
-                ref = self._logprobs_no_grad(sequences, attention, rollout, chunks)
+                ref = self._logprobs_no_grad(rollout, chunks)
         entropies, stats = [], []
         if not chunks and self.trainer.world_size > 1:  # still join the other ranks' gradient all-reduce
             self.manual_backward(sum(p.sum() for p in trainable_parameters(self.policy)) * 0.0)
@@ -201,22 +213,20 @@ class GRPOModule(L.LightningModule):
             for i, idx in enumerate(chunks):
                 last = i == len(chunks) - 1
                 with opt.toggle_model(sync_grad=last):  # one gradient all-reduce per step under DDP
-                    logprobs, entropy = self._logprobs(sequences[idx], attention[idx], rollout, idx, with_entropy=iteration == 0)
-                    offset = sum(len(c) for c in chunks[:i])
-                    local = slice(offset, offset + len(idx))
+                    logprobs, entropy = self._logprobs(rollout, idx, with_entropy=iteration == 0)
                     loss, st = self.loss(
                         logprobs,
                         logprobs.detach() if old is None else old[idx],
                         advantages[idx],
                         loss_mask[idx],
-                        weights[local],
+                        weights[idx],
                         rollout_logprobs=rollout.logprobs[idx],
                         ref_logprobs=None if ref is None else ref[idx],
                     )
                     self.manual_backward(loss)
                 stats.append(st)
                 if entropy is not None:
-                    entropies.append(entropy[rollout.completion_mask[idx].bool()])
+                    entropies.append(entropy)
             if self.hparams.max_grad_norm > 0:
                 self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             opt.step()
@@ -225,29 +235,44 @@ class GRPOModule(L.LightningModule):
         if not rows.numel():
             stats = [LossStats(*(torch.zeros((), device=self.device) for _ in LossStats._fields))]
         entropy = torch.cat(entropies) if entropies else torch.zeros(0, device=self.device)
-        return stats, entropy
+        return stats, entropy, sum(lengths)
 
-    def _logprobs(self, sequences, attention, rollout: Rollout, idx, with_entropy: bool):
-        """Log-probs (and entropy) of the completion tokens of rows ``idx`` under the clean policy."""
+    def _logprobs(self, rollout: Rollout, idx: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs ``[n, L]`` (0 off the completions) of the completion tokens of rows ``idx`` under the clean
+        policy, and their entropy ``[K]`` (the K completion tokens, row by row) or None."""
         model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
-        prompt_len = rollout.prompt_ids.shape[1]
-        hidden = model.get_decoder()(
-            input_ids=sequences, attention_mask=attention, position_ids=position_ids(attention), use_cache=False
-        ).last_hidden_state  # [n, P+L, H]
-        return token_logprobs(
-            hidden[:, prompt_len - 1 : -1],
+        prompt_mask, completion_mask = rollout.prompt_mask[idx], rollout.completion_mask[idx]
+        ids, _ = right_align(torch.cat((rollout.prompt_ids[idx], rollout.completion_ids[idx]), dim=1),
+                             torch.cat((prompt_mask, completion_mask), dim=1), self.tokenizer.pad_token_id or 0)
+        with self._compute_dtype(model):  # positions 0..len-1 and a causal mask, as in the rollout
+            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [n, T, H]
+        row, k = completion_mask.nonzero(as_tuple=True)  # the K completion tokens, row by row
+        before = prompt_mask.sum(-1)[row] + k - 1  # the position whose output predicts completion token k
+        logprobs, entropy = token_logprobs(
+            hidden[row, before][None],  # [1, K, H]: the LM head sees no padding
             model.get_output_embeddings().weight,
-            rollout.completion_ids[idx],
+            rollout.completion_ids[idx][row, k][None],
             temperature=self.rollout.temperature,
             chunk_size=self.hparams.logprob_chunk_size,
             with_entropy=with_entropy,
         )
+        out = logprobs.new_zeros(completion_mask.shape).index_put((row, k), logprobs[0])  # [n, L]
+        return out, None if entropy is None else entropy[0]
+
+    @staticmethod
+    def _compute_dtype(model):
+        """LoRA matrices are trained in fp32 (peft upcasts them) but multiply in the model's 16-bit dtype, as the
+        rollout runs them: otherwise every adapter call upcasts its input and runs fp32 GEMMs and casts."""
+        dtype = model.get_input_embeddings().weight.dtype
+        if dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast(model.device.type, dtype=dtype)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, sequences, attention, rollout: Rollout, chunks) -> Tensor:
+    def _logprobs_no_grad(self, rollout: Rollout, chunks: list[Tensor]) -> Tensor:
         out = torch.zeros_like(rollout.logprobs)
         for idx in chunks:
-            out[idx] = self._logprobs(sequences[idx], attention[idx], rollout, idx, with_entropy=False)[0]
+            out[idx] = self._logprobs(rollout, idx, with_entropy=False)[0]
         return out
 
     def _eos_ids(self) -> list[int]:
@@ -257,7 +282,8 @@ class GRPOModule(L.LightningModule):
         return sorted(i for i in ids if i is not None)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr) -> None:
+    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr,
+                  update_tokens) -> None:
         lengths = rollout.lengths.float()
         n_groups = informative.numel()
         G = self.hparams.group_size
@@ -280,6 +306,8 @@ class GRPOModule(L.LightningModule):
             "perf/rollout_s": rollout_s,
             "perf/train_s": train_s,
             "perf/rollout_tokens_per_s": float(rollout.completion_mask.sum()) / max(rollout_s, 1e-9),
+            "perf/update_tokens": float(update_tokens),
+            "perf/update_tokens_per_s": update_tokens * self.hparams.num_iterations / max(train_s, 1e-9),
         }
         if self.loss.beta > 0:
             metrics["train/kl"] = loss_stats["kl"]

@@ -262,3 +262,83 @@ def test_unknown_loss_class_is_rejected_by_the_parser(qwen2, tmp_path, no_weight
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
                   "--model.loss", "qerl.modules.loss.NoSuchLoss"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Micro-batches by token budget
+
+
+def _padded_logprobs(module, rollout):
+    """The reference: every row left-padded to the longest prompt and right-padded to the longest completion, one
+    forward with the padding mask and position ids counted over real tokens, as the rollout sees them."""
+    from qerl.modules.logprobs import token_logprobs
+
+    model = module.policy.get_base_model()
+    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), dim=1)
+    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                 use_cache=False).last_hidden_state
+    P = rollout.prompt_ids.shape[1]
+    logprobs, entropy = token_logprobs(hidden[:, P - 1 : -1], model.get_output_embeddings().weight,
+                                       rollout.completion_ids, temperature=module.rollout.temperature)
+    return logprobs * rollout.completion_mask, entropy[rollout.completion_mask.bool()]
+
+
+@pytest.mark.parametrize("budget", [1, 30, 40, None])
+def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, tokenizer, prompt_ids, budget):
+    from qerl.modules.micro_batches import plan_micro_batches
+
+    module = make_module(qwen2, tokenizer, max_new_tokens=5, micro_batch_size=3, micro_batch_tokens=budget)
+    with torch.no_grad():
+        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    # completions of different lengths (EOS is rare in a random model): 5, 1, 3, 2, ... tokens
+    lengths = torch.tensor([5, 1, 3, 2, 4, 5, 1, 2])
+    completion_mask = (torch.arange(5)[None] < lengths[:, None]).long()
+    rollout = rollout._replace(completion_mask=completion_mask,
+                               completion_ids=rollout.completion_ids.masked_fill(completion_mask == 0,
+                                                                                 tokenizer.pad_token_id))
+    assert rollout.prompt_mask.eq(0).any()  # prompts of different lengths: left padding is in play
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(1))
+    params = trainable_parameters(module.policy)
+
+    reference, reference_entropy = _padded_logprobs(module, rollout)
+    reference_grads = torch.autograd.grad((reference * weights).sum(), params)
+
+    real = (rollout.prompt_mask.sum(-1) + lengths).tolist()
+    plan = plan_micro_batches(real, budget, 3)
+    assert [len(b) for b in plan] == {1: [1] * 8, 30: [1, 1, 2, 2, 2], 40: [2, 3, 3], None: [3, 3, 2]}[budget]
+    logprobs, entropies = torch.zeros_like(reference), []
+    grads = [torch.zeros_like(p) for p in params]
+    for batch in plan:
+        idx = torch.tensor(batch)
+        out, entropy = module._logprobs(rollout, idx, with_entropy=True)
+        for g, d in zip(grads, torch.autograd.grad((out * weights[idx]).sum(), params, allow_unused=True)):
+            g += 0 if d is None else d
+        logprobs[idx] = out.detach()
+        entropies.append((idx, entropy))
+    torch.testing.assert_close(logprobs, reference.detach(), rtol=0, atol=1e-5)
+    # entropy comes back row by row over each micro-batch's completion tokens
+    by_row = {int(i): e for idx, entropy in entropies
+              for i, e in zip(idx, entropy.split(lengths[idx].tolist()))}
+    torch.testing.assert_close(torch.cat([by_row[i] for i in range(8)]), reference_entropy, rtol=0, atol=1e-5)
+    for g, r in zip(grads, reference_grads):
+        # float32 sums in another order: a few ulps of the largest entry, times the rows summed
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
+
+
+def test_token_budget_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids):
+    grads, forwards = {}, {}
+    for budget in (None, 8):  # 8 tokens: every row alone (each prompt has more than 4 tokens)
+        module = make_module(qwen2, tokenizer, micro_batch_size=8, micro_batch_tokens=budget)
+        calls = []
+        spy(module, "_logprobs", calls)
+        recorder = GradRecorder()
+        fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
+        grads[budget], forwards[budget] = recorder.steps[0], len(calls)
+    assert forwards == {None: 1, 8: 8}
+    for name, g in grads[8].items():
+        r = grads[None][name]
+        if g is None:
+            assert r is None
+            continue
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
