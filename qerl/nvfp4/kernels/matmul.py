@@ -51,6 +51,18 @@ _TWO_POW_118 = tl.constexpr(2.0**118)
 
 
 @triton.jit
+def _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C: tl.constexpr):
+    """The e4m3 block scales of ``rows`` x columns ``col0 .. col0 + BLOCK_C`` as fp32 ``[rows, BLOCK_C/16]``."""
+    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
+    scale_bits = tl.load(
+        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
+        mask=row_ok & (block_cols[None, :] < COLS // 16),
+        other=0,
+    )
+    return scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _unpacked_weight_tile(
     packed_ptr,
     scale_ptr,
@@ -65,7 +77,6 @@ def _unpacked_weight_tile(
     """``W[row0:row0+BLOCK_R, col0:col0+BLOCK_C] * 2^SHIFT`` in ``COMPUTE`` dtype, exact; zero outside the matrix."""
     rows = row0 + tl.arange(0, BLOCK_R)
     byte_cols = col0 // 2 + tl.arange(0, BLOCK_C // 2)
-    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
     row_ok = rows[:, None] < ROWS
     # 16 contiguous bytes per thread: a row of BLOCK_C/2 packed bytes, then viewed as [blocks, 8 bytes].
     packed = tl.load(
@@ -73,13 +84,8 @@ def _unpacked_weight_tile(
         mask=row_ok & (byte_cols[None, :] < COLS // 2),
         other=0,
     )
-    scale_bits = tl.load(
-        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
-        mask=row_ok & (block_cols[None, :] < COLS // 16),
-        other=0,
-    )
+    scale = _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C)
     packed = tl.reshape(packed, (BLOCK_R, BLOCK_C // 16, 8))
-    scale = scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if COMPUTE == tl.float16:
         # fp16 bits (c & 8) << 12 | (c & 7) << 9 equal E2M1[c] * 2^-14 (index 1 = 0.5 lands on a subnormal);
         # scale * 2^7 stays below fp16's 65504, and the product E2M1 * s * 2^-7 is exact (subnormal at worst).
@@ -168,13 +174,7 @@ def _pair_order_tile(
         other=0,
     )
     # the block scale of each word (two words per block of 16), loaded per block and duplicated in registers
-    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
-    scale_bits = tl.load(
-        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
-        mask=row_ok & (block_cols[None, :] < COLS // 16),
-        other=0,
-    )
-    scale = scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale = _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C)
     if USE_ASM:
         f16 = (scale * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         f2 = f16 | (f16 << 16)  # bf16x2 (factor, factor)
