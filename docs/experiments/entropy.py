@@ -28,7 +28,7 @@ from qerl.data.answers import grade
 from qerl.data.prompts import format_prompt
 from qerl.data.sources import ArithmeticSource
 from qerl.model.aqn import aqn_sigma
-from qerl.model.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
+from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.policy import build_policy
 from qerl.rollout.builtin import BuiltinRollout
 
