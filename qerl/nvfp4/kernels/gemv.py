@@ -4,9 +4,9 @@ memory, by a Gluon kernel that declares its shared memory; how a launch is cut u
 dense rows (the LoRA-A matrices) ride in the same launch.
 
 Everything lane-dependent is in inline PTX (Triton only launches it), so the CPU interpreter cannot run it: CPU tests
-cover the repack (repack -> unrepack is the identity), :func:`emulate_repacked` (decodes the repacked words with
-exactly the asm's bit operations and lane mapping) and the sm_90 build of every variant (ptxas accepts the PTX, no
-register spills); ``bench/bench_gemv.py`` checks every variant against float64 on the GPU.
+cover the repack (repack -> unrepack is the identity), ``gemv_layout.emulate_repacked`` (decodes the repacked words
+with exactly the asm's bit operations and lane mapping) and the sm_90 build of every variant (ptxas accepts the PTX,
+no register spills); the GPU test tier (``tests/gpu``) checks the launches against float64 on the GPU.
 """
 
 from __future__ import annotations
@@ -489,8 +489,4 @@ def _variant_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: i
         return 128 // _CTAS_PER_SM[nt] * 8
 
 
-__all__ = ["DENSE_MAX_M", "MAX_M", "STREAM_K_MIN_CHUNKS", "TOKEN_BLOCK", "WIDE_MAX_M", "WIDE_MIN_WEIGHTS",
-           "counter_size", "default_wgmma", "default_widest", "dense_fragments", "emulate_repacked", "launch",
-           "max_cluster", "max_m", "repack", "shared_reservation", "split_plan", "stream_k_plan",
-           "supported", "tiles_for", "token_blocks_stream_k", "unrepack", "wgmma_ring_bytes", "wgmma_shared_bytes",
-           "wgmma_supported", "wide_reduce_unroll", "wide_splits"]
+__all__ = ["launch"]
