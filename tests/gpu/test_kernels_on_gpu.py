@@ -12,13 +12,15 @@ import dataclasses
 import pytest
 import torch
 
-from qerl.nvfp4.format import dequantize
-from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, pdl
-from qerl.nvfp4.kernels import matmul as kernels
-from qerl.nvfp4.kernels.gemv_plan import GemvConfig
-from qerl.nvfp4.linear import NVFP4Linear
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+if not torch.cuda.is_available():  # the kernel modules stay out of a CPU run (its interpreter tests check that)
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from qerl.nvfp4.format import dequantize  # noqa: E402
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, pdl  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
+from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 REL_TOL = 4e-3
 # (out, in): Qwen2.5-7B's k/v, q/o, down, and gate/up (above WIDE_MIN_WEIGHTS: the token blocks' default)
