@@ -25,11 +25,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import SHAPES, copies_for, device_header, graph_ms, random_nvfp4, rel_err  # noqa: E402
 
-from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
-from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+import nvfp4_tuning as tuning  # noqa: E402
 
-MMA_SYNC = dataclasses.replace(kernels.GEMV, wgmma=False)
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
+from qerl.nvfp4.kernels.split_k import counters  # noqa: E402
+
+MMA_SYNC = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))
 
 
 def poison(device):
@@ -40,38 +44,39 @@ def poison(device):
 def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
     kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
-    from qerl.kernels import fused_decode
+    from qerl.nvfp4.kernels import fused_decode
 
     a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
-    frags = gemv.dense_fragments(a)
+    frags = gemv_layout.dense_fragments(a)
     w = weights[0]
-    plain = gemv.launch(x, w[0], w[1], w[2], warps=0)
+    plain = gemv.launch(x, *w)
     poison(x.device)
-    out, u = gemv.launch(x, w[0], w[1], w[2], warps=0, dense=(frags, 48))
+    out, u = gemv.launch(x, *w, dense=(frags, 48))
     ref = x.double() @ a.double().t()
     res = {"lora_a_fused_out_identical": bool(torch.equal(plain, out)),
            "lora_a_fused_rel_err": rel_err(u.sum(0), ref) if bool(torch.isfinite(u).all()) else float("nan"),
            "lora_a_fused_splits": u.shape[0]}
     nw = len(weights)
     res["ms_gemv_plus_lora_a_separate"] = graph_ms(
-        lambda i: (gemv.launch(acts[i % 4], *weights[i % nw], warps=0), fused_decode.lora_a(acts[i % 4], a)), calls)
+        lambda i: (gemv.launch(acts[i % 4], *weights[i % nw]), fused_decode.lora_a(acts[i % 4], a)), calls)
     res["ms_gemv_with_lora_a_fused"] = graph_ms(
-        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, dense=(frags, 48)), calls)
+        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], dense=(frags, 48)), calls)
     return res
 
 
 def pdl_variants(x, acts, weights, calls) -> dict:
     """Back-to-back launches of the default GEMV with and without programmatic dependent launch (each starts while the
     one before finishes). The output must not change (bitwise)."""
-    from qerl.kernels import pdl
+    from qerl.nvfp4.kernels import pdl
 
     if not pdl.supported(x.device):
         return {}
     w, nw = weights[0], len(weights)
-    plain = gemv.launch(x, *w, warps=0)
-    return {"pdl_out_identical": bool(torch.equal(plain, gemv.launch(x, *w, warps=0, pdl=True))),
-            "ms_chain_plain": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0), calls),
-            "ms_chain_pdl": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, pdl=True), calls)}
+    with_pdl = GemvConfig(pdl=True)
+    plain = gemv.launch(x, *w)
+    return {"pdl_out_identical": bool(torch.equal(plain, gemv.launch(x, *w, with_pdl))),
+            "ms_chain_plain": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw]), calls),
+            "ms_chain_pdl": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], with_pdl), calls)}
 
 
 def main():
@@ -91,12 +96,13 @@ def main():
             nbytes = n * k * BYTES_PER_WEIGHT
             weights = [random_nvfp4(n, k, dev) for _ in range(copies_for(nbytes))]
             dense = [dequantize(*w, torch.bfloat16) for w in weights[: copies_for(n * k * 2)]]
-            for w in weights:
-                gemv.repacked(w[0], w[1])
-            gemv.counters(dev, n // 16)
+            repacked = tuning.gemv_weights(weights)  # each NVFP4Linear's GEMV copy of its weight
+            # (words, factors, global scale): what gemv.launch takes
+            gemv_weights = [(*r(), w[2]) for r, w in zip(repacked, weights)]
+            counters(dev, n // 16)
             w64 = dequantize(*weights[0], torch.float64)
             for m in sorted(set(ms_list) | ({3, 9, 20, 47} if sname in ("k", "down") else set())):
-                cands = kernels.gemv_configs(m)
+                cands = tuning.gemv_configs(m)
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = x.double() @ w64.t()
                 poison(dev)
@@ -106,14 +112,14 @@ def main():
                 cur_cfg = kernels.default_config(False, m, n, k, gemv=False)
                 err_cur = rel_err(kernels._launch(x, *weights[0], False, cur_cfg), ref)
                 gerr = {}
-                if m <= gemv.MAX_M:
+                if m <= gemv_plan.MAX_M:
                     for i, c in enumerate(cands):
                         poison(dev)
-                        o = kernels._launch(x, *weights[0], False, c)
+                        o = kernels._launch(x, *weights[0], False, c, repacked[0])
                         gerr[i] = rel_err(o, ref) if bool(torch.isfinite(o).all()) else float("nan")
                 if m not in ms_list:
                     poison(dev)
-                    d = kernels.nvfp4_mm(x, *weights[0], False)
+                    d = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
                     e = rel_err(d, ref) if bool(torch.isfinite(d).all()) else float("nan")
                     print(f"{model}.{sname} M={m} check only: default {e:.1e} cands {gerr} prev {err_cur:.1e} "
                           f"bf16 {err_bf16:.1e}")
@@ -121,8 +127,8 @@ def main():
                     continue
                 # the default path (what a rollout gets): repeatable bit for bit (no race in the fused split-K)
                 poison(dev)
-                d1 = kernels.nvfp4_mm(x, *weights[0], False)
-                d2 = kernels.nvfp4_mm(x, *weights[0], False)
+                d1 = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
+                d2 = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
                 err_def = rel_err(d1, ref) if bool(torch.isfinite(d1).all()) else float("nan")
                 same = bool(torch.equal(d1, d2))
                 acts = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(4)]
@@ -131,18 +137,20 @@ def main():
                 t_cur = graph_ms(lambda i: kernels._launch(acts[i % 4], *weights[i % len(weights)], False, cur_cfg),
                                  calls)
                 tg = {}
-                for i, c in enumerate(cands if m <= gemv.MAX_M else []):
-                    tg[i] = graph_ms(lambda j, c=c: kernels._launch(acts[j % 4], *weights[j % len(weights)], False, c),
-                                     calls)
-                t_def = graph_ms(lambda i: kernels.nvfp4_mm(acts[i % 4], *weights[i % len(weights)], False), calls)
+                for i, c in enumerate(cands if m <= gemv_plan.MAX_M else []):
+                    tg[i] = graph_ms(lambda j, c=c: kernels._launch(acts[j % 4], *weights[j % len(weights)], False, c,
+                                                                    repacked[j % len(weights)]), calls)
+                t_def = graph_ms(lambda i: kernels.forward(acts[i % 4], *weights[i % len(weights)],
+                                                           gemv_weight=repacked[i % len(weights)]), calls)
                 # the mma.sync loop that was the default before the wgmma one (and is on GPUs other than sm_90)
                 t_sync = graph_ms(lambda i, acts=acts, weights=weights: kernels._launch(
-                    acts[i % 4], *weights[i % len(weights)], False, MMA_SYNC), calls) if m <= gemv.MAX_M else t_cur
+                    acts[i % 4], *weights[i % len(weights)], False, MMA_SYNC, repacked[i % len(weights)]),
+                    calls) if m <= gemv_plan.MAX_M else t_cur
                 # after many graph replays the fused split-K counters must be back at zero: same answer again
-                d3 = kernels.nvfp4_mm(x, *weights[0], False)
+                d3 = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
                 same = same and bool(torch.equal(d1, d3))
-                lora = lora_a_in_launch(x, acts, weights, calls, k) if m <= 16 else {}
-                chain = pdl_variants(x, acts, weights, calls) if m in (1, 16, 64) else {}
+                lora = lora_a_in_launch(x, acts, gemv_weights, calls, k) if m <= 16 else {}
+                chain = pdl_variants(x, acts, gemv_weights, calls) if m in (1, 16, 64) else {}
                 if chain:
                     print(f"{model}.{sname:>6} M={m:<3} chained launches, us: " + " ".join(
                         f"{key[9:]} {v * 1e3:6.1f}" for key, v in chain.items() if key.startswith("ms_chain_"))
@@ -157,8 +165,8 @@ def main():
                        "rel_err_ours": err_def, "rel_err_gemv": gerr, "repeatable": same,
                        "ms_best_candidate": min([t_cur] + list(ok.values())),
                        "rel_err_prev": err_cur, "rel_err_bf16": err_bf16,
-                       "best_candidate": cands[best].__dict__ if best is not None else None,
-                       "config": kernels.default_config(False, m, n, k).__dict__, **lora, **chain}
+                       "best_candidate": dataclasses.asdict(cands[best]) if best is not None else None,
+                       "config": dataclasses.asdict(kernels.default_config(False, m, n, k)), **lora, **chain}
                 rows.append(row)
                 gs = " ".join(f"{tg[i] * 1e3:6.1f}" for i in sorted(tg))
                 if lora:
@@ -173,7 +181,7 @@ def main():
                       f"x{t_bf / t_new:4.2f} (prev x{t_bf / t_cur:4.2f}) {row['weight_gbps']:5.0f} GB/s "
                       f"cands {max(gerr.values()) if gerr else 0:.1e} prev {err_cur:.1e} bf16 {err_bf16:.1e}",
                       flush=True)
-            del weights, dense
+            del weights, dense, repacked, gemv_weights
             torch.cuda.empty_cache()
     summ = []
     for m in ms_list:
@@ -202,11 +210,11 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemv_{tag}.json").write_text(json.dumps(
         {"device": name, "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
-         "gemv_candidates": {m: [c.__dict__ for c in kernels.gemv_configs(m)] for m in ms_list},
-         "gemv_regs": {str(k_): v for k_, v in gemv._REGS.items()},
+         "gemv_candidates": {m: [dataclasses.asdict(c) for c in tuning.gemv_configs(m)] for m in ms_list},
+         "gemv_regs": {str(k_): v for k_, v in gemv_plan._REGS.items()},
          "rows": rows, "summary": summ, "extra_checks": errors},
         indent=1))
-    print(f"\n{name}, copy {copy:.0f} GB/s, {time.time() - t0:.0f} s; gemv registers {gemv._REGS}")
+    print(f"\n{name}, copy {copy:.0f} GB/s, {time.time() - t0:.0f} s; gemv registers {gemv_plan._REGS}")
     print("| M | default x bf16 | mma.sync x bf16 | tile kernel x bf16 | max rel err | repeatable |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in summ:

@@ -7,7 +7,7 @@ Run on a CUDA machine from the repository root:
 For every Qwen2.5-7B / 32B linear shape (q, k, v, o, gate, up, down; lm_head stays bf16) and every M it
 1. checks the relative error of ours (and of cuBLAS on the dequantized bf16 weight) against the fp64 product of the
    dequantized weight, on fresh random inputs;
-2. autotunes our tile configuration at that M (cached, before any timing);
+2. autotunes our tile configuration at that M (``nvfp4_tuning``, before any timing);
 3. times forward ``x @ W.T`` and backward ``dy @ W`` for ours, cuBLAS bf16 (``F.linear`` / ``mm`` on the dense bf16
    weight) and the reference code's dequantize-then-matmul. Each time is the median over graph replays of a CUDA
    graph holding many calls that cycle through enough weight and input copies (> 2x L2) that nothing is served
@@ -34,9 +34,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.kernels import nvfp4_matmul as kernels
-from qerl.kernels.grid import cdiv
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, NVFP4Linear, dequantize, reference_backward_input, reference_forward
+import nvfp4_tuning as tuning
+from qerl.nvfp4.kernels.grid import cdiv
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize
+from qerl.nvfp4.linear import NVFP4Linear, reference_backward_input, reference_forward
 
 # (name, out_features, in_features) of the linears NVFP4 replaces.
 SHAPES = {
@@ -63,7 +64,7 @@ def copies_for(nbytes: float) -> int:
 
 def graph_ms(fn, calls: int, replays: int = 7) -> float:
     """Median per-call time of ``fn(i)`` for i < calls captured in one CUDA graph."""
-    return kernels._graph_time_ms(fn, calls, replays)
+    return tuning.graph_time_ms(fn, calls, replays)
 
 
 def device_header(device: torch.device) -> tuple[str, str, float]:
@@ -124,6 +125,7 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
     weights = [random_nvfp4(n, k, device) for _ in range(copies_for(nvfp4_bytes))]
     dense = [dequantize(*w, torch.bfloat16) for w in weights[: copies_for(n * k * 2)]]
     w64 = dequantize(*weights[0], torch.float64)
+    repacked = tuning.gemv_weights(weights)  # each NVFP4Linear's GEMV copy of its weight
     rows = []
     for m in ms_list:
         for direction, transpose in (("fwd", False), ("bwd", True)):
@@ -135,26 +137,26 @@ def bench_shape(model: str, name: str, n: int, k: int, ms_list: list[int], devic
             x = torch.randn(m, red, device=device, dtype=torch.bfloat16)
             pick = torch.cat([torch.arange(min(m, CHECK_ROWS), device=device), torch.tensor([m - 1], device=device)])
             ref = x[pick].double() @ (w64 if transpose else w64.t())
-            ours = kernels.nvfp4_mm(x, *weights[0], transpose)
+            ours = tuning.run(x, weights[0], transpose, gemv_weight=repacked[0])
             bf16 = x @ (dense[0] if transpose else dense[0].t())
             err_ours, err_bf16 = rel_err(ours[pick], ref), rel_err(bf16[pick], ref)
             finite = bool(torch.isfinite(ours).all())
 
             # 2. autotune at this M (the cache holds one winner per M bucket and shape: M = 4 and 16 share M = 1's
             #    bucket, and each is tuned for itself before it is timed; nothing below tunes)
-            if len(kernels.candidate_configs(m, transpose)) > 1:
-                kernels.autotune(acts, weights, transpose)
-            cfg = kernels.config_for(transpose, m, out_dim, red, torch.bfloat16)
+            if len(tuning.candidate_configs(m, transpose)) > 1:
+                tuning.autotune(acts, weights, transpose)
+            cfg = tuning.config_for(transpose, m, out_dim, red, torch.bfloat16)
             dense_path = cfg.dense
             # the tuned configuration must be correct too (the check above ran the default one)
-            ours_tuned = kernels.nvfp4_mm(x, *weights[0], transpose)
+            ours_tuned = tuning.run(x, weights[0], transpose, cfg, repacked[0])
             err_ours = max(err_ours, rel_err(ours_tuned[pick], ref))
             finite = finite and bool(torch.isfinite(ours_tuned).all())
 
             # 3. timing
             calls = max(len(weights), len(acts), 8)
-            ms_ours = graph_ms(lambda i: kernels.nvfp4_mm(acts[i % len(acts)], *weights[i % len(weights)], transpose),
-                               calls)
+            ms_ours = graph_ms(lambda i: tuning.run(acts[i % len(acts)], weights[i % len(weights)], transpose, cfg,
+                                                    repacked[i % len(weights)]), calls)
             if transpose:
                 ms_bf16 = graph_ms(lambda i: torch.mm(acts[i % len(acts)], dense[i % len(dense)]), calls)
                 ms_deq = graph_ms(lambda i: reference_backward_input(acts[i % len(acts)], *weights[i % len(weights)]),
@@ -285,20 +287,6 @@ def bench_training_step(device: torch.device, tokens: int = 2048, layers: int = 
     return rows
 
 
-def dequantize_checks(device: torch.device) -> dict:
-    """The dense path's dequantize kernel (launched from compiled handles keyed on alignment) is bitwise the torch
-    reference, on whole weights and on row slices whose pointers are not 16-byte aligned, in bf16 and fp16."""
-    res = {}
-    for n, k in ((256, 256), (48, 80), (3584, 18944)):
-        p, s, g = random_nvfp4(n, k, device)
-        for name, rows in (("whole", slice(None)), ("from_row_1", slice(1, None)), ("rows_3_to_-5", slice(3, n - 5))):
-            for dtype in (torch.bfloat16, torch.float16):
-                got = kernels.dequantize_dense(p[rows], s[rows], g, dtype)
-                res[f"{n}x{k}_{name}_{str(dtype)[6:]}"] = bool(torch.equal(got, dequantize(p[rows], s[rows], g, dtype)))
-    print(f"dequantize kernel == reference: {all(res.values())} ({len(res)} cases)", flush=True)
-    return res
-
-
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for m in sorted({r["M"] for r in rows}):
@@ -328,7 +316,6 @@ def main() -> None:
     torch.manual_seed(0)
     name, tag, copy = device_header(device)
     ms_list = [int(v) for v in args.ms.split(",")]
-    checks = dequantize_checks(device)
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -341,8 +328,8 @@ def main() -> None:
     train = [] if args.no_train_step else bench_training_step(device)
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
-              "rows": rows, "summary": summary, "training_step": train, "dequantize_checks": checks,
-              "tuned_configs": kernels.tuned_table()}
+              "rows": rows, "summary": summary, "training_step": train,
+              "tuned_configs": tuning.tuned_table()}
     path.write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {copy:.0f} GB/s; geomean over shapes (weight GB/s = NVFP4 bytes / our time)")
     print("(read-floor ceiling: bf16 time / the time of only reading the NVFP4 weight; deq/bf16: the x deq of a kernel"

@@ -4,11 +4,10 @@ Run on a CUDA machine from the repository root:
 
     PYTHONPATH=. python bench/bench_rollout.py [--out bench/results] [--new 1024] [--budget-s 440]
 
-1. Checks on a small random model on the GPU: graph replay == eager steps (same draws), log-probs == a full forward
-   recomputation of the sampled tokens, an in-place LoRA change and AQN noise change the graph's output and the noise
-   is removed exactly, compaction (many EOS ids) still matches the recomputation.
-2. Measures copy bandwidth (the floor of a decode step = bytes of weights read / bandwidth).
-3. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
+What the engine computes is checked by the GPU test tier (``bench/gpu_tests.sh``: graph replay == eager steps,
+log-probs == a full recomputation, LoRA and AQN noise live in the captured graphs, the fused kernels vs float64).
+1. Measures copy bandwidth (the floor of a decode step = bytes of weights read / bandwidth).
+2. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
    The engine runs its default step (``FusedDecoder``; NVFP4 steps above 64 rows on the rollout's bf16 copy of the
@@ -28,12 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
+import rollout_hooks
 import torch
 
-from qerl.modules.aqn import rms_norms
-from qerl.modules.random_models import build_random_policy, qwen25_config
-from qerl.rollout.builtin import position_ids
-from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
+from qerl.testing.random_models import build_random_policy, qwen25_config
+from qerl.rollout.cuda_graph import kv_cache_bytes
 
 PROMPT = 256
 T0 = time.time()
@@ -44,85 +42,6 @@ def log(*a):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def recompute(policy, r, temperature=1.0):
-    ids = torch.cat((r.prompt_ids, r.completion_ids), 1)
-    mask = torch.cat((r.prompt_mask, r.completion_mask), 1)
-    with torch.no_grad():
-        logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
-    P = r.prompt_ids.shape[1]
-    lp = (logits[:, P - 1:-1] / temperature).log_softmax(-1)
-    return lp.gather(-1, r.completion_ids[..., None]).squeeze(-1) * r.completion_mask
-
-
-def checks() -> dict:
-    config = qwen25_config("qwen2.5-7b", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    policy = build_random_policy(config, "nvfp4", lora_rank=8)
-    prompts = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (9, 4, 17)]
-    res = {}
-    eng = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
-    a = eng.generate(policy, prompts, 4, 0, [])
-    res["graphs_captured"] = eng.graphs_captured
-    eager = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, use_graphs=False)
-    e = eager.generate(policy, prompts, 4, 0, [])
-    res["graph_eq_eager_tokens"] = bool(torch.equal(a.completion_ids, e.completion_ids))
-    res["graph_vs_eager_max_lp_diff"] = float((a.logprobs - e.logprobs).abs().max())
-    res["graph_vs_recompute_max_lp_diff"] = float((a.logprobs - recompute(policy, a)).abs().max())
-    eng.reset_generator()
-    a2 = eng.generate(policy, prompts, 4, 0, [])
-    res["graph_replay_deterministic"] = bool(torch.equal(a.logprobs, a2.logprobs))
-    lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
-    with torch.no_grad():
-        lora_b.add_(0.5)
-    eng.reset_generator()
-    d = eng.generate(policy, prompts, 4, 0, [])
-    with torch.no_grad():
-        lora_b.sub_(0.5)
-    res["lora_change_changes_graph_output"] = bool(not torch.equal(a.logprobs, d.logprobs))
-    clean = [m.weight.detach().clone() for m in rms_norms(policy)]
-    eng.set_noise(0.1, torch.Generator().manual_seed(0))
-    eng.reset_generator()
-    n = eng.generate(policy, prompts, 4, 0, [])
-    eng.set_noise(0.0)
-    res["noise_changes_graph_output"] = bool(not torch.equal(a.logprobs, n.logprobs))
-    res["noise_removed_exactly"] = all(torch.equal(m.weight, w) for m, w in zip(rms_norms(policy), clean))
-    res["graphs_captured_total"] = eng.graphs_captured
-    res["no_recapture_on_lora_or_noise"] = eng.graphs_captured == res["graphs_captured"]
-    # prompts of 210 tokens in all: the fused prefill's GEMMs above 128 rows (each group dequantized into one stack)
-    long = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (60, 70, 45)]
-    lp = CUDAGraphRollout(max_new_tokens=16, seed=0).generate(policy, long, 2, 0, [])
-    res["long_prefill_vs_recompute_max_lp_diff"] = float((lp.logprobs - recompute(policy, lp)).abs().max())
-    c = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
-    r = c.generate(policy, prompts, 8, 0, list(range(100, 108)))
-    res["compaction_lengths"] = r.lengths.tolist()
-    res["compaction_graphs"] = sorted(k[:2] for k in c._graphs)  # (batch bucket, length bucket)
-    res["compaction_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
-    w = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, wide_batch_bf16=True)
-    r = w.generate(policy, prompts, 32, 0, [])  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
-    res["wide_batch_bf16_vs_recompute_max_lp_diff"] = float((r.logprobs - recompute(policy, r)).abs().max())
-    gemms = [lyr[g].gemm for lyr in w._decoder[1].layers for g in ("qkv", "o", "gu", "down")]
-    res["wide_batch_bf16_copy_released"] = all(gm._dequantized is None for gm in gemms)
-    # the next rollout's copy lands elsewhere (what an update's allocations do): its graphs are recaptured, the stale
-    # ones (here all of them: 96 rows never compact below 64) freed with their pool
-    junk = [torch.empty(gm.dequantized_bytes(torch.bfloat16), dtype=torch.uint8, device="cuda") for gm in gemms]
-    before = w.graphs_captured
-    r2 = w.generate(policy, prompts, 32, 0, [])
-    res["wide_batch_bf16_moved_copy_recaptured"] = (w.graphs_captured > before
-                                                     and len(w._graphs) == w.graphs_captured - before)
-    res["wide_batch_bf16_moved_copy_vs_recompute_max_lp_diff"] = float(
-        (r2.logprobs - recompute(policy, r2)).abs().max())
-    del junk
-    runs = {}
-    for pdl in (False, True):  # programmatic dependent launch changes when kernels start, never what they compute
-        p = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4, pdl=pdl)
-        runs[pdl] = p.generate(policy, prompts, 8, 0, list(range(100, 104)))
-    res["pdl_same_tokens_and_logprobs"] = bool(torch.equal(runs[True].completion_ids, runs[False].completion_ids)
-                                               and torch.equal(runs[True].logprobs, runs[False].logprobs))
-    log("checks", json.dumps(res))
-    del policy
-    return res
-
-
 def copy_bandwidth() -> float:
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -149,84 +68,6 @@ def weight_bytes(policy) -> int:
     return total
 
 
-def fused_kernel_checks() -> dict:
-    """The fused decode kernels on the GPU (7B shapes, bf16, fresh random inputs) vs their torch twins (same
-    roundings, run by torch on the same GPU) and the attention vs float64."""
-    from qerl.kernels import fused_decode as K
-
-    res = {}
-    dev, bf = "cuda", torch.bfloat16
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=dev) * scale).to(bf)  # noqa: E731
-    diff = lambda a, b: float((a.double() - b.double()).abs().max())  # noqa: E731
-    for b in (1, 64):
-        y = rnd(b, 4608)
-        yq, yk, yv = y.split([3584, 512, 512], 1)
-        biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
-        xa, aa = rnd(b, 3584), rnd(48, 3584, scale=0.02)
-        u = K.lora_a(xa, aa)  # split-K partials [S, b, 48]
-        ref_u = xa.double() @ aa.double().t()
-        res[f"lora_a_rel_err_vs_fp64_b{b}"] = float((u.double().sum(0) - ref_u).norm() / ref_u.norm())
-        lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
-        pos = torch.randint(0, 4000, (b,), device=dev)
-        inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
-        col = torch.tensor([300], device=dev)
-        c = [torch.zeros(b, 4, 512, 128, device=dev, dtype=bf) for _ in range(4)]
-        q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
-        q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
-        res[f"qkv_epilogue_max_abs_diff_b{b}"] = max(diff(q1, q2), diff(c[0], c[2]), diff(c[1], c[3]))
-        kc, vc = rnd(b, 4, 1280, 128), rnd(b, 4, 1280, 128)
-        q = rnd(b, 28, 128)
-        mask = torch.ones(b, 1280, dtype=torch.bool, device=dev)
-        mask[:, :40] = False
-        out = K.decode_attention(q, kc, vc, mask, 1100, 128**-0.5)
-        ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, 1100, 128**-0.5)
-        res[f"attention_rel_err_vs_fp64_b{b}"] = float((out.double() - ref).norm() / ref.norm())
-        h = rnd(b, 3584, scale=3)
-        h2 = h.clone()
-        w = (1 + 0.1 * torch.randn(3584, device=dev)).to(bf)
-        yo, uo, lo = rnd(b, 3584), K.lora_a(rnd(b, 3584), rnd(16, 3584, scale=0.02)), rnd(3584, 16, scale=0.05)
-        x1 = K.residual_rms_norm(h, w, 1e-6, yo, None, uo, lo)
-        x2 = K.residual_rms_norm_torch(h2, w, 1e-6, yo, None, uo, lo)
-        res[f"residual_norm_max_abs_diff_b{b}"] = max(diff(x1, x2), diff(h, h2))
-        yg, yu, ug = rnd(b, 18944), rnd(b, 18944), K.lora_a(rnd(b, 3584), rnd(32, 3584, scale=0.02))
-        lg = (rnd(18944, 16, scale=0.05), rnd(18944, 16, scale=0.05))
-        res[f"silu_mul_max_abs_diff_b{b}"] = diff(K.silu_mul_epilogue(yg, yu, ug, lg),
-                                                   K.silu_mul_epilogue_torch(yg, yu, ug, lg))
-    res.update(wide_batch_gemm_checks())
-    log("fused kernel checks", json.dumps(res))
-    return res
-
-
-def wide_batch_gemm_checks() -> dict:
-    """The decoder's stacked 7B gate|up at 65-256 rows on the token-block wgmma GEMV (no bf16 copy): vs the fp64
-    product per layer, launched twice (bitwise equal), and the path it took (the repack built, not dense)."""
-    from qerl.modules.nvfp4 import NVFP4Linear, dequantize
-    from qerl.rollout.fused_decoder import BaseGEMM
-
-    res, dev = {}, torch.device("cuda")
-    layers = []
-    for _ in range(2):
-        layer = NVFP4Linear(3584, 18944, device=dev)
-        scale = torch.rand(18944, 224, device=dev) * 2.0 ** torch.randint(-8, 9, (18944, 224), device=dev)
-        layer.load_nvfp4({"weight_packed": torch.randint(0, 256, (18944, 1792), dtype=torch.uint8, device=dev),
-                          "weight_scale": scale.clamp(max=448).to(torch.float8_e4m3fn),
-                          "weight_global_scale": torch.tensor([448.0 * 6.0 / 0.05], device=dev)})
-        layers.append(layer)
-    gemm = BaseGEMM(layers, fast=True)
-    for m in (100, 256):
-        x = torch.randn(m, 3584, device=dev).to(torch.bfloat16)
-        outs, again = gemm(x), gemm(x)
-        errs = []
-        for layer, y in zip(layers, outs):
-            ref = x.double() @ dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
-                                          torch.float64).t()
-            errs.append(float((y.double() - ref).norm() / ref.norm()))
-        res[f"wide_batch_gemm_rel_err_m{m}"] = max(errs)
-        res[f"wide_batch_gemm_repeatable_m{m}"] = all(torch.equal(a, b) for a, b in zip(outs, again))
-    res["wide_batch_gemm_on_repack"] = gemm._repacked is not None
-    return res
-
-
 def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     """CUDA kernels launched per decode step (profiler, eager steps: what a captured graph replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -234,10 +75,10 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch)]
     counts = {}
     for steps in (4, 12):
-        eng = CUDAGraphRollout(max_new_tokens=64, seed=0, fused=fused, use_graphs=False)
-        eng.stop_after = 2
+        eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
+        rollout_hooks.stop_after(eng, 2)
         eng.generate(policy, prompts, 1, 0, [])  # warm-up (Triton compiles, repacks)
-        eng.stop_after = steps
+        rollout_hooks.stop_after(eng, steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eng.generate(policy, prompts, 1, 0, [])
@@ -251,19 +92,20 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
-    eng = CUDAGraphRollout(max_new_tokens=new, seed=0, check_every=16, fused=fused, pdl=pdl,
-                           wide_batch_bf16=wide_batch_bf16, wgmma=wgmma)
+    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, max_new_tokens=new, seed=0, check_every=16, fused=fused,
+                               wide_batch_bf16=wide_batch_bf16)
+    timer = rollout_hooks.PhaseTimer(eng)
     torch.cuda.reset_peak_memory_stats()
-    eng.stop_after = 16
+    rollout_hooks.stop_after(eng, 16)
     eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
-    eng.stop_after = None
+    rollout_hooks.stop_after(eng, None)
     torch.cuda.synchronize()
     t = time.perf_counter()
     r = eng.generate(policy, prompts, group, 0, [])  # EOS ignored: fixed length
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     assert r.completion_ids.shape == (batch, new)
-    tm = eng.last_timing
+    tm = timer.timing()
     # the warm-up captured the first length bucket only; steps of the timed call that captured a later one (eager
     # step + capture, once per rollout shape and engine) are left out of ms/step and reported apart
     # (tok/s: the capturing steps counted at the replayed steps' time)
@@ -303,7 +145,6 @@ def main():
     ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--budget-s", type=float, default=420)
-    ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
     ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
@@ -318,15 +159,6 @@ def main():
     log(device, torch.__version__)
     result = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "prompt_len": PROMPT, "new_tokens": args.new, "group_size": "min(8, batch)", "rows": []}
-    if not args.skip_checks:
-        try:
-            result["checks"] = checks()
-        except Exception:
-            traceback.print_exc()
-        try:
-            result["fused_kernel_checks"] = fused_kernel_checks()
-        except Exception:
-            traceback.print_exc()
     bw = copy_bandwidth()
     result["copy_gbps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")

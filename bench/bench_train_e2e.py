@@ -36,8 +36,8 @@ import torch
 def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int) -> dict[str, Path]:
     from transformers import AutoTokenizer
 
-    from qerl.modules.checkpoint_io import save_nvfp4
-    from qerl.modules.random_models import build_random_model, qwen25_config
+    from qerl.nvfp4.checkpoint import save_nvfp4
+    from qerl.testing.random_models import build_random_model, qwen25_config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = qwen25_config(size, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import torch
+import rollout_hooks
 from torch.profiler import ProfilerActivity, profile
 
-from qerl.modules.random_models import build_random_policy, qwen25_config
-from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.random_models import build_random_policy, qwen25_config
 
 
 def kernel_table(policy, batch: int, fused: bool = True) -> dict:
@@ -27,10 +27,10 @@ def kernel_table(policy, batch: int, fused: bool = True) -> dict:
     prompts = [[int(x) for x in torch.randint(0, 150000, (256,))] for _ in range(batch // group)]
     per = {}
     for steps in (4, 12):
-        eng = CUDAGraphRollout(max_new_tokens=64, seed=0, fused=fused, use_graphs=False)
-        eng.stop_after = 3
+        eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
+        rollout_hooks.stop_after(eng, 3)
         eng.generate(policy, prompts, group, 0, [])
-        eng.stop_after = steps
+        rollout_hooks.stop_after(eng, steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eng.generate(policy, prompts, group, 0, [])

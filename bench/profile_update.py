@@ -65,7 +65,7 @@ def timed(fn, repeat: int = 3) -> tuple[float, float]:
 
 
 def main() -> None:
-    from qerl.modules.random_models import build_random_policy, qwen25_config
+    from qerl.testing.random_models import build_random_policy, qwen25_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")

@@ -1,4 +1,4 @@
-"""Sweep of the wgmma GEMV's rings in dynamic shared memory (the data behind ``nvfp4_mma_gemv.default_wgmma`` at
+"""Sweep of the wgmma GEMV's rings in dynamic shared memory (the data behind ``gemv_plan.default_wgmma`` at
 8 and 16 token tiles and ``WIDE_MIN_WEIGHTS``): every (warps, stages) at M = 64 (8 tiles) and at M = 128 / 192 / 256
 (token blocks of 128 rows), against cuBLAS bf16 and dequantize-then-cuBLAS, for 8 of the 7B/32B shapes; relative
 error vs fp64 for every configuration, then ragged M (65 ... 256) over NaN poison, twice (bitwise repeatable).
@@ -21,9 +21,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import SHAPES, copies_for, graph_ms, random_nvfp4, rel_err  # noqa: E402
 
-from qerl.kernels import nvfp4_matmul as kernels  # noqa: E402
-from qerl.kernels import nvfp4_mma_gemv as gemv  # noqa: E402
-from qerl.modules.nvfp4 import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
+from qerl.nvfp4.kernels.split_k import counters  # noqa: E402
 
 
 SHAPES_SWEPT = [tuple(s.split(".")) for s in os.environ.get(
@@ -38,21 +40,22 @@ def time_configs(weights, dense, cached, m: int, k: int, dev) -> dict:
     nw, nd = len(weights), len(dense)
 
     def gemv_call(warps, stages, stream_k=None):
+        config = GemvConfig(warps=warps, smem_stages=stages, wgmma=True, stream_k=stream_k)
+
         def call(i):
-            return gemv.launch(acts[i % 4], *weights[i % nw], warps=warps, smem_stages=stages, wgmma=True,
-                               cached=cached[i % nw], stream_k=stream_k)
+            return gemv.launch(acts[i % 4], *cached[i % nw], weights[i % nw][2], config)
         return call
 
     row = {"ms_bf16": graph_ms(lambda i: F.linear(acts[i % 4], dense[i % nd]), 2 * nd),
            "ms_dense": graph_ms(lambda i: kernels._launch(acts[i % 4], *weights[i % nw], False, kernels.DENSE), 2 * nw)}
-    if m <= gemv.MAX_M:
+    if m <= gemv_plan.MAX_M:
         row["ms_gemv_default"] = graph_ms(
-            lambda i: gemv.launch(acts[i % 4], *weights[i % nw], warps=0, cached=cached[i % nw]), 2 * nw)
+            lambda i: gemv.launch(acts[i % 4], *cached[i % nw], weights[i % nw][2]), 2 * nw)
         cfgs = [(8, 4), (8, 5), (8, 6), (8, 8), (4, 5), (4, 6), (4, 8), (16, 3), (16, 4), (16, 6)]
     else:
         cfgs = [(4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4), (8, 5), (8, 6), (16, 3), (16, 4)]
     cfgs = [(w, st, None) for w, st in cfgs if w in WARPS]
-    if m > gemv.MAX_M:  # token blocks: also the (row group, split, token block) grid instead of stream-K
+    if m > gemv_plan.MAX_M:  # token blocks: also the (row group, split, token block) grid instead of stream-K
         cfgs += [(w, st, False) for w, st, _ in cfgs]
     res = {}
     for w, st, sk in cfgs:
@@ -79,11 +82,13 @@ def ragged_checks(dev) -> list[dict]:
             w = random_nvfp4(n, k, dev)
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.double() @ dequantize(*w, torch.float64).t()
+            words, factors = gemv_layout.repack(w[0], w[1])
             for warps, st, sk in ((4, 4, None), (8, 4, None), (16, 4, None), (8, 4, False)):
                 poison = torch.full((64 * 2**20,), float("nan"), device=dev)
                 del poison
-                y = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True, stream_k=sk)
-                y2 = gemv.launch(x, *w, warps=warps, smem_stages=st, wgmma=True, stream_k=sk)
+                config = GemvConfig(warps=warps, smem_stages=st, wgmma=True, stream_k=sk)
+                y = gemv.launch(x, words, factors, w[2], config)
+                y2 = gemv.launch(x, words, factors, w[2], config)
                 checks.append({"M": m, "n": n, "k": k, "w": warps, "st": st, "stream_k": sk is not False,
                                "err": rel_err(y, ref), "finite": bool(torch.isfinite(y).all()),
                                "repeatable": bool(torch.equal(y, y2))})
@@ -99,8 +104,8 @@ def main() -> None:
         n, k = next((n, k) for nm, n, k in SHAPES[model] if nm == name)
         weights = [random_nvfp4(n, k, dev) for _ in range(copies_for(n * k * BYTES_PER_WEIGHT))]
         dense = [dequantize(*w, torch.bfloat16) for w in weights[: copies_for(n * k * 2)]]
-        cached = [gemv.repacked(w[0], w[1]) for w in weights]
-        gemv.counters(dev, gemv.counter_size(max(ms_list), n))
+        cached = [gemv_layout.repack(w[0], w[1]) for w in weights]
+        counters(dev, gemv_plan.counter_size(max(ms_list), n))
         for m in ms_list:
             row = {"shape": f"{model}.{name}", "n": n, "k": k, "M": m,
                    **time_configs(weights, dense, cached, m, k, dev)}
@@ -112,7 +117,7 @@ def main() -> None:
     bad = [c for c in checks if not (c["finite"] and c["err"] < 5e-3 and c["repeatable"])]
     print("checks", len(checks), "bad", bad[:5], flush=True)
     with open(out_dir / "wide_probe_h100.json", "w") as f:
-        json.dump({"rows": rows, "checks": checks, "regs": {str(c): v for c, v in gemv._REGS.items()},
+        json.dump({"rows": rows, "checks": checks, "regs": {str(c): v for c, v in gemv_plan._REGS.items()},
                    "wall_s": time.time() - t_start}, f, indent=1)
 
 

@@ -13,7 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model, load_tokenizer, save_nvfp4
+from qerl.hub import load_tokenizer
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.nvfp4.checkpoint import save_nvfp4
 
 
 def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS, force: bool = False, log=print) -> Path:

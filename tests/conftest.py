@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_model, load_tokenizer
-from qerl.modules.tiny_models import save_tiny_model
+from qerl.hub import EMBEDDED_MODEL, load_tokenizer
+from qerl.model.checkpoint_io import load_model
+from qerl.testing.tiny_models import save_tiny_model
 from qerl.quantize import quantize_checkpoint
 
 

@@ -32,9 +32,9 @@ def no_model_loads(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a config test loaded a model")
 
-    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
-    monkeypatch.setattr("qerl.modules.checkpoint_io.resolve_model", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io.resolve_model", forbidden)
+    monkeypatch.setattr("qerl.model.policy.build_policy", forbidden)
 
 
 @pytest.mark.parametrize("paths", CASES[: len(SINGLE)], ids=IDS[: len(SINGLE)])
@@ -67,7 +67,7 @@ def test_recipes_on_the_cuda_graph_engine_keep_a_kv_cache_that_leaves_room_to_tr
     # update need the rest (3B bigmath: 22.5 GiB, 7B bigmath 35, 14B/32B gsm8k 54/72 stay on the built-in engine)
     import torch
 
-    from qerl.modules.random_models import qwen25_config
+    from qerl.testing.random_models import qwen25_config
     from qerl.rollout.cuda_graph import CUDAGraphRollout, kv_cache_bytes
 
     monkeypatch.chdir(tmp_path)
@@ -81,3 +81,13 @@ def test_recipes_on_the_cuda_graph_engine_keep_a_kv_cache_that_leaves_room_to_tr
     assert on_graphs == (gib <= 20), (recipe.name, round(gib, 1), type(cli.model.rollout).__name__)
     if on_graphs:
         assert f"({gib:.1f} GiB" in recipe.read_text()  # the recipe's comment states it
+
+
+def test_rollout_engine_help_shows_user_options_only(capsys):
+    # the comparison switches of the benchmarks (PDL, the GEMV loop, eager steps) are no engine options
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--model.rollout.help", "qerl.rollout.cuda_graph.CUDAGraphRollout"])
+    printed = capsys.readouterr().out
+    assert "--model.rollout.max_new_tokens" in printed and "--model.rollout.wide_batch_bf16" in printed
+    for switch in ("pdl", "wgmma", "use_graphs", "stop_after", "last_timing"):
+        assert f"--model.rollout.{switch}" not in printed

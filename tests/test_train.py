@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from qerl.cli import cli_main
-from qerl.modules.aqn import aqn_sigma
+from qerl.model.aqn import aqn_sigma
 from qerl.modules.grpo_module import GRPOModule, warmup_cosine
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")

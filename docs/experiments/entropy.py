@@ -27,9 +27,9 @@ import torch
 from qerl.data.answers import grade
 from qerl.data.prompts import format_prompt
 from qerl.data.sources import ArithmeticSource
-from qerl.modules.aqn import aqn_sigma
-from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
-from qerl.modules.policy import build_policy
+from qerl.model.aqn import aqn_sigma
+from qerl.hub import EMBEDDED_MODEL, load_tokenizer
+from qerl.model.policy import build_policy
 from qerl.rollout.builtin import BuiltinRollout
 
 
@@ -62,7 +62,7 @@ def measure(policy, tokenizer, prompt_ids, answers, sigma: float, seed: int, sam
 def teacher_forced(policies: dict, tokenizer, prompt_ids, sigmas, seed: int, samples: int, new_tokens: int) -> list[dict]:
     """Entropy of every policy (and noise level) on the *same* token sequences: completions sampled once by the
     first policy without noise. Separates "the distribution is flatter" from "it wandered into other text"."""
-    from qerl.modules.aqn import noisy_norms
+    from qerl.model.aqn import noisy_norms
     from qerl.rollout.builtin import position_ids
 
     first = next(iter(policies.values()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from qerl.modules.aqn import aqn_sigma, aqn_stage
+from qerl.model.aqn import aqn_sigma, aqn_stage
 
 
 class AdaptiveQuantizationNoise(L.Callback):

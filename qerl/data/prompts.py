@@ -288,7 +288,7 @@ class MathPromptDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.tokenizer is None:
-            from qerl.modules.checkpoint_io import load_tokenizer
+            from qerl.hub import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.tokenizer_name)
         if self.train_stream is None:

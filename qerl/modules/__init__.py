@@ -1,7 +1,7 @@
-"""The policy and the math of one RL step, in data-flow order.
+"""The math of one RL step and the LightningModule that runs it, in data-flow order.
 
 (1) prompts come from ``qerl.data``;
-(2) ``nvfp4`` + ``policy`` build the frozen NVFP4 (or bf16) model with LoRA, ``qerl.rollout`` samples G answers each;
+(2) ``qerl.model`` builds the frozen NVFP4 (or bf16) policy with LoRA, ``qerl.rollout`` samples G answers each;
 (3) ``qerl.data.rewards`` scores them;
 (4) ``advantages`` normalises rewards per group, ``loss`` turns them into the clipped policy-gradient loss;
 (5) ``grpo_module`` steps the optimizer; (6) ``qerl.callbacks`` anneal the noise, sync engines and log.

@@ -36,13 +36,13 @@ import torch
 from torch import Tensor
 
 from qerl.data.rewards import MathReward, overlong_penalty
+from qerl.hub import load_tokenizer
 from qerl.modules.advantages import group_advantages, informative_groups
-from qerl.modules.checkpoint_io import load_tokenizer
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.micro_batches import plan_micro_batches, right_align
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
-from qerl.modules.policy import PolicyConfig, save_adapter, trainable_parameters
+from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
 

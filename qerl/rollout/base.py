@@ -1,12 +1,17 @@
 """What every rollout engine returns and the interface the trainer calls.
 
-Two engines sit behind it: ``BuiltinRollout`` samples with the training policy itself (no second copy of the weights,
-nothing to sync), ``VLLMRollout`` (the scale-up path) with a colocated vLLM that receives the adapter every step.
-``CUDAGraphRollout`` (``qerl.rollout.cuda_graph``) is the built-in engine's fast form for CUDA: same policy, same
-``Rollout``, decode steps replayed from CUDA graphs over a preallocated KV cache; pick it by ``class_path`` in the
-config (on CPU it runs the same steps eagerly).
-Both apply Adaptive Quantization Noise (AQN) to the rollout model's RMSNorm weights themselves, because only the
-engine knows where its norm weights live.
+Three engines sit behind it:
+
+- ``BuiltinRollout`` (``qerl.rollout.builtin``) samples with the training policy itself: no second copy of the
+  weights, nothing to sync; the CPU path.
+- ``CUDAGraphRollout`` (``qerl.rollout.cuda_graph``) samples with the same policy on CUDA, its decode steps replayed
+  from CUDA graphs over a preallocated KV cache (on CPU it runs the same steps eagerly).
+- ``VLLMRollout`` (``qerl.rollout.vllm``, the scale-up path) samples with a colocated vLLM that receives the adapter
+  and the trained norms every step.
+
+Pick one by ``class_path`` in the config. Every engine applies Adaptive Quantization Noise (AQN) to its rollout
+model's RMSNorm weights itself, because only the engine knows where its norm weights live; all draw the noise with
+``qerl.model.aqn.aqn_noise``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qerl.modules.aqn import noisy_norms
+from qerl.model.aqn import noisy_norms
 from qerl.rollout.base import Rollout, RolloutEngine
 
 

@@ -17,12 +17,12 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
   eagerly first and doubles as the warm-up), kept across calls. They read the LoRA matrices and RMSNorm weights from
   their storage at replay time, so an optimizer step (in place) and AQN noise (added in place, restored exactly by
   ``noisy_norms``) are live; if any parameter is *replaced* (a new storage), the graphs are dropped and recaptured.
-- The decode step itself is ``qerl.rollout.fused_decoder.FusedDecoder`` for Llama/Qwen2-family models (~15 kernels
-  per layer: stacked GEMMs, fused epilogues, flash-decoding attention over the cache rows). Other models go through
+- The decode step itself is ``qerl.rollout.fused_decoder.FusedDecoder`` for Llama/Qwen2-family models (a few
+  kernels per layer: stacked GEMMs, fused epilogues, flash-decoding attention over the cache rows). Other models go through
   the transformers forward, whose decode attention is a GQA matmul over the cache views (``qerl_decode``, registered
   with transformers' AttentionInterface: its SDPA path with a mask would repeat K/V for every query head).
 - Masks are passed as ready 4-D bool tensors, which transformers' mask builders return as they are.
-- On CPU (or ``use_graphs=False``) the same step function runs eagerly: that is what the CPU tests check.
+- On CPU the same step function runs eagerly: that is what the CPU tests check.
 
 Selected in place of ``BuiltinRollout`` by config (``class_path: qerl.rollout.cuda_graph.CUDAGraphRollout``).
 """
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from qerl.modules.aqn import noisy_norms
+from qerl.model.aqn import noisy_norms
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
 
@@ -146,9 +146,9 @@ def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None
     """Whether a rollout of ``rows`` rows makes the bf16 copy of ``need`` bytes (``CUDAGraphRollout.wide_batch_bf16``
     = ``setting``; ``free``: free GPU memory, None off CUDA): only above the mma GEMV's 64 rows, and by default only
     with ``spare`` bytes left over."""
-    from qerl.kernels import nvfp4_mma_gemv as mma
+    from qerl.nvfp4.kernels import gemv_plan
 
-    if setting is False or rows <= mma.MAX_M or not need or free is None:
+    if setting is False or rows <= gemv_plan.MAX_M or not need or free is None:
         return False
     return bool(setting) or free >= need + spare
 
@@ -204,30 +204,22 @@ class CUDAGraphRollout(RolloutEngine):
             GPU->CPU sync; it decides early stop and batch compaction).
         length_bucket: cache columns are attended in multiples of this many tokens (one graph per multiple).
         min_bucket: the smallest batch bucket (buckets are the request's row count and the powers of two below it).
-        use_graphs: capture CUDA graphs (default: on CUDA devices); otherwise the same steps run eagerly.
         adapter_in_model_dtype: run the LoRA matrices in the model's dtype (bf16) during the rollout: peft keeps them
-            fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts (~5 ms of a 7B step on the H100).
+            fp32, which turns every adapter call into fp32 SIMT GEMMs plus casts.
             The bf16 copies live in fixed buffers refreshed from the trained weights at every call, so graphs stay
             valid; the log-probs returned are those of the bf16-adapter distribution actually sampled.
-        fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (~14 kernels per layer instead of
-            ~70 through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA), and prefill the
+        fused: decode with :class:`qerl.rollout.fused_decoder.FusedDecoder` (a few kernels per layer instead of
+            dozens through transformers + peft; stacked q|k|v and gate|up GEMMs; default: on CUDA), and prefill the
             prompts through the same kernels (all their tokens at once; the attention is transformers' SDPA).
             Llama/Qwen2-family models only: others keep the transformers step (with a warning). The log-probs
             returned are those of the distribution sampled (it rounds like transformers except the order of fp32
             sums).
         wide_batch_bf16: decode steps of more than 64 rows multiply a bf16 copy of the NVFP4 weights, made when the
-            rollout starts and freed when it ends (one pass at memory speed, ~10 ms for a 7B model; 2 bytes per weight
-            meanwhile). Without it (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV
-            on sm_90 and the others are dequantized per call (H100, 7B: 10.7 / 17.0 ms per step at 128 / 256 rows vs
-            10.5 / 14.5 with the copy, 17.0 / 20.8 with every group dequantized; 32B at 128 rows, where no copy fits:
-            32.5 vs 67.0 ms). None: when the rollout has more than 64 rows and the copy fits in free GPU memory with
-            2 GiB to spare (the KV cache already allocated). Fused step only; bf16 models are unaffected.
-        pdl: launch the fused step's Triton kernels with programmatic dependent launch, each overlapping the end of
-            the one before (``qerl.kernels.pdl``; default: where supported, i.e. CUDA compute capability >= 9.0).
-            False is the plain launch order (for comparison; the tokens sampled are the same).
-        wgmma: the NVFP4 GEMV of the fused step (batch <= 64, and the token blocks up to 256 rows) on Hopper's
-            warpgroup MMA (``qerl.kernels.nvfp4_mma_gemv``; default: on sm_90, i.e. H100/H200). False: the mma.sync
-            loop up to 64 rows, groups dequantized per call above (what other GPUs run; for comparison).
+            rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
+            (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
+            are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
+            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with 2 GiB to spare
+            (the KV cache already allocated). Fused step only; bf16 models are unaffected.
     """
 
     def __init__(
@@ -239,34 +231,32 @@ class CUDAGraphRollout(RolloutEngine):
         check_every: int = 16,
         length_bucket: int = 256,
         min_bucket: int = 1,
-        use_graphs: bool | None = None,
         adapter_in_model_dtype: bool = True,
         fused: bool | None = None,
         wide_batch_bf16: bool | None = None,
-        pdl: bool | None = None,
-        wgmma: bool | None = None,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
             raise ValueError("check_every, length_bucket and min_bucket must be >= 1.")
-        self.check_every, self.length_bucket, self.min_bucket, self.use_graphs = (
-            check_every, length_bucket, min_bucket, use_graphs)
+        self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
-        self.pdl = pdl
-        self.wgmma = wgmma
         self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
         self._state = None  # buffers of the current size, see _ensure_state
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
         # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        # of the last call (CUDA): prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps that
-        # captured a graph (capture_ms, capture_steps: each also decodes its token, eagerly)
-        self.last_timing: dict[str, float] = {}
-        self._capture_events: list | None = None
-        self.stop_after: int | None = None  # benchmarks' warm-up only: stop decoding after this many tokens
         self.graphs_captured = 0
+        # Benchmark hooks (bench/bench_rollout.py), never set by a user: eager steps on CUDA (``_use_graphs``), the
+        # plain launch order or the mma.sync GEMV (``_pdl``, ``_wgmma`` False; None = where supported), a callable
+        # told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
+        # "captured" around each captured step), and a token count to stop decoding at.
+        self._use_graphs: bool | None = None
+        self._pdl: bool | None = None
+        self._wgmma: bool | None = None
+        self._phase_hook = None
+        self._stop_after: int | None = None
         self._decoder = None  # (model id, fast, pdl, wgmma) -> FusedDecoder, built on first use
 
     # ------------------------------------------------------------------------------------------------------------
@@ -279,7 +269,7 @@ class CUDAGraphRollout(RolloutEngine):
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         base = _base_model(policy)
         device = next(policy.parameters()).device
-        graphs = device.type == "cuda" if self.use_graphs is None else self.use_graphs
+        graphs = device.type == "cuda" if self._use_graphs is None else self._use_graphs
         if self._generator is None or self._generator.device != device:
             self._sampling_generator(device)
             self._graphs.clear()
@@ -294,11 +284,7 @@ class CUDAGraphRollout(RolloutEngine):
         s = self._ensure_state(policy, base, params, N, P + new, device)
         self._reset_state(s, mask, group_size, pad_id, eos_ids)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
-        timing = device.type == "cuda"
-        self._capture_events = [] if timing else None
-        if timing:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
+        self._phase("prefill")
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
         # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
         was_training = policy.training and decoder is None
@@ -325,10 +311,9 @@ class CUDAGraphRollout(RolloutEngine):
                 cache.repeat_rows(B, group_size, P)
                 self._record(s, logits.repeat_interleave(group_size, 0), N)
                 del logits
-                if timing:
-                    events[1].record()
+                self._phase("decode")
                 b = N
-                while steps < min(new, self.stop_after or new):
+                while steps < min(new, self._stop_after or new):
                     if steps % self.check_every == 0:
                         alive = int((~s["finished"][:b]).sum())  # host sync, once every check_every steps
                         if alive == 0:
@@ -345,13 +330,7 @@ class CUDAGraphRollout(RolloutEngine):
                 policy.train()
             if decoder is not None:
                 decoder.release()
-        if timing:
-            events[2].record()
-            events[2].synchronize()
-            self.last_timing = {"prefill_ms": events[0].elapsed_time(events[1]),
-                                "decode_ms": events[1].elapsed_time(events[2]), "decode_steps": steps - 1,
-                                "capture_ms": sum(a.elapsed_time(b) for a, b in self._capture_events),
-                                "capture_steps": len(self._capture_events)}
+        self._phase("done", steps - 1)
         completion = s["tokens_out"][:N, :steps].clone()
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         is_eos = torch.isin(completion, eos)
@@ -373,21 +352,20 @@ class CUDAGraphRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
-        from qerl.kernels import nvfp4_mma_gemv as M
-        from qerl.kernels import pdl as P
+        from qerl.nvfp4.kernels import gemv_plan
+        from qerl.nvfp4.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
         if not (device.type == "cuda" if self.fused is None else self.fused):
             return None
         fast = device.type == "cuda"
-        pdl = fast and P.supported(device) if self.pdl is None else self.pdl
+        pdl = fast and P.supported(device) if self._pdl is None else self._pdl
         if pdl and not P.supported(device):
-            raise ValueError(f"CUDAGraphRollout(pdl=True) needs a CUDA device of compute capability >= 9.0 and Triton "
-                             f">= 3.4 (got {device}); set pdl to null (auto) or false.")
-        if self.wgmma and not (fast and M.wgmma_supported(device)):
-            raise ValueError(f"CUDAGraphRollout(wgmma=True) needs an sm_90 GPU (H100/H200), got {device}; set wgmma "
-                             "to null (auto) or false.")
-        wgmma = None if self.wgmma is None else (fast and self.wgmma)
+            raise ValueError(f"PDL launches need a CUDA device of compute capability >= 9.0 and Triton >= 3.4, "
+                             f"got {device}.")
+        if self._wgmma and not (fast and gemv_plan.wgmma_supported(device)):
+            raise ValueError(f"The wgmma GEMV needs an sm_90 GPU (H100/H200), got {device}.")
+        wgmma = None if self._wgmma is None else (fast and self._wgmma)
         if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl, wgmma):
             return self._decoder[1]
         try:
@@ -535,9 +513,8 @@ class CUDAGraphRollout(RolloutEngine):
         if graph is not None:
             graph.replay()
             return
-        if graphs and self._capture_events is not None:  # steps that capture are timed apart (last_timing)
-            self._capture_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            self._capture_events[-1][0].record()
+        if graphs:
+            self._phase("capture")
         self._step(s, policy, b, length)  # eager: the step itself, and the warm-up before a capture
         if graphs:
             graph = torch.cuda.CUDAGraph()
@@ -549,8 +526,11 @@ class CUDAGraphRollout(RolloutEngine):
                 self._step(s, policy, b, length)
             self._graphs[graph_key] = graph
             self.graphs_captured += 1
-            if self._capture_events is not None:
-                self._capture_events[-1][1].record()
+            self._phase("captured")
+
+    def _phase(self, name: str, decode_steps: int = 0) -> None:
+        if self._phase_hook is not None:
+            self._phase_hook(name, decode_steps)
 
     def _compact(self, s: dict, b: int, written: int) -> None:
         """Move the running slots of 0..b-1 to the front (stable), with their cache rows and bookkeeping."""

@@ -1,9 +1,9 @@
-"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in 11-17 kernels per layer, and
+"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in a few kernels per layer, and
 the prompts' prefill through the same kernels.
 
-The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is ~1,900 small
-kernels for a 7B model (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the
-step's time at small batch. This module runs the same mathematics from the model's own parameters, per layer:
+The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is thousands of small
+kernels (casts, views, rotary pieces, mask handling, four kernels per LoRA term, ...), most of the step's time at
+small batch. This module runs the same mathematics from the model's own parameters, per layer:
 
     x = RMSNorm(h)                                    (fused into the previous layer's residual kernel)
     u = x @ [A_q; A_k; A_v].T                         LoRA-A of the three projections at once
@@ -17,12 +17,12 @@ step's time at small batch. This module runs the same mathematics from the model
     u = act @ A_d.T ; y_d = base GEMM
     h += down-output ; x = next RMSNorm(h)            residual_rms_norm
 
-Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.kernels.nvfp4_mma_gemv``) on a stacked
+Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.nvfp4.kernels.gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
 instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
 bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same
 launch also multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each
-rollout): the LoRA-A line above costs no launch of its own (~11 kernels per layer). Frozen bf16 weights of a group
+rollout): the LoRA-A line above costs no launch of its own. Frozen bf16 weights of a group
 are moved into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
 
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
@@ -32,9 +32,9 @@ place. On CPU the same step runs with the kernels' torch twins (the tests compar
 The prefill (:meth:`FusedDecoder.prefill`) sends all ``B * P`` prompt tokens through the same per-layer kernels (the
 epilogue writes token t of prompt s to cache row s, column t; the attention is transformers' own SDPA under the
 causal + padding mask); above 128 rows each NVFP4 group is dequantized into one stacked bf16 weight for one cuBLAS
-GEMM. Through transformers + peft the prefill was ~2,800 kernel launches for a 7B model, host-bound.
+GEMM. Through transformers + peft the prefill is thousands of kernel launches, host-bound.
 
-On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.kernels.pdl``):
+On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``):
 each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
 """
 
@@ -46,9 +46,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl.kernels import fused_decode as K
-from qerl.kernels import nvfp4_mma_gemv as mma
-from qerl.modules.nvfp4 import NVFP4Linear
+from qerl.nvfp4.kernels import fused_decode as K
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels.split_k import counters
+from qerl.nvfp4.linear import NVFP4Linear
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
@@ -142,7 +143,7 @@ class BaseGEMM:
     def _mma_weight(self):
         ms = self.layers
         k = ms[0].in_features
-        if not all(mma.supported(m.out_features, k) and m.in_features == k for m in ms):
+        if not all(gemv_layout.supported(m.out_features, k) and m.in_features == k for m in ms):
             return None
         gs = ms[0].weight_global_scale
         versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
@@ -154,9 +155,9 @@ class BaseGEMM:
                 return None
             self._rebuilds += self._repacked is not None
             if len(ms) == 1:
-                words, factors = mma.repacked(ms[0].weight_packed, ms[0].weight_scale)
+                words, factors = ms[0].gemv_weight()  # the layer's own copy: the per-layer kernels use it too
             else:
-                parts = [mma.repack(m.weight_packed, m.weight_scale) for m in ms]
+                parts = [gemv_layout.repack(m.weight_packed, m.weight_scale) for m in ms]
                 words = torch.cat([p[0] for p in parts])
                 factors = torch.cat([p[1] for p in parts])
                 del parts
@@ -182,7 +183,7 @@ class BaseGEMM:
 
     def _dense_stack(self, dtype) -> torch.Tensor:
         """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
-        from qerl.kernels.nvfp4_matmul import dequantize_dense
+        from qerl.nvfp4.kernels.matmul import dequantize_dense
 
         ms = self.layers
         stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_packed.device)
@@ -205,16 +206,19 @@ class BaseGEMM:
                 self._no_mma = True
                 return False
             # the split-K arrival counters, for the widest batch (one per row block and token block)
-            mma.counters(x.device, mma.counter_size(self._widest(x.device), sum(self.sizes)))
+            counters(x.device, gemv_plan.counter_size(self._widest(x.device), sum(self.sizes)))
         return True
 
     def _widest(self, device: torch.device) -> int:
         """The widest batch the repacked launch serves: the GEMV's 64 rows, or on sm_90 (the wgmma loop) its token
-        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized:
-        H100, M = 128, 7b.q 21.4 vs 20.1 us)."""
+        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized)."""
         if self.wgmma is False:
-            return mma.MAX_M
-        return min(mma.default_widest(sum(self.sizes), self.layers[0].in_features), mma.max_m(device))
+            return gemv_plan.MAX_M
+        return min(gemv_plan.default_widest(sum(self.sizes), self.layers[0].in_features), gemv_plan.max_m(device))
+
+    def _gemv_config(self, counter: torch.Tensor | None) -> gemv_plan.GemvConfig:
+        # no counters (a capture that found none built): the splits are summed by Triton stores instead
+        return gemv_plan.GemvConfig(fused=counter is not None, pdl=self.pdl, wgmma=self.wgmma)
 
     def key(self) -> tuple:
         return (self._rebuilds,)
@@ -224,7 +228,7 @@ class BaseGEMM:
         return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self._dequantized is not None and x.shape[0] > mma.MAX_M and x.dtype == self._dequantized.dtype:
+        if self._dequantized is not None and x.shape[0] > gemv_plan.MAX_M and x.dtype == self._dequantized.dtype:
             return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
         if self.kind == "dense":
             if self.dense is not None:
@@ -232,12 +236,11 @@ class BaseGEMM:
             return [F.linear(x, m.weight) for m in self.layers]
         if self._ensure_mma(x):
             words, factors, gs = self._repacked
-            counter = mma.counters(x.device, mma.counter_size(x.shape[0], sum(self.sizes)), build=False)
-            y = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                           counter=counter, pdl=self.pdl, wgmma=self.wgmma)
+            counter = counters(x.device, gemv_plan.counter_size(x.shape[0], sum(self.sizes)), build=False)
+            y = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter)
             return list(y.split(self.sizes, dim=1))
         if self.kind == "nvfp4" and self.fast and x.is_cuda:
-            from qerl.kernels.nvfp4_matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
+            from qerl.nvfp4.kernels.matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
 
             if x.shape[0] >= DENSE_MIN_M:
                 # what each layer's kernel does at this many rows (dequantize, then cuBLAS), once for the group: a
@@ -247,14 +250,13 @@ class BaseGEMM:
 
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
-        ``nvfp4_mma_gemv.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
-        if x.shape[0] > mma.DENSE_MAX_M or not self._ensure_mma(x):
+        ``gemv_layout.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
+        if x.shape[0] > gemv_plan.DENSE_MAX_M or not self._ensure_mma(x):
             return None
 
         words, factors, gs = self._repacked
-        counter = mma.counters(x.device, words.shape[0], build=False)
-        y, u = mma.launch(x, None, None, gs, warps=0, cached=(words, factors), fused=counter is not None,
-                          counter=counter, dense=(frags, rows), pdl=self.pdl, wgmma=self.wgmma)
+        counter = counters(x.device, words.shape[0], build=False)
+        y, u = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter, dense=(frags, rows))
         return list(y.split(self.sizes, dim=1)), u
 
 
@@ -288,7 +290,7 @@ class _Group:
         """Whether the GEMV multiplies this group's LoRA-A rows in its own launch (then they are kept in its
         fragment order too)."""
         return (self.gemm.kind == "nvfp4" and self.gemm.fast and dtype == torch.bfloat16
-                and self.modules[0].in_features % mma.CHUNK == 0)
+                and self.modules[0].in_features % gemv_layout.CHUNK == 0)
 
     def key(self) -> tuple:
         ptrs = tuple(t.data_ptr() for t in (self.a, self.a_frags, *(self.b or ())) if t is not None)
@@ -320,8 +322,8 @@ class _Group:
 class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
     or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
-    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.kernels.pdl.supported``).
-    ``wgmma``: the NVFP4 GEMV's loop (``nvfp4_mma_gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
+    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.nvfp4.kernels.pdl.supported``).
+    ``wgmma``: the NVFP4 GEMV's loop (``gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
     mma.sync loop).
 
     Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
@@ -384,7 +386,7 @@ class FusedDecoder:
         """Copy the adapter into the step's buffers (which captured graphs read): each group's LoRA-A matrices
         stacked, its LoRA-B matrices scaled, in ``dtype``. The LoRA-A stacks of one group kind (q|k|v, o, ...) of
         all layers share one buffer, 16-row aligned, so their GEMV fragment order is one call; all copies are
-        multi-tensor kernels (per module, they were ~1,800 launches per rollout for a 7B model: host-bound)."""
+        multi-tensor kernels (one copy per module would be thousands of launches per rollout: host-bound)."""
         a_dst, a_src, b_dst, b_src, b_scale = [], [], [], [], []
         for kind in GROUPS:
             groups, plans = [], []
@@ -433,10 +435,10 @@ class FusedDecoder:
                 continue
             # the LoRA-A rows in the GEMV's fragment order (16-row blocks are independent: one call for the stack)
             if frags is None:
-                frags = mma.dense_fragments(buf)
+                frags = gemv_layout.dense_fragments(buf)
                 self._lora_a_stacks[kind] = (layout, buf, frags)
             else:
-                mma.dense_fragments(buf, out=frags)
+                gemv_layout.dense_fragments(buf, out=frags)
             block = 0
             for g in groups:
                 blocks = -(-g.a.shape[0] // 16)
@@ -446,7 +448,7 @@ class FusedDecoder:
     def key(self, batch: int = 1) -> tuple:
         """Identifies what a captured step of ``batch`` rows reads (graphs are keyed on it): above the GEMV's batch
         also the per-rollout dense copies, so the steps up to it keep their graphs when those move."""
-        return self._wide_key if batch > mma.MAX_M else self._key
+        return self._wide_key if batch > gemv_plan.MAX_M else self._key
 
     def dequantized_bytes(self, dtype: torch.dtype) -> int:
         """What ``prepare(dtype, dequantize=True)`` allocates."""
@@ -476,8 +478,8 @@ class FusedDecoder:
         """The prompts ``tokens [B, P]`` (position ids ``pos [B, P]``) in one pass, all ``B * P`` rows through each
         kernel of the step: their K/V go to rows 0..B-1, columns 0..P-1 of ``keys[i]/values[i]``; the attention is
         transformers' SDPA under ``mask [B, 1, P, P]`` (bool, True = attended). Returns the logits ``[B, V]`` of the
-        token after each prompt. (Through transformers + peft the same pass is ~2,800 kernel launches for a 7B model,
-        host-bound: ~150 ms on the H100 machine for ~22 ms of GPU work.)"""
+        token after each prompt. (Through transformers + peft the same pass is thousands of kernel launches, and
+        host-bound.)"""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         B, P = tokens.shape

@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from qerl.modules.checkpoint_io import is_nvfp4_checkpoint, resolve_model
-from qerl.modules.nvfp4 import NVFP4Linear
-from qerl.modules.policy import DTYPES, is_rms_norm
+from qerl.hub import resolve_model
+from qerl.model.aqn import aqn_noise
+from qerl.model.policy import DTYPES, is_rms_norm
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
+from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad
 
@@ -297,11 +299,8 @@ class VLLMRollout(RolloutEngine):
 
     def _noisy_norms(self) -> dict[str, torch.Tensor]:
         """Trained weight + fresh N(0, sigma^2) per channel, drawn in fp32 from the AQN callback's generator."""
-        noisy = {}
-        for name, weight in self._clean_norms.items():
-            z = torch.randn(weight.shape, generator=self.noise_generator, dtype=torch.float32) * self.noise_std
-            noisy[name] = weight + z.to(device=weight.device, dtype=weight.dtype)
-        return noisy
+        return {name: weight + aqn_noise(weight, self.noise_std, self.noise_generator)
+                for name, weight in self._clean_norms.items()}
 
     def _write_norms(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` into vLLM's RMSNorm parameters in place (CUDA graphs keep their addresses), then drop the

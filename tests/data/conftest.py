@@ -16,6 +16,6 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
+    from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 
     return load_tokenizer(EMBEDDED_MODEL)

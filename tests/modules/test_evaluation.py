@@ -16,7 +16,7 @@ from qerl.data.prompts import PromptStream, collate
 from qerl.data.rewards import MathReward
 from qerl.data.sources import GSM8K, MATH500, ArithmeticSource
 from qerl.modules.evaluation import Evaluator, metric_name
-from qerl.modules.policy import build_policy, trainable_parameters
+from qerl.model.policy import build_policy, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout, sample
 from qerl.rollout.cuda_graph import CUDAGraphRollout

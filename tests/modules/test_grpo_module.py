@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from qerl.cli import cli_main
 from qerl.modules.grpo_module import GRPOModule, warmup_cosine
-from qerl.modules.policy import PolicyConfig, trainable_parameters
+from qerl.model.policy import PolicyConfig, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 
 QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?", "Compute 6 times 7.",
@@ -234,9 +234,9 @@ def no_weight_reads(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("model weights were read before the configuration error")
 
-    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.load_model", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.model.policy.load_model", forbidden)
+    monkeypatch.setattr("qerl.model.policy.build_policy", forbidden)
 
 
 @pytest.mark.parametrize(

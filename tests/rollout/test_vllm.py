@@ -45,6 +45,19 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
 
 
 @needs_vllm
+def test_noisy_norms_are_clean_plus_the_shared_aqn_noise():
+    from qerl.model.aqn import aqn_noise
+    from qerl.rollout.vllm import VLLMRollout
+
+    engine = VLLMRollout()
+    engine._clean_norms = {"model.norm.weight": torch.linspace(0.5, 1.5, 64, dtype=torch.bfloat16)}
+    engine.set_noise(0.01, torch.Generator().manual_seed(2))
+    noisy = engine._noisy_norms()["model.norm.weight"]
+    clean = engine._clean_norms["model.norm.weight"]
+    assert torch.equal(noisy, clean + aqn_noise(clean, 0.01, torch.Generator().manual_seed(2)))
+
+
+@needs_vllm
 def test_seed_stream_survives_a_checkpoint():
     """A resumed run must send vLLM the per-request seeds the uninterrupted run would have sent."""
     from qerl.rollout.vllm import VLLMRollout
@@ -82,7 +95,7 @@ def test_vllm_outputs_become_a_builtin_layout_rollout():
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy():
-    from qerl.modules.policy import build_policy
+    from qerl.model.policy import build_policy
 
     policy = build_policy("smollm2-135m-instruct", quantization="bf16", lora_rank=4, dtype="float32")
     g = torch.Generator().manual_seed(0)
@@ -97,7 +110,7 @@ def policy():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from qerl.modules.checkpoint_io import load_tokenizer
+    from qerl.hub import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 
@@ -126,14 +139,9 @@ def sample(engine, policy, prompts, tokenizer, seed=123):
 @torch.no_grad()
 def recompute(policy, rollout):
     """Log-probs of the rollout's tokens under the (clean) policy at the sampling temperature, as the loss sees them."""
-    from qerl.rollout.builtin import position_ids
+    from qerl.testing.rollouts import recompute as full_forward
 
-    ids = torch.cat((rollout.prompt_ids, rollout.completion_ids), 1)
-    mask = torch.cat((rollout.prompt_mask, rollout.completion_mask), 1)
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float()
-    P = rollout.prompt_ids.shape[1]
-    logp = (logits[:, P - 1 : -1] / TEMPERATURE).log_softmax(-1)
-    return logp.gather(-1, rollout.completion_ids[..., None]).squeeze(-1) * rollout.completion_mask
+    return full_forward(policy, rollout, TEMPERATURE)[0]
 
 
 @needs_vllm

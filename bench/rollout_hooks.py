@@ -1,0 +1,54 @@
+"""The benchmarks' handles on ``CUDAGraphRollout``: its comparison switches (eager steps, the plain launch order, the
+mma.sync GEMV) and its timing, through the engine's underscore hooks; users never set these."""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+
+
+def engine(use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
+           **options) -> CUDAGraphRollout:
+    """A ``CUDAGraphRollout(**options)`` with the comparison switches set (None: the engine's own choice)."""
+    eng = CUDAGraphRollout(**options)
+    eng._use_graphs, eng._pdl, eng._wgmma = use_graphs, pdl, wgmma
+    return eng
+
+
+def stop_after(eng: CUDAGraphRollout, tokens: int | None) -> None:
+    """Stop decoding after ``tokens`` tokens (warm-ups and profiles; None: the engine's ``max_new_tokens``)."""
+    eng._stop_after = tokens
+
+
+class PhaseTimer:
+    """CUDA events at the phases of each call of the engine it is attached to: :meth:`timing` of the last call gives
+    prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps that captured a graph (capture_ms,
+    capture_steps: each also decodes its token, eagerly)."""
+
+    def __init__(self, eng: CUDAGraphRollout):
+        eng._phase_hook = self
+        self.events: dict[str, torch.cuda.Event] = {}
+        self.captures: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.decode_steps = 0
+
+    def __call__(self, phase: str, decode_steps: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if phase == "prefill":
+            self.events, self.captures = {}, []
+        if phase == "capture":
+            self.captures.append((event, event))
+        elif phase == "captured":
+            self.captures[-1] = (self.captures[-1][0], event)
+        else:
+            self.events[phase] = event
+        if phase == "done":
+            self.decode_steps = decode_steps
+
+    def timing(self) -> dict[str, float]:
+        self.events["done"].synchronize()
+        e = self.events
+        return {"prefill_ms": e["prefill"].elapsed_time(e["decode"]), "decode_ms": e["decode"].elapsed_time(e["done"]),
+                "decode_steps": self.decode_steps,
+                "capture_ms": sum(a.elapsed_time(b) for a, b in self.captures), "capture_steps": len(self.captures)}

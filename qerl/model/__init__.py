@@ -1,0 +1,3 @@
+"""The policy: a transformers causal LM whose frozen base is NVFP4 (or bf16) with LoRA on top (``policy``), loaded
+from HF or compressed-tensors directories (``checkpoint_io``), and the Adaptive Quantization Noise put on its norms
+during rollouts (``aqn``)."""

@@ -1,0 +1,69 @@
+"""Adaptive Quantization Noise (AQN, QeRL paper): channel-wise Gaussian noise on RMSNorm weights during rollouts.
+
+For every RMSNorm of the rollout model, w' = w + Z with Z ~ N(0, sigma^2) of the norm's shape: a multiplicative
+per-channel perturbation of the activations that needs no parameter and no change to fused kernels. The noise is
+fresh for each rollout and removed exactly afterwards, so the loss sees the clean (trainable) weights.
+
+Schedule over K stages of equal length across the optimizer steps: stage 0 is noise-free, stage k >= 1 has
+sigma_k = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from qerl.model.policy import is_rms_norm
+
+
+def aqn_stage(step: int, total_steps: int, num_stages: int) -> int:
+    """The stage (0..K-1) of optimizer step ``step`` when ``total_steps`` are split into ``num_stages`` equal parts."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}.")
+    return min(num_stages - 1, max(0, step) * num_stages // total_steps)
+
+
+def aqn_sigma(step: int, total_steps: int, sigma_start: float = 1e-2, sigma_end: float = 1e-4, num_stages: int = 10) -> float:
+    """The noise std at optimizer step ``step``: 0 in stage 0, then geometric from sigma_start to sigma_end."""
+    if num_stages < 2:
+        raise ValueError(f"num_stages (K) must be >= 2 (stage 0 is noise-free), got {num_stages}.")
+    stage = aqn_stage(step, total_steps, num_stages)
+    if stage == 0:
+        return 0.0
+    if num_stages == 2:
+        return sigma_start
+    return sigma_start * (sigma_end / sigma_start) ** ((stage - 1) / (num_stages - 2))
+
+
+def aqn_noise(weight: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fresh Z ~ N(0, std^2) of ``weight``'s shape, in its dtype and on its device: drawn in fp32 from ``generator``
+    (a CPU generator: the same draws whichever device the engine runs on), then cast. Every engine's noise."""
+    z = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * std
+    return z.to(device=weight.device, dtype=weight.dtype)
+
+
+def rms_norms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_rms_norm(m)]
+
+
+@contextmanager
+def noisy_norms(model: nn.Module, std: float, generator: torch.Generator | None = None) -> Iterator[list[torch.Tensor]]:
+    """Add fresh N(0, std^2) noise to every RMSNorm weight of ``model`` inside the block; restore the exact clean
+    values on exit (even on error). Yields the noise tensors drawn (empty when std == 0)."""
+    norms = rms_norms(model) if std > 0 else []
+    clean = [m.weight.detach().clone() for m in norms]
+    noises = []
+    try:
+        with torch.no_grad():
+            for module in norms:
+                z = aqn_noise(module.weight, std, generator)
+                module.weight.add_(z)
+                noises.append(z)
+        yield noises
+    finally:
+        with torch.no_grad():
+            for module, weight in zip(norms, clean):
+                module.weight.copy_(weight)

@@ -1,0 +1,555 @@
+"""Fused NVFP4 x {bf16, fp16, fp32} matmuls in Triton that never materialise the dense weight.
+
+One kernel serves both directions on the compressed-tensors layout (``weight_packed`` uint8 ``[N, K/2]``,
+``weight_scale`` e4m3 ``[N, K/16]``, ``weight_global_scale`` fp32 ``[1]``):
+
+    forward   y [M, N] = x  [M, K] @ W.T     (output dim = rows of W,    reduction over its columns)
+    backward dx [M, K] = dy [M, N] @ W       (output dim = columns of W, reduction over its rows)
+
+Each program computes the transposed output tile ``acc [BLOCK_OUT, BLOCK_M] = W_tile @ a_tile.T``: the weight sits on
+the wide (M) side of the MMA, so a decode step with M = 1..16 still fills the MMA rows with weights and the tokens
+only pad 16 columns ("swap AB"). Weight bytes are loaded once, 16 contiguous bytes per thread, unpacked in registers:
+
+    E2M1 code c (4 bits) -> bit pattern of the compute dtype whose value is E2M1[c] * 2^-e   (no table, no branch)
+    e4m3 block scale s   -> s * 2^e' in the compute dtype (exact: s has 3 mantissa bits)
+    W_tile * 2^SHIFT     =  code value * scale value                                         (exact: <= 5 bits)
+
+so the bf16 operand is exactly ``E2M1[c] * s`` (rounded nowhere), the tensor core accumulates in fp32, and the
+per-tensor ``2^SHIFT / weight_global_scale`` multiplies the fp32 accumulator once at the end. The compute dtype is a
+constexpr taken from the activation dtype: bf16 on GPUs, fp16/fp32 where Triton's CPU interpreter is exact (it
+flushes bf16 subnormals, which the code trick needs for E2M1 0.5).
+
+Small M uses split-K (fp32 partials plus a summing kernel) when there are too few output tiles to fill the GPU.
+Tile configurations come from a per-M-bucket default (:func:`default_config`, the winners of the tuning benchmark
+``bench/nvfp4_tuning.py``); forward products of decode size go to the GEMV (``gemv``) on the layer's repacked weight.
+
+:func:`forward` and :func:`backward_input` are NVFP4Linear's ``"triton"`` kernel; the torch custom op
+(``torch.ops.qerl.nvfp4_mm``, with a fake implementation) is what traces under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig
+from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.nvfp4.kernels.split_k import counters, sum_splits
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+# bf16/fp32 codes come out as E2M1 * 2^-126; times scale * 2^118 that is E2M1 * scale * 2^-8, the scale factor
+# itself staying under the float max (448 * 2^118 < 2^127) and the product far above the subnormals.
+_TWO_POW_118 = tl.constexpr(2.0**118)
+
+
+@triton.jit
+def _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C: tl.constexpr):
+    """The e4m3 block scales of ``rows`` x columns ``col0 .. col0 + BLOCK_C`` as fp32 ``[rows, BLOCK_C/16]``."""
+    block_cols = col0 // 16 + tl.arange(0, BLOCK_C // 16)
+    scale_bits = tl.load(
+        scale_ptr + rows[:, None] * (COLS // 16) + block_cols[None, :],
+        mask=row_ok & (block_cols[None, :] < COLS // 16),
+        other=0,
+    )
+    return scale_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _unpacked_weight_tile(
+    packed_ptr,
+    scale_ptr,
+    row0,
+    col0,
+    ROWS,
+    COLS,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """``W[row0:row0+BLOCK_R, col0:col0+BLOCK_C] * 2^SHIFT`` in ``COMPUTE`` dtype, exact; zero outside the matrix."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    byte_cols = col0 // 2 + tl.arange(0, BLOCK_C // 2)
+    row_ok = rows[:, None] < ROWS
+    # 16 contiguous bytes per thread: a row of BLOCK_C/2 packed bytes, then viewed as [blocks, 8 bytes].
+    packed = tl.load(
+        packed_ptr + rows[:, None] * (COLS // 2) + byte_cols[None, :],
+        mask=row_ok & (byte_cols[None, :] < COLS // 2),
+        other=0,
+    )
+    scale = _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C)
+    packed = tl.reshape(packed, (BLOCK_R, BLOCK_C // 16, 8))
+    if COMPUTE == tl.float16:
+        # fp16 bits (c & 8) << 12 | (c & 7) << 9 equal E2M1[c] * 2^-14 (index 1 = 0.5 lands on a subnormal);
+        # scale * 2^7 stays below fp16's 65504, and the product E2M1 * s * 2^-7 is exact (subnormal at worst).
+        lo = ((packed & 0x08).to(tl.int16) << 12) | ((packed & 0x07).to(tl.int16) << 9)
+        hi = ((packed & 0x80).to(tl.int16) << 8) | ((packed & 0x70).to(tl.int16) << 5)
+        factor = (scale * 128.0).to(tl.float16)
+    elif COMPUTE == tl.bfloat16:
+        # bf16 bits (c & 8) << 12 | (c & 7) << 6 equal E2M1[c] * 2^-126; the scale carries 2^118 (< bf16 max).
+        lo = ((packed & 0x08).to(tl.int16) << 12) | ((packed & 0x07).to(tl.int16) << 6)
+        hi = ((packed & 0x80).to(tl.int16) << 8) | ((packed & 0x70).to(tl.int16) << 2)
+        factor = (scale * _TWO_POW_118).to(tl.bfloat16)
+    else:
+        # fp32 bits (c & 8) << 28 | (c & 7) << 22 equal E2M1[c] * 2^-126.
+        lo = ((packed & 0x08).to(tl.int32) << 28) | ((packed & 0x07).to(tl.int32) << 22)
+        hi = ((packed & 0x80).to(tl.int32) << 24) | ((packed & 0x70).to(tl.int32) << 18)
+        factor = scale * _TWO_POW_118
+    factor = factor[:, :, None]
+    w_lo = lo.to(COMPUTE, bitcast=True) * factor  # even columns
+    w_hi = hi.to(COMPUTE, bitcast=True) * factor  # odd columns
+    w = tl.join(w_lo, w_hi)  # [BLOCK_R, BLOCK_C/16, 8, 2]
+    return tl.reshape(w, (BLOCK_R, BLOCK_C))
+
+
+# Marlin-style unpack, 2 codes per 32-bit op: one packed word holds the 8 codes of 8 consecutive columns, nibble n at
+# bits 4n. Pair i (i = 0..3) takes nibble i into the low and nibble i + 4 into the high half of a bf16x2 register:
+# magnitude bits (shifted to bf16 bits 6..8 / 22..24) | sign bits (to 15 / 31), then one packed bf16x2 multiply by the
+# block scale (which carries the 2^118 that the bit trick's 2^-126 needs). ~2 integer ops + 1/2 bf16x2 op per weight,
+# no table, no per-element shift. Output element j of a word is column n = (j >> 1) + 4 * (j & 1) of its 8 columns
+# ("pair order"); the kernel applies the same permutation to the activation rows (forward) or undoes it on the output
+# columns (backward), so the weight never moves.
+_UNPACK_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, r, z;
+.reg .b32 m1, m2;
+mov.b32 z, 0x80008000;
+mov.b32 m1, 0x01C001C0;
+mov.b32 m2, 0x80008000;
+shl.b32 a, $8, 6; shl.b32 b, $8, 12; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
+shl.b32 a, $8, 2; shl.b32 b, $8, 8; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$2, $3}, r;
+shr.b32 a, $8, 2; shl.b32 b, $8, 4; and.b32 a, a, m1; and.b32 b, b, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$4, $5}, r;
+shr.b32 a, $8, 6; and.b32 a, a, m1; and.b32 b, $8, m2; or.b32 r, a, b;
+fma.rn.bf16x2 r, r, $9, z; mov.b32 {$6, $7}, r;
+}
+""")
+
+
+@triton.jit
+def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
+    """8 tensors [R, W] -> [R, 8 W], element j of each group of 8 from ej (all in-thread: join adds a minor dim).
+
+    ``join(x, y)`` stacks along a new last dim, so three nested joins put f_(4c + 2b + a) at [a, b, c], flat index
+    4a + 2b + c: the arguments go in bit-reversed order.
+    """
+    q0 = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+    q1 = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+    x = tl.join(q0, q1)  # [R, W, 2, 2, 2]
+    return tl.reshape(x, (x.shape[0], x.shape[1] * 8))
+
+
+@triton.jit
+def _pair_order_tile(
+    packed32_ptr,
+    scale_ptr,
+    row0,
+    col0,
+    ROWS,
+    COLS,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """``W[row0:+BLOCK_R, col0:+BLOCK_C] * 2^SHIFT`` in ``COMPUTE``, exact, columns in pair order within each 8.
+
+    ``packed32_ptr`` is ``weight_packed`` viewed as int32 ``[ROWS, COLS/8]`` (word w of a row = codes 8w..8w+7).
+    """
+    rows = row0 + tl.arange(0, BLOCK_R)
+    word_cols = col0 // 8 + tl.arange(0, BLOCK_C // 8)
+    row_ok = rows[:, None] < ROWS
+    words = tl.load(
+        packed32_ptr + rows[:, None] * (COLS // 8) + word_cols[None, :],
+        mask=row_ok & (word_cols[None, :] < COLS // 8),
+        other=0,
+    )
+    # the block scale of each word (two words per block of 16), loaded per block and duplicated in registers
+    scale = _block_scales(scale_ptr, rows, row_ok, col0, COLS, BLOCK_C)
+    if USE_ASM:
+        f16 = (scale * _TWO_POW_118).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        f2 = f16 | (f16 << 16)  # bf16x2 (factor, factor)
+        f2 = tl.reshape(tl.join(f2, f2), (BLOCK_R, BLOCK_C // 8))
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            _UNPACK_ASM,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [words, f2],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
+    else:
+        # the same values and order in plain Triton (the CPU interpreter runs no inline asm): element j of a word is
+        # nibble (j >> 1) + 4 * (j & 1); assembled by _join8 as the asm path does, so the interpreter tests cover it
+        c = _join8(words & 0xF, (words >> 16) & 0xF, (words >> 4) & 0xF, (words >> 20) & 0xF,
+                   (words >> 8) & 0xF, (words >> 24) & 0xF, (words >> 12) & 0xF, (words >> 28) & 0xF)
+        if COMPUTE == tl.float16:
+            bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
+            factor = (scale * 128.0).to(tl.float16)
+        elif COMPUTE == tl.bfloat16:
+            bits = (((c & 8) << 12) | ((c & 7) << 6)).to(tl.int16)
+            factor = (scale * _TWO_POW_118).to(tl.bfloat16)
+        else:
+            bits = ((c & 8) << 28) | ((c & 7) << 22)
+            factor = scale * _TWO_POW_118
+        w = tl.reshape(bits.to(COMPUTE, bitcast=True), (BLOCK_R, BLOCK_C // 16, 16)) * factor[:, :, None]
+        return tl.reshape(w, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _to_pair_order(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows of ``x [ROWS, COLS]`` from natural to pair order within each 8 (row 8g + 4h + l -> 8g + 2l + h)."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS // 8, 2, 4, COLS)), (0, 2, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit
+def _from_pair_order(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Inverse of :func:`_to_pair_order`."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS // 8, 4, 2, COLS)), (0, 2, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_kernel(
+    a_ptr,
+    packed_ptr,
+    scale_ptr,
+    global_scale_ptr,
+    out_ptr,
+    M,
+    OUT,
+    RED,
+    TILES_PER_SPLIT,
+    TRANSPOSE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    SHIFT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """``out[split, m, o] = sum_r a[m, r] * op(W)[o, r]`` over this program's share of the reduction.
+
+    ``op(W) = W`` (forward, W is ``[OUT, RED]``) or ``W.T`` (backward, W is ``[RED, OUT]``). ``out`` is the final
+    ``[M, OUT]`` tensor when there is one split, else fp32 partials ``[splits, M, OUT]``. ``packed_ptr`` points at the
+    packed codes viewed as int32. The weight tile comes out in pair order along W's columns: the forward permutes the
+    activation rows the same way, the backward undoes it on the accumulator.
+    """
+    pid_out = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    out0 = pid_out * BLOCK_OUT
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_RED)
+    m_ok = offs_m[None, :] < M
+    acc = tl.zeros((BLOCK_OUT, BLOCK_M), dtype=tl.float32)
+    first = pid_split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(RED, BLOCK_RED))
+    for t in range(first, last):
+        red0 = t * BLOCK_RED
+        r = red0 + offs_r
+        a_t = tl.load(a_ptr + offs_m[None, :] * RED + r[:, None], mask=m_ok & (r[:, None] < RED), other=0.0)
+        a_t = a_t.to(COMPUTE)
+        if TRANSPOSE_W:
+            w = tl.trans(
+                _pair_order_tile(packed_ptr, scale_ptr, red0, out0, RED, OUT, BLOCK_RED, BLOCK_OUT, COMPUTE, USE_ASM)
+            )
+        else:
+            w = _pair_order_tile(packed_ptr, scale_ptr, out0, red0, OUT, RED, BLOCK_OUT, BLOCK_RED, COMPUTE, USE_ASM)
+            a_t = _to_pair_order(a_t, BLOCK_RED, BLOCK_M)
+        if COMPUTE == tl.float32:
+            acc = tl.dot(w, a_t, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, a_t, acc)
+    acc = acc * (SHIFT / tl.load(global_scale_ptr))
+    if TRANSPOSE_W:
+        acc = _from_pair_order(acc, BLOCK_OUT, BLOCK_M)
+    offs_o = out0 + tl.arange(0, BLOCK_OUT)
+    out_ptrs = out_ptr + pid_split * M * OUT + offs_m[None, :] * OUT + offs_o[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_o[:, None] < OUT))
+
+
+@triton.jit
+def _dequantize_kernel(
+    packed_ptr, scale_ptr, global_scale_ptr, out_ptr, ROWS, COLS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, SHIFT: tl.constexpr,
+):
+    """``out [ROWS, COLS] = dequant(W)`` in one pass (0.5625 bytes read, 2 written per weight)."""
+    row0 = tl.program_id(0) * BLOCK_R
+    col0 = tl.program_id(1) * BLOCK_C
+    w = _unpacked_weight_tile(packed_ptr, scale_ptr, row0, col0, ROWS, COLS, BLOCK_R, BLOCK_C, COMPUTE)
+    w = w.to(tl.float32) * (SHIFT / tl.load(global_scale_ptr))
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + rows[:, None] * COLS + cols[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < ROWS) & (cols[None, :] < COLS))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of :func:`_nvfp4_mm_kernel`."""
+
+    block_out: int
+    block_m: int
+    block_red: int
+    num_warps: int = 4
+    num_stages: int = 3
+    min_programs: int = 0
+    """Split the reduction until at least this many programs run (0: never split)."""
+    dense: bool = False
+    """Dequantize to a transient dense weight and run the library GEMM instead (large M); tiles are then unused."""
+    gemv: GemvConfig | None = None
+    """Forward, bf16 on CUDA, up to ``gemv_plan.max_m`` rows: the decode GEMV on the layer's repacked weight,
+    launched with this configuration. Anything else (backward, other dtypes, CPU) takes the default tiles instead."""
+
+
+GemvWeight = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
+"""``gemv_weight(build: bool)``: a layer's repacked (words, factors) for the GEMV; None when absent and not built."""
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
+_SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}
+
+
+def m_bucket(m: int) -> int:
+    """Tile configurations are chosen per bucket of M: 8, 16 (decode), 32, 64, 128, 256, 512 (prefill/training).
+    The decode buckets are the mma GEMV's token-tile counts (1, 2, 4, 8 tiles of 8 rows): a configuration tuned at
+    M = 1 (e.g. an 8-stage ring, whose shared memory grows with the tiles) must not be applied at M = 16."""
+    return min(max(8, next_power_of_2(m)), 512)
+
+
+DENSE = TileConfig(0, 0, 0, dense=True)
+GEMV = TileConfig(0, 16, 64, 0, 1, gemv=GemvConfig())  # warps, splits and loop: chosen per shape
+
+
+def default_config(transpose_w: bool, m: int, out: int, red: int, gemv: bool = True) -> TileConfig:
+    """The configuration per M bucket (``gemv=False``: the Triton kernels only).
+
+    Forward with M <= 64 defaults to the repacked-weight mma GEMV (which itself falls back to these Triton defaults
+    where it does not apply: other dtypes, CPU/interpreter, N % 16 or K % 64 != 0)."""
+    bucket = m_bucket(m)
+    if gemv and not transpose_w and m <= gemv_plan.default_widest(out, red):
+        return GEMV  # (the token-block wgmma loop above 64 rows: sm_90 only, falls back to the rules below)
+    # the winners of the tuning benchmark (bench/nvfp4_tuning.py) for the 7B/32B forward shapes
+    if bucket <= 16:
+        return TileConfig(128 if red > 8192 else 64, 16, 256, 4, 2, min_programs=264)
+    if bucket <= 64:
+        if out == red or red > 8192:
+            return TileConfig(128, bucket, 64, 4, 4, min_programs=264)
+        return TileConfig(64, bucket, 128, 4, 3, min_programs=264)
+    if m < DENSE_MIN_M:
+        return TileConfig(128, bucket, 128, 8, 3, min_programs=132)
+    return DENSE
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch
+
+
+# From this many rows on, the default dequantizes the weight once per call into a
+# transient dense tensor (one fused pass at memory speed) and runs the library GEMM on it: once the GEMM is
+# compute-bound the fused kernel's in-loop unpack costs more than the dense weight's extra bytes. On sm_90 the
+# token-block wgmma GEMV takes the weights of >= gemv_plan.WIDE_MIN_WEIGHTS entries up to gemv_plan.WIDE_MAX_M rows
+# first (it beats the dense path there).
+DENSE_MIN_M = 128
+
+
+def dequantize_dense(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.nvfp4.format.dequantize``);
+    ``out``: a contiguous ``[N, K]`` tensor to write (e.g. rows of a stacked weight)."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if out is None:
+        out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    args = (weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k)
+    grid = (cdiv(n, _DEQUANT_BLOCK[0]), cdiv(k, _DEQUANT_BLOCK[1]), 1)
+    if _INTERPRET:
+        _dequantize_kernel[grid](*args, **_dequant_constants(dtype))
+    else:  # the compiled kernel takes every parameter in order, the constexprs included
+        _dequant_compiled(args, dtype)[grid](*args, *_DEQUANT_BLOCK, _COMPUTE[dtype], _SHIFT[dtype])
+    return out
+
+
+_DEQUANT_BLOCK = (16, 256)
+_DEQUANT_COMPILED: dict[tuple, object] = {}
+
+
+def _dequant_constants(dtype: torch.dtype) -> dict:
+    return {"BLOCK_R": _DEQUANT_BLOCK[0], "BLOCK_C": _DEQUANT_BLOCK[1], "COMPUTE": _COMPUTE[dtype],
+            "SHIFT": _SHIFT[dtype], "num_warps": 4}
+
+
+def _dequant_compiled(args: tuple, dtype: torch.dtype):
+    """The dequantize kernel compiled for these arguments' specialization (what Triton keys its own cache on: each
+    pointer's 16-byte alignment, each integer's divisibility by 16 and equality to 1), launched directly (Triton's
+    tutorials' ``warmup`` pattern): the JIT's per-call dispatch costs host time on every launch, and the
+    training step and the prefill dequantize every weight on every call."""
+    key = (dtype, args[0].device) + tuple(
+        t.data_ptr() % 16 == 0 for t in args[:4]) + tuple((v % 16 == 0, v == 1, v >= 2**31) for v in args[4:])
+    kernel = _DEQUANT_COMPILED.get(key)
+    if kernel is None:
+        kernel = _dequantize_kernel.warmup(*args, grid=(1,), **_dequant_constants(dtype))
+        _DEQUANT_COMPILED[key] = kernel
+    return kernel
+
+
+def _launch(
+    a: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    transpose_w: bool,
+    config: TileConfig | None = None,
+    gemv_weight: GemvWeight | None = None,
+) -> torch.Tensor:
+    if a.dtype not in _COMPUTE:
+        raise TypeError(f"NVFP4 triton kernels take bf16, fp16 or fp32 activations, got {a.dtype}.")
+    a = a.contiguous()
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    out_dim, red = (k, n) if transpose_w else (n, k)
+    if a.shape[1] != red:
+        raise ValueError(f"Activation has {a.shape[1]} columns, the NVFP4 weight expects {red}.")
+    m = a.shape[0]
+    cfg = config or default_config(transpose_w, m, out_dim, red)
+    if cfg.gemv is not None:
+        out = _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight)
+        if out is not None:
+            return out
+        cfg = default_config(transpose_w, m, out_dim, red, gemv=False)
+    if cfg.dense:
+        w = dequantize_dense(weight_packed, weight_scale, weight_global_scale, a.dtype)
+        return a @ w if transpose_w else a @ w.t()
+    out = torch.empty(m, out_dim, device=a.device, dtype=a.dtype)
+    if m == 0:
+        return out
+    tiles = cdiv(out_dim, cfg.block_out) * cdiv(m, cfg.block_m)
+    red_tiles = cdiv(red, cfg.block_red)
+    splits = 1
+    if cfg.min_programs and tiles < cfg.min_programs:
+        # each split keeps >= 2 reduction tiles so the software pipeline has something to overlap
+        splits = max(1, min(cdiv(cfg.min_programs, tiles), red_tiles // 2))
+    tiles_per_split = cdiv(red_tiles, splits)
+    splits = cdiv(red_tiles, tiles_per_split)
+    target = out if splits == 1 else torch.empty(splits, m, out_dim, device=a.device, dtype=torch.float32)
+    grid = (cdiv(out_dim, cfg.block_out), cdiv(m, cfg.block_m), splits)
+    _nvfp4_mm_kernel[grid](
+        a,
+        weight_packed.view(torch.int32),
+        weight_scale.view(torch.uint8),
+        weight_global_scale,
+        target,
+        m,
+        out_dim,
+        red,
+        tiles_per_split,
+        TRANSPOSE_W=transpose_w,
+        BLOCK_M=cfg.block_m,
+        BLOCK_OUT=cfg.block_out,
+        BLOCK_RED=cfg.block_red,
+        COMPUTE=_COMPUTE[a.dtype],
+        SHIFT=_SHIFT[a.dtype],
+        USE_ASM=a.dtype == torch.bfloat16 and not _INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        sum_splits(target, out)
+    return out
+
+
+def _try_mma_gemv(a, weight_global_scale, n, k, transpose_w, cfg, gemv_weight):
+    """The repacked-weight mma GEMV when it applies, else None (the caller falls back to the Triton kernels)."""
+    if (gemv_weight is None or transpose_w or _INTERPRET or not a.is_cuda or a.dtype != torch.bfloat16
+            or a.shape[0] == 0 or a.shape[0] > gemv_plan.max_m(a.device) or not gemv_layout.supported(n, k)):
+        return None
+    # never build the repack inside a CUDA graph capture (allocations + host->device index tensors): warm up first
+    capturing = torch.cuda.is_current_stream_capturing()
+    cached = gemv_weight(build=not capturing)
+    if cached is None:
+        return None
+    g = cfg.gemv
+    fused = g.fused or gemv_plan.tiles_for(a.shape[0]) > 2 or (g.row_blocks or 1) > 1 or bool(g.smem_stages)
+    counter = counters(a.device, gemv_plan.counter_size(a.shape[0], n), build=not capturing) if fused else None
+    if fused and counter is None:
+        return None
+    return gemv.launch(a, *cached, weight_global_scale, dataclasses.replace(g, fused=fused), counter)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Torch custom ops
+
+
+@torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
+def nvfp4_mm(
+    a: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    transpose_weight: bool,
+) -> torch.Tensor:
+    """``a [M, K] @ W.T -> [M, N]`` (``transpose_weight=False``) or ``a [M, N] @ W -> [M, K]`` on NVFP4 ``W [N, K]``."""
+    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+
+
+@nvfp4_mm.register_fake
+def _nvfp4_mm_fake(a, weight_packed, weight_scale, weight_global_scale, transpose_weight):
+    out_dim = weight_packed.shape[1] * 2 if transpose_weight else weight_packed.shape[0]
+    return a.new_empty(a.shape[0], out_dim)
+
+
+def _nvfp4_mm_setup(ctx, inputs, output):
+    _, weight_packed, weight_scale, weight_global_scale, transpose_weight = inputs
+    ctx.save_for_backward(weight_packed, weight_scale, weight_global_scale)
+    ctx.transpose_weight = transpose_weight
+
+
+def _nvfp4_mm_backward(ctx, grad):
+    weight_packed, weight_scale, weight_global_scale = ctx.saved_tensors
+    grad_a = nvfp4_mm(grad.contiguous(), weight_packed, weight_scale, weight_global_scale, not ctx.transpose_weight)
+    return grad_a, None, None, None, None
+
+
+nvfp4_mm.register_autograd(_nvfp4_mm_backward, setup_context=_nvfp4_mm_setup)
+
+
+def _matmul(a, weight_packed, weight_scale, weight_global_scale, transpose_weight, gemv_weight=None):
+    # NVFP4Linear's autograd.Function is the gradient boundary: traced code (torch.compile) needs the custom op (the
+    # Triton tiles only: the GEMV's repacked weight lives on the layer), eager calls launch directly (the op's Python
+    # dispatch costs host time on every call, and a training micro-step is host-bound)
+    if torch.compiler.is_compiling():
+        return nvfp4_mm(a, weight_packed, weight_scale, weight_global_scale, transpose_weight)
+    return _launch(a, weight_packed, weight_scale, weight_global_scale, transpose_weight, gemv_weight=gemv_weight)
+
+
+def forward(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight | None = None):
+    """``x [M, in] @ W.T -> [M, out]`` (NVFP4Linear's forward kernel); ``gemv_weight``: the layer's repacked copy
+    for the decode GEMV (``NVFP4Linear.gemv_weight``; None: the Triton tiles only)."""
+    return _matmul(x, weight_packed, weight_scale, weight_global_scale, False, gemv_weight)
+
+
+def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
+    """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
+    return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
+
+
+__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "default_config", "dequantize_dense", "forward", "m_bucket",
+           "nvfp4_mm"]

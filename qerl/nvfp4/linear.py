@@ -1,0 +1,177 @@
+"""The frozen Linear stored as NVFP4, and the matmul it runs: a torch reference everywhere, Triton kernels on CUDA.
+
+The layer owns what its kernels derive from its storage (a dequantized copy on CPU, the decode GEMV's repacked copy
+on CUDA): each is built on first use and rebuilt when the storage changes, and neither is ever saved.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.nvfp4.format import BLOCK, dequantize, quantize
+
+KERNELS = ("auto", "torch", "cached", "triton")
+
+
+def reference_forward(x, weight_packed, weight_scale, weight_global_scale):
+    """``x [M, in] @ dequant(W).T -> [M, out]`` by materialising the weight in ``x.dtype`` (the torch reference)."""
+    return x @ dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype).t()
+
+
+def reference_backward_input(dy, weight_packed, weight_scale, weight_global_scale):
+    """``dy [M, out] @ dequant(W) -> [M, in]``."""
+    return dy @ dequantize(weight_packed, weight_scale, weight_global_scale, dy.dtype)
+
+
+def kernel_name(name: str, device: torch.device) -> str:
+    """Resolve ``"auto"``: the Triton kernels on CUDA when Triton imports, ``"cached"`` on CPU, else ``"torch"``."""
+    if name not in KERNELS:
+        raise ValueError(f"Unknown NVFP4 kernel {name!r}; available: {list(KERNELS)}.")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "triton" if _triton_available() else "torch"
+    return "cached" if device.type == "cpu" else "torch"
+
+
+@functools.cache
+def _triton_available() -> bool:
+    # Cached: resolved on every forward of every layer, so the import attempt happens once, not per token.
+    try:
+        import qerl.nvfp4.kernels.matmul  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _NVFP4Matmul(torch.autograd.Function):
+    """y = x @ W.T with gradient to x only; nothing but the packed weight is kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight_packed, weight_scale, weight_global_scale, forward, backward_input):
+        ctx.backward_input = backward_input
+        ctx.save_for_backward(weight_packed, weight_scale, weight_global_scale)
+        return forward(x, weight_packed, weight_scale, weight_global_scale)
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight_packed, weight_scale, weight_global_scale = ctx.saved_tensors
+        dx = ctx.backward_input(dy.contiguous(), weight_packed, weight_scale, weight_global_scale)
+        return dx, None, None, None, None, None
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _storage_version(*tensors: torch.Tensor) -> tuple:
+    # _version counts in-place writes (load_state_dict copies into the existing tensors, keeping data_ptr);
+    # inference tensors have no version counter.
+    return tuple((t.data_ptr(), t.device, -1 if t.is_inference() else t._version) for t in tensors)
+
+
+class NVFP4Linear(nn.Module):
+    """A frozen Linear stored as NVFP4 (0.5625 bytes per weight); gradients flow to its input, never to its weight.
+
+    Args:
+        in_features: input size, a multiple of 16.
+        out_features: output size.
+        bias: whether the layer has a (frozen) bias.
+        kernel: matmul kernel: ``"auto"`` (the Triton kernels on CUDA; ``"cached"`` on CPU), ``"torch"``
+            (dequantize on every call), ``"cached"`` (keep a dequantized copy beside the packed weight, built on first
+            use: CPU runs are small and the per-call unpack would dominate them) or ``"triton"``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, kernel: str = "auto", device=None):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK}, got {in_features}.")
+        self.in_features, self.out_features, self.kernel = in_features, out_features, kernel
+        # Frozen Parameters rather than buffers, as compressed-tensors' CompressedLinear does: tools that place
+        # adapters next to a layer (peft) look for its parameters.
+        self.weight_packed = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = _frozen(torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device))
+        self.weight_global_scale = _frozen(torch.ones(1, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        # runtime only, never saved: (storage version, derived tensors)
+        self._dense_cache: tuple[tuple, torch.Tensor] | None = None
+        self._gemv_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None, name: str = "linear", kernel: str = "auto"):
+        """Quantize an ``nn.Linear`` (optionally with a global scale shared with its fused siblings)."""
+        q = quantize(linear.weight, gscale, name=name)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, kernel, device="meta")
+        layer.load_nvfp4(q, None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def load_nvfp4(self, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None) -> None:
+        """Take ``weight_packed``/``weight_scale``/``weight_global_scale`` (and bias) as this layer's storage."""
+        for key in ("weight_packed", "weight_scale", "weight_global_scale"):
+            expected = getattr(self, key).shape
+            if tuple(tensors[key].shape) != tuple(expected):
+                raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {tuple(expected)}.")
+            setattr(self, key, _frozen(tensors[key].detach().reshape(expected)))
+        self._dense_cache = self._gemv_cache = None
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("This NVFP4Linear has a bias but none was given.")
+            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` without the bias, with this layer's kernel."""
+        name = kernel_name(self.kernel, x.device)
+        if name == "cached":
+            return F.linear(x, self._cached_dense(x.dtype))
+        forward, backward_input = self._kernels(name)
+        y = _NVFP4Matmul.apply(x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale,
+                               self.weight_global_scale, forward, backward_input)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernels(self, name: str) -> tuple[Callable, Callable]:
+        if name == "torch":
+            return reference_forward, reference_backward_input
+        from qerl.nvfp4.kernels import matmul
+
+        return functools.partial(matmul.forward, gemv_weight=self.gemv_weight), matmul.backward_input
+
+    def gemv_weight(self, build: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode GEMV's repacked copy of this weight (words, factors), built on first use and rebuilt after the
+        storage changes; None when it is missing and ``build`` is False (never built inside a CUDA graph capture:
+        allocations and host-to-device index tensors)."""
+        from qerl.nvfp4.kernels.gemv_layout import repack
+
+        key = _storage_version(self.weight_packed, self.weight_scale)
+        if self._gemv_cache is None or self._gemv_cache[0] != key:
+            if not build:
+                return None
+            self._gemv_cache = (key, repack(self.weight_packed, self.weight_scale))
+        return self._gemv_cache[1]
+
+    def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (_storage_version(self.weight_packed, self.weight_scale, self.weight_global_scale), dtype)
+        if self._dense_cache is None or self._dense_cache[0] != key:
+            self._dense_cache = (key, self.dequantize(dtype))
+        return self._dense_cache[1]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+def nvfp4_bytes(module: nn.Module) -> int:
+    """Bytes held by the NVFP4 storage of every NVFP4Linear inside ``module``."""
+    return sum(
+        m.weight_packed.numel() + m.weight_scale.numel() + 4 for m in module.modules() if isinstance(m, NVFP4Linear)
+    )

@@ -1,0 +1,105 @@
+"""Random-init models with the real shapes of Qwen2.5-7B/14B/32B, built directly on the device (speed and memory
+benchmarks: with fixed generation lengths, throughput does not depend on weight values).
+
+The model is made on the meta device; targeted Linears become ``NVFP4Linear`` filled with random packed codes and
+block scales on the device (a bf16 copy of the big layers never exists), the dense rest (embeddings, LM head, norms,
+biases) is random bf16. ``quantization="bf16"`` keeps every Linear dense (the 16-bit LoRA baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
+from qerl.nvfp4.format import BLOCK
+from qerl.nvfp4.linear import NVFP4Linear
+
+# From the Qwen2.5-*-Instruct config.json files (all: vocab 152064, untied LM head, q/k/v bias, rope theta 1e6).
+QWEN25 = {
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8),
+}
+
+
+def qwen25_config(name: str, **overrides):
+    from transformers import Qwen2Config
+
+    if name not in QWEN25:
+        raise ValueError(f"name must be one of {sorted(QWEN25)}, got {name!r}.")
+    return Qwen2Config(**{**dict(vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False, use_sliding_window=False, bos_token_id=None,
+                                 eos_token_id=None, pad_token_id=None), **QWEN25[name], **overrides})
+
+
+def random_nvfp4_linear(in_features: int, out_features: int, bias: bool, kernel: str, device, generator=None):
+    """An NVFP4Linear with uniform random codes and block scales giving weights of std ~0.02."""
+    layer = NVFP4Linear(in_features, out_features, bias, kernel, device="meta")
+    packed = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device, generator=generator)
+    scale = torch.rand(out_features, in_features // BLOCK, device=device, generator=generator) * 4 + 4  # [4, 8]
+    tensors = {"weight_packed": packed, "weight_scale": scale.to(torch.float8_e4m3fn),
+               "weight_global_scale": torch.full((1,), 1200.0, device=device)}  # E2M1 ~2 * 6 / 1200 ~ 0.01
+    b = torch.randn(out_features, device=device, generator=generator).to(torch.bfloat16) * 0.02 if bias else None
+    layer.load_nvfp4(tensors, b)
+    return layer
+
+
+@torch.no_grad()
+def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARGETS, dtype=torch.bfloat16,
+                       device="cuda", kernel: str = "auto", seed: int = 0) -> nn.Module:
+    """A transformers causal LM of ``config`` with random weights, made on ``device`` without a dense copy of the
+    NVFP4 layers."""
+    from transformers import AutoModelForCausalLM
+
+    if quantization not in ("nvfp4", "bf16"):
+        raise ValueError(f"quantization must be 'nvfp4' or 'bf16', got {quantization!r}.")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if quantization == "nvfp4":
+        for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+            if matches_target(name, targets):
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, random_nvfp4_linear(
+                    linear.in_features, linear.out_features, linear.bias is not None, kernel, device, generator))
+    for module in model.modules():  # everything still on meta: allocate on the device, then fill
+        for key, param in list(module.named_parameters(recurse=False)):
+            if param.device.type != "meta":
+                continue
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+            if "norm" in type(module).__name__.lower():
+                value.fill_(1.0)
+            else:
+                value.normal_(0.0, 0.02, generator=generator)
+            setattr(module, key, nn.Parameter(value, requires_grad=False))
+        for key, buf in list(module.named_buffers(recurse=False)):
+            if buf.device.type == "meta" and key != "inv_freq":
+                module.register_buffer(key, torch.zeros(buf.shape, dtype=buf.dtype, device=device), persistent=False)
+    materialize_rotary(model, device)
+    model.eval()
+    return model
+
+
+def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16, device="cuda", kernel: str = "auto",
+                        seed: int = 0):
+    """``build_random_model`` wrapped with LoRA on q,k,v,o,gate,up,down (alpha = rank), as ``build_policy`` does.
+    LoRA B is random too (not peft's zeros), so the adapter takes part in the outputs."""
+    from peft import get_peft_model
+
+    from qerl.model.policy import lora_config, quiet_custom_layers
+
+    base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
+    with quiet_custom_layers():
+        policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
+    policy.to(device)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    return policy

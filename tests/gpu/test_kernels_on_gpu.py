@@ -1,0 +1,216 @@
+"""The NVFP4 kernels on a GPU (``pytest -m gpu``; skipped without CUDA), in bf16 as training and rollouts run them:
+the decode GEMV (every batch width it serves, both loops, token blocks, LoRA-A rows in its launch, PDL) and the
+training tiles (forward and backward, the dense path) against the float64 product of the dequantized weight; the
+fused decode kernels against their torch twins and float64.
+
+Tolerances: the kernels multiply bf16-exact weights and activations in fp32 and round the output to bf16 once, so the
+relative error of a product is about bf16's half ulp (2^-9) whatever the shape.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+if not torch.cuda.is_available():  # the kernel modules stay out of a CPU run (its interpreter tests check that)
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from qerl.nvfp4.format import dequantize  # noqa: E402
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, pdl  # noqa: E402
+from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
+from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
+from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
+
+REL_TOL = 4e-3
+# (out, in): Qwen2.5-7B's k/v, q/o, down, and gate/up (above WIDE_MIN_WEIGHTS: the token blocks' default)
+SHAPES = [(512, 3584), (3584, 3584), (3584, 18944), (18944, 3584)]
+
+
+def random_layer(n: int, k: int, seed: int) -> NVFP4Linear:
+    """Every code, block scales over the e4m3 range: the weights of an NVFP4Linear as the kernels see them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    layer = NVFP4Linear(k, n, kernel="triton", device="cuda")
+    scale = torch.rand(n, k // 16, device="cuda", generator=gen) * 2.0 ** torch.randint(
+        -8, 9, (n, k // 16), device="cuda", generator=gen)
+    layer.load_nvfp4({"weight_packed": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda",
+                                                     generator=gen),
+                      "weight_scale": scale.clamp(max=448).to(torch.float8_e4m3fn),
+                      "weight_global_scale": torch.tensor([448.0 * 6.0 / 0.05], device="cuda")})
+    return layer
+
+
+def weights(layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert bool(torch.isfinite(out).all())
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def poisoned_allocator() -> None:
+    """Fill freed memory with NaN, so an output element a kernel forgot to write shows up."""
+    torch.full((64 * 2**20,), float("nan"), device="cuda")
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def layer(request):
+    n, k = request.param
+    layer = random_layer(n, k, seed=n + k)
+    return layer, dequantize(*weights(layer), torch.float64)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 47, 64, 100, 256])
+def test_gemv_matches_float64_and_repeats_bitwise(layer, m):
+    layer, w64 = layer
+    n, k = layer.out_features, layer.in_features
+    if m > min(gemv_plan.default_widest(n, k), gemv_plan.max_m(torch.device("cuda"))):
+        pytest.skip("not the GEMV's batch for this weight on this GPU (the dense path's)")
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    poisoned_allocator()
+    y = kernels.forward(x, *weights(layer), gemv_weight=layer.gemv_weight)
+    assert layer.gemv_weight(build=False) is not None  # the layer's repacked copy, built for it
+    assert rel_err(y, x.double() @ w64.t()) < REL_TOL
+    # the fused split-K reduction leaves its counters at zero: the same answer, bit for bit, again
+    assert torch.equal(y, kernels.forward(x, *weights(layer), gemv_weight=layer.gemv_weight))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_mma_sync_gemv_matches_float64(layer, m):
+    layer, w64 = layer
+    x = torch.randn(m, layer.in_features, device="cuda").to(torch.bfloat16)
+    config = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))  # the loop of GPUs other than sm_90
+    y = kernels._launch(x, *weights(layer), False, config, layer.gemv_weight)
+    assert rel_err(y, x.double() @ w64.t()) < REL_TOL
+
+
+@pytest.mark.parametrize("m", [100, 256])
+@pytest.mark.parametrize("stream_k", [None, False], ids=["stream-k", "grid"])
+def test_token_block_gemv_matches_float64(m, stream_k):
+    if gemv_plan.max_m(torch.device("cuda")) < m:
+        pytest.skip("token blocks need sm_90 and Gluon")
+    layer = random_layer(18944, 3584, seed=3)
+    w64 = dequantize(*weights(layer), torch.float64)
+    x = torch.randn(m, 3584, device="cuda").to(torch.bfloat16)
+    words, factors = layer.gemv_weight()
+    config = GemvConfig(warps=8, smem_stages=4, wgmma=True, stream_k=stream_k)
+    poisoned_allocator()
+    y = gemv.launch(x, words, factors, layer.weight_global_scale, config)
+    assert rel_err(y, x.double() @ w64.t()) < REL_TOL
+    assert torch.equal(y, gemv.launch(x, words, factors, layer.weight_global_scale, config))
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_lora_a_rows_in_the_gemv_launch(layer, m):
+    layer, _ = layer
+    k = layer.in_features
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    a = (torch.randn(48, k, device="cuda") * 0.02).to(torch.bfloat16)  # q|k|v LoRA-A at rank 16
+    words, factors = layer.gemv_weight()
+    plain = gemv.launch(x, words, factors, layer.weight_global_scale)
+    out, u = gemv.launch(x, words, factors, layer.weight_global_scale, dense=(gemv_layout.dense_fragments(a), 48))
+    assert torch.equal(plain, out)  # the weight's output does not change with the rows riding along
+    assert rel_err(u.sum(0), x.double() @ a.double().t()) < 1e-5  # fp32 partials of bf16-exact products
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")), reason="needs PDL (sm_90+)")
+def test_pdl_launch_computes_the_same_bits(layer):
+    layer, _ = layer
+    x = torch.randn(16, layer.in_features, device="cuda").to(torch.bfloat16)
+    words, factors = layer.gemv_weight()
+    plain = gemv.launch(x, words, factors, layer.weight_global_scale)
+    assert torch.equal(plain, gemv.launch(x, words, factors, layer.weight_global_scale, GemvConfig(pdl=True)))
+
+
+@pytest.mark.parametrize("m", [16, 48, 100, 300])  # tiles (with split-K at the small ones), then the dense path
+def test_training_tiles_forward_and_backward_match_float64(layer, m):
+    layer, w64 = layer
+    n, k = layer.out_features, layer.in_features
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    tiles = kernels.default_config(False, m, n, k, gemv=False)
+    assert rel_err(kernels._launch(x, *weights(layer), False, tiles), x.double() @ w64.t()) < REL_TOL
+    assert rel_err(kernels.backward_input(dy, *weights(layer)), dy.double() @ w64) < REL_TOL
+    # through NVFP4Linear's autograd: the gradient reaches the input, never the frozen weight
+    xg = x.clone().requires_grad_(True)
+    layer(xg).backward(dy)
+    assert rel_err(xg.grad, dy.double() @ w64) < REL_TOL
+    assert all(p.grad is None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, None), slice(3, -5)], ids=["whole", "from-1", "3-to-5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_kernel_is_bitwise_the_reference(rows, dtype):
+    # row slices: pointers not 16-byte aligned (the kernel is launched from compiled handles keyed on alignment)
+    for n, k in ((256, 256), (48, 80), (3584, 18944)):
+        p, s, g = weights(random_layer(n, k, seed=n))
+        assert torch.equal(kernels.dequantize_dense(p[rows], s[rows], g, dtype), dequantize(p[rows], s[rows], g, dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused decode kernels (7B shapes) against their torch twins (same roundings, run by torch on the same GPU)
+
+
+@pytest.mark.parametrize("b", [1, 64])
+def test_fused_decode_kernels_match_their_torch_twins(b):
+    from qerl.nvfp4.kernels import fused_decode as K
+
+    gen = torch.Generator(device="cuda").manual_seed(b)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    def max_diff(a, c):
+        return float((a.double() - c.double()).abs().max())
+
+    y = rnd(b, 4608)
+    yq, yk, yv = y.split([3584, 512, 512], 1)
+    biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
+    xa, aa = rnd(b, 3584), rnd(48, 3584, scale=0.02)
+    u = K.lora_a(xa, aa)  # split-K partials [S, b, 48]
+    assert rel_err(u.sum(0), xa.double() @ aa.double().t()) < 1e-5
+    lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
+    pos = torch.randint(0, 4000, (b,), device="cuda", generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    col = torch.tensor([300], device="cuda")
+    c = [torch.zeros(b, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
+    q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+    # one bf16 rounding step apart at most (the order of fp32 sums differs): values of magnitude ~4
+    assert max(max_diff(q1, q2), max_diff(c[0], c[2]), max_diff(c[1], c[3])) <= 0.0625
+    kc, vc, q = rnd(b, 4, 1280, 128), rnd(b, 4, 1280, 128), rnd(b, 28, 128)
+    mask = torch.ones(b, 1280, dtype=torch.bool, device="cuda")
+    mask[:, :40] = False
+    out = K.decode_attention(q, kc, vc, mask, 1100, 128**-0.5)
+    ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, 1100, 128**-0.5)
+    assert rel_err(out, ref) < 1e-2
+    h = rnd(b, 3584, scale=3)
+    h2 = h.clone()
+    w = (1 + 0.1 * torch.randn(3584, device="cuda", generator=gen)).to(torch.bfloat16)
+    yo, uo, lo = rnd(b, 3584), K.lora_a(rnd(b, 3584), rnd(16, 3584, scale=0.02)), rnd(3584, 16, scale=0.05)
+    x1 = K.residual_rms_norm(h, w, 1e-6, yo, None, uo, lo)
+    x2 = K.residual_rms_norm_torch(h2, w, 1e-6, yo, None, uo, lo)
+    assert max(max_diff(x1, x2), max_diff(h, h2)) <= 0.0625
+    yg, yu, ug = rnd(b, 18944), rnd(b, 18944), K.lora_a(rnd(b, 3584), rnd(32, 3584, scale=0.02))
+    lg = (rnd(18944, 16, scale=0.05), rnd(18944, 16, scale=0.05))
+    assert max_diff(K.silu_mul_epilogue(yg, yu, ug, lg), K.silu_mul_epilogue_torch(yg, yu, ug, lg)) <= 0.0625
+
+
+@pytest.mark.parametrize("m", [100, 256])
+def test_decoder_gate_up_group_on_token_blocks(m):
+    """The decoder's stacked 7B gate|up at 65-256 rows on the token-block GEMV (no bf16 copy): each layer's output vs
+    the fp64 product, twice bitwise, and served by the stacked repack (not dequantized)."""
+    from qerl.rollout.fused_decoder import BaseGEMM
+
+    layers = [random_layer(18944, 3584, seed=20 + i) for i in range(2)]
+    for other in layers[1:]:  # a fused group shares one global scale
+        other.weight_global_scale.data.copy_(layers[0].weight_global_scale)
+    gemm = BaseGEMM(layers, fast=True)
+    x = torch.randn(m, 3584, device="cuda").to(torch.bfloat16)
+    outs, again = gemm(x), gemm(x)
+    for lyr, y in zip(layers, outs):
+        assert rel_err(y, x.double() @ dequantize(*weights(lyr), torch.float64).t()) < REL_TOL
+    assert all(torch.equal(a, c) for a, c in zip(outs, again))
+    if gemv_plan.max_m(torch.device("cuda")) >= m:
+        assert gemm._repacked is not None

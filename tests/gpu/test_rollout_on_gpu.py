@@ -1,0 +1,134 @@
+"""The CUDA-graph engine on a GPU (``pytest -m gpu``; skipped without CUDA): captured steps sample what eager steps
+sample, the log-probs returned are those of one full forward of the policy, LoRA updates and AQN noise reach the
+captured graphs without a recapture, and the noise is removed exactly afterwards.
+
+The policy is a random-init Qwen2.5-shaped model, small enough for seconds per test, NVFP4 + LoRA in bf16: the fused
+decoder's Triton kernels and the NVFP4 GEMV run as in a real rollout.
+"""
+
+import pytest
+import torch
+
+from qerl.model.aqn import rms_norms
+from qerl.nvfp4.kernels import pdl
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.random_models import build_random_policy, qwen25_config
+from qerl.testing.rollouts import recompute
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# bf16 model: the fused step and the transformers forward round alike except for the order of fp32 sums
+LOGPROB_ATOL = 0.03
+
+
+@pytest.fixture(scope="module")
+def policy():
+    config = qwen25_config("qwen2.5-7b", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    policy = build_random_policy(config, "nvfp4", lora_rank=8)
+    with torch.no_grad():  # non-zero LoRA B so the adapter changes the outputs
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (9, 4, 17)]
+
+
+def eager_engine(**options) -> CUDAGraphRollout:
+    engine = CUDAGraphRollout(**options)
+    engine._use_graphs = False  # the engine's comparison hook: the same steps, not captured
+    return engine
+
+
+def max_logprob_error(policy, rollout) -> float:
+    return float((rollout.logprobs - recompute(policy, rollout)[0]).abs().max())
+
+
+def test_graph_replay_samples_the_eager_tokens(policy, prompts):
+    graphs = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
+    a = graphs.generate(policy, prompts, 4, 0, [])
+    e = eager_engine(max_new_tokens=24, seed=0, check_every=4).generate(policy, prompts, 4, 0, [])
+    assert graphs.graphs_captured >= 1
+    assert torch.equal(a.completion_ids, e.completion_ids)
+    torch.testing.assert_close(a.logprobs, e.logprobs, atol=1e-5, rtol=0)
+    graphs.reset_generator()
+    again = graphs.generate(policy, prompts, 4, 0, [])
+    assert torch.equal(a.completion_ids, again.completion_ids) and torch.equal(a.logprobs, again.logprobs)
+
+
+@pytest.mark.parametrize("wgmma", [None, False], ids=["default-gemv", "mma-sync-gemv"])
+def test_logprobs_equal_a_full_recomputation(policy, prompts, wgmma):
+    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
+    engine._wgmma = wgmma  # False: the GEMV loop of GPUs other than sm_90
+    assert max_logprob_error(policy, engine.generate(policy, prompts, 4, 0, [])) < LOGPROB_ATOL
+    # prompts of 175 tokens in all: the fused prefill's GEMMs above 128 rows (each group dequantized into one stack)
+    gen = torch.Generator().manual_seed(1)
+    long = [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (60, 70, 45)]
+    r = CUDAGraphRollout(max_new_tokens=16, seed=0).generate(policy, long, 2, 0, [])
+    assert max_logprob_error(policy, r) < LOGPROB_ATOL
+
+
+def test_compaction_keeps_logprobs_exact(policy, prompts):
+    engine = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
+    r = engine.generate(policy, prompts, 8, 0, list(range(100, 108)))  # many EOS ids: rows finish early
+    assert len({k[0] for k in engine._graphs}) > 1  # decoded in more than one batch bucket
+    assert int(r.lengths.min()) < 64
+    assert max_logprob_error(policy, r) < LOGPROB_ATOL
+
+
+def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
+    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, wide_batch_bf16=True)
+    r = engine.generate(policy, prompts, 32, 0, [])  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
+    assert max_logprob_error(policy, r) < LOGPROB_ATOL
+    gemms = [layer[g].gemm for layer in engine._decoder[1].layers for g in ("qkv", "o", "gu", "down")]
+    assert all(g._dequantized is None for g in gemms)  # released after the rollout
+    # the next rollout's copy lands elsewhere (what an update's allocations do): its graphs are recaptured, the stale
+    # ones (all of them: 96 rows never compact below 64) freed
+    junk = [torch.empty(g.dequantized_bytes(torch.bfloat16), dtype=torch.uint8, device="cuda") for g in gemms]
+    before = engine.graphs_captured
+    r2 = engine.generate(policy, prompts, 32, 0, [])
+    del junk
+    assert engine.graphs_captured > before and len(engine._graphs) == engine.graphs_captured - before
+    assert max_logprob_error(policy, r2) < LOGPROB_ATOL
+
+
+def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
+    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
+    a = engine.generate(policy, prompts, 4, 0, [])
+    captured = engine.graphs_captured
+    lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
+    trained = lora_b.detach().clone()
+    with torch.no_grad():
+        lora_b.add_(0.5)  # what an optimizer step does: same storage
+    engine.reset_generator()
+    d = engine.generate(policy, prompts, 4, 0, [])
+    with torch.no_grad():
+        lora_b.copy_(trained)
+    assert not torch.equal(a.logprobs, d.logprobs)
+    clean = [m.weight.detach().clone() for m in rms_norms(policy)]
+    engine.set_noise(0.1, torch.Generator().manual_seed(0))
+    engine.reset_generator()
+    noisy = engine.generate(policy, prompts, 4, 0, [])
+    engine.set_noise(0.0)
+    assert not torch.equal(a.logprobs, noisy.logprobs)  # applied inside the replayed graphs
+    assert all(torch.equal(m.weight, w) for m, w in zip(rms_norms(policy), clean))  # and removed exactly
+    assert engine.graphs_captured == captured  # neither needed a new capture
+    engine.reset_generator()
+    b = engine.generate(policy, prompts, 4, 0, [])
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")), reason="needs PDL (sm_90+)")
+def test_pdl_changes_when_kernels_start_never_what_they_compute(policy, prompts):
+    runs = {}
+    for on in (False, True):
+        engine = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4)
+        engine._pdl = on  # the engine's comparison hook
+        runs[on] = engine.generate(policy, prompts, 8, 0, list(range(100, 104)))
+    assert torch.equal(runs[True].completion_ids, runs[False].completion_ids)
+    assert torch.equal(runs[True].logprobs, runs[False].logprobs)

@@ -1,0 +1,57 @@
+"""The fused NVFP4 Triton kernels, run on CPU by Triton's interpreter, against the fp64 product of the dequantized
+weight. The kernels take their compute dtype from the input; the interpreter is exact in fp16/fp32 only (it flushes
+bf16 subnormals and its bf16 dot is wrong), so these run the same code path in those dtypes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[3]
+# fp32 products of exact weights: only summation order differs; fp16 rounds inputs and outputs once (2^-11).
+TOLERANCE = {"float32": 1e-6, "float16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, float]:
+    """All kernel checks in one child process: TRITON_INTERPRET must be set before triton loads, and must not leak."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_interpret_checks.py"))],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_matmul_case_ran(interpreted_results):
+    # 2 dtypes x 3 shapes x 2 directions x 2 tile configs, plus the dense path in both directions
+    assert sum(name.startswith(("fwd-", "bwd-")) for name in interpreted_results) == 26
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_matmul_matches_fp64(interpreted_results, direction, dtype):
+    errors = {k: v for k, v in interpreted_results.items() if k.startswith(f"{direction}-{dtype}-")}
+    assert errors and max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("case", ["linear-fwd-bias", "linear-grad-input", "custom-op-grad-input", "compiled-fwd"])
+def test_nvfp4_linear_on_triton_kernel(interpreted_results, case):
+    assert interpreted_results[case] < TOLERANCE["float32"], interpreted_results[case]
+
+
+@pytest.mark.parametrize("case", ["tuning-candidates-fit-their-bucket", "tuning-m1-winner-not-at-m16"])
+def test_tuned_configuration_serves_its_whole_bucket(interpreted_results, case):
+    assert interpreted_results[case] == 1.0
+
+
+def test_interpreter_setting_does_not_leak():
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    assert "qerl.nvfp4.kernels.matmul" not in sys.modules
