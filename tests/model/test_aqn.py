@@ -238,7 +238,7 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     module.tokenizer = tokenizer
     module.configure_model()
     captured = {}
-    generate, loss_forward = module.rollout.generate, module.loss.forward
+    generate, loss_forward, logprobs_of = module.rollout.generate, module.loss.forward, module._logprobs
 
     def spy_generate(*args, **kwargs):
         captured["rollout"] = generate(*args, **kwargs)
@@ -248,7 +248,11 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
         captured["logprobs"] = logprobs.detach().clone()
         return loss_forward(logprobs, *args, **kwargs)
 
-    module.rollout.generate, module.loss.forward = spy_generate, spy_loss
+    def spy_logprobs(rollout, idx, *args, **kwargs):
+        captured["rows"] = idx  # the micro-batch's rows, in the order the loss sees them
+        return logprobs_of(rollout, idx, *args, **kwargs)
+
+    module.rollout.generate, module.loss.forward, module._logprobs = spy_generate, spy_loss, spy_logprobs
     module.rollout.set_noise(0.05, torch.Generator().manual_seed(0))
     batch = {"prompts": list(QUESTIONS), "prompt_ids": prompt_ids, "answers": ["5", "3"]}
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
@@ -256,11 +260,10 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
 
     ro = captured["rollout"]
-    seq = torch.cat((ro.prompt_ids, ro.completion_ids), 1)
-    att = torch.cat((ro.prompt_mask, ro.completion_mask), 1)
-    rows = torch.arange(seq.shape[0])
+    rows = captured["rows"]
+    assert sorted(rows.tolist()) == list(range(ro.prompt_ids.shape[0]))  # one micro-batch of every row
     with torch.no_grad():
-        clean = module._logprobs(seq, att, ro, rows, with_entropy=False)[0]
-    mask = ro.completion_mask.bool()
+        clean = logprobs_of(ro, rows, with_entropy=False)[0]
+    mask = ro.completion_mask[rows].bool()
     torch.testing.assert_close(captured["logprobs"][mask], clean[mask], rtol=0, atol=1e-6)
-    assert (ro.logprobs - clean)[mask].abs().max() > 1e-3  # the rollout sampled from the noisy policy
+    assert (ro.logprobs[rows] - clean)[mask].abs().max() > 1e-3  # the rollout sampled from the noisy policy
