@@ -26,6 +26,7 @@ from typing import Literal
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from qerl.data.skips import SKIP_REASONS
 from qerl.data.sources import ArithmeticSource, Mixture, PromptSource, endless
 
 # Instructions appended to the question. ``boxed`` is the Qwen2.5-Math / DeepSeek-R1 prompt; ``tags`` the
@@ -40,6 +41,7 @@ FORMAT_INSTRUCTIONS = {
     ),
 }
 STREAM_COUNTERS = ("prompts", "too_long")  # counted per consumer over its share: summed across consumers
+SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training never sees, logged as data/skipped_*
 
 
 def format_prompt(tokenizer, question: str, answer_format: str = "none", system_prompt: str | None = None) -> str:
@@ -221,7 +223,8 @@ class MathPromptDataModule(L.LightningDataModule):
     validation needs an integer ``val_check_interval`` with ``check_val_every_n_epoch: null``.
 
     Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``
-    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject).
+    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject); training
+    batches also carry ``skipped``, the stream's counts of rows and prompts skipped so far per reason.
     The stream position is part of ``state_dict`` (saved in checkpoints), so ``fit --ckpt_path`` continues the stream.
 
     Args:
@@ -347,6 +350,8 @@ class MathPromptDataModule(L.LightningDataModule):
         state = batch.pop("stream_state", None)
         if state is not None and self.train_stream is not None:
             self.train_stream.update(state)
+            stats = self.train_stream.stats
+            batch["skipped"] = {reason: stats.get(reason, 0) for reason in SKIPPED_COUNTERS}  # for the logger
         return batch
 
     @property

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from qerl.data.rewards import MathReward, overlong_penalty
@@ -42,6 +43,8 @@ from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
 from qerl.modules.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout, position_ids
+
+NO_SIGNAL_STEPS = 5  # batches in a row with no informative group before the warning: a few can happen by chance
 
 
 class GRPOModule(L.LightningModule):
@@ -121,6 +124,7 @@ class GRPOModule(L.LightningModule):
         if overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError("model.overlong_buffer must be smaller than the rollout's max_new_tokens.")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
+        self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
 
@@ -172,6 +176,8 @@ class GRPOModule(L.LightningModule):
         train_s = time.perf_counter() - start
 
         self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr)
+        self._log_skipped(batch.get("skipped"))
+        self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
@@ -290,6 +296,26 @@ class GRPOModule(L.LightningModule):
         # The progress bar shows the two numbers a user watches.
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
         self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
+
+    def _log_skipped(self, skipped: dict[str, int] | None) -> None:
+        """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
+        if skipped:
+            self.log_dict({f"data/skipped_{reason}": float(n) for reason, n in skipped.items()}, on_step=True,
+                          on_epoch=False, batch_size=1)
+
+    def _warn_without_signal(self, any_signal: bool) -> None:
+        """Warn once when every group of ``NO_SIGNAL_STEPS`` batches in a row had equal rewards: no gradient at all."""
+        self._batches_without_signal = 0 if any_signal else self._batches_without_signal + 1
+        if self._batches_without_signal == NO_SIGNAL_STEPS and not self._warned_no_signal:
+            self._warned_no_signal = True
+            rank_zero_warn(
+                f"No learning signal for {NO_SIGNAL_STEPS} steps in a row: in every group all "
+                f"{self.hparams.group_size} completions got the same reward, so every advantage and the gradient are "
+                "0 (train/zero_std_groups_frac = 1). train/accuracy near 0 means the task is too hard or no "
+                "completion states its answer the way model.reward's answer_format expects (the prompt asks for "
+                "data.answer_format; max_new_tokens may cut the answer off); near 1 means it is too easy. Fix: "
+                "easier or harder data, a larger model.group_size, or a matching answer format."
+            )
 
     def _log_samples(self, batch, completions, rewards) -> None:
         experiment = getattr(self.logger, "experiment", None)

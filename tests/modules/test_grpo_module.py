@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 
 import lightning as L
@@ -270,3 +271,23 @@ def test_unknown_loss_class_is_rejected_by_the_parser(qwen2, tmp_path, no_weight
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
                   "--model.loss", "qerl.modules.loss.NoSuchLoss"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Warnings
+
+
+def test_steps_without_any_learning_signal_warn_once(qwen2, tokenizer, prompt_ids):
+    from qerl.modules.grpo_module import NO_SIGNAL_STEPS
+
+    flat = make_module(qwen2, tokenizer, reward=ScriptedReward([0.7] * 4))  # every group: equal rewards
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(flat, prompt_ids, steps=NO_SIGNAL_STEPS + 3)
+    messages = [str(w.message) for w in caught if "No learning signal" in str(w.message)]
+    assert len(messages) == 1 and f"for {NO_SIGNAL_STEPS} steps in a row" in messages[0]
+    mixed = make_module(qwen2, tokenizer, reward=ScriptedReward([0.7, 0.7, 1.0, 0.0]))  # one group informative
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(mixed, prompt_ids, steps=NO_SIGNAL_STEPS + 1)
+    assert not [w for w in caught if "No learning signal" in str(w.message)]
