@@ -107,12 +107,23 @@ class GRPOModule(L.LightningModule):
         eval_jsonl: bool = True,
     ):
         super().__init__()
-        if group_size < 2:
-            raise ValueError(f"model.group_size must be >= 2 (advantages compare samples of one prompt), got {group_size}.")
-        if micro_batch_size < 1 or num_iterations < 1:
-            raise ValueError("model.micro_batch_size and model.num_iterations must be >= 1.")
-        if not 0 <= warmup_ratio < 1:
-            raise ValueError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        check_options("model", [
+            ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
+            ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
+            ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
+            ("lr", lr, lr > 0, "> 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two values in [0, 1), e.g. [0.9, 0.99]"),
+            ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+            ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
+            ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
+            ("overlong_penalty", overlong_penalty, overlong_penalty >= 0, ">= 0"),
+            ("logprob_chunk_size", logprob_chunk_size, logprob_chunk_size >= 1, ">= 1"),
+            ("log_samples_every", log_samples_every, log_samples_every >= 0, ">= 0 (0 turns it off)"),
+            ("eval_samples", eval_samples, eval_samples >= 0, ">= 0"),
+            ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
+        ])
         policy.validate()
         self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
         self.automatic_optimization = False
@@ -122,7 +133,8 @@ class GRPOModule(L.LightningModule):
         self.reward = reward if reward is not None else MathReward()
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         if overlong_buffer >= self.rollout.max_new_tokens:
-            raise ValueError("model.overlong_buffer must be smaller than the rollout's max_new_tokens.")
+            raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
+                             f"max_new_tokens ({self.rollout.max_new_tokens}).")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
@@ -412,6 +424,13 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if "qerl_rollout" in checkpoint:
             self.rollout.load_state_dict(checkpoint["qerl_rollout"])
+
+
+def check_options(prefix: str, checks: list[tuple[str, object, bool, str]]) -> None:
+    """Raise one ``ValueError`` naming the first option whose check failed: ``model.lr=-1.0: must be > 0 (...)``."""
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{prefix}.{name}={value!r}: must be {rule}.")
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
