@@ -40,3 +40,13 @@ def embedded_nvfp4(embedded_nvfp4_dir):
 @pytest.fixture(scope="session")
 def embedded_bf16():
     return load_model(EMBEDDED_MODEL, "bf16", dtype=torch.float32)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a config test loaded a model")
+
+    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.modules.checkpoint_io.resolve_model", forbidden)
+    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
