@@ -23,7 +23,7 @@ class StepProgressBar(TQDMProgressBar):
 
     def init_train_tqdm(self):
         bar = super().init_train_tqdm()
-        bar.bar_format = "{desc} {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
+        bar.bar_format = "step {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
         bar.unit = "step"
         return bar
 
@@ -32,7 +32,6 @@ class StepProgressBar(TQDMProgressBar):
         bar = self.train_progress_bar
         bar.total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         bar.initial = bar.n = trainer.global_step  # rate and remaining time count this run's steps only
-        bar.set_description("step")
         bar.refresh()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
