@@ -44,9 +44,12 @@ def embedded_bf16():
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
+    """Any attempt to read model weights, resolve a model or build the policy fails the test."""
+
     def forbidden(*args, **kwargs):
-        raise AssertionError("a config test loaded a model")
+        raise AssertionError("a model was loaded before the configuration was checked")
 
     monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
     monkeypatch.setattr("qerl.modules.checkpoint_io.resolve_model", forbidden)
+    monkeypatch.setattr("qerl.modules.policy.load_model", forbidden)
     monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)

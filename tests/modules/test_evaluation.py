@@ -61,6 +61,20 @@ def score_scripted(evaluator, engine, reward, batch_list, dataloader_idx=0):
     return {k: float(v) for k, v in evaluator.compute().items()}
 
 
+def score_rows(rows: list[tuple[str, str, str]], source: str, tokenizer, reward):
+    """Score scripted completions: ``rows`` of (question, reference, completion); returns (evaluator, values)."""
+
+    class Rows(ArithmeticSource):
+        def __iter__(self):
+            for q, a, _ in rows:
+                yield {"question": q, "answer": a, "source": source}
+
+    (batch,) = batches(Rows(num_rows=len(rows)), tokenizer)
+    engine = ScriptedRollout({tuple(p): text for p, (_, _, text) in zip(batch["prompt_ids"], rows)})
+    evaluator = Evaluator()
+    return evaluator, score_scripted(evaluator, engine, reward, [batch])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Scoring through the evaluator
 
@@ -102,16 +116,7 @@ def test_reference_solutions_score_one_and_others_zero(tokenizer, dataset):
 def test_tricky_gsm8k_forms_through_the_evaluator(tokenizer, reward):
     rows = [("What is 999 + 1?", "1000", "So the total is 1,000."), ("Price?", "18", "It costs $18.00"),
             ("How many?", "18", "The answer is 18."), ("And?", "18", "Maybe 180."), ("Or?", "1000", "#### 1,000.0")]
-
-    class Rows(ArithmeticSource):
-        def __iter__(self):
-            for q, a, _ in rows:
-                yield {"question": q, "answer": a, "source": "gsm8k"}
-
-    (batch,) = batches(Rows(num_rows=len(rows)), tokenizer)
-    engine = ScriptedRollout({tuple(p): text for p, (_, _, text) in zip(batch["prompt_ids"], rows)})
-    evaluator = Evaluator()
-    values = score_scripted(evaluator, engine, reward, [batch])
+    evaluator, values = score_rows(rows, "gsm8k", tokenizer, reward)
     # Strict: only the "####" answer counts; flexible (lm-eval's flexible-extract): the last number of the others.
     assert [r["extracted"] for r in evaluator.records] == [None, None, None, None, "1000"]
     assert [r["extracted_flexible"] for r in evaluator.records] == ["1000", "18", "18", "180", "1000"]
@@ -125,15 +130,7 @@ def test_strict_accuracy_ignores_a_restated_question_and_flexible_reports_it(tok
     # the lenient extraction scores it (30 of GSM8K's 1,319 test items). Strict scoring needs a stated answer.
     rows = [("Tom has 3 apples and gets 4 more, so he has 7?", "7", "Tom has 3 apples and gets 4 more, so he has 7?"),
             ("What is 3 + 4?", "7", "3 + 4 = \\boxed{7}")]
-
-    class Rows(ArithmeticSource):
-        def __iter__(self):
-            for q, a, _ in rows:
-                yield {"question": q, "answer": a, "source": "arithmetic"}
-
-    (batch,) = batches(Rows(num_rows=len(rows)), tokenizer)
-    engine = ScriptedRollout({tuple(p): text for p, (_, _, text) in zip(batch["prompt_ids"], rows)})
-    values = score_scripted(Evaluator(), engine, reward, [batch])
+    _, values = score_rows(rows, "arithmetic", tokenizer, reward)
     assert values == {"arithmetic_acc": 0.5, "arithmetic_acc_flexible": 1.0}
 
 

@@ -4,7 +4,6 @@ PPO epochs, masking; the LR schedule by hand; bad configuration failing before a
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections import Counter
 
@@ -236,38 +235,24 @@ def test_warmup_cosine_by_hand():
 # Bad configuration fails at instantiation, before any weight is read
 
 
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    """Any attempt to read model weights (or build the policy) fails the test."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("model weights were read before the configuration error")
-
-    monkeypatch.setattr("qerl.modules.checkpoint_io._TensorFiles", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.load_model", forbidden)
-    monkeypatch.setattr("qerl.modules.policy.build_policy", forbidden)
-
-
 @pytest.mark.parametrize(
-    "override,error,option",
+    "override,option",
     [
-        (["--model.group_size", "1"], ValueError, "model.group_size"),
-        (["--aqn.num_stages", "1"], ValueError, "aqn.num_stages"),
-        (["--model.policy.lora_targets", "[no_such_proj]"], ValueError, "model.policy.lora_targets"),
-        (["--model.policy.model", "/nonexistent/qwen"], FileNotFoundError, "model.policy.model"),
+        (["--model.group_size", "1"], "model.group_size"),
+        (["--aqn.num_stages", "1"], "aqn.num_stages"),
+        (["--model.policy.lora_targets", "[no_such_proj]"], "model.policy.lora_targets"),
+        (["--model.policy.model", "/nonexistent/qwen"], "model.policy.model"),
     ],
 )
-def test_bad_config_fails_before_any_model_loads(qwen2, tmp_path, no_weight_reads, override, error, option):
+def test_bad_config_fails_before_any_model_loads(qwen2, tmp_path, no_model_loads, capsys, override, option):
     args = ["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
             "--trainer.logger.init_args.save_dir", str(tmp_path), *override]
-    start = time.perf_counter()
-    with pytest.raises(error) as info:
+    with pytest.raises(SystemExit) as info:  # a user's mistake: one line and exit code 2, as argparse
         cli_main(args)
-    assert option in str(info.value)
-    assert time.perf_counter() - start < 20  # parse + instantiate only (generous: 2 shared CPU cores)
+    assert info.value.code == 2 and option in capsys.readouterr().err
 
 
-def test_unknown_loss_class_is_rejected_by_the_parser(qwen2, tmp_path, no_weight_reads):
+def test_unknown_loss_class_is_rejected_by_the_parser(qwen2, tmp_path, no_model_loads):
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", "configs/debug.yaml", "--model.policy.model", str(qwen2),
                   "--model.loss", "qerl.modules.loss.NoSuchLoss"])
