@@ -27,8 +27,15 @@ class StepProgressBar(TQDMProgressBar):
         bar.unit = "step"
         return bar
 
+    def on_train_start(self, trainer: L.Trainer, *_) -> None:
+        super().on_train_start(trainer)
+        self._count_steps(trainer)  # a resumed run continues inside its epoch: no epoch start comes
+
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
         super().on_train_epoch_start(trainer)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar
         bar.total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         bar.initial = bar.n = trainer.global_step  # rate and remaining time count this run's steps only
