@@ -144,6 +144,7 @@ class QeRLCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        # LightningCLI runs the subcommand from its constructor; this is the one place around that run.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
         existed = log_dir is not None and Path(log_dir).exists()
         try:

@@ -80,6 +80,8 @@ class HubSource(PromptSource):
         max_solve_rate: Keep rows with solve rate <= this (needs ``solve_rate_field``).
         streaming: Stream rows instead of downloading and preparing the whole dataset first.
         label: Value of each row's ``source`` (defaults to ``path``).
+
+    Local files are scanned once when the source is built; ``report`` (a ``SkipReport``) holds what that pass found.
     """
 
     def __init__(
