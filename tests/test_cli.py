@@ -25,7 +25,7 @@ def fails(args: list[str], capsys) -> str:
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--model.lr", "-1"], "model.lr=-1.0: must be > 0"),
+    (["--model.lr", "-1"], "model.lr=-1.0: must be >= 0"),
     (["--model.group_size", "1"], "model.group_size=1: must be >= 2"),
     (["--model.group_size", "two"], "model.group_size=two: expected a value of type int"),
     (["--model.betas", "[0.9, 1.5]"], "model.betas=(0.9, 1.5): must be two values in [0, 1)"),

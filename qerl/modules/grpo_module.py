@@ -111,7 +111,7 @@ class GRPOModule(L.LightningModule):
             ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
             ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
             ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
-            ("lr", lr, lr > 0, "> 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
+            ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
             ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two values in [0, 1), e.g. [0.9, 0.99]"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
@@ -427,7 +427,7 @@ class GRPOModule(L.LightningModule):
 
 
 def check_options(prefix: str, checks: list[tuple[str, object, bool, str]]) -> None:
-    """Raise one ``ValueError`` naming the first option whose check failed: ``model.lr=-1.0: must be > 0 (...)``."""
+    """Raise one ``ValueError`` naming the first option whose check failed: ``model.lr=-1.0: must be >= 0 (...)``."""
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"{prefix}.{name}={value!r}: must be {rule}.")
