@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> Path:
                 ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", fontsize=8, color="gray")
         for ax in row[len(charts):]:
             ax.axis("off")
-    fig.suptitle(f"Custom Scalars layout, {args.run}", fontsize=11)
+    fig.suptitle(f"Custom Scalars layout: {args.run.name}", fontsize=11)
     fig.tight_layout()
     out = Path(args.out).with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
