@@ -1,31 +1,194 @@
-"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.lr 2e-5 ...]``."""
+"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.lr 2e-5 ...]``.
+
+A user's mistake (an unknown or misspelled option, a value of the wrong type or out of range, a data file that cannot
+be used) ends the command before any model or data loads, with one short ``error:`` line that names the option, the
+value and the fix, and exit code 2 as argparse uses; no traceback.
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import LightningCLI
+import difflib
+import importlib
+import inspect
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
+from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
+from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
 from qerl.modules.grpo_module import GRPOModule
 
 
+class QeRLArgumentParser(LightningArgumentParser):
+    """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+        hints = []
+        for unknown in re.findall(r"(?:--|[Kk]ey \"|option ')([\w.]+)", message):
+            unknown = unknown if unknown.startswith("--") else f"--{unknown}"
+            close = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6) if unknown not in options else []
+            if close:
+                hints.append(f"did you mean {close[0]}?")
+        hints += init_arg_hints(message)
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {short_error(message)}{hint}\nAll options: {prog} --help\n")
+        self.exit(2)
+
+
+def init_arg_hints(message: str) -> list[str]:
+    """``did you mean eps_low?`` for an init argument a class given by ``class_path`` does not take."""
+    owner = re.search(r"class_path '([\w.]+)'", message)
+    unknown = re.findall(r"Option '(\w+)' is not accepted", message)
+    if not owner or not unknown:
+        return []
+    module, _, name = owner[1].rpartition(".")
+    try:
+        accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [f"did you mean {close[0]}?" for u in unknown if (close := difflib.get_close_matches(u, accepted, n=1))]
+
+
+def short_error(message: str) -> str:
+    """The part of a jsonargparse error that says what is wrong: the first reason of a union's errors (not the
+    ``None`` alternative's) with the option it concerns, or a type error as ``option=value: expected <type>``."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    key = re.match(r'Parser key "([\w.]+)":', lines[0].strip()) if lines else None
+    reasons = []
+    for i, line in enumerate(lines):
+        if line.strip().startswith("- "):
+            indent, parts = len(line) - len(line.lstrip()), [line.strip()[2:]]
+            for more in lines[i + 1 :]:
+                if len(more) - len(more.lstrip()) <= indent:
+                    break
+                parts.append(more.strip())
+            reasons.append(" ".join(parts))
+    reasons = [r for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
+    if reasons:
+        return (f"{key[1]}: " if key and not reasons[0].startswith(key[1]) else "") + reasons[0]
+    text = " ".join(line.strip() for line in lines)
+    typed = re.match(r'Parser key "([\w.]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)', text)
+    if typed:
+        return f"{typed[1]}={typed[3]}: expected a value of type {typed[2]}."
+    return " ".join(line.strip() for line in lines[:2]) if lines else "invalid arguments"
+
+
 class QeRLCLI(LightningCLI):
     """LightningCLI with the RL callbacks always present (a second ``--config`` replaces a YAML callback list, so
-    they are not in it) and the tokenizer taken from the policy."""
+    they are not in it), the tokenizer taken from the policy and the reward's answer format from the data's (one
+    setting for what the prompt asks for and what the reward accepts), errors reported before anything loads, a
+    progress bar in optimizer steps, and resumed runs logging into their own version directory."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("parser_class", QeRLArgumentParser)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(AdaptiveQuantizationNoise, "aqn")
         parser.add_lightning_class_args(RolloutSync, "rollout_sync")
         parser.add_lightning_class_args(EntropyLogger, "entropy_logging")
+        parser.add_lightning_class_args(ScalarLayout, "scalar_layout")
+        parser.add_argument(
+            "--threads", type=int | None, default=None,
+            help="CPU threads torch uses (default: torch's choice, one per core). On a machine where other processes "
+                 "hold cores, fewer threads than cores avoid waiting on a busy one: 1 on a busy 2-core machine.",
+        )
         parser.link_arguments("model.policy.model", "data.tokenizer")
+        # The reward is a class so that a config may swap it; its answer format is never set on its own.
+        parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
+        parser.link_arguments("data.answer_format", "model.reward.init_args.answer_format", compute_fn=reward_format)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("threads") is not None:
+            if config.threads < 1:
+                self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
+            torch.set_num_threads(config.threads)
+        if self.subcommand == "fit":
+            max_steps = config.trainer.max_steps
+            if max_steps is None or max_steps < 1:
+                self._parser(self.subcommand).error(f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to "
+                                  "train (the prompt stream is endless, and the LR and AQN schedules need it).")
+            version = resume_version(config.get("ckpt_path"), config.trainer.logger)
+            if version is not None:
+                config.trainer.logger.init_args.version = version
+
+    def instantiate_classes(self) -> None:
+        # Constructors check every value; one that raises is a configuration mistake, reported like a parse error.
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as error:
+            self._parser(self.subcommand).error(str(error))
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = self._get(self.config_init, "trainer", default={})
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # LightningCLI runs the subcommand from its constructor; this is the one place around that run.
+        log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+        existed = log_dir is not None and Path(log_dir).exists()
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            # A run that failed before its first step leaves no version directory behind (only a config copy and an
+            # empty event file would be in it), so `runs/<name>` lists real runs only.
+            first_step = self.trainer.global_step == 0 and not (Path(log_dir or ".") / "checkpoints").exists()
+            if log_dir and not existed and first_step and self.trainer.is_global_zero:
+                shutil.rmtree(log_dir, ignore_errors=True)
+            raise
+
+
+def reward_format(answer_format: str) -> str:
+    """The reward's answer format for the prompt's: a prompt without an instruction accepts any marked answer."""
+    return "auto" if answer_format == "none" else answer_format
+
+
+def resume_version(ckpt_path: str | None, logger) -> str | None:
+    """The version directory a checkpoint ``<save_dir>/<name>/<version>/checkpoints/x.ckpt`` belongs to, when the
+    configured TensorBoard logger writes to ``<save_dir>/<name>`` and names no version itself: resuming then logs into
+    the same directory, so TensorBoard draws one curve per run instead of one per restart."""
+    if not ckpt_path or not getattr(logger, "class_path", "").endswith("TensorBoardLogger"):
+        return None
+    args = logger.init_args
+    if args.get("version") is not None:
+        return None
+    checkpoint = Path(ckpt_path).resolve()
+    if checkpoint.parent.name != "checkpoints":
+        return None
+    run_dir = checkpoint.parent.parent
+    name = args.get("name") if args.get("name") is not None else "lightning_logs"
+    if run_dir.parent != (Path(args.get("save_dir") or ".") / (name or "")).resolve():
+        return None
+    return run_dir.name
 
 
 def cli_main(args: list[str] | None = None) -> QeRLCLI:
-    return QeRLCLI(
-        GRPOModule,
-        MathPromptDataModule,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-    )
+    with warnings.catch_warnings():
+        # GRPOModule does all of a step's optimizer updates inside training_step, so the state after them is the
+        # one a resume needs; Lightning's advice to save a pre-optimization copy for manual optimization does not
+        # apply, and ModelCheckpoint has no setting that turns it off.
+        warnings.filterwarnings(
+            "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps",
+            category=UserWarning,
+        )
+        return QeRLCLI(GRPOModule, MathPromptDataModule, args=args, save_config_kwargs={"overwrite": True})

@@ -4,18 +4,28 @@
     python -m qerl.quantize --model smollm2-135m-instruct --output smollm2-nvfp4
 
 The bytes equal llmcompressor's ``NVFP4A16`` scheme (weights only, lm_head/embeddings/norms stay bf16, q/k/v and
-gate/up share one global scale); the model is quantized layer by layer as it is read.
+gate/up share one global scale); the model is quantized layer by layer as it is read. A local directory's tokenizer
+files are copied as they are; a directory without any (``save_pretrained`` of the model alone) gives a checkpoint
+without a tokenizer (add the files before training: the tokenizer is read from the model directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 from qerl.hub import load_tokenizer
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
 from qerl.nvfp4.checkpoint import save_nvfp4
+
+
+# What transformers' tokenizers save beside a model (any subset, depending on the tokenizer class).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+)
 
 
 def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS, force: bool = False, log=print) -> Path:
@@ -31,7 +41,16 @@ def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS,
         log(f"[{count}] quantized {group}")
 
     nvfp4 = load_model(model, "nvfp4", targets, progress=progress)
-    save_nvfp4(nvfp4, output, tokenizer=load_tokenizer(model))
+    if not Path(model).is_dir():  # a hub id or the embedded model: its tokenizer comes with it
+        save_nvfp4(nvfp4, output, tokenizer=load_tokenizer(model))
+    else:
+        save_nvfp4(nvfp4, output)
+        files = [Path(model) / name for name in TOKENIZER_FILES if (Path(model) / name).is_file()]
+        for file in files:
+            shutil.copy2(file, output / file.name)
+        if not files:
+            log(f"note: {model} has no tokenizer files, so neither has {output}: copy those of the model it was "
+                "trained from into it before training (the tokenizer is read from the model directory).")
     log(f"wrote {output}")
     return output
 

@@ -41,3 +41,16 @@ def embedded_nvfp4(embedded_nvfp4_dir):
 @pytest.fixture(scope="session")
 def embedded_bf16():
     return load_model(EMBEDDED_MODEL, "bf16", dtype=torch.float32)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to read model weights, resolve a model or build the policy fails the test."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the configuration was checked")
+
+    monkeypatch.setattr("qerl.model.checkpoint_io._TensorFiles", forbidden)
+    monkeypatch.setattr("qerl.model.checkpoint_io.resolve_model", forbidden)
+    monkeypatch.setattr("qerl.model.policy.load_model", forbidden)
+    monkeypatch.setattr("qerl.model.policy.build_policy", forbidden)

@@ -13,8 +13,10 @@ from qerl.modules.grpo_module import GRPOModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SINGLE = sorted(CONFIGS.glob("*.yaml"))
-RECIPES = sorted((CONFIGS / "recipes").glob("*.yaml"))
-CASES = [[p] for p in SINGLE] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES]
+RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
+BF16 = CONFIGS / "recipes" / "bf16.yaml"  # the differences of the bf16 + LoRA baseline, added to any recipe
+CASES = [[p] for p in SINGLE] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [[CONFIGS / "gpu.yaml", r, BF16]
+                                                                                 for r in RECIPES]
 IDS = [" + ".join(p.relative_to(CONFIGS).as_posix() for p in c) for c in CASES]
 
 
@@ -24,17 +26,29 @@ def config_args(paths: list[Path]) -> list[str]:
 
 def test_the_expected_configs_exist():
     assert {"debug.yaml", "smoke.yaml", "gpu.yaml"} <= {p.name for p in SINGLE}
-    assert len(RECIPES) == 16  # Qwen2.5-{3,7,14,32}B x {nvfp4, bf16} x {gsm8k, bigmath}
+    assert len(RECIPES) == 8  # Qwen2.5-{3,7,14,32}B x {gsm8k, bigmath}, NVFP4; + bf16.yaml for the bf16 baseline
+    assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == {p.name for p in RECIPES} | {"bf16.yaml"}
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a config test loaded a model")
+def test_the_bf16_baseline_differs_from_its_recipe_in_quantization_lr_and_log_directory(tmp_path, monkeypatch,
+                                                                                            no_model_loads):
+    monkeypatch.chdir(tmp_path)
 
-    monkeypatch.setattr("qerl.model.checkpoint_io._TensorFiles", forbidden)
-    monkeypatch.setattr("qerl.model.checkpoint_io.resolve_model", forbidden)
-    monkeypatch.setattr("qerl.model.policy.build_policy", forbidden)
+    def settings(paths):
+        cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                      args=[*config_args(paths), "--trainer.accelerator", "cpu"])
+        hparams = {k: v for k, v in cli.model.hparams.items() if k != "policy"}
+        policy = vars(cli.model.policy_config)
+        return hparams, policy, cli.trainer.log_dir, cli.datamodule.answer_format, cli.model.reward.answer_format
+
+    for recipe in RECIPES:
+        (h4, p4, dir4, data4, reward4) = settings([CONFIGS / "gpu.yaml", recipe])
+        (h16, p16, dir16, data16, reward16) = settings([CONFIGS / "gpu.yaml", recipe, BF16])
+        assert (p4["quantization"], p16["quantization"]) == ("nvfp4", "bf16")
+        assert {k for k in p4 if p4[k] != p16[k]} == {"quantization"}
+        assert (h4["lr"], h16["lr"]) == (1e-5, 5e-6) and {k for k in h4 if h4[k] != h16[k]} == {"lr"}
+        assert Path(dir16).relative_to("runs/bf16") == Path(dir4).relative_to("runs")
+        assert data4 == data16 == reward4 == reward16 in ("gsm8k", "boxed")  # the reward checks what the prompt asks
 
 
 @pytest.mark.parametrize("paths", CASES[: len(SINGLE)], ids=IDS[: len(SINGLE)])
@@ -53,10 +67,12 @@ def test_config_instantiates_without_loading_a_model(paths, tmp_path, monkeypatc
                   args=[*config_args(paths), "--trainer.accelerator", "cpu"])  # the GPU configs, on a CPU
     assert cli.model.policy is None  # the policy is built in configure_model, at fit time
     assert cli.datamodule.tokenizer_name == cli.model.policy_config.model  # the link
+    assert cli.model.reward.answer_format == {"none": "auto"}.get(cli.datamodule.answer_format,
+                                                                   cli.datamodule.answer_format)  # the other link
     if not paths[-1].name.startswith("eval_"):  # evaluation configs never train
         assert cli.trainer.max_steps >= 1
     names = {type(c).__name__ for c in cli.trainer.callbacks}
-    assert {"AdaptiveQuantizationNoise", "RolloutSync", "EntropyLogger"} <= names
+    assert {"AdaptiveQuantizationNoise", "RolloutSync", "EntropyLogger", "ScalarLayout"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])

@@ -29,7 +29,7 @@ SCALARS = (
     "train/reward", "train/reward_std", "train/accuracy", "train/entropy", "train/completion_length",
     "train/truncated_frac", "train/clip_frac_low", "train/clip_frac_high", "train/zero_std_groups_frac",
     "train/is_ratio_mean", "train/aqn_sigma", "train/lr", "perf/rollout_tokens_per_s", "perf/rollout_s",
-    "perf/train_s",
+    "perf/train_s", "data/skipped_unreadable_line", "data/skipped_missing_answer", "data/skipped_too_long",
 )
 AQN = ["--aqn.num_stages", "4"]
 KL = ["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.beta", "0.01"]
@@ -101,6 +101,27 @@ def test_all_scalar_tags_are_logged_every_step_with_finite_values(runs):
     assert "perf/peak_memory_gb" not in tags  # CPU
     assert "train/entropy_hist" in acc.Tags()["histograms"]
     assert sorted(e.step for e in acc.Histograms("train/entropy_hist")) == [0, 1]
+
+
+def test_the_custom_scalars_layout_is_in_the_event_file_and_its_charts_find_their_tags(runs):
+    import re
+
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from qerl.callbacks.scalar_layout import LAYOUT
+
+    acc = runs["A"]["events"]
+    (event,) = acc.Tensors("custom_scalars__config__")  # what TensorBoard's Custom Scalars tab reads
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(event.tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for category in layout.category for c in category.chart}
+    assert [c.title for c in layout.category] == list(LAYOUT)
+    assert charts == {title: tags for group in LAYOUT.values() for title, tags in group.items()}
+    logged = set(acc.Tags()["scalars"])
+    for title, tags in charts.items():
+        if title.startswith(("held-out", "KL", "peak GPU")):  # no validation / beta 0 / CPU in this run
+            continue
+        assert all(any(re.search(t, tag) for tag in logged) for t in tags), title
 
 
 def test_kl_is_logged_when_beta_is_positive(runs):

@@ -26,6 +26,7 @@ from typing import Literal
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from qerl.data.skips import SKIP_REASONS
 from qerl.data.sources import ArithmeticSource, Mixture, PromptSource, endless
 
 # Instructions appended to the question. ``boxed`` is the Qwen2.5-Math / DeepSeek-R1 prompt; ``tags`` the
@@ -40,11 +41,16 @@ FORMAT_INSTRUCTIONS = {
     ),
 }
 STREAM_COUNTERS = ("prompts", "too_long")  # counted per consumer over its share: summed across consumers
+SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training never sees, logged as data/skipped_*
 
 
-def format_prompt(tokenizer, question: str, answer_format: str = "none", system_prompt: str | None = None) -> str:
-    """The chat-formatted prompt text, ending with the assistant turn's opening (``add_generation_prompt``)."""
-    instruction = FORMAT_INSTRUCTIONS[answer_format]
+def format_prompt(
+    tokenizer, question: str, answer_format: str = "none", system_prompt: str | None = None,
+    instruction: str | None = None,
+) -> str:
+    """The chat-formatted prompt text, ending with the assistant turn's opening (``add_generation_prompt``);
+    ``instruction`` replaces the answer format's standard one."""
+    instruction = FORMAT_INSTRUCTIONS[answer_format] if instruction is None else instruction
     messages = [{"role": "user", "content": f"{question}\n{instruction}" if instruction else question}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
@@ -85,6 +91,7 @@ class PromptStream(IterableDataset):
         endless: Restart a finite source when it ends (training); ``False`` reads it once (evaluation).
         rank: Global rank of this process.
         world_size: Number of processes.
+        instruction: Text appended to each question instead of ``answer_format``'s standard instruction.
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class PromptStream(IterableDataset):
         endless: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        instruction: str | None = None,
     ):
         if answer_format not in FORMAT_INSTRUCTIONS:
             raise ValueError(f"answer_format={answer_format!r}: use one of {list(FORMAT_INSTRUCTIONS)}.")
@@ -112,7 +120,7 @@ class PromptStream(IterableDataset):
         self.source, self.tokenizer = source, tokenizer
         self.answer_format, self.system_prompt, self.max_prompt_tokens = answer_format, system_prompt, max_prompt_tokens
         self.shuffle_buffer, self.seed, self.endless = shuffle_buffer, seed, endless
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.instruction = rank, world_size, instruction
         self._rounds: dict[int, int] = {}  # local worker -> rounds of its share passed (committed by `update`)
         self._counters: dict[int, dict] = {}  # local worker -> its last counters
         self._layout: tuple[int, int] | None = None  # (world_size, workers) the rounds were counted with
@@ -134,7 +142,8 @@ class PromptStream(IterableDataset):
         for i, row in enumerate(shuffled(rows, self.shuffle_buffer, random.Random(self.seed))):
             if i % k != me or i // k < start:  # another consumer's row, or one this consumer already passed
                 continue
-            prompt = format_prompt(self.tokenizer, row["question"], self.answer_format, self.system_prompt)
+            prompt = format_prompt(self.tokenizer, row["question"], self.answer_format, self.system_prompt,
+                                   self.instruction)
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has the specials
             if len(ids) > self.max_prompt_tokens:
                 counts["too_long"] += 1
@@ -221,7 +230,8 @@ class MathPromptDataModule(L.LightningDataModule):
     validation needs an integer ``val_check_interval`` with ``check_val_every_n_epoch: null``.
 
     Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``
-    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject).
+    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject); training
+    batches also carry ``skipped``, the stream's counts of rows and prompts skipped so far per reason.
     The stream position is part of ``state_dict`` (saved in checkpoints), so ``fit --ckpt_path`` continues the stream.
 
     Args:
@@ -230,7 +240,8 @@ class MathPromptDataModule(L.LightningDataModule):
         tokenizer: Model name or path whose tokenizer and chat template format the prompts.
         batch_size: Prompts per training step.
         system_prompt: System message (``None``: the chat template's default).
-        answer_format: Instruction appended to each question: ``none``, ``gsm8k`` (end with ``#### <number>``),
+        answer_format: How the final answer is asked for and checked (the reward follows this setting): ``none``
+            (no instruction; any marked answer counts), ``gsm8k`` (end with ``#### <number>``),
             ``boxed`` (final answer in ``\\boxed{}``) or ``tags`` (``<think>...</think><answer>...</answer>``).
         max_prompt_tokens: Prompts longer than this, chat template included, are skipped and counted.
         shuffle_buffer: Size of the seeded shuffle buffer.
@@ -239,6 +250,8 @@ class MathPromptDataModule(L.LightningDataModule):
         val_sources: Evaluation sources, each read once in order (one validation dataloader each; ``test`` reads
             the same sources).
         val_batch_size: Prompts per validation batch (default: ``batch_size``).
+        instruction: Text appended to each question instead of ``answer_format``'s standard instruction (e.g. one
+            with an example, for a small model that does not follow the standard one yet).
     """
 
     def __init__(
@@ -255,6 +268,7 @@ class MathPromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
         val_sources: list[PromptSource] | None = None,
         val_batch_size: int | None = None,
+        instruction: str | None = None,
     ):
         super().__init__()
         if answer_format not in FORMAT_INSTRUCTIONS:
@@ -282,6 +296,7 @@ class MathPromptDataModule(L.LightningDataModule):
         self.tokenizer_name, self.batch_size, self.val_batch_size = tokenizer, batch_size, val_batch_size or batch_size
         self.system_prompt, self.answer_format, self.max_prompt_tokens = system_prompt, answer_format, max_prompt_tokens
         self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
+        self.instruction = instruction
         self.tokenizer = None
         self.train_stream: PromptStream | None = None
         self._pending_state: dict | None = None
@@ -311,6 +326,7 @@ class MathPromptDataModule(L.LightningDataModule):
             endless,
             rank,
             world,
+            self.instruction,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -347,6 +363,8 @@ class MathPromptDataModule(L.LightningDataModule):
         state = batch.pop("stream_state", None)
         if state is not None and self.train_stream is not None:
             self.train_stream.update(state)
+            stats = self.train_stream.stats
+            batch["skipped"] = {reason: stats.get(reason, 0) for reason in SKIPPED_COUNTERS}  # for the logger
         return batch
 
     @property

@@ -26,8 +26,12 @@ class MathReward:
 
     Args:
         answer_format: Where the final answer is: ``gsm8k`` (after ``####``), ``boxed`` (last ``\\boxed{}``),
-            ``tags`` (``<answer>...</answer>``) or ``auto`` (tags, then box, then ``####``).
-        fallback_last_number: When the format's marker is missing, take the last number in the completion.
+            ``tags`` (``<answer>...</answer>``) or ``auto`` (tags, then box, then ``####``). From the CLI it follows
+            ``data.answer_format`` (what the prompt asks for; ``none`` there means ``auto`` here).
+        fallback_last_number: When the format's marker is missing, take the last number in the completion. Off by
+            default: a completion that only restates the question would score whenever the question's last number
+            is the answer. Evaluation reports both ways whatever this says (``<source>_acc`` strict,
+            ``<source>_acc_flexible`` with the fallback, as lm-eval's strict / flexible pair).
         format_weight: Bonus for following ``answer_format`` (0 turns the format reward off).
         timeout_s: Wall-clock limit of one check; a completion that exceeds it scores 0.
         num_workers: Processes that run the checks.
@@ -36,7 +40,7 @@ class MathReward:
     def __init__(
         self,
         answer_format: Literal["gsm8k", "boxed", "tags", "auto"] = "auto",
-        fallback_last_number: bool = True,
+        fallback_last_number: bool = False,
         format_weight: float = 0.0,
         timeout_s: float = 2.0,
         num_workers: int = 2,
@@ -58,8 +62,11 @@ class MathReward:
         correct, formatted = self.check(completions, answers)
         return correct + self.format_weight * formatted  # [N]
 
-    def check(self, completions: list[str], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(correct [N], formatted [N])`` as float32 0/1 tensors; updates the counters."""
+    def check(
+        self, completions: list[str], answers: list[str], fallback_last_number: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(correct [N], formatted [N])`` as float32 0/1 tensors; updates the counters. ``fallback_last_number``
+        overrides the reward's own setting (evaluation scores both ways)."""
         if len(completions) != len(answers):
             raise ValueError(
                 f"MathReward got {len(completions)} completions but {len(answers)} answers: "
@@ -67,7 +74,8 @@ class MathReward:
             )
         if self._pool is None:
             self._pool = TimeoutPool(grade, num_workers=self.num_workers, timeout_s=self.timeout_s)
-        items = [(c, a, self.answer_format, self.fallback_last_number) for c, a in zip(completions, answers)]
+        fallback = self.fallback_last_number if fallback_last_number is None else fallback_last_number
+        items = [(c, a, self.answer_format, fallback) for c, a in zip(completions, answers)]
         stats: Counter[str] = Counter(checked=len(items))
         correct, formatted = [], []
         for status, result in self._pool.map(items):

@@ -6,13 +6,15 @@
 - ``ArithmeticSource``: an embedded, seeded, endless generator that needs no network (the CPU default).
 - ``Mixture``: weighted interleaving of sources.
 
-A source yields one pass over its data (``infinite`` sources never stop); ``endless`` cycles finite ones. Rows with a
-missing or empty question/answer are skipped and counted in ``source.stats``, never raised.
+A source yields one pass over its data (``infinite`` sources never stop); ``endless`` cycles finite ones. Rows it
+cannot use (a line that is not JSON, a missing question or answer, a GSM8K answer without ``####``) are skipped and
+counted per reason in ``source.stats`` (once per row of the data, not once per pass), never raised. Local files are
+read once when the source is built: a few bad rows give one warning with their file and line numbers, a file where
+most rows are bad is refused with the same report, before any model loads.
 """
 
 from __future__ import annotations
 
-import glob
 import itertools
 import random
 import re
@@ -21,11 +23,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from qerl.data.answers import extract_boxed
+from qerl.data.local_files import SUFFIXES, expand, read_records
+from qerl.data.skips import SKIP_REASONS, SkipReport
 
 Row = dict  # {"question": str, "answer": str, "source": str, "subject"?: str, "level"?: int}
 
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_MARKERS = {"gsm8k": "('####')", "boxed": "('\\boxed{}')", "raw": ""}  # what a usable answer must contain
 
 
 class PromptSource:
@@ -55,15 +61,17 @@ class HubSource(PromptSource):
 
     Args:
         path: Hub dataset id (``openai/gsm8k``), a builder (``json``, ``parquet``) with ``data_files``, or a local
-            ``.jsonl`` / ``.parquet`` file.
+            ``.jsonl`` / ``.json`` / ``.parquet`` file.
         name: Dataset config (``main`` for GSM8K).
         split: Split to read. Local files given as a path or list are always the ``train`` split of their builder.
-        data_files: Local (or remote) files, read by the ``json``/``parquet`` builder chosen from their extension;
-            overrides the hub files of ``path``.
+        data_files: Local files (globs allowed: ``.jsonl`` one JSON object per line, ``.json`` the same or one
+            array of objects, ``.parquet``), read line by line so a bad line costs one row; or remote files (``://``)
+            for ``datasets``. Overrides the hub files of ``path``.
         question_field: Column holding the question.
         answer_field: Column holding the answer (or a solution, see ``answer_parser``).
         answer_parser: How to get the answer from ``answer_field``: ``raw``; ``gsm8k`` (text after ``####``, commas
-            dropped); ``boxed`` (last ``\\boxed{}`` of a worked solution).
+            dropped); ``boxed`` (last ``\\boxed{}`` of a worked solution). A solution without its marker is skipped
+            (``no_final_answer``): the whole text can never match a completion's answer.
         subject_field: Optional column copied to ``subject``.
         level_field: Optional column copied to ``level`` (``3`` or ``"Level 3"``).
         levels: Keep only these levels (needs ``level_field``).
@@ -72,6 +80,8 @@ class HubSource(PromptSource):
         max_solve_rate: Keep rows with solve rate <= this (needs ``solve_rate_field``).
         streaming: Stream rows instead of downloading and preparing the whole dataset first.
         label: Value of each row's ``source`` (defaults to ``path``).
+
+    Local files are scanned once when the source is built; ``report`` (a ``SkipReport``) holds what that pass found.
     """
 
     def __init__(
@@ -98,12 +108,16 @@ class HubSource(PromptSource):
             raise ValueError("HubSource(levels=...) needs level_field: name the column that holds the level.")
         if (min_solve_rate is not None or max_solve_rate is not None) and solve_rate_field is None:
             raise ValueError("HubSource(min/max_solve_rate=...) needs solve_rate_field, e.g. 'llama8b_solve_rate'.")
-        if Path(path).suffix in _LOCAL_BUILDERS and data_files is None:
+        if Path(path).suffix in SUFFIXES and data_files is None:
             data_files = path
-        if data_files is not None:
-            _check_local_files(data_files)
+        remote = data_files is not None and "://" in str(data_files)
+        self.files = expand(data_files) if data_files is not None and not remote else None
+        if self.files is not None and (unknown := [f for f in self.files if f.suffix not in SUFFIXES]):
+            raise ValueError(f"data_files: cannot read {unknown[0]}: use .jsonl, .json or .parquet files.")
+        if remote:
             first = data_files if isinstance(data_files, str) else data_files[0]
-            builder = path if path in ("json", "parquet", "csv") else _LOCAL_BUILDERS.get(Path(first).suffix, "json")
+            builder = path if path in ("json", "parquet", "csv") else {".parquet": "parquet"}.get(Path(first).suffix,
+                                                                                                "json")
             self.load_args = {"path": builder, "data_files": data_files, "split": "train"}
         else:
             self.load_args = {"path": path, "name": name, "split": split}
@@ -118,42 +132,73 @@ class HubSource(PromptSource):
         self.label = label or path
         self.stats = Counter()
         self._dataset = None
+        self._passes = 0
+        if self.files is not None:
+            self.report = self.scan()
+            where = str(self.files[0]) + (f" (+ {len(self.files) - 1} more files)" if len(self.files) > 1 else "")
+            message = self.report.check(f"data_files {where}", hint=_MARKERS[answer_parser])
+            if message:
+                rank_zero_warn(message)
+
+    def scan(self) -> SkipReport:
+        """One pass over the local files: how many rows each reason skips, and where the first few are."""
+        report = SkipReport()
+        for path in self.files:
+            for position, raw in read_records(path):
+                _, reason = self._convert(raw)
+                report.add(path, position, reason if reason in SKIP_REASONS else None)
+        return report
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_dataset": None}  # DataLoader workers open the files themselves
 
     def __iter__(self) -> Iterator[Row]:
+        self._passes += 1
+        for raw in self._records():
+            row, reason = self._convert(raw)
+            if row is not None:
+                self.stats["rows"] += 1
+                yield row
+            elif self._passes == 1:  # a bad row is counted once, not once per epoch of an endless stream
+                self.stats[reason] += 1
+
+    def _records(self) -> Iterator[dict | None]:
+        if self.files is not None:
+            for path in self.files:
+                for _, raw in read_records(path):
+                    yield raw
+            return
         if self._dataset is None:  # once per process: an endless stream restarts small sources often
             import datasets  # slow to import: only where rows are read
 
             self._dataset = datasets.load_dataset(**self.load_args, streaming=self.streaming)
-        dataset = self._dataset
         # Iterating a streaming dataset inside a DataLoader worker splits its *files* among the workers (a worker
         # with no file gets nothing); PromptStream shards by row instead, and ``.iter()`` reads everything.
-        for columns in dataset.iter(batch_size=256):
+        for columns in self._dataset.iter(batch_size=256):
             for values in zip(*columns.values()):
-                row = self._convert(dict(zip(columns, values)))
-                if row is not None:
-                    self.stats["rows"] += 1
-                    yield row
+                yield dict(zip(columns, values))
 
-    def _convert(self, raw: dict) -> Row | None:
-        """The row in our schema, or ``None`` (counted) when it is incomplete or filtered out."""
+    def _convert(self, raw: dict | None) -> tuple[Row | None, str | None]:
+        """``(row in our schema, None)``, or ``(None, reason)`` when the record is unusable (a ``SKIP_REASONS`` key)
+        or ``filtered`` out."""
+        if raw is None:
+            return None, "unreadable_line"
         question, answer = raw.get(self.question_field), raw.get(self.answer_field)
-        if answer is not None and self.answer_parser != "raw":
-            answer = str(answer)
-            answer = (
-                answer.split("####")[-1].replace(",", "") if self.answer_parser == "gsm8k" else extract_boxed(answer)
-            )
-        if not question or answer is None or not str(answer).strip():
-            self.stats["missing_answer" if question else "missing_question"] += 1
-            return None
+        if not question or not str(question).strip():
+            return None, "missing_question"
+        if answer is None or not str(answer).strip():
+            return None, "missing_answer"
+        if self.answer_parser == "gsm8k":
+            answer = str(answer).split("####")[-1].replace(",", "") if "####" in str(answer) else None
+        elif self.answer_parser == "boxed":
+            answer = extract_boxed(str(answer))
+        if answer is None or not str(answer).strip():
+            return None, "no_final_answer"
         row = {"question": str(question), "answer": str(answer).strip(), "source": self.label}
         if self.level_field is not None:
             row["level"] = _level(raw.get(self.level_field))
             if self.levels is not None and row["level"] not in self.levels:
-                self.stats["filtered"] += 1
-                return None
+                return None, "filtered"
         if self.solve_rate_field is not None:
             rate = raw.get(self.solve_rate_field)
             low = self.min_solve_rate if self.min_solve_rate is not None else float("-inf")
@@ -161,20 +206,10 @@ class HubSource(PromptSource):
             if (self.min_solve_rate is not None or self.max_solve_rate is not None) and (
                 rate is None or not low <= rate <= high
             ):
-                self.stats["filtered"] += 1
-                return None
+                return None, "filtered"
         if self.subject_field is not None and raw.get(self.subject_field) is not None:
             row["subject"] = str(raw[self.subject_field])
-        return row
-
-
-def _check_local_files(data_files: str | list[str]) -> None:
-    for pattern in [data_files] if isinstance(data_files, str) else data_files:
-        if "://" not in pattern and not glob.glob(pattern):
-            raise FileNotFoundError(
-                f"data_files: no file matches {pattern!r} (relative to {Path.cwd()}). "
-                "Fix: give an existing .jsonl/.json/.parquet path, or drop data_files to stream from the hub."
-            )
+        return row, None
 
 
 def _level(value) -> int | None:

@@ -34,13 +34,19 @@ def group_advantages(rewards: Tensor, group_size: int, scale_std: bool = True, e
         scale_std: divide by the group std (GRPO); False keeps the mean-only baseline (Dr. GRPO, nanochat).
         eps: added to the std so a zero-variance group gives 0, not NaN.
 
+    A group whose rewards are all equal gets exactly 0 for any reward value.
+
     Returns:
         ``[B*G]`` advantages, float32 (float64 if the rewards are).
     """
     r = _groups(rewards, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # [B, G], >= fp32
-    adv = r - r.mean(dim=1, keepdim=True)  # [B, G]
+    # Measured from the group's first reward, a group of equal rewards is exactly 0 before any rounding: its float
+    # mean (0.7 * 7 / 7 is not 0.7) would leave a residue that the division by eps below blows up to ~0.1.
+    # Shifting changes neither the centered values nor the std in exact arithmetic.
+    shifted = r - r[:, :1]  # [B, G]
+    adv = shifted - shifted.mean(dim=1, keepdim=True)  # [B, G]
     if scale_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)  # a constant group has adv == 0 exactly, so 0 / eps = 0
+        adv = adv / (shifted.std(dim=1, keepdim=True) + eps)  # a constant group has adv == 0 exactly, so 0 / eps = 0
     return adv.reshape(-1)
 
 

@@ -8,6 +8,10 @@ breakdown and a JSONL of every completion.
     -> MeanMetric per key (``<source>_acc``, ``<source>_mean@k``, ``<source>_level3_acc``, ``<source>_algebra_acc``)
     -> records (question, completion, extracted answer, reference, verdict, source, level, subject)
 
+Every completion is checked twice, as lm-eval's strict / flexible pair: strictly (only an answer stated in the
+reward's format counts: ``<source>_acc``, ``<source>_mean@k`` and the breakdowns) and flexibly (the last number in
+the text when no answer is marked: ``<source>_acc_flexible``, ``<source>_mean@k_flexible``).
+
 The rollout engine samples the policy with its adapter (the built-in engines sample the PeftModel itself; an external
 engine is synced by ``RolloutSync`` before validation), never with AQN noise, and from its own random stream so
 evaluating does not change what training samples. At the end of an evaluation run ``compute`` gives the metric
@@ -102,12 +106,15 @@ class Evaluator(nn.Module):
             self._calls += 1
             completions = decode(rollout.completion_ids)
             references = [a for a in batch["answers"] for _ in range(k)]
-            correct, formatted = reward.check(completions, references)  # [n*k] each
-            correct = correct.to(device)
+            correct, formatted = reward.check(completions, references, fallback_last_number=False)  # [n*k] each
+            flexible, _ = reward.check(completions, references, fallback_last_number=True)  # [n*k]
+            correct, flexible = correct.to(device), flexible.to(device)
             suffix = "acc" if mode == "greedy" else f"mean@{k}"
             per_question = correct.view(n, k).mean(-1)  # [n]
+            per_question_flexible = flexible.view(n, k).mean(-1)  # [n]
             for i in range(n):
                 prefix = self._prefix(batch["sources"][i], dataloader_idx)
+                self._update(f"{prefix}_{suffix}_flexible", per_question_flexible[i : i + 1])
                 keys = [f"{prefix}_{suffix}"]
                 if levels[i] is not None:
                     keys.append(f"{prefix}_level{levels[i]}_{suffix}")
@@ -128,9 +135,11 @@ class Evaluator(nn.Module):
                     "sample": j % k,
                     "temperature": None if mode == "greedy" else self.temperature,
                     "completion": completion,
-                    "extracted": extract_answer(completion, reward.answer_format, reward.fallback_last_number),
+                    "extracted": extract_answer(completion, reward.answer_format, fallback_last_number=False),
+                    "extracted_flexible": extract_answer(completion, reward.answer_format, fallback_last_number=True),
                     "reference": batch["answers"][i],
                     "correct": bool(correct[j]),
+                    "correct_flexible": bool(flexible[j]),
                     "formatted": bool(formatted[j]),
                     "length": lengths[j],
                     "truncated": truncated[j],

@@ -19,7 +19,7 @@ the AQN stages are all in optimizer steps.
 
 ``validation_step`` / ``test_step`` score the policy (adapter applied, no noise) on the data module's ``val_sources``
 with an ``Evaluator``: greedy pass@1 and mean accuracy over k samples, logged as ``val/<source>_acc`` and
-``val/<source>_mean@k`` (``test/...`` for ``test``) with per-level / per-subject breakdowns, plus a JSONL of every
+``val/<source>_mean@k`` (strict: a stated answer; ``..._flexible`` beside them: the last number) (``test/...`` for ``test``) with per-level / per-subject breakdowns, plus a JSONL of every
 completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_interval: N`` and
 ``trainer.check_val_every_n_epoch: null`` (the prompt stream never ends an epoch).
 """
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from qerl.data.rewards import MathReward, overlong_penalty
@@ -45,6 +46,8 @@ from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
+
+NO_SIGNAL_STEPS = 5  # batches in a row with no informative group before the warning: a few can happen by chance
 
 
 class GRPOModule(L.LightningModule):
@@ -111,14 +114,25 @@ class GRPOModule(L.LightningModule):
         eval_jsonl: bool = True,
     ):
         super().__init__()
-        if group_size < 2:
-            raise ValueError(f"model.group_size must be >= 2 (advantages compare samples of one prompt), got {group_size}.")
-        if micro_batch_size < 1 or num_iterations < 1:
-            raise ValueError("model.micro_batch_size and model.num_iterations must be >= 1.")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError(f"model.micro_batch_tokens must be >= 1 (or null), got {micro_batch_tokens}.")
-        if not 0 <= warmup_ratio < 1:
-            raise ValueError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        check_options("model", [
+            ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
+            ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
+            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens is None or micro_batch_tokens >= 1,
+             ">= 1, or null for micro_batch_size alone"),
+            ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
+            ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two values in [0, 1), e.g. [0.9, 0.99]"),
+            ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+            ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
+            ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
+            ("overlong_penalty", overlong_penalty, overlong_penalty >= 0, ">= 0"),
+            ("logprob_chunk_size", logprob_chunk_size, logprob_chunk_size >= 1, ">= 1"),
+            ("log_samples_every", log_samples_every, log_samples_every >= 0, ">= 0 (0 turns it off)"),
+            ("eval_samples", eval_samples, eval_samples >= 0, ">= 0"),
+            ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
+        ])
         policy.validate()
         self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
         self.automatic_optimization = False
@@ -128,8 +142,10 @@ class GRPOModule(L.LightningModule):
         self.reward = reward if reward is not None else MathReward()
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         if overlong_buffer >= self.rollout.max_new_tokens:
-            raise ValueError("model.overlong_buffer must be smaller than the rollout's max_new_tokens.")
+            raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
+                             f"max_new_tokens ({self.rollout.max_new_tokens}).")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
+        self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
 
@@ -181,6 +197,8 @@ class GRPOModule(L.LightningModule):
         train_s = time.perf_counter() - start
 
         self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr, update_tokens)
+        self._log_skipped(batch.get("skipped"))
+        self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
@@ -319,6 +337,26 @@ class GRPOModule(L.LightningModule):
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
         self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
 
+    def _log_skipped(self, skipped: dict[str, int] | None) -> None:
+        """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
+        if skipped:
+            self.log_dict({f"data/skipped_{reason}": float(n) for reason, n in skipped.items()}, on_step=True,
+                          on_epoch=False, batch_size=1)
+
+    def _warn_without_signal(self, any_signal: bool) -> None:
+        """Warn once when every group of ``NO_SIGNAL_STEPS`` batches in a row had equal rewards: no gradient at all."""
+        self._batches_without_signal = 0 if any_signal else self._batches_without_signal + 1
+        if self._batches_without_signal == NO_SIGNAL_STEPS and not self._warned_no_signal:
+            self._warned_no_signal = True
+            rank_zero_warn(
+                f"No learning signal for {NO_SIGNAL_STEPS} steps in a row: in every group all "
+                f"{self.hparams.group_size} completions got the same reward, so every advantage and the gradient are "
+                "0 (train/zero_std_groups_frac = 1). train/accuracy near 0 means the task is too hard or no "
+                "completion states its answer the way model.reward's answer_format expects (the prompt asks for "
+                "data.answer_format; max_new_tokens may cut the answer off); near 1 means it is too easy. Fix: "
+                "easier or harder data, a larger model.group_size, or a matching answer format."
+            )
+
     def _log_samples(self, batch, completions, rewards) -> None:
         experiment = getattr(self.logger, "experiment", None)
         if not hasattr(experiment, "add_text"):
@@ -414,6 +452,13 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if "qerl_rollout" in checkpoint:
             self.rollout.load_state_dict(checkpoint["qerl_rollout"])
+
+
+def check_options(prefix: str, checks: list[tuple[str, object, bool, str]]) -> None:
+    """Raise one ``ValueError`` naming the first option whose check failed: ``model.lr=-1.0: must be >= 0 (...)``."""
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{prefix}.{name}={value!r}: must be {rule}.")
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:

@@ -86,13 +86,13 @@ class PolicyLoss(nn.Module):
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0, is_cap: float | None = 2.0):
         super().__init__()
         if not 0 <= eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
+            raise ValueError(f"model.loss eps_low={eps_low}: must be in [0, 1) (DAPO uses 0.2).")
         if eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+            raise ValueError(f"model.loss eps_high={eps_high}: must be >= 0 (DAPO uses 0.28).")
         if beta < 0:
-            raise ValueError(f"beta must be >= 0, got {beta}")
+            raise ValueError(f"model.loss beta={beta}: must be >= 0 (0 turns the KL term off).")
         if is_cap is not None and is_cap <= 1:
-            raise ValueError(f"is_cap must be > 1 or None (IS off), got {is_cap}")
+            raise ValueError(f"model.loss is_cap={is_cap}: must be > 1, or null to turn the IS correction off.")
         self.eps_low, self.eps_high, self.beta, self.is_cap = eps_low, eps_high, beta, is_cap
 
     def token_weights(self, mask: Tensor) -> Tensor:
@@ -222,7 +222,7 @@ class DrGRPOLoss(PolicyLoss):
     ):
         super().__init__(eps_low=eps_low, eps_high=eps_high, beta=beta, is_cap=is_cap)
         if max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+            raise ValueError(f"model.loss max_completion_length={max_completion_length}: must be >= 1.")
         self.max_completion_length = max_completion_length
 
     def token_weights(self, mask: Tensor) -> Tensor:

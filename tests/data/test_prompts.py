@@ -116,11 +116,13 @@ class _Recorder(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.trained, self.validated = [], []
+        self.trained, self.validated, self.skipped = [], [], []
 
     def training_step(self, batch, batch_idx):
-        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects"}
+        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects",
+                              "skipped"}
         self.trained.append(batch["prompts"])
+        self.skipped.append(batch["skipped"])
         self.manual_backward(self.weight.sum() * 0)
         self.optimizers().step()
 
@@ -176,3 +178,23 @@ def test_resume_with_another_worker_count_skips_nothing(tokenizer, tmp_path):
     resumed.load_state_dict(first.state_dict())
     # One consumer now: it restarts at the first row some worker had not reached (global 9); 10, 12, 14 repeat.
     assert take(resumed, 1) == [reference[9:13]]
+
+
+def test_training_batches_carry_the_skip_counts_of_the_stream(tokenizer, tmp_path):
+    path = tmp_path / "train.jsonl"
+    lines = [f'{{"question": "Q{i}", "answer": "{i}"}}' for i in range(8)]
+    lines[2] = '{"question": "Q2", "answer": '  # cut off
+    lines[5] = '{"question": "Q5"}'
+    lines.append('{"question": "' + "long " * 300 + '", "answer": "9"}')
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.warns(UserWarning, match="skipped 2 of 9 rows"):
+        data = MathPromptDataModule(sources=[HubSource(str(path))], batch_size=2, shuffle_buffer=0)
+    data.tokenizer = tokenizer
+    model = _Recorder()
+    trainer = L.Trainer(max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(model, datamodule=data)
+    # 7 rows a pass: the bad ones are counted once however often the endless stream reads the file again
+    assert model.skipped[0]["unreadable_line"] == 0  # counted as the stream reaches them: line 3 is still ahead
+    assert model.skipped[-1] == {"unreadable_line": 1, "missing_question": 0, "missing_answer": 1,
+                                 "no_final_answer": 0, "too_long": 1}  # 12 prompts = 2 passes; the long last row of pass 2 is still ahead

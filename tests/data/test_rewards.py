@@ -27,9 +27,18 @@ def test_scores_and_shape(reward):
     completions = ["#### 1,234", "so it is $18.", r"\boxed{\frac{1}{2}}", "I do not know", "<answer>7</answer>"]
     out = reward(completions, ["1234", "18", "0.5", "3", "8"])
     assert out.dtype == torch.float32 and out.shape == (5,)
-    assert out.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
-    assert reward.last_stats["correct"] == 3 and reward.last_stats["no_answer"] == 1
+    assert out.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]  # "so it is $18." states no final answer: strict by default
+    assert reward.last_stats["correct"] == 2 and reward.last_stats["no_answer"] == 2
     assert reward.last_stats["checked"] == 5
+
+
+def test_training_rewards_need_an_explicit_final_answer(reward):
+    # Restating the question ends with its last number, which is the answer for 30 of GSM8K's 1,319 test items.
+    restated = "Natalia sold 48 clips in April and half as many in May, so she sold 72"
+    assert reward([restated], ["72"]).item() == 0.0
+    assert reward.check([restated], ["72"], fallback_last_number=True)[0].item() == 1.0  # evaluation's flexible
+    for explicit in ["#### 72", r"so \boxed{72}", "<answer>72</answer>"]:
+        assert reward([explicit], ["72"]).item() == 1.0
 
 
 @pytest.mark.parametrize(
@@ -44,8 +53,9 @@ def test_scores_and_shape(reward):
     ],
 )
 def test_tricky_gsm8k_forms(reward, completion, answer):
-    assert reward([completion], [answer]).item() == 1.0
-    assert reward([completion], [str(int(float(answer)) + 1)]).item() == 0.0
+    assert reward.check([completion], [answer], fallback_last_number=True)[0].item() == 1.0
+    assert reward.check([completion], [str(int(float(answer)) + 1)], fallback_last_number=True)[0].item() == 0.0
+    assert reward([completion], [answer]).item() == float("####" in completion)  # strict: only a stated answer
 
 
 def test_format_weight_and_fallback():

@@ -1,4 +1,6 @@
 import itertools
+import json
+import warnings
 from collections import Counter
 
 import pytest
@@ -28,12 +30,71 @@ def test_gsm8k_local_jsonl_skips_and_counts_bad_rows(tmp_path):
             {"question": "Q3", "answer": ""},
             {"question": "", "answer": "#### 5"},
             {"question": "Q5", "answer": "#### 5"},
+            *({"question": f"Q{i}", "answer": f"#### {i}"} for i in range(6, 9)),
         ],
     )
-    source = GSM8K(data_files=str(files))
+    with pytest.warns(UserWarning, match="skipped 3 of 8 rows"):
+        source = GSM8K(data_files=str(files))
     rows = list(source)
-    assert [(r["question"], r["answer"], r["source"]) for r in rows] == [("Q1", "1234", "gsm8k"), ("Q5", "5", "gsm8k")]
-    assert source.stats["missing_answer"] == 2 and source.stats["missing_question"] == 1 and source.stats["rows"] == 2
+    assert [(r["question"], r["answer"], r["source"]) for r in rows][:2] == [("Q1", "1234", "gsm8k"),
+                                                                            ("Q5", "5", "gsm8k")]
+    assert source.stats["missing_answer"] == 2 and source.stats["missing_question"] == 1 and source.stats["rows"] == 5
+
+
+def test_unreadable_lines_and_unusable_rows_are_skipped_counted_per_reason_and_reported_once(tmp_path):
+    good = [json.dumps({"question": f"Q{i}", "answer": f"step\n#### {i}"}) for i in range(10)]
+    bad = [
+        '{"question": "Q10", "answer": "#### 10"',  # cut off: pyarrow used to fail the whole file on it
+        "[1, 2]",  # JSON, but not an object
+        json.dumps({"question": "Q12", "answer": "The answer is 12."}),  # GSM8K solution without its ####
+        json.dumps({"answer": "#### 13"}),
+    ]
+    lines = good[:1] + bad[:2] + good[1:6] + [""] + bad[2:] + good[6:]  # the empty line is no row
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source = GSM8K(data_files=str(path))
+    (warning,) = [w for w in caught if "skipped" in str(w.message)]  # once, at construction
+    message = str(warning.message)
+    assert message.startswith(f"data_files {path}: skipped 4 of 14 rows")
+    assert "2 unreadable_line (not a JSON object: line 2, line 3)" in message
+    assert "1 no_final_answer (an answer without its final-answer marker ('####'): line 10)" in message
+    assert "1 missing_question (no question: line 11)" in message
+    for _ in range(3):  # an endless stream reads the file again: the counts are per row of the file
+        rows = list(source)
+    assert [r["answer"] for r in rows] == [str(i) for i in range(10)]  # "The answer is 12." is never a reference
+    assert {k: source.stats[k] for k in ("unreadable_line", "no_final_answer", "missing_question")} == {
+        "unreadable_line": 2, "no_final_answer": 1, "missing_question": 1}
+    assert source.report.counts == {"unreadable_line": 2, "no_final_answer": 1, "missing_question": 1}
+
+
+def test_a_file_where_most_rows_are_bad_is_refused_with_the_report(tmp_path):
+    path = tmp_path / "wrong_columns.jsonl"
+    write_jsonl(path, [{"problem": f"P{i}", "solution": f"#### {i}"} for i in range(9)] + [{"question": "Q", "answer": "#### 1"}])
+    with pytest.raises(ValueError, match=r"skipped 9 of 10 rows: 9 missing_question \(no question: line 1, line 2, "
+                                         r"line 3, line 4, line 5, \.\.\.\)\. Most rows are unusable") as error:
+        GSM8K(data_files=str(path))
+    assert "question_field" in str(error.value) and str(path) in str(error.value)
+    no_markers = tmp_path / "no_markers.jsonl"  # GSM8K answers that are bare numbers: the parser finds no ####
+    write_jsonl(no_markers, [{"question": f"Q{i}", "answer": str(i)} for i in range(4)])
+    with pytest.raises(ValueError, match=r"4 no_final_answer .*'####'.*answer_parser"):
+        GSM8K(data_files=str(no_markers))
+
+
+def test_json_array_and_parquet_files_report_items_and_rows(tmp_path):
+    import datasets
+
+    array = tmp_path / "items.json"
+    array.write_text(json.dumps([{"question": "Q", "answer": "1"}, "junk", {"question": "R", "answer": "2"},
+                                 {"question": "S", "answer": "3"}]))
+    with pytest.warns(UserWarning, match=r"1 unreadable_line \(not a JSON object: item 1\)"):
+        assert [r["answer"] for r in HubSource(str(array))] == ["1", "2", "3"]
+    table = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list([{"question": q, "answer": a} for q, a in [("Q", "1"), ("R", None), ("S", "3")]]
+                               ).to_parquet(str(table))
+    with pytest.warns(UserWarning, match=r"1 missing_answer \(no answer: row 1\)"):
+        assert [r["answer"] for r in HubSource(str(table))] == ["1", "3"]
 
 
 def test_math_lighteval_parquet_boxed_answers_and_levels(tmp_path):
@@ -48,15 +109,17 @@ def test_math_lighteval_parquet_boxed_answers_and_levels(tmp_path):
             {"problem": "P4", "solution": r"\boxed{4}", "level": "Level ?", "type": "Algebra"},
         ]
     ).to_parquet(str(path))
-    rows = list(MATH(data_files=str(path)))
+    with pytest.warns(UserWarning, match=r"1 no_final_answer .*\\boxed\{\}.*row 2"):
+        rows = list(MATH(data_files=str(path)))
     assert [(r["answer"], r["level"], r["subject"]) for r in rows] == [
         (r"\frac{1}{2}", 3, "Algebra"),
         ("x^{2}", 5, "Geometry"),
         ("4", None, "Algebra"),
     ]
-    source = MATH(levels=[3, 4], data_files=str(path))
+    with pytest.warns(UserWarning, match="skipped 1 of 4 rows"):
+        source = MATH(levels=[3, 4], data_files=str(path))
     assert [r["question"] for r in source] == ["P1"]
-    assert source.stats["filtered"] == 2 and source.stats["missing_answer"] == 1
+    assert source.stats["filtered"] == 2 and source.stats["no_final_answer"] == 1
 
 
 def test_bigmath_solve_rate_filters(tmp_path):
@@ -97,9 +160,14 @@ def test_bad_configuration_is_explained(tmp_path):
         ArithmeticSource(operations=["/"])
     with pytest.raises(ValueError, match="weights"):
         Mixture([ArithmeticSource()], weights=[1.0, 2.0])
-    empty = HubSource(str(write_jsonl(tmp_path / "empty.jsonl", [{"question": "Q", "answer": ""}])))
+    with pytest.raises(ValueError, match="skipped 1 of 1 rows: 1 missing_answer"):
+        HubSource(str(write_jsonl(tmp_path / "empty_answer.jsonl", [{"question": "Q", "answer": ""}])))
+    with pytest.raises(ValueError, match="has no rows"):
+        HubSource(str(write_jsonl(tmp_path / "empty.jsonl", [])))
+    everything_filtered = MATH500(levels=[5], data_files=str(write_jsonl(
+        tmp_path / "easy.jsonl", [{"problem": "P", "answer": "1", "level": 1, "subject": "Algebra"}])))
     with pytest.raises(ValueError, match="no rows"):
-        next(endless(empty))
+        next(endless(everything_filtered))
 
 
 def test_real_files(shared_data):

@@ -171,6 +171,32 @@ def test_quantize_cli(tiny_model_dirs, tmp_path, capsys):
     load_model(str(out), "nvfp4")
 
 
+def test_quantize_cli_on_a_weights_only_directory(tmp_path, capsys):
+    # `model.save_pretrained(dir)` alone writes no tokenizer: quantizing it must not need one.
+    from qerl.testing.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    weights_only = tmp_path / "weights_only"
+    AutoModelForCausalLM.from_config(tiny_config("qwen2"), dtype=torch.bfloat16).save_pretrained(weights_only)
+    assert not any("token" in p.name for p in weights_only.iterdir())
+    out = tmp_path / "out"
+    assert quantize_cli.main(["--model", str(weights_only), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "has no tokenizer files" in printed and printed.strip().endswith(f"wrote {out}")
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not any("token" in p.name for p in out.iterdir())
+    load_model(str(out), "nvfp4")
+
+
+def test_quantize_cli_copies_the_tokenizer_files_of_a_directory_as_they_are(tiny_model_dirs, tmp_path):
+    source = tiny_model_dirs["qwen2"]
+    out = tmp_path / "out"
+    assert quantize_cli.main(["--model", str(source), "--output", str(out)]) == 0
+    copied = [n for n in quantize_cli.TOKENIZER_FILES if (source / n).is_file()]
+    assert "tokenizer.json" in copied
+    assert all((out / n).read_bytes() == (source / n).read_bytes() for n in copied)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The embedded model
 

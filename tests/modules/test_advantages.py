@@ -35,6 +35,28 @@ def test_constant_group_gives_exact_zero_not_nan():
     assert torch.isfinite(adv).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale_std", [True, False])
+def test_a_group_of_equal_rewards_gets_exactly_zero_for_any_value(dtype, scale_std):
+    # 0.7 (a correct answer scored 0.5 + a format bonus 0.2, say): the float mean of seven 0.7s is not 0.7, and that
+    # residue divided by eps was a uniform push of ~0.1 on every completion of a group that carries no signal.
+    values = [0.7, 0.1, 0.3, 1.2, 1 / 3, -0.45, 1e6 + 0.1]
+    for group_size in range(2, 17):
+        for value in values:
+            rewards = torch.cat([torch.full((group_size,), value, dtype=dtype), torch.arange(group_size, dtype=dtype)])
+            adv = group_advantages(rewards, group_size, scale_std=scale_std)
+            assert torch.equal(adv[:group_size], torch.zeros(group_size, dtype=dtype)), (group_size, value)
+            assert adv[group_size:].abs().sum() > 0  # the informative group keeps its signal
+
+
+def test_shifted_rewards_give_the_same_advantages_as_the_float64_formula():
+    # The shift by the first reward is exact algebra: compare against the textbook formula in float64.
+    rewards = torch.rand(6 * 5, dtype=torch.float64) * 3 + 10
+    g = rewards.view(6, 5)
+    ref = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1)
+    torch.testing.assert_close(group_advantages(rewards.float(), 5), ref.float(), atol=2e-5, rtol=0)
+
+
 def test_integer_rewards_are_promoted():
     adv = group_advantages(torch.tensor([1, 0, 0, 0]), 2, scale_std=False)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))

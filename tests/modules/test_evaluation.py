@@ -61,6 +61,20 @@ def score_scripted(evaluator, engine, reward, batch_list, dataloader_idx=0):
     return {k: float(v) for k, v in evaluator.compute().items()}
 
 
+def score_rows(rows: list[tuple[str, str, str]], source: str, tokenizer, reward):
+    """Score scripted completions: ``rows`` of (question, reference, completion); returns (evaluator, values)."""
+
+    class Rows(ArithmeticSource):
+        def __iter__(self):
+            for q, a, _ in rows:
+                yield {"question": q, "answer": a, "source": source}
+
+    (batch,) = batches(Rows(num_rows=len(rows)), tokenizer)
+    engine = ScriptedRollout({tuple(p): text for p, (_, _, text) in zip(batch["prompt_ids"], rows)})
+    evaluator = Evaluator()
+    return evaluator, score_scripted(evaluator, engine, reward, [batch])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Scoring through the evaluator
 
@@ -102,19 +116,22 @@ def test_reference_solutions_score_one_and_others_zero(tokenizer, dataset):
 def test_tricky_gsm8k_forms_through_the_evaluator(tokenizer, reward):
     rows = [("What is 999 + 1?", "1000", "So the total is 1,000."), ("Price?", "18", "It costs $18.00"),
             ("How many?", "18", "The answer is 18."), ("And?", "18", "Maybe 180."), ("Or?", "1000", "#### 1,000.0")]
+    evaluator, values = score_rows(rows, "gsm8k", tokenizer, reward)
+    # Strict: only the "####" answer counts; flexible (lm-eval's flexible-extract): the last number of the others.
+    assert [r["extracted"] for r in evaluator.records] == [None, None, None, None, "1000"]
+    assert [r["extracted_flexible"] for r in evaluator.records] == ["1000", "18", "18", "180", "1000"]
+    assert [r["correct"] for r in evaluator.records] == [False, False, False, False, True]
+    assert [r["correct_flexible"] for r in evaluator.records] == [True, True, True, False, True]
+    assert values["gsm8k_acc"] == pytest.approx(1 / 5) and values["gsm8k_acc_flexible"] == pytest.approx(4 / 5)
 
-    class Rows(ArithmeticSource):
-        def __iter__(self):
-            for q, a, _ in rows:
-                yield {"question": q, "answer": a, "source": "gsm8k"}
 
-    (batch,) = batches(Rows(num_rows=len(rows)), tokenizer)
-    engine = ScriptedRollout({tuple(p): text for p, (_, _, text) in zip(batch["prompt_ids"], rows)})
-    evaluator = Evaluator()
-    values = score_scripted(evaluator, engine, reward, [batch])
-    assert [r["extracted"] for r in evaluator.records] == ["1000", "18", "18", "180", "1000"]
-    assert [r["correct"] for r in evaluator.records] == [True, True, True, False, True]
-    assert values["gsm8k_acc"] == pytest.approx(4 / 5)
+def test_strict_accuracy_ignores_a_restated_question_and_flexible_reports_it(tokenizer, reward):
+    # A completion that only restates the question ends with the question's last number; when that is the answer
+    # the lenient extraction scores it (30 of GSM8K's 1,319 test items). Strict scoring needs a stated answer.
+    rows = [("Tom has 3 apples and gets 4 more, so he has 7?", "7", "Tom has 3 apples and gets 4 more, so he has 7?"),
+            ("What is 3 + 4?", "7", "3 + 4 = \\boxed{7}")]
+    _, values = score_rows(rows, "arithmetic", tokenizer, reward)
+    assert values == {"arithmetic_acc": 0.5, "arithmetic_acc_flexible": 1.0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +211,7 @@ def test_jsonl_has_one_line_per_question_and_sample(tiny_model_dirs, tokenizer, 
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 5 * (1 + 3)
     fields = {"source", "level", "subject", "question", "mode", "sample", "temperature", "completion", "extracted",
-              "reference", "correct", "formatted", "length", "truncated"}
+              "extracted_flexible", "reference", "correct", "correct_flexible", "formatted", "length", "truncated"}
     assert all(set(line) == fields for line in lines)
     questions = [q for batch in data for q in batch["questions"]]  # may repeat: compare as multisets
     assert Counter((line["question"], line["mode"], line["sample"]) for line in lines) == Counter(
@@ -212,7 +229,7 @@ def test_two_loaders_of_one_source_get_distinct_names(tokenizer, reward):
     evaluator = Evaluator()
     score_scripted(evaluator, engine, reward, [batch], dataloader_idx=0)
     values = score_scripted(evaluator, engine, reward, [batch], dataloader_idx=1)
-    assert set(values) == {"arithmetic_acc", "arithmetic_1_acc"}
+    assert set(values) == {"arithmetic_acc", "arithmetic_1_acc", "arithmetic_acc_flexible", "arithmetic_1_acc_flexible"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

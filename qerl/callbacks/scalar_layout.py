@@ -1,0 +1,51 @@
+"""TensorBoard's "Custom Scalars" dashboard: the charts that belong together, written at the start of every run."""
+
+from __future__ import annotations
+
+import lightning as L
+
+# category -> chart title -> regexes of the scalar tags drawn together (TensorBoard's Multiline charts).
+LAYOUT: dict[str, dict[str, list[str]]] = {
+    "1 reward and accuracy": {
+        "reward (mean, within-group std)": [r"^train/reward$", r"^train/reward_std$"],
+        "accuracy (training samples)": [r"^train/accuracy$"],
+        "held-out accuracy (strict, flexible)": [r"^val/.*_acc$", r"^val/.*_acc_flexible$", r"^val/.*_mean@\d+$"],
+        "groups without signal": [r"^train/zero_std_groups_frac$"],
+    },
+    "2 entropy and noise": {
+        "entropy (training vs rollout policy)": [r"^train/entropy$", r"^rollout/entropy$"],
+        "AQN sigma": [r"^train/aqn_sigma$"],
+    },
+    "3 completions": {
+        "completion length (tokens)": [r"^train/completion_length$"],
+        "truncated fraction": [r"^train/truncated_frac$"],
+    },
+    "4 clipping and importance sampling": {
+        "clip fractions (low, high)": [r"^train/clip_frac_low$", r"^train/clip_frac_high$"],
+        "IS weights (ratio, truncated-IS mean, capped fraction)": [
+            r"^train/ratio_mean$", r"^train/is_ratio_mean$", r"^train/is_capped_frac$"],
+        "KL to the base policy": [r"^train/kl$"],
+    },
+    "5 throughput and memory": {
+        "seconds per step (rollout, update)": [r"^perf/rollout_s$", r"^perf/train_s$"],
+        "rollout tokens per second": [r"^perf/rollout_tokens_per_s$"],
+        "peak GPU memory (GiB)": [r"^perf/peak_memory_gb$"],
+    },
+    "6 data": {
+        "skipped rows and prompts": [r"^data/skipped_"],
+        "learning rate": [r"^train/lr$"],
+    },
+}
+
+
+class ScalarLayout(L.Callback):
+    """Writes ``LAYOUT`` as TensorBoard's custom-scalars layout when a run starts (fit, validate or test), so the
+    "Custom Scalars" tab opens on grouped charts. A logger other than TensorBoard's is left alone."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        experiment = getattr(trainer.logger, "experiment", None) if trainer.is_global_zero else None
+        if hasattr(experiment, "add_custom_scalars"):
+            experiment.add_custom_scalars(
+                {category: {title: ["Multiline", tags] for title, tags in charts.items()}
+                 for category, charts in LAYOUT.items()}
+            )

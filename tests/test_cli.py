@@ -1,0 +1,112 @@
+"""The command line as a user meets it: a mistake ends it before any model or data loads with one short line (exit
+2, no traceback) naming the option, the value and the fix; training shows optimizer steps; a resumed run logs into
+its own directory; a failed start leaves no empty run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qerl.cli import cli_main, resume_version
+
+DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
+
+
+def fails(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", DEBUG, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert lines[1].endswith("fit --help")  # where every option is listed
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--model.lr", "-1"], "model.lr=-1.0: must be >= 0"),
+    (["--model.group_size", "1"], "model.group_size=1: must be >= 2"),
+    (["--model.group_size", "two"], "model.group_size=two: expected a value of type int"),
+    (["--model.betas", "[0.9, 1.5]"], "model.betas=(0.9, 1.5): must be two values in [0, 1)"),
+    (["--model.max_grad_norm", "-0.1"], "model.max_grad_norm=-0.1: must be >= 0"),
+    (["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.eps_low", "1.5"],
+     "model.loss eps_low=1.5: must be in [0, 1)"),
+    (["--data.batch_size", "0"], "data.batch_size=0: must be >= 1"),
+    (["--aqn.num_stages", "1"], "aqn.num_stages (K) must be >= 2"),
+    (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
+    (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
+])
+def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert fails(args, capsys).startswith(f"error: {expected}")
+    assert not (tmp_path / "runs").exists()  # nothing was written either
+
+
+@pytest.mark.parametrize(("typo", "suggestion"), [
+    (["--model.lrr", "1e-5"], "did you mean --model.lr?"),
+    (["--model.group_szie", "4"], "did you mean --model.group_size?"),
+    (["--trainer.max_stesp", "4"], "did you mean --trainer.max_steps?"),
+    (["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.eps_hihg", "0.3"],
+     "did you mean eps_high?"),
+])
+def test_a_misspelled_option_suggests_the_closest_valid_one(typo, suggestion, capsys, no_model_loads):
+    line = fails(typo, capsys)
+    assert line.endswith(f"({suggestion})"), line
+
+
+def test_a_misspelled_key_in_a_config_file_suggests_the_closest_valid_one(capsys, no_model_loads, tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  warmup_ratoi: 0.1\n")
+    assert fails(["--config", str(typo)], capsys).endswith("(did you mean --model.warmup_ratio?)")
+
+
+def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "Q1", "answer": "#### 1"}\n{"question": "Q2", "answer": \nnot json\n')
+    line = fails(["--data.sources", f'[{{"class_path": "qerl.data.sources.GSM8K", "init_args": '
+                                    f'{{"data_files": "{data}"}}}}]'], capsys)
+    assert line.startswith(f"error: data_files {data}: skipped 2 of 3 rows: 2 unreadable_line")
+    assert "line 2, line 3" in line and "refused" in line
+
+
+def test_resume_version_is_the_checkpoints_run_directory(tmp_path):
+    from jsonargparse import Namespace
+
+    def logger(save_dir, name="smoke", version=None):
+        return Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                         init_args=Namespace(save_dir=str(save_dir), name=name, version=version))
+
+    ckpt = tmp_path / "runs" / "smoke" / "version_3" / "checkpoints" / "last.ckpt"
+    assert resume_version(str(ckpt), logger(tmp_path / "runs")) == "version_3"
+    assert resume_version(str(ckpt), logger(tmp_path / "runs", version="mine")) is None  # the user chose one
+    assert resume_version(str(ckpt), logger(tmp_path / "runs", name="other")) is None  # another run's checkpoint
+    assert resume_version(str(tmp_path / "elsewhere.ckpt"), logger(tmp_path / "runs")) is None
+    assert resume_version(None, logger(tmp_path / "runs")) is None
+
+
+@pytest.mark.slow
+def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after_a_failed_start(
+        tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    base = ["fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+            "--trainer.enable_progress_bar", "true"]
+    first = cli_main([*base, "--trainer.max_steps", "1"])
+    run_dir = Path(first.trainer.log_dir).resolve()
+    assert run_dir == (tmp_path / "runs" / "debug" / "version_0").resolve()
+    printed = "".join(capsys.readouterr())  # the bar is on stdout, warnings on stderr
+    assert "step 1/1" in printed and "reward=" in printed and "acc=" in printed and "entropy=" in printed, printed
+    assert "Epoch" not in printed and "pre-optimization state" not in printed  # Lightning's inapplicable warning
+
+    resumed = cli_main([*base, "--trainer.max_steps", "2", "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    assert Path(resumed.trainer.log_dir).resolve() == run_dir and resumed.trainer.global_step == 2
+    assert "step 2/2" in "".join(capsys.readouterr())
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # one curve per run in TensorBoard
+
+    broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_model_dirs["qwen2"] / "config.json").read_text())
+    with pytest.raises(Exception):
+        cli_main([*base, "--model.policy.model", str(broken)])
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no empty version_1 left behind
