@@ -28,8 +28,9 @@ from qerl.quantize import quantize_checkpoint
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
 VAL = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"seed": 1234, "num_rows": 4}}]
-TOKENS = 8  # completion length of the greedy comparisons
-QUESTIONS = 4
+# Greedy comparisons: (questions, completion tokens) per run; few on the embedded model, which decodes slowly on a CPU.
+SIZES = {"tiny": (4, 8), "embedded": (2, 4)}
+QUESTIONS, TOKENS = SIZES["tiny"]
 
 
 def randomize(policy, seed: int) -> None:
@@ -97,9 +98,10 @@ def reference(runs):
         trained = read_run(run)
         tokenizer = load_tokenizer(trained.policy.model)
         policy = load_trained_policy(trained, "float32")
-        prompts, answers = validation_questions(trained, tokenizer, QUESTIONS)
+        questions, tokens = SIZES[name]
+        prompts, answers = validation_questions(trained, tokenizer, questions)
         out[name] = {"policy": policy, "tokenizer": tokenizer, "prompts": prompts, "answers": answers,
-                     "completions": greedy_completions(policy, tokenizer, prompts, TOKENS), "trained": trained}
+                     "tokens": tokens, "completions": greedy_completions(policy, tokenizer, prompts, tokens)}
     return out
 
 
@@ -149,7 +151,7 @@ def test_vllm_export_keeps_the_linears_moves_norms_into_the_base_and_answers_lik
     assert config["r"] == 4 and not config["modules_to_save"]
 
     model = load_export(out, "vllm")  # transformers + peft, on the CPU
-    assert greedy_completions(model, ref["tokenizer"], ref["prompts"], TOKENS) == ref["completions"]
+    assert greedy_completions(model, ref["tokenizer"], ref["prompts"], ref["tokens"]) == ref["completions"]
     expected = logits(ref["policy"], ref["prompts"])
     torch.testing.assert_close(logits(model, ref["prompts"]), expected, atol=1e-4, rtol=1e-4)
     with ref["policy"].disable_adapter():  # the base with its original norms: the adapter must matter
@@ -205,7 +207,7 @@ def test_merged_export_is_a_plain_transformers_model_that_answers_like_the_polic
     tensors = load_file(str(out / "model.safetensors"))
     assert not any("lora" in k or "weight_packed" in k or "modules_to_save" in k for k in tensors)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert greedy_completions(model, ref["tokenizer"], ref["prompts"], TOKENS) == ref["completions"]
+    assert greedy_completions(model, ref["tokenizer"], ref["prompts"], ref["tokens"]) == ref["completions"]
     torch.testing.assert_close(logits(model, ref["prompts"]), logits(ref["policy"], ref["prompts"]),
                                atol=1e-4, rtol=1e-4)
 
@@ -229,8 +231,8 @@ def test_merged_nvfp4_measures_requantization_and_its_differences_come_from_it(n
     run, ref = runs[name], reference[name]
     out = tmp_path / "nvfp4"
     lines = []
-    report = export(run, out, "merged-nvfp4", dtype="float32", max_questions=QUESTIONS, max_new_tokens_=TOKENS,
-                    log=lines.append)
+    report = export(run, out, "merged-nvfp4", dtype="float32", max_questions=len(ref["prompts"]),
+                    max_new_tokens_=ref["tokens"], log=lines.append)
     errors = report["relative_error"]
     layers = {n for n, m in ref["policy"].get_base_model().named_modules() if hasattr(m, "lora_A")}
     assert set(errors) == layers
@@ -250,11 +252,11 @@ def test_merged_nvfp4_measures_requantization_and_its_differences_come_from_it(n
 
     # The greedy answers: the export's differ from the policy's exactly where the report says, and only there.
     model = load_export(out, "merged-nvfp4")
-    completions = greedy_completions(model, ref["tokenizer"], ref["prompts"], TOKENS)
+    completions = greedy_completions(model, ref["tokenizer"], ref["prompts"], ref["tokens"])
     differing = [i for i, (x, y) in enumerate(zip(completions, ref["completions"])) if x != y]
     assert report["agreement"]["differing"] == differing
-    assert report["agreement"]["same_completion"] == QUESTIONS - len(differing)
-    assert "Greedy completions on 4 validation questions" in (out / "README.md").read_text()
+    assert report["agreement"]["same_completion"] == len(ref["prompts"]) - len(differing)
+    assert f"Greedy completions on {len(ref['prompts'])} validation questions" in (out / "README.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------
