@@ -34,10 +34,12 @@ import torch
 import torch.nn as nn
 
 # Everything this module uses from the NVFP4 code and the policy, in one place (the NVFP4 code is moving packages).
-from qerl.modules.checkpoint_io import DEFAULT_TARGETS, load_model, load_tokenizer, resolve_model, save_nvfp4
+from qerl.modules.checkpoint_io import (
+    DEFAULT_TARGETS, is_nvfp4_checkpoint, load_model, load_tokenizer, resolve_model, save_nvfp4,
+)
 from qerl.modules.nvfp4 import NVFP4Linear, dequantize
 from qerl.modules.policy import DTYPES, PolicyConfig, quiet_custom_layers
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize import exit_status, quantize_checkpoint
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.vllm import vllm_lora_rank
 
@@ -390,8 +392,11 @@ def export(
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}.")
     output = Path(output)
-    if output.exists() and any(output.iterdir()) and not force:
-        raise FileExistsError(f"--output {output} is not empty; pass --force to overwrite it or choose another folder.")
+    if output.exists() and any(output.iterdir()) and not (force and (output / "export.json").is_file()):
+        raise FileExistsError(
+            f"--output {output} is not empty; choose another folder"
+            + (" (--force replaces an earlier export only, and this folder holds none)." if force
+               else ", or pass --force to replace the export there."))
     trained = read_run(run, ckpt, adapter)  # every input check, before any weight is read
     check = format == "merged-nvfp4" if check is None else check
     tokens = max_new_tokens_ or max_new_tokens(trained)
@@ -460,7 +465,12 @@ def load_export(output: str | Path, format: str, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(output, dtype=DTYPES[dtype]).eval()
-    base = load_model(str(output), "nvfp4", _quantized_targets(output), DTYPES[dtype])
+    if not is_nvfp4_checkpoint(output):  # the vllm format of a run trained on a bf16 base
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(output, dtype=DTYPES[dtype])
+    else:
+        base = load_model(str(output), "nvfp4", _quantized_targets(output), DTYPES[dtype])
     if format == "merged-nvfp4":
         return base
     from peft import LoraConfig, PeftModel
@@ -487,9 +497,10 @@ def write_generation_config(output: Path, tokenizer, max_new_tokens: int) -> Non
     """generation_config.json that stops at the chat template's end of turn and pads with the tokenizer's pad."""
     from transformers import AutoConfig, GenerationConfig
 
-    config = AutoConfig.from_pretrained(output)
-    path = output / "generation_config.json"
-    generation = GenerationConfig.from_pretrained(output) if path.exists() else GenerationConfig.from_model_config(config)
+    if (output / "generation_config.json").exists():
+        generation = GenerationConfig.from_pretrained(output)
+    else:
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(output))
     eos = sorted({tokenizer.eos_token_id, *_as_list(generation.eos_token_id)} - {None})
     generation.eos_token_id = eos[0] if len(eos) == 1 else eos
     generation.pad_token_id = tokenizer.pad_token_id
@@ -572,13 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, help="completion length of the check (default: the run's)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     args = parser.parse_args(argv)
-    try:
-        export(args.run, args.output, args.format, args.ckpt, args.adapter, args.dtype, args.check,
-               args.max_questions, args.max_new_tokens, args.force)
-    except (FileExistsError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: export(args.run, args.output, args.format, args.ckpt, args.adapter, args.dtype,
+                                      args.check, args.max_questions, args.max_new_tokens, args.force))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from qerl.cli import cli_main
 from qerl.export import (
-    export, greedy_completions, load_export, load_trained_policy, main, read_run, validation_questions,
+    export, greedy_completions, load_export, load_trained_policy, main, max_new_tokens, read_run, validation_questions,
 )
 from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
 from qerl.modules.nvfp4 import dequantize
@@ -298,3 +298,57 @@ def test_missing_checkpoint_and_unknown_format_are_refused(tiny_run, tmp_path, c
 def test_folder_that_is_no_run_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.yaml there"):
         read_run(tmp_path)
+
+
+def test_force_replaces_an_earlier_export_and_nothing_else(tiny_run, tmp_path):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="holds none"):
+        export(tiny_run, other, force=True)
+    assert (other / "notes.txt").read_text() == "keep"
+    out = tmp_path / "out"
+    export(tiny_run, out, "merged-bf16", check=False, log=lambda line: None)
+    with pytest.raises(FileExistsError, match="pass --force"):
+        export(tiny_run, out, "vllm", check=False)
+    export(tiny_run, out, "vllm", check=False, force=True, log=lambda line: None)
+    assert json.loads((out / "export.json").read_text())["format"] == "vllm" and (out / "adapter").is_dir()
+
+
+def test_vllm_export_of_a_run_on_a_bf16_base_writes_a_dense_base(tiny_model_dirs, tmp_path):
+    """The 16-bit LoRA baseline (model.policy.quantization: bf16) on the tiny Llama: the base stays dense."""
+    run = tmp_path / "version_0"
+    run.mkdir()
+    policy_config = {"model": str(tiny_model_dirs["llama"]), "quantization": "bf16", "lora_rank": 4,
+                     "lora_alpha": 8.0, "dtype": "float32"}
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"policy": policy_config}, "data": {"val_sources": VAL}}))
+    policy = PolicyConfig(**policy_config).build()
+    randomize(policy, seed=2)
+    save_adapter(policy, run / "adapter")
+    out = tmp_path / "out"
+    report = export(run, out, "vllm", dtype="float32", check=True, max_questions=QUESTIONS, max_new_tokens_=TOKENS,
+                    log=lambda line: None)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert report["agreement"]["differing"] == [] and report["agreement"]["questions"] == QUESTIONS
+    exported = load_file(str(out / "model.safetensors"))
+    trained = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    norms = {k.removeprefix("base_model.model."): v for k, v in trained.items() if ".lora_" not in k}
+    assert norms and all(torch.equal(exported[k], v) for k, v in norms.items())
+
+
+def test_exports_answer_like_train_py_validate_on_the_run(tiny_run, tmp_path):
+    """The issue's yardstick: the greedy completions `python train.py validate` writes for the run's adapter."""
+    cli_main(["validate", "--config", str(tiny_run / "config.yaml"),
+              "--model.policy.adapter", str(tiny_run / "adapter"),
+              "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", "validate"])
+    jsonl = next((tmp_path / "validate").rglob("val_step*.jsonl"))
+    expected = [r["completion"] for r in map(json.loads, jsonl.read_text().splitlines()) if r["mode"] == "greedy"]
+    trained = read_run(tiny_run)
+    tokenizer = load_tokenizer(trained.policy.model)
+    prompts, _ = validation_questions(trained, tokenizer)
+    assert len(prompts) == len(expected) == 4
+    for format in ("vllm", "merged-bf16"):
+        out = tmp_path / format
+        export(tiny_run, out, format, dtype="float32", check=False, log=lambda line: None)
+        completions = greedy_completions(load_export(out, format), tokenizer, prompts, max_new_tokens(trained))
+        assert tokenizer.batch_decode(completions, skip_special_tokens=True) == expected, format
