@@ -113,8 +113,8 @@ def read_run(run: str | Path, ckpt: str | Path | None = None, adapter: str | Pat
         option = f"--adapter {adapter}" if adapter is not None else f"--run {run}"
         missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
         if missing:
-            saved = sorted(p.name for p in (directory / "checkpoints").glob("*.ckpt"))
-            hint = f"pass --ckpt {saved[-1]} (found in checkpoints/)" if saved else "train until a checkpoint is saved"
+            saved = sorted((p.name for p in (directory / "checkpoints").glob("*.ckpt")), key=lambda n: n != "last.ckpt")
+            hint = f"pass --ckpt {saved[0]} (found in checkpoints/)" if saved else "train until a checkpoint is saved"
             raise FileNotFoundError(
                 f"{option}: {folder} has no PEFT adapter ({', '.join(missing)} missing). The adapter is written with "
                 f"each checkpoint of `train.py fit`; {hint}, or pass --adapter DIR."
@@ -128,9 +128,8 @@ def read_run(run: str | Path, ckpt: str | Path | None = None, adapter: str | Pat
         )
         last = directory / "checkpoints" / "last.ckpt"
         steps = _checkpoint(last).get("global_step") if adapter is None and last.is_file() else None
-        checkpoint = None
     val_scores, val_step = last_validation_scores(directory)
-    return TrainedRun(directory, config, policy, None if checkpoint else Path(policy.adapter), checkpoint, steps,
+    return TrainedRun(directory, config, policy, Path(policy.adapter) if policy.adapter else None, checkpoint, steps,
                       val_scores, val_step)
 
 
@@ -257,7 +256,8 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [] if value is None else [value]
 
 
-def max_new_tokens(run: TrainedRun) -> int:
+def rollout_length(run: TrainedRun) -> int:
+    """The run's completion budget (``model.rollout.init_args.max_new_tokens``)."""
     rollout = (run.config.get("model") or {}).get("rollout") or {}
     return int((rollout.get("init_args") or {}).get("max_new_tokens", 256))
 
@@ -378,7 +378,7 @@ def export(
     dtype: str = "bfloat16",
     check: bool | None = None,
     max_questions: int | None = None,
-    max_new_tokens_: int | None = None,
+    max_new_tokens: int | None = None,
     force: bool = False,
     log=print,
 ) -> dict:
@@ -399,7 +399,7 @@ def export(
                else ", or pass --force to replace the export there."))
     trained = read_run(run, ckpt, adapter)  # every input check, before any weight is read
     check = format == "merged-nvfp4" if check is None else check
-    tokens = max_new_tokens_ or max_new_tokens(trained)
+    tokens = max_new_tokens or rollout_length(trained)
     if output.exists():
         shutil.rmtree(output)
     output.mkdir(parents=True)
@@ -413,32 +413,14 @@ def export(
         reference = greedy_completions(policy, tokenizer, prompts, tokens)
 
     if format == "vllm":
-        lora_only_adapter(policy, output / "adapter")
-        base = unload_adapter(policy)
-        if trained.policy.quantization == "nvfp4":
-            save_nvfp4(base, output, tokenizer=tokenizer)
-        else:
-            base.save_pretrained(output)
+        write_vllm(policy, output, tokenizer, quantized=trained.policy.quantization == "nvfp4")
         report["lora_rank"] = trained.lora_rank
     else:
-        merged = merge_adapter(policy).to(DTYPES[dtype])
-        target = output if format == "merged-bf16" else Path(tempfile.mkdtemp(prefix="qerl-merged-"))
-        merged.save_pretrained(target)
-        tokenizer.save_pretrained(target)
-        del merged
-        if format == "merged-nvfp4":
-            quantize_checkpoint(str(target), output, trained.policy.lora_targets, force=True, log=lambda line: None)
-            errors = requantization_error(target, output)
-            shutil.rmtree(target)
-            report["relative_error"] = errors
-            for layer, error in errors.items():
-                log(f"re-quantization error {layer}: {error:.4%}")
-            values = list(errors.values())
-            log(f"re-quantization error over {len(values)} layers: mean {sum(values) / len(values):.4%}, "
-                f"max {max(values):.4%}")
+        requantize = trained.policy.lora_targets if format == "merged-nvfp4" else None
+        report.update(write_merged(policy, output, tokenizer, dtype, requantize, log))
     del policy
     tokenizer.save_pretrained(output)
-    write_generation_config(output, tokenizer, max_new_tokens(trained))
+    write_generation_config(output, tokenizer, rollout_length(trained))
 
     if check:
         model = load_export(output, format, dtype)
@@ -455,6 +437,37 @@ def export(
         log(f"wrote {output}: load it with AutoModelForCausalLM.from_pretrained({str(output)!r})"
             if format == "merged-bf16" else f"wrote {output}: vllm serve {output.resolve()}")
     return report
+
+
+def write_vllm(policy, output: Path, tokenizer, quantized: bool = True) -> None:
+    """The base with the trained norms (NVFP4 when ``quantized``) and ``adapter/`` with the LoRA matrices only."""
+    lora_only_adapter(policy, output / "adapter")
+    base = unload_adapter(policy)
+    if quantized:
+        save_nvfp4(base, output, tokenizer=tokenizer)
+    else:
+        base.save_pretrained(output)
+
+
+def write_merged(policy, output: Path, tokenizer, dtype: str, requantize: tuple[str, ...] | None = None,
+                 log=print) -> dict:
+    """The merged model in ``dtype``; with ``requantize`` (target layer names) quantized again to NVFP4, returning
+    ``{"relative_error": {layer: error}}``."""
+    merged = merge_adapter(policy).to(DTYPES[dtype])
+    if requantize is None:
+        merged.save_pretrained(output)
+        return {}
+    with tempfile.TemporaryDirectory(prefix="qerl-merged-") as folder:
+        merged.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del merged
+        quantize_checkpoint(folder, output, requantize, force=True, log=lambda line: None)
+        errors = requantization_error(Path(folder), output)
+    for layer, error in errors.items():
+        log(f"re-quantization error {layer}: {error:.4%}")
+    values = list(errors.values())
+    log(f"re-quantization error over {len(values)} layers: mean {sum(values) / len(values):.4%}, max {max(values):.4%}")
+    return {"relative_error": errors}
 
 
 def load_export(output: str | Path, format: str, dtype: str = "float32"):

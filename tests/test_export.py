@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from qerl.cli import cli_main
 from qerl.export import (
-    export, greedy_completions, load_export, load_trained_policy, main, max_new_tokens, read_run, validation_questions,
+    export, greedy_completions, load_export, load_trained_policy, main, read_run, rollout_length, validation_questions,
 )
 from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
 from qerl.modules.nvfp4 import dequantize
@@ -216,7 +216,7 @@ def test_merged_bf16_default_is_bf16_and_reports_its_agreement(tiny_run, tmp_pat
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "merged"
-    report = export(tiny_run, out, "merged-bf16", check=True, max_questions=QUESTIONS, max_new_tokens_=TOKENS,
+    report = export(tiny_run, out, "merged-bf16", check=True, max_questions=QUESTIONS, max_new_tokens=TOKENS,
                     log=lambda line: None)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
@@ -232,7 +232,7 @@ def test_merged_nvfp4_measures_requantization_and_its_differences_come_from_it(n
     out = tmp_path / "nvfp4"
     lines = []
     report = export(run, out, "merged-nvfp4", dtype="float32", max_questions=len(ref["prompts"]),
-                    max_new_tokens_=ref["tokens"], log=lines.append)
+                    max_new_tokens=ref["tokens"], log=lines.append)
     errors = report["relative_error"]
     layers = {n for n, m in ref["policy"].get_base_model().named_modules() if hasattr(m, "lora_A")}
     assert set(errors) == layers
@@ -326,7 +326,7 @@ def test_vllm_export_of_a_run_on_a_bf16_base_writes_a_dense_base(tiny_model_dirs
     randomize(policy, seed=2)
     save_adapter(policy, run / "adapter")
     out = tmp_path / "out"
-    report = export(run, out, "vllm", dtype="float32", check=True, max_questions=QUESTIONS, max_new_tokens_=TOKENS,
+    report = export(run, out, "vllm", dtype="float32", check=True, max_questions=QUESTIONS, max_new_tokens=TOKENS,
                     log=lambda line: None)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert report["agreement"]["differing"] == [] and report["agreement"]["questions"] == QUESTIONS
@@ -350,5 +350,5 @@ def test_exports_answer_like_train_py_validate_on_the_run(tiny_run, tmp_path):
     for format in ("vllm", "merged-bf16"):
         out = tmp_path / format
         export(tiny_run, out, format, dtype="float32", check=False, log=lambda line: None)
-        completions = greedy_completions(load_export(out, format), tokenizer, prompts, max_new_tokens(trained))
+        completions = greedy_completions(load_export(out, format), tokenizer, prompts, rollout_length(trained))
         assert tokenizer.batch_decode(completions, skip_special_tokens=True) == expected, format
