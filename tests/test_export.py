@@ -86,23 +86,25 @@ def embedded_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_run, embedded_run) -> dict[str, Path]:
-    return {"tiny": tiny_run, "embedded": embedded_run}
+def reference(request):
+    """``reference(name)``: the run ``<name>_run`` with qerl's trained policy (float32) on it, the validation questions
+    and the policy's greedy completions (built on first use, so the tiny tests never build the embedded run)."""
+    cache = {}
 
+    def get(name: str) -> dict:
+        if name not in cache:
+            run = request.getfixturevalue(f"{name}_run")
+            trained = read_run(run)
+            tokenizer = load_tokenizer(trained.policy.model)
+            policy = load_trained_policy(trained, "float32")
+            questions, tokens = SIZES[name]
+            prompts, answers = validation_questions(trained, tokenizer, questions)
+            cache[name] = {"run": run, "policy": policy, "tokenizer": tokenizer, "prompts": prompts,
+                           "answers": answers, "tokens": tokens,
+                           "completions": greedy_completions(policy, tokenizer, prompts, tokens)}
+        return cache[name]
 
-@pytest.fixture(scope="module")
-def reference(runs):
-    """Per run: qerl's trained policy (float32), the validation questions and the policy's greedy completions."""
-    out = {}
-    for name, run in runs.items():
-        trained = read_run(run)
-        tokenizer = load_tokenizer(trained.policy.model)
-        policy = load_trained_policy(trained, "float32")
-        questions, tokens = SIZES[name]
-        prompts, answers = validation_questions(trained, tokenizer, questions)
-        out[name] = {"policy": policy, "tokenizer": tokenizer, "prompts": prompts, "answers": answers,
-                     "tokens": tokens, "completions": greedy_completions(policy, tokenizer, prompts, tokens)}
-    return out
+    return get
 
 
 def logits(model, prompts) -> torch.Tensor:
@@ -123,10 +125,11 @@ def quantized_base(run: Path, tmp_path: Path, embedded_nvfp4_dir: Path) -> Path:
 # vllm: NVFP4 base (+ trained norms) + LoRA-only adapter
 
 
-@pytest.mark.parametrize("name", ["tiny", "embedded"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
 def test_vllm_export_keeps_the_linears_moves_norms_into_the_base_and_answers_like_the_policy(
-        name, runs, reference, tmp_path, embedded_nvfp4_dir, capsys):
-    run, ref = runs[name], reference[name]
+        name, reference, tmp_path, embedded_nvfp4_dir, capsys):
+    ref = reference(name)
+    run = ref["run"]
     out = tmp_path / "vllm"
     assert main(["--run", str(run), "--output", str(out), "--dtype", "float32", "--no-check"]) == 0
     printed = capsys.readouterr().out
@@ -196,11 +199,12 @@ def test_checkpoint_and_adapter_give_the_same_export(tiny_run, tmp_path):
 # merged-bf16 and merged-nvfp4
 
 
-@pytest.mark.parametrize("name", ["tiny", "embedded"])
-def test_merged_export_is_a_plain_transformers_model_that_answers_like_the_policy(name, runs, reference, tmp_path):
+@pytest.mark.parametrize("name", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_merged_export_is_a_plain_transformers_model_that_answers_like_the_policy(name, reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    run, ref = runs[name], reference[name]
+    ref = reference(name)
+    run = ref["run"]
     out = tmp_path / "merged"
     export(run, out, "merged-bf16", dtype="float32", check=False, log=lambda line: None)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -226,9 +230,10 @@ def test_merged_bf16_default_is_bf16_and_reports_its_agreement(tiny_run, tmp_pat
     assert json.loads((out / "export.json").read_text())["agreement"] == agreement
 
 
-@pytest.mark.parametrize("name", ["tiny", "embedded"])
-def test_merged_nvfp4_measures_requantization_and_its_differences_come_from_it(name, runs, reference, tmp_path):
-    run, ref = runs[name], reference[name]
+@pytest.mark.parametrize("name", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_merged_nvfp4_measures_requantization_and_its_differences_come_from_it(name, reference, tmp_path):
+    ref = reference(name)
+    run = ref["run"]
     out = tmp_path / "nvfp4"
     lines = []
     report = export(run, out, "merged-nvfp4", dtype="float32", max_questions=len(ref["prompts"]),
@@ -277,6 +282,7 @@ def test_run_without_adapter_is_refused(tiny_run, tmp_path, capsys):
         read_run(run)
 
 
+@pytest.mark.slow  # the embedded run's adapter
 def test_adapter_of_another_base_is_refused(tiny_run, embedded_run, tmp_path, capsys):
     adapter = embedded_run / "adapter"
     assert main(["--run", str(tiny_run), "--adapter", str(adapter), "--output", str(tmp_path / "out")]) == 2
