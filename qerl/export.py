@@ -564,7 +564,8 @@ def model_card(run: TrainedRun, output: Path, format: str, report: dict) -> str:
                                                                       sort_keys=False).rstrip(), "```", "",
               "## Validation (the run's last scores)", ""]
     if run.val_scores:
-        lines += [f"At step {run.val_step}:", "", "| metric | value |", "|---|---|"]
+        lines += [f"Logged at step {run.val_step} of the run's TensorBoard curves:", "", "| metric | value |",
+                  "|---|---|"]
         lines += [f"| {tag} | {value:.4f} |" for tag, value in sorted(run.val_scores.items())]
     else:
         lines += ["The run logged no validation scores (`val/*`)."]
