@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-# Everything this module uses from the NVFP4 code and the policy, in one place (the NVFP4 code is moving packages).
-from qerl.modules.checkpoint_io import (
-    DEFAULT_TARGETS, is_nvfp4_checkpoint, load_model, load_tokenizer, resolve_model, save_nvfp4,
-)
-from qerl.modules.nvfp4 import NVFP4Linear, dequantize
-from qerl.modules.policy import DTYPES, PolicyConfig, quiet_custom_layers
+from qerl.hub import load_tokenizer, resolve_model
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
+from qerl.model.policy import DTYPES, PolicyConfig, quiet_custom_layers
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint, save_nvfp4
+from qerl.nvfp4.format import dequantize
+from qerl.nvfp4.linear import NVFP4Linear
 from qerl.quantize import exit_status, quantize_checkpoint
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.vllm import vllm_lora_rank

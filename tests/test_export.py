@@ -21,9 +21,9 @@ from qerl.cli import cli_main
 from qerl.export import (
     export, greedy_completions, load_export, load_trained_policy, main, read_run, rollout_length, validation_questions,
 )
-from qerl.modules.checkpoint_io import EMBEDDED_MODEL, load_tokenizer
-from qerl.modules.nvfp4 import dequantize
-from qerl.modules.policy import PolicyConfig, save_adapter
+from qerl.hub import EMBEDDED_MODEL, load_tokenizer
+from qerl.model.policy import PolicyConfig, save_adapter
+from qerl.nvfp4.format import dequantize
 from qerl.quantize import quantize_checkpoint
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
