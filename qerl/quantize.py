@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from qerl.hub import load_tokenizer
@@ -62,8 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), help="Linear layers to quantize")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     args = parser.parse_args(argv)
+    return exit_status(lambda: quantize_checkpoint(args.model, args.output, args.targets, args.force))
+
+
+def exit_status(command: Callable[[], object]) -> int:
+    """Run a command line's work: 0 when it succeeds; bad user input (the errors our checks raise) becomes one
+    ``error: ...`` line on stderr and status 2, without a traceback."""
     try:
-        quantize_checkpoint(args.model, args.output, args.targets, args.force)
+        command()
     except (FileExistsError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
