@@ -138,7 +138,8 @@ def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokeni
         recorder = GradRecorder()
         fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
         grads[mbs], forwards[mbs] = recorder.steps[0], len(calls)
-        tokens[mbs] = sum(args[0].numel() for args, _, _ in calls)  # rows x (prompt + completion) positions
+        tokens[mbs] = sum(int(rollout.prompt_mask[idx].sum() + rollout.completion_mask[idx].sum())
+                          for (rollout, idx, *_), _, _ in calls)  # real (prompt + completion) tokens
     assert forwards == {3: 3, 8: 1} and tokens[3] == tokens[8]
     reference = grads[8]
     assert all(reference[n].abs().sum() > 0 for n, g in reference.items() if g is not None)
