@@ -19,7 +19,8 @@ the AQN stages are all in optimizer steps.
 
 ``validation_step`` / ``test_step`` score the policy (adapter applied, no noise) on the data module's ``val_sources``
 with an ``Evaluator``: greedy pass@1 and mean accuracy over k samples, logged as ``val/<source>_acc`` and
-``val/<source>_mean@k`` (strict: a stated answer; ``..._flexible`` beside them: the last number) (``test/...`` for ``test``) with per-level / per-subject breakdowns, plus a JSONL of every
+``val/<source>_mean@k`` (strict: a stated answer; ``..._flexible`` beside them: the last number) (``test/...`` for
+``test``) with per-level / per-subject breakdowns, plus a JSONL of every
 completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_interval: N`` and
 ``trainer.check_val_every_n_epoch: null`` (the prompt stream never ends an epoch).
 """
