@@ -1,5 +1,6 @@
 import itertools
 import json
+import re
 import warnings
 from collections import Counter
 
@@ -211,3 +212,85 @@ def test_mixture_weights_cycling_and_seed(tmp_path):
     assert mixture.stats["epochs"] > 90  # the 10-row file restarts when it ends
     assert draws == [r["source"] for r in itertools.islice(Mixture([ArithmeticSource(), tiny], [3, 1], seed=0), 4000)]
     assert {r["source"] for r in itertools.islice(Mixture([ArithmeticSource(), tiny], [1, 0]), 500)} == {"arithmetic"}
+
+
+# ArithmeticExpressions: the harder embedded task with a held-out part.
+
+from qerl.data.sources import ArithmeticExpressions, evaluate, heldout_position  # noqa: E402
+
+
+def _expression(row: dict) -> str:
+    text = row["question"].removeprefix("What is ").removesuffix("?")
+    assert re.fullmatch(r"[0-9 +\-*()]+", text), text  # nothing but numbers, operators and brackets: safe to eval
+    return text
+
+
+def test_expression_answers_match_python_evaluation_of_the_question_text():
+    rows = list(itertools.islice(ArithmeticExpressions(seed=3, steps=[1, 2, 3], parentheses=0.5), 3000))
+    for row in rows:
+        assert int(row["answer"]) == eval(_expression(row), {"__builtins__": {}}), row  # Python's own precedence
+        assert int(row["answer"]) >= 0
+        assert row["level"] == sum(_expression(row).count(op) for op in " + - * ".split())
+    texts = [_expression(r) for r in rows]
+    assert any(t.startswith("(") for t in texts) and any("*" in t for t in texts)  # brackets and products do occur
+    assert {r["level"] for r in rows} == {1, 2, 3}
+    factors = [int(m) for t in texts for m in re.findall(r"\* (\d+)", t)]
+    assert factors and 2 <= min(factors) and max(factors) <= 9  # the factor right of a * is one digit
+    operands = [int(m) for t in texts for m in re.findall(r"(?<![*] )\b(\d+)", t)]
+    assert 10 <= min(operands) and max(operands) <= 99
+
+
+def test_evaluate_applies_precedence_and_a_bracketed_first_operation():
+    assert evaluate([2, 3, 4], ["+", "*"]) == 14
+    assert evaluate([2, 3, 4], ["+", "*"], bracket_first=True) == 20
+    assert evaluate([10, 4, 3], ["-", "-"]) == 3
+    assert evaluate([50, 20, 3], ["-", "*"], bracket_first=True) == 90
+    assert evaluate([7, 6, 5, 2], ["*", "-", "*"]) == 32
+
+
+def test_training_and_heldout_questions_never_meet():
+    heldout = list(ArithmeticExpressions(split="heldout", num_rows=256, seed=1234, steps=[1, 2]))
+    train = list(itertools.islice(ArithmeticExpressions(split="train", seed=0, steps=[1, 2]), 30_000))
+    held_questions = {r["question"] for r in heldout}
+    assert len(held_questions) == 256  # distinct: a fixed evaluation set
+    assert not held_questions & {r["question"] for r in train}
+    # Disjoint by construction, whatever the seeds: each part keeps one side of one function of the text.
+    assert all(heldout_position(_expression(r)) < 0.1 for r in heldout)
+    assert all(heldout_position(_expression(r)) >= 0.1 for r in train)
+    # ... and the training draws do cover the held-out questions' kind: the same levels and operators.
+    assert {r["level"] for r in heldout} == {r["level"] for r in train} == {1, 2}
+
+
+def test_heldout_position_is_a_stable_uniform_hash():
+    assert heldout_position("12 + 3") == heldout_position("12 + 3") != heldout_position("12 + 4")
+    positions = [heldout_position(f"{a} + {b}") for a in range(100) for b in range(100)]
+    assert all(0 <= p < 1 for p in positions)
+    assert abs(sum(p < 0.1 for p in positions) / len(positions) - 0.1) < 0.01  # 10,000 draws: std 0.003
+
+
+def test_expressions_are_deterministic_given_the_seed():
+    def take(**kwargs):
+        return list(itertools.islice(ArithmeticExpressions(**kwargs), 200))
+
+    assert take(seed=5) == take(seed=5)
+    assert take(seed=5) != take(seed=6)
+    assert take(split="heldout", num_rows=50, seed=5) == take(split="heldout", num_rows=50, seed=5)
+
+
+@pytest.mark.parametrize("kwargs, fix", [
+    (dict(split="heldout"), "num_rows"),
+    (dict(split="test"), "'train' or 'heldout'"),
+    (dict(steps=[0]), "steps"),
+    (dict(operations=["/"]), "operations"),
+    (dict(heldout_fraction=1.0), "heldout_fraction"),
+])
+def test_expressions_refuse_bad_options_with_the_option_named(kwargs, fix):
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        ArithmeticExpressions(**kwargs)
+
+
+def test_heldout_set_larger_than_its_part_of_a_small_space_is_refused():
+    source = ArithmeticExpressions(split="heldout", num_rows=50, min_value=1, max_value=2, steps=[1],
+                                   operations=["+"])
+    with pytest.raises(ValueError, match="lower num_rows"):
+        list(source)
