@@ -20,13 +20,27 @@ TAGS = ["train/reward", "train/accuracy", "train/entropy", "rollout/entropy", "v
 
 def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` from the newest ``version_*`` (or the directory itself) of ``run``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     candidates = sorted({p.parent for p in run.rglob("events.out.tfevents.*")}, key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise FileNotFoundError(f"no TensorBoard event file under {run}")
-    events = EventAccumulator(str(candidates[-1]), size_guidance={"scalars": 0}).Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {tag: sorted(points.items()) for tag, points in merged_scalars(candidates[-1]).items()}
+
+
+def merged_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of every event file directly in ``directory``, read in the order they were written:
+    a run resumed from a checkpoint logs the steps after it again (into a new file), and the later value wins."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def written(path: Path) -> tuple[int, float, str]:  # events.out.tfevents.<unix time>.<host>.<pid>.<n>
+        stamp = path.name.split(".")[3]
+        return (int(stamp) if stamp.isdigit() else 0, path.stat().st_mtime, path.name)
+
+    merged: dict[str, dict[int, float]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*"), key=written):
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0}).Reload()
+        for tag in events.Tags()["scalars"]:
+            merged.setdefault(tag, {}).update((e.step, e.value) for e in events.Scalars(tag))
+    return merged
 
 
 def ema(values: list[float], weight: float) -> list[float]:

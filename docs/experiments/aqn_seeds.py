@@ -1,0 +1,409 @@
+"""Arms x seeds of the AQN experiment (issue 22) through the real ``train.py``, resumable, into one JSON.
+
+    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 --parallel 12 --threads 1 \\
+        --out docs/results/aqn_seeds.json
+    python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
+
+Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
+``model.lr`` is the recipe rate; ``bf16_lr_low`` scales it by the recipes' rule, ``configs/recipes/bf16.yaml``'s rate
+over ``configs/gpu.yaml``'s):
+
+    nvfp4_aqn     NVFP4 base weights + LoRA + AQN          (the QeRL method)
+    nvfp4         NVFP4 + LoRA, no AQN                     (AQN's share: against nvfp4_aqn)
+    bf16_lr_high  bf16 + LoRA, no AQN, the NVFP4 rate      (quantization's share at one rate: against nvfp4)
+    bf16_lr_low   bf16 + LoRA, no AQN, the bf16 rate       (the baseline as the recipes run it)
+
+Seed S sets ``seed_everything``, the AQN noise seed, the rollout's sampling seed, the data shuffle and the training
+questions (the ``seed`` of every training source): arms run with the same S see the same questions in the same order
+from the same LoRA initialization, so differences between arms can be paired by seed. The untrained model's held-out
+score (step 0 of every curve) is one ``train.py validate`` per quantization: LoRA B starts at 0 and evaluation is
+greedy, so it does not depend on the seed, the arm's rate or AQN.
+
+Layout under ``--work``: ``<arm>/seed_<S>/version_0/`` (events, ``checkpoints/last.ckpt``, ``eval/``), ``run.json``
+(the run's ``train.py`` arguments) and ``result.json`` (written when the run has finished) beside it, the run's output
+in ``<arm>/seed_<S>.log``; ``base_<quantization>/`` for the untrained scores.
+
+Resuming: a run with a ``result.json`` is skipped. A run that was stopped (``--time-limit``, a signal, a crash)
+restarts from its ``checkpoints/last.ckpt`` (``fit --ckpt_path``: the adapter, optimizer, schedules, data position
+and random streams of the uninterrupted run; the steps after that checkpoint are run and logged again, and when the
+event files are read back the later value of a step wins), or from scratch when it has none (its directory is
+cleared first). A run directory made with other arguments is refused, not mixed. The JSON is rewritten after every
+run that finishes, with the runs complete so far (``complete`` says whether all are).
+
+``--time-limit SECONDS`` stops the runs still going at that time (the checkpoints stay) and writes the JSON, so a
+long experiment goes through in calls of bounded length: the same command again continues it. Options after ``--``
+go to every ``train.py`` call (e.g. ``-- --trainer.val_check_interval 10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_runs import merged_scalars  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "configs/experiments/aqn_arithmetic.yaml"
+ARMS = {  # name -> (quantization, AQN on, the rate: "high" = the config's, "low" = by the bf16 recipes' rule)
+    "nvfp4_aqn": ("nvfp4", True, "high"),
+    "nvfp4": ("nvfp4", False, "high"),
+    "bf16_lr_high": ("bf16", False, "high"),
+    "bf16_lr_low": ("bf16", False, "low"),
+}
+DEVICES = {  # --device -> train.py options: fp32 is the faster dtype on a CPU, bf16 on a GPU
+    "cuda": ["--trainer.accelerator", "gpu", "--model.policy.dtype", "bfloat16"],
+    "cpu": ["--trainer.accelerator", "cpu", "--model.policy.dtype", "float32"],
+}
+TRAIN_TAGS = {  # key in the JSON -> TensorBoard tag, one value per step
+    "reward": "train/reward",
+    "accuracy": "train/accuracy",
+    "rollout_entropy": "rollout/entropy",  # the sampling policy's entropy (NVFP4 + noise) on its own samples
+    "train_entropy": "train/entropy",  # the clean training policy's entropy on the same tokens (teacher-forced)
+    "aqn_sigma": "train/aqn_sigma",
+    "completion_length": "train/completion_length",
+    "learning_rate": "train/lr",
+}
+
+
+def bf16_lr_ratio(root: Path = ROOT) -> float:
+    """The recipes' rule for the 16-bit LoRA rate: ``configs/recipes/bf16.yaml``'s rate over ``configs/gpu.yaml``'s."""
+    gpu = yaml.safe_load((root / "configs" / "gpu.yaml").read_text())["model"]["lr"]
+    bf16 = yaml.safe_load((root / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["lr"]
+    return float(bf16) / float(gpu)
+
+
+@dataclass
+class Job:
+    """One ``train.py`` call: a training run (arm, seed) or the untrained score of a quantization (seed None)."""
+
+    name: str  # "nvfp4_aqn/seed_0" or "base_nvfp4"
+    directory: Path  # the logger's <save_dir>/<name>: holds version_0/, run.json, result.json
+    args: list[str]  # train.py arguments, without --ckpt_path and --threads (they change between attempts)
+    arm: str | None = None
+    seed: int | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def version_dir(self) -> Path:
+        return self.directory / "version_0"
+
+    @property
+    def result_path(self) -> Path:
+        return self.directory / "result.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory.with_suffix(".log")
+
+
+def plan(args, config: dict) -> list[Job]:
+    """The base scores of the quantizations in use, then every (arm, seed) run, seeds outermost (a partial
+    experiment then has whole seeds of every arm, which can be paired)."""
+    lr_high = float(config["model"]["lr"])
+    rates = {"high": lr_high, "low": lr_high * bf16_lr_ratio()}
+    common = ["--config", args.config, *DEVICES[args.device]]
+    work = Path(args.work)
+    jobs = []
+    for quantization in sorted({ARMS[a][0] for a in args.arms}):
+        name = f"base_{quantization}"
+        jobs.append(Job(name, work / name, [
+            "validate", *common, "--model.policy.quantization", quantization,
+            "--trainer.logger.init_args.save_dir", str(work), "--trainer.logger.init_args.name", name,
+            "--trainer.logger.init_args.version", "0", *args.passthrough,
+        ], meta={"quantization": quantization}))
+    for seed in args.seeds:
+        for arm in args.arms:
+            quantization, aqn, rate = ARMS[arm]
+            lr = rates[rate]
+            run_args = [
+                "fit", *common,
+                "--seed_everything", str(seed), "--aqn.seed", str(seed), "--data.seed", str(seed),
+                "--model.rollout.init_args.seed", str(seed), "--data.sources", json.dumps(seeded_sources(config, seed)),
+                "--model.policy.quantization", quantization, "--aqn.enabled", str(aqn).lower(), "--model.lr", repr(lr),
+                "--trainer.logger.init_args.save_dir", str(work / arm),
+                "--trainer.logger.init_args.name", f"seed_{seed}", "--trainer.logger.init_args.version", "0",
+            ]
+            if args.steps is not None:
+                run_args += ["--trainer.max_steps", str(args.steps)]
+            jobs.append(Job(f"{arm}/seed_{seed}", work / arm / f"seed_{seed}", run_args + args.passthrough, arm, seed,
+                            {"quantization": quantization, "aqn": aqn, "lr": lr}))
+    return jobs
+
+
+def seeded_sources(config: dict, seed: int) -> list[dict]:
+    """The config's training sources with ``seed`` set in each one that takes a seed (each seed its own questions)."""
+    sources = config.get("data", {}).get("sources") or []
+    out = []
+    for source in sources:
+        source = json.loads(json.dumps(source))
+        init = source.setdefault("init_args", {})
+        if "seed" in init or source["class_path"].rsplit(".", 1)[-1] in ("ArithmeticExpressions", "ArithmeticSource"):
+            init["seed"] = seed
+        out.append(source)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading a finished run back.
+
+
+def run_result(job: Job, max_steps: int) -> dict | None:
+    """The per-seed result of a finished training run from its event files, or None when it logged fewer than
+    ``max_steps`` steps (stopped early). Steps count optimizer steps done: TensorBoard's x of a training batch is its
+    index (step - 1), and a validation is logged at the index of the last batch before it."""
+    scalars = merged_scalars(job.version_dir) if job.version_dir.exists() else {}
+    rewards = scalars.get(TRAIN_TAGS["reward"], {})
+    if len(rewards) < max_steps:
+        return None
+    steps = sorted(rewards)[:max_steps]
+    result = {"seed": job.seed, **job.meta, "steps": [s + 1 for s in steps]}
+    for key, tag in TRAIN_TAGS.items():
+        points = scalars.get(tag, {})
+        result[key] = [points.get(s) for s in steps]
+    result["heldout"] = heldout_curves(scalars)
+    return result
+
+
+def heldout_curves(scalars: dict[str, dict[int, float]]) -> dict[str, list]:
+    """``{"steps": [...], "<metric>": [...]}`` for every ``val/<metric>`` tag (``expressions_acc``,
+    ``expressions_acc_flexible``, ``expressions_level2_acc``, ...), steps counted as optimizer steps done."""
+    tags = sorted(t for t in scalars if t.startswith("val/"))
+    steps = sorted({s for t in tags for s in scalars[t]})
+    curves: dict[str, list] = {"steps": [s + 1 for s in steps]}
+    for tag in tags:
+        curves[tag.removeprefix("val/")] = [scalars[tag].get(s) for s in steps]
+    return curves
+
+
+def base_result(job: Job) -> dict | None:
+    """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run."""
+    scalars = merged_scalars(job.version_dir) if job.version_dir.exists() else {}
+    values = {t.removeprefix("val/"): points[max(points)] for t, points in scalars.items() if t.startswith("val/")}
+    return {**job.meta, "heldout": values} if values else None
+
+
+def with_base(result: dict, base: dict | None) -> dict:
+    """The run's result with the untrained score as step 0 of its held-out curves, and ``final_heldout_<metric>``
+    (the last validation) with ``final_heldout_step`` (its step)."""
+    curves = result["heldout"]
+    keys = [k for k in curves if k != "steps"]
+    if base is not None:
+        curves = {"steps": [0, *curves["steps"]], **{k: [base["heldout"].get(k), *curves[k]] for k in keys}}
+    finals = {f"final_heldout_{k}": curves[k][-1] for k in keys if curves[k] and curves[k][-1] is not None}
+    if curves["steps"]:
+        finals["final_heldout_step"] = curves["steps"][-1]
+    return {**result, "heldout": curves, **finals}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running.
+
+
+def prepare(job: Job) -> list[str]:
+    """The arguments of the next attempt: resume from the last checkpoint when there is one, else start clean.
+    Refuses a directory that holds a run with other arguments."""
+    record = job.directory / "run.json"
+    if record.exists():
+        previous = json.loads(record.read_text())["args"]
+        if previous != job.args:
+            raise SystemExit(f"error: {job.directory} holds a run with other arguments ({record}); use another --work, "
+                             "or delete that directory to run it again with these.")
+    last = job.version_dir / "checkpoints" / "last.ckpt"
+    if job.seed is not None and last.exists():
+        return [*job.args, "--ckpt_path", str(last)]
+    if job.version_dir.exists():
+        shutil.rmtree(job.version_dir)  # a start from scratch must not read the stopped attempt's events
+    job.directory.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"args": job.args}, indent=1))
+    return list(job.args)
+
+
+def finish(job: Job, max_steps: int) -> bool:
+    """Write the job's ``result.json`` if it has finished; True if it has."""
+    result = run_result(job, max_steps) if job.seed is not None else base_result(job)
+    if result is None:
+        return False
+    job.result_path.write_text(json.dumps(result))
+    return True
+
+
+def config_max_steps(config: dict, args) -> int:
+    if args.steps is not None:
+        return args.steps
+    override = next((args.passthrough[i + 1] for i, a in enumerate(args.passthrough[:-1])
+                     if a == "--trainer.max_steps"), None)
+    return int(override if override is not None else config["trainer"]["max_steps"])
+
+
+def device_info(device: str) -> dict:
+    info = {"requested": device, "host_cpus": os.cpu_count(), "platform": platform.platform()}
+    for package in ("torch", "transformers", "lightning", "peft"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    if device == "cuda" and shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        info["gpu"] = query.stdout.strip()
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -> dict:
+    """The experiment's JSON from the ``result.json`` of every finished job."""
+    results = {j.name: json.loads(j.result_path.read_text()) for j in jobs if j.result_path.exists()}
+    base = {j.meta["quantization"]: results.get(j.name) for j in jobs if j.seed is None}
+    arms = {}
+    for arm in args.arms:
+        quantization, aqn, _ = ARMS[arm]
+        runs = [j for j in jobs if j.arm == arm]
+        arms[arm] = {
+            "quantization": quantization,
+            "aqn": aqn,
+            "lr": runs[0].meta["lr"] if runs else None,
+            "seeds": [with_base(results[j.name], base.get(quantization)) for j in runs if j.name in results],
+        }
+    missing = [j.name for j in jobs if j.name not in results]
+    return {
+        "arms": arms,
+        "base": base,
+        "steps": max_steps,
+        "complete": not missing,
+        "missing": missing,
+        "config": {"path": args.config, "settings": config},
+        "train_args": {j.name: j.args for j in jobs},
+        "command": " ".join(["python", "docs/experiments/aqn_seeds.py", *args.argv]),
+        "device": device_info(args.device),
+        "started": started,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
+    """Run the unfinished jobs, ``args.parallel`` at a time, until all are done or the time limit; returns the names
+    of jobs that failed (non-zero exit without being stopped by us)."""
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+    pending = [j for j in jobs if not j.result_path.exists()]
+    running: list[tuple[Job, subprocess.Popen, object]] = []
+    failed: list[str] = []
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
+               [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    stopping = []
+
+    def stop(signum=None, frame=None):
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while (pending or running) and not stopping:
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"time limit: stopping {len(running)} runs (they resume from their checkpoints)", flush=True)
+                break
+            while pending and len(running) < args.parallel:
+                job = pending.pop(0)
+                attempt = prepare(job)
+                log = job.log_path.open("a")
+                log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} train.py {' '.join(attempt)}\n")
+                log.flush()
+                command = [sys.executable, "train.py", *attempt, "--threads", str(args.threads)]
+                print(f"start {job.name}" + (" (resuming)" if "--ckpt_path" in attempt else ""), flush=True)
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+                running.append((job, process, log))
+            time.sleep(args.poll)
+            for item in list(running):
+                job, process, log = item
+                if process.poll() is None:
+                    continue
+                running.remove(item)
+                log.close()
+                if process.returncode == 0 and finish(job, max_steps):
+                    print(f"done  {job.name}", flush=True)
+                    on_finish()
+                else:
+                    failed.append(job.name)
+                    print(f"FAILED {job.name} (exit {process.returncode}): see {job.log_path}", flush=True)
+    finally:
+        for job, process, log in running:  # stopped by the time limit or a signal: checkpoints stay, resume later
+            os.killpg(process.pid, signal.SIGTERM)
+        for job, process, log in running:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            log.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return failed
+
+
+def parse_args(argv: list[str] | None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Options after -- go to every train.py call.")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
+    parser.add_argument("--device", choices=list(DEVICES), default="cuda")
+    parser.add_argument("--config", default=CONFIG, help="the train.py config every run starts from")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (each its own process)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads per run (default: the machine's cores over --parallel)")
+    parser.add_argument("--work", default="runs/aqn_seeds", help="where the runs live (resumed from there)")
+    parser.add_argument("--out", default="docs/results/aqn_seeds.json", help="the experiment's JSON")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds after which running runs are stopped (they resume on the next call)")
+    parser.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(ours)
+    if args.parallel < 1 or (args.steps is not None and args.steps < 1) or len(set(args.seeds)) != len(args.seeds):
+        parser.error("--parallel and --steps must be >= 1, and --seeds distinct")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
+    args.passthrough, args.argv = passthrough, argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    config = yaml.safe_load((ROOT / args.config).read_text())
+    max_steps = config_max_steps(config, args)
+    jobs = plan(args, config)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> dict:
+        data = collect(args, config, jobs, max_steps, started)
+        out.write_text(json.dumps(data, indent=1))
+        return data
+
+    todo = [j.name for j in jobs if not j.result_path.exists()]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {args.parallel} at a time, "
+          f"{args.threads} threads each", flush=True)
+    failed = run_jobs(args, jobs, max_steps, write) if todo else []
+    data = write()
+    print(f"wrote {out} ({'complete' if data['complete'] else 'missing: ' + ', '.join(data['missing'])})", flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return data
+
+
+if __name__ == "__main__":
+    main()
