@@ -1,0 +1,124 @@
+"""aqn_seeds.py end to end on CPU with a tiny random model: the base score and one arm x one seed through the real
+``train.py``, the JSON it writes, a second call that does no work, a run directory made with other arguments refused,
+and a stopped run resumed from its checkpoint ending with the curves of the straight run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl.cli import QeRLCLI
+from qerl.data.prompts import MathPromptDataModule
+from qerl.data.sources import ArithmeticExpressions
+from qerl.modules.grpo_module import GRPOModule
+
+from .conftest import load_script
+
+seeds_script = load_script("aqn_seeds")
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "experiments" / "aqn_arithmetic.yaml"
+STEPS = 3
+
+
+def test_the_experiment_config_holds_out_at_least_200_questions_training_never_draws(tmp_path, monkeypatch,
+                                                                                       no_model_loads):
+    monkeypatch.chdir(tmp_path)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                  args=["--config", str(CONFIG), "--trainer.accelerator", "cpu"])
+    train, (heldout,) = cli.datamodule.source, cli.datamodule.val_sources
+    assert isinstance(train, ArithmeticExpressions) and isinstance(heldout, ArithmeticExpressions)
+    assert (train.split, heldout.split) == ("train", "heldout")
+    assert train.heldout_fraction == heldout.heldout_fraction  # the parts are disjoint only then
+    questions = {row["question"] for row in heldout}
+    assert len(questions) == heldout.num_rows >= 200 and cli.datamodule.val_batch_size >= heldout.num_rows
+    assert type(cli.model.rollout).__name__ == "CUDAGraphRollout"
+
+
+def test_the_bf16_low_rate_follows_the_recipes_rule():
+    gpu = yaml.safe_load((ROOT / "configs" / "gpu.yaml").read_text())["model"]["lr"]
+    bf16 = yaml.safe_load((ROOT / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["lr"]
+    assert seeds_script.bf16_lr_ratio() == pytest.approx(bf16 / gpu) == pytest.approx(0.5)
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory) -> Path:
+    """The experiment config with a checkpoint after every step, all kept (a stopped run can be made at any step)."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=1, save_top_k=-1)
+    path = tmp_path_factory.mktemp("config") / "aqn_small.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def arguments(work: Path, out: Path, config: Path, model: Path, *extra: str) -> list[str]:
+    heldout = [{"class_path": "qerl.data.sources.ArithmeticExpressions",
+                "init_args": {"split": "heldout", "num_rows": 4, "seed": 1234, "steps": [1, 2]}}]
+    return [
+        "--device", "cpu", "--arms", "nvfp4_aqn", "--seeds", "0", "--steps", str(STEPS), "--threads", "1",
+        "--config", str(config), "--work", str(work), "--out", str(out), "--poll", "0.2", "--",
+        "--model.policy.model", str(model), "--model.rollout.init_args.max_new_tokens", "4",
+        "--model.group_size", "2", "--data.batch_size", "2", "--model.micro_batch_size", "4",
+        "--trainer.val_check_interval", "1", "--data.val_batch_size", "4", "--data.val_sources", json.dumps(heldout),
+        "--trainer.enable_progress_bar", "false", *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "aqn.json"
+    args = arguments(work, out, small_config, tiny_model_dirs["qwen2"])
+    data = seeds_script.main(args)
+
+    # The JSON: arms -> seeds -> per-seed curves, plus config, command, device.
+    assert data["complete"] and json.loads(out.read_text()) == data
+    assert {"arms", "config", "command", "device", "base", "steps", "train_args"} <= set(data)
+    assert data["command"].startswith("python docs/experiments/aqn_seeds.py --device cpu")
+    assert data["device"]["requested"] == "cpu" and data["config"]["settings"]["aqn"]["num_stages"] == 10
+    (seed,) = data["arms"]["nvfp4_aqn"]["seeds"]
+    assert data["arms"]["nvfp4_aqn"]["lr"] == 2e-4 and data["arms"]["nvfp4_aqn"]["aqn"] is True
+    assert seed["seed"] == 0 and seed["steps"] == [1, 2, 3]
+    for key in ("reward", "accuracy", "rollout_entropy", "train_entropy", "aqn_sigma", "learning_rate"):
+        assert len(seed[key]) == STEPS and all(isinstance(v, float) for v in seed[key]), key
+    assert seed["heldout"]["steps"] == [0, 1, 2, 3]  # the untrained score, then a validation after every step
+    assert len(seed["heldout"]["expressions_acc_flexible"]) == 4
+    assert seed["final_heldout_expressions_acc"] == seed["heldout"]["expressions_acc"][-1]
+    assert seed["heldout"]["expressions_acc"][0] == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
+    train_args = data["train_args"]["nvfp4_aqn/seed_0"]
+    for option, value in [("--seed_everything", "0"), ("--aqn.seed", "0"), ("--aqn.enabled", "true"),
+                          ("--model.policy.quantization", "nvfp4"), ("--trainer.max_steps", str(STEPS))]:
+        assert train_args[train_args.index(option) + 1] == value
+    sources = json.loads(train_args[train_args.index("--data.sources") + 1])
+    assert sources[0]["init_args"]["seed"] == 0 and sources[0]["init_args"]["split"] == "train"
+
+    # A second call finds everything done and runs nothing.
+    run_dir = work / "nvfp4_aqn" / "seed_0"
+    stamp = (run_dir / "result.json").stat().st_mtime_ns
+    capsys.readouterr()
+    again = seeds_script.main(args)
+    printed = capsys.readouterr().out
+    assert "2 of 2 runs done; running 0" in printed and "start" not in printed
+    assert (run_dir / "result.json").stat().st_mtime_ns == stamp
+    assert again["arms"] == data["arms"]
+
+    # A run stopped after step 1: its last checkpoint is step 1's, its events go further, it has no result yet.
+    checkpoints = run_dir / "version_0" / "checkpoints"
+    shutil.copy(next(checkpoints.glob("*step=1.ckpt")), checkpoints / "last.ckpt")
+    (run_dir / "result.json").unlink()
+
+    # Other arguments for an unfinished run directory are refused, not mixed in.
+    with pytest.raises(SystemExit, match="holds a run with other arguments"):
+        seeds_script.main(args + ["--model.lr", "1e-3"])
+
+    capsys.readouterr()
+    resumed = seeds_script.main(args)
+    printed = capsys.readouterr().out
+    assert "start nvfp4_aqn/seed_0 (resuming)" in printed and "base_nvfp4" not in printed.split("done")[-1]
+    (again_seed,) = resumed["arms"]["nvfp4_aqn"]["seeds"]
+    assert len(list((run_dir / "version_0").glob("events.out.tfevents.*"))) >= 2  # the resumed attempt's own file
+    for key in ("reward", "rollout_entropy", "train_entropy", "learning_rate"):
+        assert again_seed[key] == pytest.approx(seed[key], rel=1e-5), key  # steps 2-3 again, the later values win
+    assert again_seed["heldout"] == seed["heldout"]
