@@ -12,7 +12,7 @@ from qerl.data.prompts import MathPromptDataModule
 from qerl.modules.grpo_module import GRPOModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SINGLE = sorted(CONFIGS.glob("*.yaml"))
+SINGLE = sorted(CONFIGS.glob("*.yaml")) + sorted((CONFIGS / "experiments").glob("*.yaml"))
 RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
 BF16 = CONFIGS / "recipes" / "bf16.yaml"  # the differences of the bf16 + LoRA baseline, added to any recipe
 CASES = [[p] for p in SINGLE] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [[CONFIGS / "gpu.yaml", r, BF16]

@@ -341,17 +341,25 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                     print(f"FAILED {job.name} (exit {process.returncode}): see {job.log_path}", flush=True)
     finally:
         for job, process, log in running:  # stopped by the time limit or a signal: checkpoints stay, resume later
-            os.killpg(process.pid, signal.SIGTERM)
+            signal_group(process, signal.SIGTERM)
         for job, process, log in running:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                signal_group(process, signal.SIGKILL)
                 process.wait()
             log.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return failed
+
+
+def signal_group(process: subprocess.Popen, signum: int) -> None:
+    """Signal a run's process group (train.py and its reward workers), unless it has ended already."""
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def parse_args(argv: list[str] | None):

@@ -534,8 +534,9 @@ class ArithmeticExpressions(PromptSource):
             question, answer, level = self._draw(rng)
             misses += 1
             if misses > 100_000:
-                raise ValueError(f"ArithmeticExpressions({self.split}): found only {yielded} of num_rows={self.num_rows} "
-                                 "distinct questions: lower num_rows, or widen the operand range or heldout_fraction.")
+                raise ValueError(f"ArithmeticExpressions({self.split}): found only {yielded} of num_rows="
+                                 f"{self.num_rows} distinct questions: lower num_rows, or widen the operand range or "
+                                 "heldout_fraction.")
             if (heldout_position(question) < self.heldout_fraction) != (self.split == "heldout"):
                 continue  # the other part's question
             if self.split == "heldout":
