@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def verdict(difference: Interval, better: str, pattern: str = "{:.3f}") -> str:
     if difference.n < 2:
         return f"not testable with {difference.n} paired seed(s)"
     words = {("higher", 1): "better", ("higher", -1): "worse", ("lower", 1): "worse", ("lower", -1): "better"}
-    numbers = f"{pattern.format(difference.mean):s} [{pattern.format(difference.low)}, " \
+    numbers = f"{pattern.replace('{:', '{:+').format(difference.mean)} [{pattern.format(difference.low)}, " \
               f"{pattern.format(difference.high)}], {fmt_p(difference.p_value)}"
     if difference.low > 0 or difference.high < 0:
         sign = 1 if difference.low > 0 else -1
@@ -182,15 +183,19 @@ def finding(summary: dict) -> str:
     n = min((len(a["per_seed"]) for a in arms.values()), default=0)
     if REFERENCE not in arms or not paired:
         return f"**Not answered yet:** the data hold no {label(REFERENCE)} arm or nothing to compare it with."
-    parts = [f"**Finding ({n} seeds per arm, {summary['steps']} steps, 95% Student-t intervals, differences paired by "
-             f"seed):**"]
+    parts = [f"**Finding (seeds per arm: {n}; {summary['steps']} steps; 95% Student-t intervals; differences paired "
+             f"by seed):**"]
+    if all(d[key].n < 2 for d in paired.values() for key in STATISTICS):
+        parts.append(f"Not answered: a paired interval needs at least 2 seeds run in both arms "
+                     f"(here: {max(len(d['seeds']) for d in paired.values())}).")
+        return " ".join(parts)
     learn = []
     for arm in [a for a in ("bf16_lr_high", "bf16_lr_low", "nvfp4") if a in paired]:
         d = paired[arm]
         learn.append(f"against {label(arm)} it was on final held-out accuracy "
                      f"{verdict(d['final_accuracy'], 'higher')}, on train-reward area "
                      f"{verdict(d['reward_auc'], 'higher')}")
-    parts.append("Does NVFP4 + AQN learn faster than bf16 LoRA here? " + "; ".join(learn) + ".")
+    parts.append("Does NVFP4 + AQN learn faster than bf16 LoRA here? " + _capitalized("; ".join(learn)) + ".")
     significant = [(arm, key) for arm in ("bf16_lr_high", "bf16_lr_low") if arm in paired
                    for key in ("final_accuracy", "reward_auc")
                    if paired[arm][key].n >= 2 and (paired[arm][key].low > 0 or paired[arm][key].high < 0)]
@@ -206,16 +211,20 @@ def finding(summary: dict) -> str:
     for arm in [a for a in ("bf16_lr_high", "bf16_lr_low") if a in paired]:
         d = paired[arm]
         explore.append(f"against {label(arm)}, its rollout entropy was "
-                       f"{verdict(d['early_rollout_entropy'], None)} nats and its teacher-forced entropy "
-                       f"{verdict(d['early_train_entropy'], None)} nats")
-    parts.append(f"Does it explore more early (mean over the first {summary['early_steps']} steps)? "
-                 + "; ".join(explore) + ".")
+                       f"{verdict(d['early_rollout_entropy'], None)} and its teacher-forced entropy "
+                       f"{verdict(d['early_train_entropy'], None)}")
+    parts.append(f"Does it explore more early (entropy in nats, mean over the first {summary['early_steps']} steps)? "
+                 + _capitalized("; ".join(explore)) + ".")
     if "nvfp4" in paired:
         d = paired["nvfp4"]
         parts.append(f"AQN's own share (against NVFP4 without AQN): early rollout entropy "
                      f"{verdict(d['early_rollout_entropy'], None)}, final held-out accuracy "
                      f"{verdict(d['final_accuracy'], 'higher')}.")
     return " ".join(parts)
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def arm_table(summary: dict) -> str:
@@ -416,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
         plots = [Path(os.path.relpath(p, args.page.parent)).as_posix() for p in written]
     except ImportError:
         print("matplotlib is not installed: no plots (pip install -e '.[docs]')", file=sys.stderr)
-    command = " ".join(["python", "docs/experiments/aqn_report.py", *argv])
+    command = shlex.join(["python", "docs/experiments/aqn_report.py", *argv])
     args.page.write_text(render(data, summary, command, plots))
     print(finding(summary))
     print(f"wrote {args.page}" + (f" and {', '.join(plots)}" if plots else ""))

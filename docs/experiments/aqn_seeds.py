@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -287,7 +288,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -
         "missing": missing,
         "config": {"path": args.config, "settings": config},
         "train_args": {j.name: j.args for j in jobs},
-        "command": " ".join(["python", "docs/experiments/aqn_seeds.py", *args.argv]),
+        "command": shlex.join(["python", "docs/experiments/aqn_seeds.py", *args.argv]),
         "device": device_info(args.device),
         "started": started,
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

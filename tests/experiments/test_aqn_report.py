@@ -81,12 +81,12 @@ def test_the_finding_comes_first_and_says_what_the_intervals_say():
     summary = report.summarize(data, level=0.3, early_steps=3)
     page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
     first = page.split("\n\n")[1]
-    assert first.startswith("**Finding (3 seeds per arm, 10 steps, 95% Student-t intervals")
+    assert first.startswith("**Finding (seeds per arm: 3; 10 steps; 95% Student-t intervals")
     # against bf16 at the NVFP4 rate the accuracy interval includes 0; at the bf16 rate it excludes it
-    assert "against bf16 LoRA, NVFP4 rate it was on final held-out accuracy no different" in first
-    assert "against bf16 LoRA, bf16 rate it was on final held-out accuracy better (0.233" in first
+    assert "? Against bf16 LoRA, NVFP4 rate it was on final held-out accuracy no different" in first
+    assert "against bf16 LoRA, bf16 rate it was on final held-out accuracy better (+0.233" in first
     assert "So it learned faster than bf16 LoRA" in first
-    assert "its rollout entropy was higher (0.300" in first
+    assert "its rollout entropy was higher (+0.300" in first
     for section in ("## Per arm", "## Paired by seed", "## Reproduce", "## What would change the answer"):
         assert section in page
     assert data["command"] in page and "python docs/experiments/aqn_report.py x.json" in page
@@ -144,3 +144,11 @@ def test_plot_draws_every_arm(tmp_path):
     pytest.importorskip("matplotlib")
     (png,) = report.plot(make_data(), "expressions_acc_flexible", tmp_path / "aqn")
     assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_one_seed_is_no_answer():
+    data = make_data()
+    for arm in data["arms"].values():
+        arm["seeds"] = arm["seeds"][:1]
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    assert "Not answered: a paired interval needs at least 2 seeds run in both arms (here: 1)" in report.finding(summary)
