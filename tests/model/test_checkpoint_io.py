@@ -203,12 +203,18 @@ def test_quantize_cli_copies_the_tokenizer_files_of_a_directory_as_they_are(tiny
 
 def test_embedded_name_resolves_under_qerl_cache(tmp_path, monkeypatch):
     converted = []
+
+    def convert(directory):
+        converted.append(directory)
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+
     monkeypatch.setenv("QERL_CACHE", str(tmp_path))
-    monkeypatch.setattr(hub, "convert_embedded", converted.append)
+    monkeypatch.setattr(hub, "convert_embedded", convert)
     assert resolve_model(EMBEDDED_MODEL) == str(tmp_path / EMBEDDED_MODEL)
-    assert converted == [tmp_path / EMBEDDED_MODEL]  # converted once when missing ...
-    (tmp_path / EMBEDDED_MODEL).mkdir()
-    (tmp_path / EMBEDDED_MODEL / "config.json").write_text("{}")
+    # converted once when missing (into a directory of its own, renamed into place) ...
+    assert len(converted) == 1 and converted[0].parent == tmp_path
+    assert (tmp_path / EMBEDDED_MODEL / "config.json").exists()
     resolve_model(EMBEDDED_MODEL)
     assert len(converted) == 1  # ... and not again
     assert resolve_model("some/other-model") == "some/other-model"
