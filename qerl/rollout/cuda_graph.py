@@ -109,14 +109,32 @@ class SlotCache:
     ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
     columns of those rows are returned as views, so the attention reads nothing else."""
 
-    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device):
-        # one allocation: freed around the update, it comes back as one block (usually at the same address, which
-        # keeps the captured graphs valid)
-        self.storage = torch.zeros((2, layers, rows, kv_heads, length, head_dim), dtype=dtype, device=device)
-        self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
+    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device,
+                 allocate: bool = True):
+        self.shape, self.dtype, self.device = (2, layers, rows, kv_heads, length, head_dim), dtype, device
+        self.storage: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        if allocate:
+            self.allocate()
+        # lives as long as the cache object (captured graphs read it), whether or not the storage is allocated
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.rows, self.length = rows, length
         self.mode, self.b, self.L = "prefill", rows, length
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def allocate(self) -> None:
+        """(Re)allocate K/V as one block: freed around the update, it comes back as one block, usually at the same
+        address (which keeps captured graphs valid; the caller compares ``storage.data_ptr()``)."""
+        if self.storage is None:
+            self.storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
+
+    def release(self) -> None:
+        self.storage, self.keys, self.values = None, [], []
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
@@ -346,7 +364,7 @@ class CUDAGraphRollout(RolloutEngine):
             if decoder is not None:
                 decoder.release()
             if self._release_kv_cache(s, device):
-                s["cache"] = s["hf_cache"] = None
+                s["cache"].release()
         self._phase("done", steps - 1)
         completion = out["tokens_out"][:, :steps]
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
@@ -488,9 +506,10 @@ class CUDAGraphRollout(RolloutEngine):
                 torch.cuda.empty_cache()
         dtype = base.get_input_embeddings().weight.dtype
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config))
+        cache = SlotCache(*shape, dtype, device, allocate=False)  # allocated (again) by _ensure_cache
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         s = dict(
-            key=key, rows=rows, length=length, cache_shape=(shape, dtype), cache=None, hf_cache=None, cache_at=None,
+            key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache), cache_at=None,
             mask=zeros(rows, 1, 1, length, dtype=torch.bool),  # columns each row attends to
             last=zeros(rows),  # last sampled token of each slot
             pos=zeros(rows),  # its position id
@@ -511,30 +530,29 @@ class CUDAGraphRollout(RolloutEngine):
         return s
 
     def _ensure_cache(self, s: dict, device) -> None:
-        """The KV cache of the state's size, allocated again if the last rollout released it; graphs captured over a
-        cache at another address are dropped (recaptured on first use)."""
-        if s["cache"] is not None:
+        """Allocate the KV cache again if the last rollout released it; graphs captured over a cache at another
+        address are dropped (recaptured on first use)."""
+        cache = s["cache"]
+        if cache.storage is not None:
             return
-        (layers, rows, kv_heads, length, head_dim), dtype = s["cache_shape"]
         if device.type == "cuda":
-            check_kv_cache_fits(2 * layers * rows * kv_heads * length * head_dim * dtype.itemsize,
-                                _free_bytes(device), rows, length, str(device))
-        cache = SlotCache(layers, rows, kv_heads, length, head_dim, dtype, device)
+            check_kv_cache_fits(cache.nbytes, _free_bytes(device), cache.rows, cache.length, str(device))
+        cache.allocate()
         if s["cache_at"] is not None and s["cache_at"] != cache.storage.data_ptr():
             self._graphs.clear()
             if device.type == "cuda":
                 self._pool = torch.cuda.graph_pool_handle()
-        s["cache"], s["hf_cache"], s["cache_at"] = cache, _as_cache(cache), cache.storage.data_ptr()
+        s["cache_at"] = cache.storage.data_ptr()
 
     def _release_kv_cache(self, s: dict, device) -> bool:
         """Whether to free the KV cache when the rollout ends (``keep_kv_cache``; None: on CUDA when it holds more
         than ``RELEASE_FRACTION`` of the GPU's memory)."""
-        if s["cache"] is None or self.keep_kv_cache:
+        if s["cache"].storage is None or self.keep_kv_cache:
             return False
         if self.keep_kv_cache is False:
             return True
         return device.type == "cuda" and (
-            s["cache"].storage.nbytes > RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+            s["cache"].nbytes > RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
 
     def _reset_state(self, s: dict, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
         if s["tokens_out"].shape[1] < self.max_new_tokens:  # max_new_tokens grew since the buffers were made

@@ -142,7 +142,8 @@ def test_row_noise_kernel_draws_the_torch_reference():
     triton_e = row_exponentials(key, rows, step, 50_001)
     torch_e = exponentials_torch(row_seeds(key, rows, step), 50_001)
     torch.testing.assert_close(triton_e, torch_e, rtol=2e-7, atol=0)  # same integers; logs within an ulp
-    assert torch.equal(row_exponentials(key.cpu(), rows.cpu(), step.cpu(), 50_001), torch_e.cpu())
+    torch.testing.assert_close(row_exponentials(key.cpu(), rows.cpu(), step.cpu(), 50_001), torch_e.cpu(), rtol=2e-7,
+                               atol=0)  # the CPU's log rounds like the GPU's within an ulp
 
 
 def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompts):
@@ -153,7 +154,7 @@ def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompt
     waves = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=2, wave_rows=8, keep_kv_cache=False)
     eos = list(range(100, 108))
     a, b = one.generate(policy, prompts, 4, 0, eos), waves.generate(policy, prompts, 4, 0, eos)
-    assert waves._state["cache"] is None and waves._state["rows"] == 8
+    assert waves._state["cache"].storage is None and waves._state["rows"] == 8
     first = (a.completion_ids[:, :8] == b.completion_ids[:, :8]).all(-1)
     assert int(first.sum()) >= 9, first  # 12 rows; keyed by slot instead of row, about none would agree
     assert max_logprob_error(policy, b) < LOGPROB_ATOL

@@ -397,5 +397,5 @@ def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
     for _ in range(2):  # the second rollout allocates the released cache again
         a, b = kept.generate(policy, PROMPTS, 2, PAD, []), freed.generate(policy, PROMPTS, 2, PAD, [])
         assert torch.equal(a.completion_ids, b.completion_ids)
-        assert kept._state["cache"] is not None and freed._state["cache"] is None
+        assert kept._state["cache"].storage is not None and freed._state["cache"].storage is None
     assert kept._state["rows"] == 4  # the cache holds one wave (two groups of 2), not the 6 rows
