@@ -48,7 +48,7 @@ from qerl.rollout.row_noise import row_exponentials
 
 ATTENTION = "qerl_decode"
 MAX_EOS = 8
-RELEASE_FRACTION = 0.1  # a KV cache above this share of the GPU is freed for the update (keep_kv_cache=None)
+RELEASE_FRACTION = 0.05  # a KV cache above this share of the GPU is freed for the update (keep_kv_cache=None)
 
 
 def wave_size(prompts: int, group_size: int, wave_rows: int | None) -> int:
@@ -258,7 +258,7 @@ class CUDAGraphRollout(RolloutEngine):
             wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
             update can use the memory (False; the next rollout allocates it again). None: free it on CUDA when it
-            holds more than a tenth of the GPU's memory.
+            holds more than a twentieth of the GPU's memory.
     """
 
     def __init__(
