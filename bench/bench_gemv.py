@@ -209,7 +209,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemv_{tag}.json").write_text(json.dumps(
-        {"device": name, "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
+        {"device": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(["PYTHONPATH=. python", *sys.argv]),
+         "copy_gbps": copy, "torch": torch.__version__, "triton": __import__("triton").__version__,
          "gemv_candidates": {m: [dataclasses.asdict(c) for c in tuning.gemv_configs(m)] for m in ms_list},
          "gemv_regs": {str(k_): v for k_, v in gemv_plan._REGS.items()},
          "rows": rows, "summary": summ, "extra_checks": errors},

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 
-def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int) -> dict[str, Path]:
+def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int,
+                 quantizations: tuple[str, ...] = ("nvfp4", "bf16")) -> dict[str, Path]:
     from transformers import AutoTokenizer
 
     from qerl.nvfp4.checkpoint import save_nvfp4
@@ -43,7 +44,7 @@ def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int) -> dict[
     config = qwen25_config(size, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     dirs = {}
-    for quantization in ("nvfp4", "bf16"):
+    for quantization in quantizations:
         target = root / f"{size}-{quantization}"
         start = time.perf_counter()
         model = build_random_model(config, quantization, device="cuda")

@@ -56,7 +56,7 @@ class ForcedLengthRollout(CUDAGraphRollout):
         return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids)
 
     def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
-        target = self._targets.index_select(0, s["slot_row"][:b])  # [b] drawn length of each slot's row
+        target = self._targets.index_select(0, s["first_row"] + s["slot_row"][:b])  # [b] drawn length of each row
         last = s["step"] + 1 >= target  # the token sampled now is the row's last
         logits = logits.clone()
         logits[:, self._eos_id] = torch.where(last, 1e4, -1e4).to(logits.dtype)

@@ -29,7 +29,8 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
     "5 throughput and memory": {
         "seconds per step (rollout, update)": [r"^perf/rollout_s$", r"^perf/train_s$"],
         "rollout tokens per second": [r"^perf/rollout_tokens_per_s$"],
-        "peak GPU memory (GiB)": [r"^perf/peak_memory_gb$"],
+        "GPU memory (GiB): resident, rollout and update peaks": [r"^perf/resident_gb$", r"^perf/peak_rollout_gb$",
+                                                                 r"^perf/peak_update_gb$"],
     },
     "6 data": {
         "skipped rows and prompts": [r"^data/skipped_"],

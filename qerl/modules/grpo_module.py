@@ -162,8 +162,9 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         G = self.hparams.group_size
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        # GPU memory held between steps (weights, optimizer), then each phase's peak
+        memory = {"resident": torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0}
+        self._peak_memory_gb()  # the rollout's peak starts here
 
         # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs
         start = time.perf_counter()
@@ -171,6 +172,7 @@ class GRPOModule(L.LightningModule):
             self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
         )
         rollout_s = time.perf_counter() - start
+        memory["rollout"] = self._peak_memory_gb()
 
         # (2) rewards: answer checking, then DAPO's soft overlong punishment
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -196,13 +198,23 @@ class GRPOModule(L.LightningModule):
         start = time.perf_counter()
         stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
+        memory["update"] = self._peak_memory_gb()
 
-        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr, update_tokens)
+        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
+                       memory)
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
+
+    def _peak_memory_gb(self) -> float:
+        """The GPU's peak allocated memory since the last call (GiB), then a new peak starts; 0 off CUDA."""
+        if self.device.type != "cuda":
+            return 0.0
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
 
     # ------------------------------------------------------------------------------------------------------------
     def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor
@@ -302,7 +314,7 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr,
-                  update_tokens) -> None:
+                  update_tokens, memory: dict[str, float]) -> None:
         lengths = rollout.lengths.float()
         n_groups = informative.numel()
         G = self.hparams.group_size
@@ -331,7 +343,8 @@ class GRPOModule(L.LightningModule):
         if self.loss.beta > 0:
             metrics["train/kl"] = loss_stats["kl"]
         if self.device.type == "cuda":
-            metrics["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["perf/peak_memory_gb"] = max(memory.values())
+            metrics.update({f"perf/{'resident' if k == 'resident' else 'peak_' + k}_gb": v for k, v in memory.items()})
         batch_size = n_groups
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         # The progress bar shows the two numbers a user watches.

@@ -2,6 +2,7 @@
 
 Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs); what changes is how a step runs:
 
+    for each wave of prompts (all of them, or ``wave_rows`` rows' worth of whole groups):
     prompts [B, P] --prefill once (eager, batched)--> slot KV cache rows 0..B-1 --copy to G rows each--> N = B*G rows
     (the prefill runs through the same fused step as the decode, all B*P tokens at once, where the step is fused)
     decode step t (one graph replay, nothing on the host):
@@ -10,8 +11,12 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
     every ``check_every`` steps (the only host syncs): stop if all rows finished, else move the live rows to the
     front (rows, cache, mask) and continue in the smallest batch bucket that holds them.
 
-- KV cache: our own ``SlotCache`` sized from the request (rows x prompt+completion length, rounded up so it and the
-  graphs are reused by later requests of the same or smaller size). A step sees only the first ``b`` rows and the
+- Sampling noise: each output row's Exp(1) draws are a hash of (rollout key, row, step, token)
+  (``qerl.rollout.row_noise``), so a row samples the same tokens whatever its wave, slot or compaction order.
+
+- KV cache: our own ``SlotCache`` sized from the request (one wave's rows x prompt+completion length, rounded up so
+  it and the graphs are reused by later requests of the same or smaller size); a large one is freed when the rollout
+  ends, for the update (``keep_kv_cache``). A step sees only the first ``b`` rows and the
   first ``L`` columns, so finished rows and unwritten columns cost no bandwidth.
 - Graphs: one per (batch bucket ``b``, length bucket ``L``), captured on first use (the step that needs it runs
   eagerly first and doubles as the warm-up), kept across calls. They read the LoRA matrices and RMSNorm weights from
@@ -39,16 +44,27 @@ import torch.nn.functional as F
 from qerl.model.aqn import noisy_norms
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
+from qerl.rollout.row_noise import row_exponentials
 
 ATTENTION = "qerl_decode"
 MAX_EOS = 8
+RELEASE_FRACTION = 0.05  # a KV cache above this share of the GPU is freed for the update (keep_kv_cache=None)
 
 
-def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-                  greedy: bool = False):
-    """``sample`` of the built-in engine without a host sync: Gumbel-max (argmax of p / Exp(1), exactly a draw from p)
-    instead of ``multinomial``; ``greedy`` is the plain argmax. Returns (tokens [N], log-probs of the sampled tokens
-    [N], entropy [N])."""
+def wave_size(prompts: int, group_size: int, wave_rows: int | None) -> int:
+    """Prompts per decode wave: whole groups of ``group_size`` rows, at most ``wave_rows`` rows (None: all)."""
+    if wave_rows is None or wave_rows >= prompts * group_size:
+        return max(prompts, 1)
+    if wave_rows < group_size:
+        raise ValueError(f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group "
+                         f"(model.group_size={group_size}): a wave decodes whole groups; set it >= {group_size}.")
+    return wave_rows // group_size
+
+
+def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, exponentials: torch.Tensor | None):
+    """``sample`` of the built-in engine without a host sync: Gumbel-max (argmax of p / E with ``exponentials`` E ~
+    Exp(1) [N, V], exactly a draw from p) instead of ``multinomial``; ``exponentials`` None is the plain argmax
+    (greedy). Returns (tokens [N], log-probs of the sampled tokens [N], entropy [N])."""
     logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
     if top_p < 1.0:
         sorted_lp, order = logprobs.sort(dim=-1, descending=True)
@@ -57,10 +73,7 @@ def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, genera
         logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
         logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)
     probs = logprobs.exp()
-    if greedy:
-        tokens = logprobs.argmax(-1)
-    else:
-        tokens = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
+    tokens = logprobs.argmax(-1) if exponentials is None else (probs / exponentials).argmax(-1)
     entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
@@ -96,13 +109,32 @@ class SlotCache:
     ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
     columns of those rows are returned as views, so the attention reads nothing else."""
 
-    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device):
-        shape = (rows, kv_heads, length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device,
+                 allocate: bool = True):
+        self.shape, self.dtype, self.device = (2, layers, rows, kv_heads, length, head_dim), dtype, device
+        self.storage: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        if allocate:
+            self.allocate()
+        # lives as long as the cache object (captured graphs read it), whether or not the storage is allocated
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.rows, self.length = rows, length
         self.mode, self.b, self.L = "prefill", rows, length
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def allocate(self) -> None:
+        """(Re)allocate K/V as one block: freed around the update, it comes back as one block, usually at the same
+        address (which keeps captured graphs valid; the caller compares ``storage.data_ptr()``)."""
+        if self.storage is None:
+            self.storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
+
+    def release(self) -> None:
+        self.storage, self.keys, self.values = None, [], []
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
@@ -220,6 +252,13 @@ class CUDAGraphRollout(RolloutEngine):
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
             None: when the rollout has more than 64 rows and the copy fits in free GPU memory with 2 GiB to spare
             (the KV cache already allocated). Fused step only; bf16 models are unaffected.
+        wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
+            one wave instead of the whole batch (the memory plan sets it when left None: all rows in one wave). Each
+            row's sampling noise is a function of its output row and step, so the samples are the same whatever the
+            wave size.
+        keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
+            update can use the memory (False; the next rollout allocates it again). None: free it on CUDA when it
+            holds more than a twentieth of the GPU's memory.
     """
 
     def __init__(
@@ -234,10 +273,15 @@ class CUDAGraphRollout(RolloutEngine):
         adapter_in_model_dtype: bool = True,
         fused: bool | None = None,
         wide_batch_bf16: bool | None = None,
+        wave_rows: int | None = None,
+        keep_kv_cache: bool | None = None,
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
             raise ValueError("check_every, length_bucket and min_bucket must be >= 1.")
+        if wave_rows is not None and wave_rows < 1:
+            raise ValueError(f"wave_rows must be >= 1 (or None: all rows in one wave), got {wave_rows}.")
+        self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
@@ -279,66 +323,57 @@ class CUDAGraphRollout(RolloutEngine):
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
+        # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
+        key = torch.randint(0, 2**32, (2,), generator=self._generator, device=device)
+        wave_prompts = wave_size(B, group_size, self.wave_rows)
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
-        s = self._ensure_state(policy, base, params, N, P + new, device)
-        self._reset_state(s, mask, group_size, pad_id, eos_ids)
-        buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
-        self._phase("prefill")
+        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, device)
+        out = {name: torch.zeros(N, new, dtype=s[name].dtype, device=device)
+               for name in ("tokens_out", "logprobs_out", "entropy_out")}
+        out["tokens_out"].fill_(pad_id)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
         # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
         was_training = policy.training and decoder is None
         if was_training:
             policy.eval()
-        steps = 1
+        steps = 0
         try:
+            # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
             with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
                     self._adapter_copies(params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, N, dtype, device))
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, wave_prompts * group_size,
+                                                                            dtype, device))
                     self._drop_stale_graphs(decoder)
                 s["decoder"] = decoder
-                cache = s["cache"]
-                cache.mode = "prefill"
-                m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
-                m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
-                if decoder is not None:
-                    logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
-                else:
-                    logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
-                                    past_key_values=s["hf_cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
-                cache.repeat_rows(B, group_size, P)
-                self._record(s, logits.repeat_interleave(group_size, 0), N)
-                del logits
-                self._phase("decode")
-                b = N
-                while steps < min(new, self._stop_after or new):
-                    if steps % self.check_every == 0:
-                        alive = int((~s["finished"][:b]).sum())  # host sync, once every check_every steps
-                        if alive == 0:
-                            break
-                        smaller = next(x for x in buckets if x >= alive)
-                        if smaller < b:
-                            self._compact(s, b, P + steps - 1)
-                            b = smaller
-                    length = min(s["length"], -(-(P + steps) // self.length_bucket) * self.length_bucket)
-                    self._run_step(s, policy, b, length, graphs)
-                    steps += 1
+                s["noise_key"].copy_(key)
+                for first in range(0, B, wave_prompts):
+                    prompts = slice(first, min(B, first + wave_prompts))
+                    rows = slice(prompts.start * group_size, prompts.stop * group_size)
+                    wave_steps = self._decode_wave(s, policy, ids[prompts], mask[prompts], group_size, pad_id,
+                                                   eos_ids, rows.start, graphs)
+                    n = rows.stop - rows.start
+                    for name, buffer in out.items():
+                        buffer[rows, :wave_steps] = s[name][:n, :wave_steps]
+                    steps = max(steps, wave_steps)
         finally:
             if was_training:
                 policy.train()
             if decoder is not None:
                 decoder.release()
+            if self._release_kv_cache(s, device):
+                s["cache"].release()
         self._phase("done", steps - 1)
-        completion = s["tokens_out"][:N, :steps].clone()
+        completion = out["tokens_out"][:, :steps]
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         is_eos = torch.isin(completion, eos)
         after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
         completion_mask = (~after_eos).long()
         completion = completion.masked_fill(after_eos, pad_id)
-        logprobs = s["logprobs_out"][:N, :steps] * completion_mask
-        entropy = s["entropy_out"][:N, :steps] * completion_mask
+        logprobs = out["logprobs_out"][:, :steps] * completion_mask
+        entropy = out["entropy_out"][:, :steps] * completion_mask
         width = int(completion_mask.sum(-1).max()) if N else 0  # the built-in engine stops when the last row ends
         return Rollout(
             prompt_ids=ids.repeat_interleave(group_size, 0),
@@ -349,6 +384,46 @@ class CUDAGraphRollout(RolloutEngine):
             entropy=entropy[:, :width],
             truncated=~is_eos.any(-1),
         )
+
+    def _decode_wave(self, s: dict, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
+                     first_row: int, graphs: bool) -> int:
+        """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
+        the decode steps run (the columns of ``s["tokens_out"]`` written)."""
+        B, P = ids.shape
+        N, new = B * group_size, self.max_new_tokens
+        device = ids.device
+        self._ensure_cache(s, device)
+        self._reset_state(s, mask, group_size, pad_id, eos_ids)
+        s["first_row"].fill_(first_row)
+        buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
+        self._phase("prefill")
+        decoder, cache = s["decoder"], s["cache"]
+        cache.mode = "prefill"
+        m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
+        m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
+        if decoder is not None:
+            logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
+        else:
+            logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
+                            past_key_values=s["hf_cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
+        cache.repeat_rows(B, group_size, P)
+        self._record(s, logits.repeat_interleave(group_size, 0), N)
+        del logits
+        self._phase("decode")
+        b, steps = N, 1
+        while steps < min(new, self._stop_after or new):
+            if steps % self.check_every == 0:
+                alive = int((~s["finished"][:b]).sum())  # host sync, once every check_every steps
+                if alive == 0:
+                    break
+                smaller = next(x for x in buckets if x >= alive)
+                if smaller < b:
+                    self._compact(s, b, P + steps - 1)
+                    b = smaller
+            length = min(s["length"], -(-(P + steps) // self.length_bucket) * self.length_bucket)
+            self._run_step(s, policy, b, length, graphs)
+            steps += 1
+        return steps
 
     # ------------------------------------------------------------------------------------------------------------
     def _fused_decoder(self, base, device):
@@ -430,20 +505,19 @@ class CUDAGraphRollout(RolloutEngine):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dtype = base.get_input_embeddings().weight.dtype
-        if device.type == "cuda":
-            check_kv_cache_fits(kv_cache_bytes(config, rows, length, dtype), _free_bytes(device), rows, length,
-                                str(device))
-        cache = SlotCache(config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config), dtype,
-                          device)
+        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config))
+        cache = SlotCache(*shape, dtype, device, allocate=False)  # allocated (again) by _ensure_cache
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         s = dict(
-            key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache),
+            key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache), cache_at=None,
             mask=zeros(rows, 1, 1, length, dtype=torch.bool),  # columns each row attends to
             last=zeros(rows),  # last sampled token of each slot
             pos=zeros(rows),  # its position id
             slot_row=zeros(rows),  # which output row each slot holds (slots move when the batch is compacted)
             finished=zeros(rows, dtype=torch.bool),
             step=zeros(1),
+            noise_key=zeros(2),  # this rollout's sampling-noise key (row_noise)
+            first_row=zeros(1),  # output row of slot 0 in the current wave
             pad=zeros(1),
             eos=zeros(MAX_EOS),
             tokens_out=zeros(rows, self.max_new_tokens),
@@ -454,6 +528,31 @@ class CUDAGraphRollout(RolloutEngine):
         if device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         return s
+
+    def _ensure_cache(self, s: dict, device) -> None:
+        """Allocate the KV cache again if the last rollout released it; graphs captured over a cache at another
+        address are dropped (recaptured on first use)."""
+        cache = s["cache"]
+        if cache.storage is not None:
+            return
+        if device.type == "cuda":
+            check_kv_cache_fits(cache.nbytes, _free_bytes(device), cache.rows, cache.length, str(device))
+        cache.allocate()
+        if s["cache_at"] is not None and s["cache_at"] != cache.storage.data_ptr():
+            self._graphs.clear()
+            if device.type == "cuda":
+                self._pool = torch.cuda.graph_pool_handle()
+        s["cache_at"] = cache.storage.data_ptr()
+
+    def _release_kv_cache(self, s: dict, device) -> bool:
+        """Whether to free the KV cache when the rollout ends (``keep_kv_cache``; None: on CUDA when it holds more
+        than ``RELEASE_FRACTION`` of the GPU's memory)."""
+        if s["cache"].storage is None or self.keep_kv_cache:
+            return False
+        if self.keep_kv_cache is False:
+            return True
+        return device.type == "cuda" and (
+            s["cache"].nbytes > RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
 
     def _reset_state(self, s: dict, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
         if s["tokens_out"].shape[1] < self.max_new_tokens:  # max_new_tokens grew since the buffers were made
@@ -477,7 +576,9 @@ class CUDAGraphRollout(RolloutEngine):
 
     def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
-        token, logprob, entropy = sample_gumbel(logits, self.temperature, self.top_p, self._generator, self.greedy)
+        rows = s["first_row"] + s["slot_row"][:b]  # output rows: the noise follows the row, not its slot or wave
+        noise = None if self.greedy else row_exponentials(s["noise_key"], rows, s["step"], logits.shape[-1])
+        token, logprob, entropy = sample_gumbel(logits, self.temperature, self.top_p, noise)
         done = s["finished"][:b]
         token = torch.where(done, s["pad"], token)
         index = (s["slot_row"][:b], s["step"].expand(b))
@@ -518,10 +619,6 @@ class CUDAGraphRollout(RolloutEngine):
         self._step(s, policy, b, length)  # eager: the step itself, and the warm-up before a capture
         if graphs:
             graph = torch.cuda.CUDAGraph()
-            if hasattr(graph, "register_generator_state"):
-                graph.register_generator_state(self._generator)
-            else:  # older torch: only the default generator is graph-safe
-                self._generator = torch.cuda.default_generators[s["step"].device.index or 0]
             with torch.cuda.graph(graph, pool=self._pool):
                 self._step(s, policy, b, length)
             self._graphs[graph_key] = graph

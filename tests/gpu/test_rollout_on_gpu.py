@@ -132,3 +132,32 @@ def test_pdl_changes_when_kernels_start_never_what_they_compute(policy, prompts)
         runs[on] = engine.generate(policy, prompts, 8, 0, list(range(100, 104)))
     assert torch.equal(runs[True].completion_ids, runs[False].completion_ids)
     assert torch.equal(runs[True].logprobs, runs[False].logprobs)
+
+
+def test_row_noise_kernel_draws_the_torch_reference():
+    from qerl.rollout.row_noise import exponentials_torch, row_exponentials, row_seeds
+
+    key = torch.tensor([7, 2**32 - 3], device="cuda")
+    rows, step = torch.arange(5, 70, device="cuda"), torch.tensor([41], device="cuda")
+    triton_e = row_exponentials(key, rows, step, 50_001)
+    torch_e = exponentials_torch(row_seeds(key, rows, step), 50_001)
+    torch.testing.assert_close(triton_e, torch_e, rtol=2e-7, atol=0)  # same integers; logs within an ulp
+    torch.testing.assert_close(row_exponentials(key.cpu(), rows.cpu(), step.cpu(), 50_001), torch_e.cpu(), rtol=2e-7,
+                               atol=0)  # the CPU's log rounds like the GPU's within an ulp
+
+
+def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompts):
+    """Waves of two groups sample like one wave: the same noise per row (bf16 sums differ with the batch shape, so a
+    near tie may flip a token and the rest of its row: most rows, not all, are equal); a released cache comes back
+    and the same engine repeats itself exactly."""
+    one = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=4, keep_kv_cache=True)
+    waves = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=2, wave_rows=8, keep_kv_cache=False)
+    eos = list(range(100, 108))
+    a, b = one.generate(policy, prompts, 4, 0, eos), waves.generate(policy, prompts, 4, 0, eos)
+    assert waves._state["cache"].storage is None and waves._state["rows"] == 8
+    first = (a.completion_ids[:, :8] == b.completion_ids[:, :8]).all(-1)
+    assert int(first.sum()) >= 9, first  # 12 rows; keyed by slot instead of row, about none would agree
+    assert max_logprob_error(policy, b) < LOGPROB_ATOL
+    waves.reset_generator()
+    again = waves.generate(policy, prompts, 4, 0, eos)  # the cache allocated again; graphs recaptured if it moved
+    assert torch.equal(again.completion_ids, b.completion_ids) and torch.equal(again.logprobs, b.logprobs)

@@ -365,3 +365,37 @@ def test_training_mode_is_kept_and_does_not_change_the_rollout(policy, fused):
         assert torch.equal(r.completion_ids, ref.completion_ids) and torch.equal(r.logprobs, ref.logprobs)
     finally:
         policy.train(mode)
+
+
+def test_waves_and_compaction_sample_the_same_rows(policy, fused):
+    """Each row's noise is a function of (rollout key, output row, step): decoding in waves of one or two groups, or
+    compacting at other times, gives every row the same tokens, log-probs and entropies as one wave."""
+    eos = list(range(40, 48))  # rows finish early, so compaction moves rows between slots
+
+    def run(**options):
+        engine = CUDAGraphRollout(max_new_tokens=24, temperature=1.0, seed=11, fused=fused, **options)
+        return engine.generate(policy, PROMPTS, group_size=3, pad_id=PAD, eos_ids=eos)
+
+    one = run(check_every=4)
+    assert not torch.equal(one.completion_ids[0], one.completion_ids[1])  # a group's rows differ
+    for options in ({"wave_rows": 3, "check_every": 4}, {"wave_rows": 7, "check_every": 2}, {"check_every": 1}):
+        other = run(**options)
+        assert torch.equal(other.completion_ids, one.completion_ids), options
+        assert torch.equal(other.completion_mask, one.completion_mask), options
+        torch.testing.assert_close(other.logprobs, one.logprobs, atol=2e-5, rtol=0)  # other batch shapes, other sums
+        torch.testing.assert_close(other.entropy, one.entropy, atol=2e-5, rtol=0)
+
+
+def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
+    engine = CUDAGraphRollout(max_new_tokens=5, seed=0, wave_rows=2)
+    with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.group_size=3\)"):
+        engine.generate(policy, PROMPTS, 3, PAD, [])
+    with pytest.raises(ValueError, match="wave_rows must be >= 1"):
+        CUDAGraphRollout(wave_rows=0)
+    kept = CUDAGraphRollout(max_new_tokens=5, seed=4, wave_rows=4)
+    freed = CUDAGraphRollout(max_new_tokens=5, seed=4, wave_rows=4, keep_kv_cache=False)
+    for _ in range(2):  # the second rollout allocates the released cache again
+        a, b = kept.generate(policy, PROMPTS, 2, PAD, []), freed.generate(policy, PROMPTS, 2, PAD, [])
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert kept._state["cache"].storage is not None and freed._state["cache"].storage is None
+    assert kept._state["rows"] == 4  # the cache holds one wave (two groups of 2), not the 6 rows

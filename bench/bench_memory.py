@@ -1,0 +1,211 @@
+"""GPU memory per phase and step time of the recipes as written: 7B / 14B / 32B NVFP4, and bf16 where it fits.
+
+    python bench/bench_memory.py --tokenizer DIR --out bench/results \
+        --rows 7b:nvfp4:gsm8k,7b:bf16:gsm8k,14b:nvfp4:gsm8k [--steps 3] [--lengths lognormal] [--builtin-tokens 128]
+
+Each row is ``<size>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<micro-batch tokens>[:ckpt|nockpt]]]]``: ``train.py fit`` with
+``configs/gpu.yaml`` + ``configs/recipes/qwen2.5-<size>_<task>.yaml`` (+ ``recipes/bf16.yaml``) on random-init
+weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's), the
+recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
+drawn lengths, ``bench/forced_lengths.py``). Reads back from TensorBoard the memory held between steps
+(``perf/resident_gb``), each phase's peak (``perf/peak_rollout_gb``, ``perf/peak_update_gb``) and the step time, and
+the process's peak (loading included). ``--builtin-tokens N`` adds, for each NVFP4 row, the rollout of the same batch
+on ``BuiltinRollout`` and on the CUDA-graph engine at N fixed new tokens (one step each after a warm-up step), and
+estimates the built-in engine's step as the update plus the rollout scaled by that ratio.
+
+Writes ``memory_<device>[_<label>].json``: ``rows`` with ``model``, ``quantization``, ``prompts``, ``group_size``,
+``new_tokens``, ``peak_gb``, ``resident_gb``, ``peak_rollout_gb``, ``peak_update_gb``, ``load_peak_gb``, ``step_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import glob
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_train_e2e import write_models  # noqa: E402
+
+
+def parse_row(spec: str) -> dict:
+    parts = spec.split(":")
+    size, quantization, task = parts[:3]
+    row = {"model": f"qwen2.5-{size}", "quantization": quantization, "task": task}
+    if len(parts) > 3 and parts[3]:
+        row["prompts"] = int(parts[3])
+    if len(parts) > 4 and parts[4]:
+        row["wave_rows"] = int(parts[4])
+    if len(parts) > 5 and parts[5]:
+        row["micro_batch_tokens"] = int(parts[5])
+    if len(parts) > 6 and parts[6]:
+        row["gradient_checkpointing"] = parts[6] == "ckpt"
+    return row
+
+
+def recipe_settings(row: dict) -> dict:
+    """prompts, group_size, prompt_tokens, new_tokens of the row's recipe (with the row's prompts)."""
+    import yaml
+
+    merged: dict = {}
+    for path in ("configs/gpu.yaml", f"configs/recipes/{row['model']}_{row['task']}.yaml"):
+        config = yaml.safe_load(Path(path).read_text())
+        for section in ("model", "data"):
+            merged.setdefault(section, {}).update(config.get(section) or {})
+            if section == "model" and "rollout" in (config.get("model") or {}):
+                merged["new_tokens"] = config["model"]["rollout"]["init_args"]["max_new_tokens"]
+    return {"prompts": row.get("prompts", merged["data"]["batch_size"]), "group_size": merged["model"]["group_size"],
+            "prompt_tokens": merged["data"].get("max_prompt_tokens"), "new_tokens": merged["new_tokens"]}
+
+
+def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
+    """GSM8K-schema questions of about ``prompt_tokens`` tokens once templated (a few dozen under the recipe's
+    ``max_prompt_tokens``), so that the KV cache and the update see prompts as long as the recipe allows."""
+    from transformers import AutoTokenizer
+
+    path = work / f"prompts_{prompt_tokens}.jsonl"
+    if path.exists():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    lines = []
+    for i in range(64):
+        words, question = [], ""
+        while len(tokenizer(question).input_ids) < prompt_tokens - 96:
+            words.append(f"Shelf {len(words) + 1} holds {(i * 7 + len(words) * 3) % 9 + 1} books.")
+            question = " ".join(words) + " How many books are there?"
+        lines.append(json.dumps({"question": question, "answer": f"#### {i}"}))
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_events(log_dir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(sorted(glob.glob(str(log_dir / "*" / "events*")))[-1])
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
+    from qerl.cli import cli_main
+
+    recipe = [f"configs/recipes/{row['model']}_{row['task']}.yaml"]
+    if row["quantization"] == "bf16":
+        recipe.append("configs/recipes/bf16.yaml")
+    data = write_prompts(Path(args.work), args.tokenizer, row["prompt_tokens"])
+    options_data = ["--data.sources", json.dumps([{"class_path": "qerl.data.sources.GSM8K",
+                                                   "init_args": {"data_files": str(data)}}]),
+                    "--data.answer_format", "gsm8k"]
+    engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
+              else "qerl.rollout.cuda_graph.CUDAGraphRollout")
+    options = [*options_data, "--model.rollout.class_path", engine]
+    if "wave_rows" in row:
+        options += ["--model.rollout.init_args.wave_rows", str(row["wave_rows"])]
+    if "prompts" in row:
+        options += ["--data.batch_size", str(row["prompts"])]
+    if "micro_batch_tokens" in row:
+        options += ["--model.micro_batch_tokens", str(row["micro_batch_tokens"])]
+    if "gradient_checkpointing" in row:
+        options += ["--model.policy.gradient_checkpointing", str(row["gradient_checkpointing"]).lower()]
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    cli_main([
+        "fit", "--config", "configs/gpu.yaml", *sum((["--config", r] for r in recipe), []),
+        "--model.policy.model", str(model_dir), *options, *extra,
+        "--model.dynamic_sampling", "false", "--model.mask_truncated", "false", "--model.log_samples_every", "0",
+        "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(Path(args.work) / "runs"),
+        "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
+        *args.overrides,
+    ])
+    wall = time.perf_counter() - start
+    series = read_events(Path(args.work) / "runs" / name)
+    steady = lambda tag: statistics.median(series[tag][1:] or series[tag])  # noqa: E731  the first step warms up
+    out = {
+        "rollout_s": steady("perf/rollout_s"), "train_s": steady("perf/train_s"),
+        "resident_gb": max(series["perf/resident_gb"]), "peak_rollout_gb": max(series["perf/peak_rollout_gb"]),
+        "peak_update_gb": max(series["perf/peak_update_gb"]), "peak_gb": max(series["perf/peak_memory_gb"]),
+        "load_peak_gb": torch.cuda.max_memory_allocated() / 2**30,  # the whole process: loading included
+        "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        "completion_length": steady("train/completion_length"), "steps": len(series["perf/rollout_s"]),
+        "fit_wall_s": wall,
+    }
+    out["step_s"] = out["rollout_s"] + out["train_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True, help="a directory with the embedded model's tokenizer")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--rows", default="7b:nvfp4:gsm8k,7b:bf16:gsm8k")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="lognormal")
+    parser.add_argument("--builtin-tokens", type=int, default=0)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--work", default="/tmp/qerl_memory")
+    parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
+    device = torch.cuda.get_device_name()
+    tag = device.split()[1].lower() if len(device.split()) > 1 else "gpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, report = [], None
+    for spec in args.rows.split(","):
+        row = parse_row(spec)
+        work = Path(args.work)
+        model_dir = work / f"{row['model']}-{row['quantization']}"
+        if not (model_dir / "config.json").exists():
+            write_models(row["model"], args.tokenizer, work, vocab, quantizations=(row["quantization"],))
+        row.update(recipe_settings(row), lengths=args.lengths)
+        name = spec.replace(":", "_")
+        try:
+            result = fit(row, model_dir, args, name, [])
+        except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
+            result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        gc.collect()
+        torch.cuda.empty_cache()
+        row.update(result)
+        if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
+            short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
+            fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})
+            graphs = fit(row, model_dir, fixed, name + "_graphs_short", short)
+            builtin = fit(row, model_dir, fixed, name + "_builtin_short",
+                          short + ["--model.rollout.class_path", "qerl.rollout.builtin.BuiltinRollout"])
+            ratio = builtin["rollout_s"] / graphs["rollout_s"]
+            row.update(builtin_tokens=args.builtin_tokens, builtin_rollout_s_short=builtin["rollout_s"],
+                       graphs_rollout_s_short=graphs["rollout_s"], builtin_over_graphs_rollout=ratio,
+                       builtin_step_s_estimate=row["train_s"] + row["rollout_s"] * ratio)
+            row["speedup_vs_builtin_estimate"] = row["builtin_step_s_estimate"] / row["step_s"]
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "command": " ".join(["python", *sys.argv]), "rows": rows}
+        suffix = f"_{args.label}" if args.label else ""
+        (out / f"memory_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))  # after every row
+    print(f"\n{device}, {args.lengths} lengths")
+    print(f"{'model':14}{'quant':7}{'task':9}{'rows':>6}{'new':>6}{'resident':>10}{'rollout':>9}{'update':>9}"
+          f"{'load':>8}{'step s':>9}{'vs builtin':>11}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:14}{r['quantization']:7}{r['task']:9}  {r['error']}")
+            continue
+        print(f"{r['model']:14}{r['quantization']:7}{r['task']:9}{r['prompts'] * r['group_size']:>6}{r['new_tokens']:>6}"
+              f"{r['resident_gb']:10.1f}{r['peak_rollout_gb']:9.1f}{r['peak_update_gb']:9.1f}{r['load_peak_gb']:8.1f}"
+              f"{r['step_s']:9.1f}{r.get('speedup_vs_builtin_estimate', float('nan')):11.2f}")
+
+
+if __name__ == "__main__":
+    main()
