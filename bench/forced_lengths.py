@@ -49,7 +49,7 @@ class ForcedLengthRollout(CUDAGraphRollout):
         device = next(policy.parameters()).device
         if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
             self._targets = torch.zeros(max(rows, 1), dtype=torch.long, device=device)
-            self._graphs.clear()
+            self._clear_graphs()
         self._targets.fill_(self.max_new_tokens + 1)
         self._targets[:rows].copy_(lengths)
         self._eos_id = eos_ids[0]

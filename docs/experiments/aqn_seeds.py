@@ -1,6 +1,6 @@
 """Arms x seeds of the AQN experiment (issue 22) through the real ``train.py``, resumable, into one JSON.
 
-    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 --parallel 12 --threads 1 \\
+    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 --parallel 8 --threads 1 \\
         --out docs/results/aqn_seeds.json
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 

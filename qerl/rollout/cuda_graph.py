@@ -314,9 +314,7 @@ class CUDAGraphRollout(RolloutEngine):
         base = _base_model(policy)
         device = next(policy.parameters()).device
         graphs = device.type == "cuda" if self._use_graphs is None else self._use_graphs
-        if self._generator is None or self._generator.device != device:
-            self._sampling_generator(device)
-            self._graphs.clear()
+        self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         _register_attention()
@@ -457,8 +455,15 @@ class CUDAGraphRollout(RolloutEngine):
         stale = [k for k in self._graphs if k[4] is not None and k[4] != decoder.key(k[0])]
         for k in stale:
             del self._graphs[k]
-        if stale and not self._graphs and getattr(self, "_pool", None) is not None:
-            self._pool = torch.cuda.graph_pool_handle()  # a pool whose graphs are all gone cannot be captured into
+        if stale and not self._graphs:
+            self._clear_graphs()
+
+    def _clear_graphs(self) -> None:
+        """Drop every captured graph, and their memory pool with them: a pool whose graphs are all gone cannot be
+        captured into again (the next capture gets a new one)."""
+        self._graphs.clear()
+        if getattr(self, "_pool", None) is not None:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
         free = _free_bytes(device) if device.type == "cuda" else None
@@ -496,7 +501,7 @@ class CUDAGraphRollout(RolloutEngine):
         s = self._state
         if s is not None and s["key"] == key and s["rows"] >= rows and s["length"] >= length:
             return s
-        self._graphs.clear()
+        self._clear_graphs()
         self._state = None
         if s is not None:  # keep the larger of the old and new sizes so alternating requests do not thrash
             if s["key"] == key:
@@ -539,9 +544,7 @@ class CUDAGraphRollout(RolloutEngine):
             check_kv_cache_fits(cache.nbytes, _free_bytes(device), cache.rows, cache.length, str(device))
         cache.allocate()
         if s["cache_at"] is not None and s["cache_at"] != cache.storage.data_ptr():
-            self._graphs.clear()
-            if device.type == "cuda":
-                self._pool = torch.cuda.graph_pool_handle()
+            self._clear_graphs()
         s["cache_at"] = cache.storage.data_ptr()
 
     def _release_kv_cache(self, s: dict, device) -> bool:

@@ -161,3 +161,16 @@ def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompt
     waves.reset_generator()
     again = waves.generate(policy, prompts, 4, 0, eos)  # the cache allocated again; graphs recaptured if it moved
     assert torch.equal(again.completion_ids, b.completion_ids) and torch.equal(again.logprobs, b.logprobs)
+
+
+def test_evaluation_blocks_on_a_fresh_engine_capture_again(policy, prompts):
+    """Validation without training: each batch samples inside its own ``sampling()`` block on an engine that has no
+    training stream yet; the graphs (which never read the generator) are kept and replayed, not captured into a
+    pool whose graphs were dropped."""
+    engine = CUDAGraphRollout(max_new_tokens=12, seed=0)
+    results = []
+    for _ in range(2):
+        with engine.sampling(greedy=True):
+            results.append(engine.generate(policy, prompts, 1, 0, []))
+    assert torch.equal(results[0].completion_ids, results[1].completion_ids)
+    assert engine.graphs_captured >= 1 and len(engine._graphs) == engine.graphs_captured
