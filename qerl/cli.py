@@ -149,9 +149,10 @@ class QeRLCLI(LightningCLI):
         except (ValueError, FileNotFoundError) as error:
             self._parser(self.subcommand).error(str(error))
         config = self.config[self.subcommand] if self.subcommand else self.config
-        if config.get("print_memory_plan") and self.subcommand != "fit":
+        trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
+        if config.get("print_memory_plan") and not trains:
             self._parser(self.subcommand).error("--print_memory_plan: only for fit (the plan covers the update too).")
-        if self.subcommand == "fit":
+        if trains:
             self._apply_memory_plan(config.get("memory_plan_device_gb"), bool(config.get("print_memory_plan")))
 
     def _apply_memory_plan(self, device_gb: float | None, print_only: bool) -> None:
