@@ -265,8 +265,8 @@ def _targeted(layers: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[str, b
 
 def lora_parameters(shape: ModelShape, settings: RunSettings) -> int:
     """LoRA parameters: r x (in + out) per targeted projection."""
-    return sum(settings.lora_rank * sum(shape.projection(p)) for layer in _layer_projections(shape, settings.lora_targets)
-               for p, targeted in layer if targeted)
+    layers = _layer_projections(shape, settings.lora_targets)
+    return sum(settings.lora_rank * sum(shape.projection(p)) for layer in layers for p, targeted in layer if targeted)
 
 
 def norm_channels(shape: ModelShape) -> int:
@@ -355,7 +355,8 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
         Component("rollout", f"KV cache, one wave ({wave_rows} rows x {length} positions, bf16)", kv),
         Component("rollout", f"sampling workspace ({wave_rows} rows x vocab, {SAMPLING_FP32_BUFFERS} fp32 buffers)",
                   wave_rows * shape.vocab * (4 * SAMPLING_FP32_BUFFERS + DENSE_BYTES * SAMPLING_MODEL_DTYPE_BUFFERS)),
-        Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x {settings.max_prompt_tokens} tokens)", prefill),
+        Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x "
+                             f"{settings.max_prompt_tokens} tokens)", prefill),
         Component("rollout", f"sampled tokens, log-probs, entropies ({settings.rows} rows)",
                   settings.rows * settings.max_new_tokens * ROLLOUT_OUTPUT_BYTES_PER_TOKEN),
         Component("rollout", f"bf16 LoRA copies for decoding (x{LORA_ROLLOUT_COPIES})",

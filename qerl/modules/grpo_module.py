@@ -120,7 +120,8 @@ class GRPOModule(L.LightningModule):
         check_options("model", [
             ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
             ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
-            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
+            ("micro_batch_tokens", micro_batch_tokens,
+             micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
              ">= 1, auto (the memory plan chooses) or null for micro_batch_size alone"),
             ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
             ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
@@ -138,7 +139,7 @@ class GRPOModule(L.LightningModule):
         ])
         policy.validate()
         self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
-        self.planned_micro_batch_tokens: int | None = None  # what ``micro_batch_tokens: auto`` stands for (the CLI's plan)
+        self.planned_micro_batch_tokens: int | None = None  # what ``micro_batch_tokens: auto`` is (the CLI's plan)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
