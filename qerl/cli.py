@@ -163,7 +163,7 @@ class QeRLCLI(LightningCLI):
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
         device = self.trainer.strategy.root_device
-        free = int(device_gb * GIB) if device_gb is not None else free_device_memory(device)
+        free, total = (int(device_gb * GIB),) * 2 if device_gb is not None else device_memory(device)
         if free is None and not print_only:
             return
         engine = self.model.rollout
@@ -181,7 +181,7 @@ class QeRLCLI(LightningCLI):
         settings = run_settings(self.model, self.datamodule)
         try:
             plan = plan_memory(shape, settings, free, wave_rows=getattr(engine, "wave_rows", None),
-                               micro_batch_tokens=self.model.hparams.micro_batch_tokens)
+                               micro_batch_tokens=self.model.hparams.micro_batch_tokens, total_bytes=total)
         except MemoryPlanError as error:
             if print_only and error.plan is not None:
                 print(error.plan.table())
@@ -219,12 +219,11 @@ class QeRLCLI(LightningCLI):
             raise
 
 
-def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on a CUDA device before the run allocates anything there (None off CUDA)."""
+def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:
+    """(free, total) bytes of a CUDA device before the run allocates anything there; (None, None) off CUDA."""
     if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free
+        return None, None
+    return torch.cuda.mem_get_info(device)
 
 
 def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSettings:
@@ -240,8 +239,7 @@ def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSett
         gradient_checkpointing=policy.gradient_checkpointing, logprob_chunk_size=hparams.logprob_chunk_size,
         engine="cuda_graph" if isinstance(engine, CUDAGraphRollout) else "builtin", waves=waves,
         length_bucket=getattr(engine, "length_bucket", 1), wide_batch_bf16=getattr(engine, "wide_batch_bf16", False),
-        # the graph engine without waves keeps its static cache between rollouts; with waves it releases it
-        kv_kept_in_update=isinstance(engine, CUDAGraphRollout) and not waves,
+        keep_kv_cache=getattr(engine, "keep_kv_cache", True),  # an engine without the setting keeps its cache
     )
 
 

@@ -177,3 +177,21 @@ def test_micro_batch_tokens_auto_takes_the_plans_budget(no_model_loads, tiny_mod
     assert planned.model.planned_micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
     on_cpu = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)  # no plan without a device
     assert on_cpu.model.planned_micro_batch_tokens is None
+
+
+def test_the_plan_gives_the_graph_engine_its_waves(no_model_loads, tmp_path, monkeypatch):
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-32b", "qwen2.5-32b")
+    args = ["--config", GPU, "--config", str(Path(DEBUG).parent / "recipes" / "qwen2.5-32b_gsm8k.yaml"),
+            "--model.policy.model", str(model), "--trainer.accelerator", "cpu",
+            "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout", "--memory_plan_device_gb", "79"]
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)
+    rows = cli.model.rollout.wave_rows  # 16 prompts x 8 do not fit at once beside 32B: whole groups per wave
+    assert rows % 8 == 0 and 8 <= rows < 128
+    kept = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                   args=[*args, "--model.rollout.init_args.wave_rows", "16"])
+    assert kept.model.rollout.wave_rows == 16  # the user's choice stays

@@ -50,6 +50,7 @@ PREFILL_HIDDEN_BUFFERS = 6  # [tokens, hidden] bf16: residual, normed input, att
 PREFILL_DENSE_MIN_TOKENS = 128  # from this many prefill tokens an NVFP4 group is dequantized to bf16 for cuBLAS
 WIDE_BATCH_ROWS = 64  # above this many rows the engine may decode with a bf16 copy of the NVFP4 weights
 WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the engine makes that copy (by default) only with this much left over
+KV_RELEASE_FRACTION = 0.1  # the graph engine frees a KV cache above this share of the GPU for the update (by default)
 
 # ---- update ------------------------------------------------------------------------------------------------------
 NORM_FP32_INPUT_BYTES = 4  # an RMSNorm keeps its input in fp32 (per channel) for the backward of pow ...
@@ -154,7 +155,8 @@ class RunSettings:
         length_bucket: the cuda_graph engine's cache length is a multiple of this.
         gemv_copy: the decode GEMV keeps its repacked copy of each NVFP4 weight beside the compressed-tensors one.
         wide_batch_bf16: the engine's setting for the bf16 weight copy above 64 rows (None: when it fits).
-        kv_kept_in_update: the engine keeps its KV cache allocated through the update.
+        keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
+            it (False), or free it when it holds more than ``KV_RELEASE_FRACTION`` of the GPU (None).
     """
 
     prompts: int
@@ -174,7 +176,7 @@ class RunSettings:
     length_bucket: int = 256
     gemv_copy: bool = True
     wide_batch_bf16: bool | None = None
-    kv_kept_in_update: bool = False
+    keep_kv_cache: bool | None = None
 
     @property
     def rows(self) -> int:
@@ -208,7 +210,8 @@ class MemoryPlan:
     free_bytes: int | None  # free device memory assumed (None: no device)
     margin_bytes: int
     components: list[Component]
-    wide_batch_bf16: bool
+    wide_batch_bf16: bool  # the engine makes its bf16 weight copy for the waves
+    kv_kept_rows: int  # rows of KV cache the engine keeps through the update (0: freed)
     notes: list[str] = field(default_factory=list)
 
     def phase_bytes(self, phase: str) -> float:
@@ -312,6 +315,21 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
     return out
 
 
+def kv_cache_bytes(shape: ModelShape, settings: RunSettings, rows: int) -> int:
+    """The KV cache of ``rows`` rows as the engine allocates it."""
+    return shape.kv_bytes_per_token() * rows * kv_cache_length(settings)
+
+
+def kv_kept_rows(shape: ModelShape, settings: RunSettings, rows: int, total_bytes: int | None) -> int:
+    """Rows whose KV cache the engine keeps through the update (0: it frees the cache when the rollout ends);
+    ``total_bytes``: the GPU's memory (None: no GPU, where the graph engine keeps it)."""
+    if settings.engine != "cuda_graph" or settings.keep_kv_cache is False:
+        return 0
+    keep = settings.keep_kv_cache or total_bytes is None or \
+        kv_cache_bytes(shape, settings, rows) <= KV_RELEASE_FRACTION * total_bytes
+    return rows if keep else 0
+
+
 def kv_cache_length(settings: RunSettings) -> int:
     """Positions per row the engine's cache holds (the cuda_graph engine rounds up to its length bucket)."""
     length = settings.longest_row
@@ -343,7 +361,7 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
                        wide_batch_bf16: bool = False) -> list[Component]:
     """What a rollout adds to the resident memory while it decodes waves of ``wave_rows`` rows."""
     length = kv_cache_length(settings)
-    kv = shape.kv_bytes_per_token() * wave_rows * length
+    kv = kv_cache_bytes(shape, settings, wave_rows)
     if settings.engine == "builtin":
         kv += BUILTIN_KV_COPY_LAYERS * kv / shape.layers
     prompts = math.ceil(wave_rows / settings.group_size)
@@ -357,8 +375,8 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
                   wave_rows * shape.vocab * (4 * SAMPLING_FP32_BUFFERS + DENSE_BYTES * SAMPLING_MODEL_DTYPE_BUFFERS)),
         Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x "
                              f"{settings.max_prompt_tokens} tokens)", prefill),
-        Component("rollout", f"sampled tokens, log-probs, entropies ({settings.rows} rows)",
-                  settings.rows * settings.max_new_tokens * ROLLOUT_OUTPUT_BYTES_PER_TOKEN),
+        Component("rollout", f"sampled tokens, log-probs, entropies ({settings.rows} rows + one wave's)",
+                  (settings.rows + wave_rows) * settings.max_new_tokens * ROLLOUT_OUTPUT_BYTES_PER_TOKEN),
         Component("rollout", f"bf16 LoRA copies for decoding (x{LORA_ROLLOUT_COPIES})",
                   lora_parameters(shape, settings) * DENSE_BYTES * LORA_ROLLOUT_COPIES),
     ]
@@ -398,8 +416,9 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     return total
 
 
-def update_components(shape: ModelShape, settings: RunSettings, tokens: int) -> list[Component]:
-    """What the update adds to the resident memory for micro-batches of ``tokens`` (padded) tokens."""
+def update_components(shape: ModelShape, settings: RunSettings, tokens: int, kept_kv_rows: int = 0) -> list[Component]:
+    """What the update adds to the resident memory for micro-batches of ``tokens`` (padded) tokens, with the engine
+    keeping the KV cache of ``kept_kv_rows`` rows allocated."""
     H, I = shape.hidden, shape.intermediate
     per_layer = layer_activation_bytes(shape, settings)
     if settings.gradient_checkpointing:
@@ -425,9 +444,9 @@ def update_components(shape: ModelShape, settings: RunSettings, tokens: int) -> 
     if settings.quantization == "nvfp4":
         out.append(Component("update", "NVFP4 weight dequantized per layer (bf16, forward + backward)",
                              _largest_layer_weights(shape, settings) * DENSE_BYTES * DEQUANTIZED_LAYER_COPIES))
-    if settings.kv_kept_in_update:
-        out.append(Component("update", "KV cache kept by the engine through the update",
-                             shape.kv_bytes_per_token() * settings.rows * kv_cache_length(settings)))
+    if kept_kv_rows:
+        out.append(Component("update", f"KV cache kept by the engine ({kept_kv_rows} rows)",
+                             kv_cache_bytes(shape, settings, kept_kv_rows)))
     return out
 
 
@@ -444,8 +463,9 @@ def rollout_peak(shape: ModelShape, settings: RunSettings, wave_rows: int, wide_
         rollout_components(shape, settings, wave_rows, wide_batch_bf16))
 
 
-def update_peak(shape: ModelShape, settings: RunSettings, tokens: int) -> float:
-    return _total(resident_components(shape, settings)) + _total(update_components(shape, settings, tokens))
+def update_peak(shape: ModelShape, settings: RunSettings, tokens: int, kept_kv_rows: int = 0) -> float:
+    return _total(resident_components(shape, settings)) + _total(
+        update_components(shape, settings, tokens, kept_kv_rows))
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -464,7 +484,7 @@ def default_margin(free_bytes: int) -> int:
 
 def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None = None,
                 margin_bytes: int | None = None, wave_rows: int | None = None,
-                micro_batch_tokens: int | str | None = None) -> MemoryPlan:
+                micro_batch_tokens: int | str | None = None, total_bytes: int | None = None) -> MemoryPlan:
     """The plan of a run on a device with ``free_bytes`` free (None: no device; nothing is chosen or refused).
 
     Args:
@@ -472,10 +492,12 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
         settings: the run's settings (``settings.micro_batch_tokens`` is ignored: see ``micro_batch_tokens``).
         free_bytes: free device memory before anything of the run is allocated.
         margin_bytes: left unplanned (default: ``SAFETY_MARGIN_FRACTION`` of ``free_bytes``).
-        wave_rows: rows per wave the user set; None: the largest multiple of the group size that fits (all rows
-            when the engine has no waves).
+        wave_rows: rows per wave the user set (whole groups: rounded down to a multiple of the group size); None:
+            the largest multiple of the group size that fits (all rows when the engine has no waves).
         micro_batch_tokens: the update's token budget: an int, None (``micro_batch_size`` rows alone) or ``"auto"``
             (the largest that fits; with no device: None).
+        total_bytes: the device's memory (whether the engine frees its KV cache for the update depends on it);
+            default: ``free_bytes``.
 
     Raises:
         MemoryPlanError: the settings cannot fit, with the option to lower and the largest value that fits.
@@ -483,9 +505,10 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     if settings.quantization not in ("nvfp4", "bf16"):
         raise ValueError(f"quantization must be 'nvfp4' or 'bf16', got {settings.quantization!r}.")
     G, N = settings.group_size, settings.rows
-    if wave_rows is not None and (wave_rows < G or wave_rows % G):
-        raise MemoryPlanError(f"{OPT_WAVE_ROWS}={wave_rows}: must be a multiple of {OPT_GROUP} ({G}), at least "
-                              f"{G} (whole groups per wave), or null to let the memory plan choose.")
+    if wave_rows is not None and wave_rows < G:
+        raise MemoryPlanError(f"{OPT_WAVE_ROWS}={wave_rows}: must be at least one group ({OPT_GROUP}={G}): a wave "
+                              "decodes whole groups; or null to let the memory plan choose.")
+    total_bytes = free_bytes if total_bytes is None else total_bytes
     margin = (default_margin(free_bytes) if margin_bytes is None else margin_bytes) if free_bytes is not None else 0
     budget = None if free_bytes is None else free_bytes - margin
     notes = []
@@ -495,13 +518,20 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     if not settings.waves:
         rows = N
     elif wave_rows is not None:
-        rows = min(wave_rows, N)
+        rows = min(wave_rows // G * G, N)
     elif budget is None:
         rows = N
     else:
-        groups = _largest(lambda g: rollout_peak(shape, settings, g * G, forced_copy and g * G > WIDE_BATCH_ROWS)
-                          <= budget, 1, N // G)
-        rows = G * (groups or 1)
+        def fits(r: int) -> bool:  # the rollout, and the shortest update beside a KV cache the engine keeps
+            kept = kv_kept_rows(shape, settings, r, total_bytes)
+            return (rollout_peak(shape, settings, r, forced_copy and r > WIDE_BATCH_ROWS) <= budget
+                    and update_peak(shape, settings, settings.longest_row, kept) <= budget)
+
+        rows = G * (_largest(lambda g: fits(g * G), 1, N // G) or 1)
+    kept = kv_kept_rows(shape, settings, rows, total_bytes)
+    if kept:
+        notes.append(f"KV cache kept through the update ({kv_cache_bytes(shape, settings, kept) / GIB:.1f} GiB; the "
+                     f"engine frees one above {KV_RELEASE_FRACTION:.0%} of the GPU unless keep_kv_cache is set)")
     copy = _makes_bf16_copy(shape, settings, rows, free_bytes)
     if settings.quantization == "nvfp4" and rows > WIDE_BATCH_ROWS and settings.wide_batch_bf16 is None:
         extra = nvfp4_weights(shape, settings) * DENSE_BYTES / GIB
@@ -516,7 +546,7 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
             tokens_budget = None
         else:
             most = micro_batch_span(settings, None)
-            span = _largest(lambda t: update_peak(shape, settings, t) <= budget, settings.longest_row, most)
+            span = _largest(lambda t: update_peak(shape, settings, t, kept) <= budget, settings.longest_row, most)
             tokens_budget = None if span is None else max(
                 settings.longest_row, span // MICRO_BATCH_TOKENS_MULTIPLE * MICRO_BATCH_TOKENS_MULTIPLE)
             if span == most:
@@ -527,7 +557,7 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
 
     plan = MemoryPlan(settings, shape, rows, tokens_budget, free_bytes, margin,
                       resident_components(shape, settings) + rollout_components(shape, settings, rows, copy)
-                      + update_components(shape, settings, tokens), copy, notes)
+                      + update_components(shape, settings, tokens, kept), copy, kept, notes)
     if budget is not None:
         try:
             _refuse_what_does_not_fit(plan, budget, micro_batch_tokens)
@@ -596,16 +626,17 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
     update = plan.peak("update")
     if update > budget:
         tokens = micro_batch_span(s, plan.micro_batch_tokens)
-        one_row = update_peak(shape, s, s.longest_row)
+        kept = plan.kv_kept_rows
+        one_row = update_peak(shape, s, s.longest_row, kept)
         if one_row > budget:
             fixes = [] if s.gradient_checkpointing else [f"set {OPT_CHECKPOINTING} true"]
-            by_length = lengths_fix(lambda t: update_peak(shape, t, t.longest_row) <= budget)
+            by_length = lengths_fix(lambda t: update_peak(shape, t, t.longest_row, kept) <= budget)
             if by_length:
                 fixes.append("lower " + by_length)
             raise MemoryPlanError(f"memory plan: the update of the longest row alone ({s.longest_row} tokens: "
                                   f"{OPT_PROMPT} + {OPT_NEW}) needs {one_row / GIB:.1f} GiB, {have}: "
                                   + (" or ".join(fixes) or "use a larger GPU") + ".")
-        span = _largest(lambda t: update_peak(shape, s, t) <= budget, s.longest_row, tokens)
+        span = _largest(lambda t: update_peak(shape, s, t, kept) <= budget, s.longest_row, tokens)
         if micro_batch_tokens is None:
             rows = max(1, span // s.longest_row)
             fix = (f"set {OPT_MB_TOKENS} to <= {span} (or auto), or lower {OPT_MB_SIZE} to <= {rows} "

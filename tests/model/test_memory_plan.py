@@ -132,6 +132,31 @@ def test_without_a_device_nothing_is_chosen_or_refused():
     assert "none assumed" in plan.table()
 
 
+@pytest.mark.parametrize(("engine", "keep", "kept"), [
+    ("cuda_graph", None, 0),  # 24 rows x 2304 x 192 KiB = 10.1 GiB: above a tenth of 79 GiB, so released...
+    ("cuda_graph", True, 24),  # ... unless the engine is told to keep it
+    ("cuda_graph", False, 0),
+    ("builtin", None, 0),  # transformers' cache is dropped after each rollout
+])
+def test_the_kv_cache_counts_in_the_update_only_where_the_engine_keeps_it(engine, keep, kept):
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-14b"))
+    graphs = engine == "cuda_graph"
+    settings = RunSettings(prompts=16 if graphs else 4, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
+                           engine=engine, keep_kv_cache=keep, gradient_checkpointing=True, waves=graphs)
+    plan = plan_memory(shape, settings, H100_FREE, wave_rows=24 if graphs else None, micro_batch_tokens=8192)
+    if keep is None and graphs:
+        small = plan_memory(shape, settings, H100_FREE, wave_rows=8, micro_batch_tokens=8192)
+        assert small.kv_kept_rows == 8  # 3.4 GiB: kept
+    assert plan.kv_kept_rows == kept
+    in_update = [c.nbytes for c in plan.components if c.phase == "update" and c.name.startswith("KV cache kept")]
+    assert in_update == ([24 * 2304 * shape.kv_bytes_per_token()] if kept else [])
+    if not graphs:
+        return
+    # a kept cache is planned beside the update: the wave chosen leaves room for the shortest update next to it
+    chosen = plan_memory(shape, replace(settings, keep_kv_cache=True), 40 * GIB, micro_batch_tokens="auto")
+    assert chosen.peak_bytes <= 40 * GIB - chosen.margin_bytes and chosen.kv_kept_rows == chosen.wave_rows
+
+
 def fits(shape, settings, free, **kwargs) -> bool:
     try:
         plan_memory(shape, settings, free, **kwargs)
@@ -165,8 +190,9 @@ def test_a_wave_size_or_micro_batch_the_user_set_too_large_is_refused_with_what_
     rows = int(str(error.value).split("<= ")[1].split(" ")[0])
     assert fits(shape, checkpointed, 20 * GIB, wave_rows=rows, micro_batch_tokens=2304)
     assert not fits(shape, checkpointed, 20 * GIB, wave_rows=rows + 8, micro_batch_tokens=2304)
-    with pytest.raises(MemoryPlanError, match=r"wave_rows=12: must be a multiple of model.group_size \(8\)"):
-        plan_memory(shape, settings, 20 * GIB, wave_rows=12)
+    with pytest.raises(MemoryPlanError, match=r"wave_rows=4: must be at least one group \(model.group_size=8\)"):
+        plan_memory(shape, settings, 20 * GIB, wave_rows=4)
+    assert plan_memory(shape, settings, wave_rows=20).wave_rows == 16  # whole groups, as the engine decodes them
     with pytest.raises(MemoryPlanError) as error:
         plan_memory(shape, settings, 40 * GIB, micro_batch_tokens=65536)
     message = str(error.value)
