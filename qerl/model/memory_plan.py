@@ -226,6 +226,12 @@ class MemoryPlan:
     def peak_bytes(self) -> float:
         return max(self.peak(p) for p in PHASES)
 
+    def summary(self) -> dict:
+        """The plan's numbers under the names the memory benchmark's rows use (GiB)."""
+        return {"resident_gb": self.peak("resident") / GIB, "peak_rollout_gb": self.peak("rollout") / GIB,
+                "peak_update_gb": self.peak("update") / GIB, "peak_gb": self.peak_bytes / GIB,
+                "wave_rows": self.wave_rows, "micro_batch_tokens": self.micro_batch_tokens}
+
     def table(self) -> str:
         """The plan as text: one line per component (phase, component, GiB), each phase's peak, the choices."""
         s = self.settings
@@ -493,7 +499,7 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
         free_bytes: free device memory before anything of the run is allocated.
         margin_bytes: left unplanned (default: ``SAFETY_MARGIN_FRACTION`` of ``free_bytes``).
         wave_rows: rows per wave the user set (whole groups: rounded down to a multiple of the group size); None:
-            the largest multiple of the group size that fits (all rows when the engine has no waves).
+            the fewest waves of whole groups that fit, as even as they go (all rows when the engine has no waves).
         micro_batch_tokens: the update's token budget: an int, None (``micro_batch_size`` rows alone) or ``"auto"``
             (the largest that fits; with no device: None).
         total_bytes: the device's memory (whether the engine frees its KV cache for the update depends on it);
@@ -527,7 +533,9 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
             return (rollout_peak(shape, settings, r, forced_copy and r > WIDE_BATCH_ROWS) <= budget
                     and update_peak(shape, settings, settings.longest_row, kept) <= budget)
 
-        rows = G * (_largest(lambda g: fits(g * G), 1, N // G) or 1)
+        most = _largest(lambda g: fits(g * G), 1, N // G) or 1
+        # as many waves as the largest that fits needs, but as even as they go: the same decode passes, less memory
+        rows = G * -(-settings.prompts // -(-settings.prompts // most))
     kept = kv_kept_rows(shape, settings, rows, total_bytes)
     if kept:
         notes.append(f"KV cache kept through the update ({kv_cache_bytes(shape, settings, kept) / GIB:.1f} GiB; the "

@@ -4,6 +4,7 @@ naming the option and the largest value that fits; the Qwen2.5 recipes fit an 80
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -114,10 +115,14 @@ def test_choices_grow_with_the_free_memory_and_always_fit():
         budgets.append(plan.micro_batch_tokens)
     assert waves == sorted(waves) and waves[0] < waves[-1] == 128
     assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
-    # the largest: one more group per wave, or 256 more tokens per micro-batch, would not fit
+    # the fewest waves, as even as they go: one wave less, or 256 more tokens per micro-batch, would not fit
     plan = plan_memory(shape, settings, 60 * GIB, micro_batch_tokens="auto")
     budget = 60 * GIB - plan.margin_bytes
-    wider = plan_memory(shape, settings, wave_rows=plan.wave_rows + 8, micro_batch_tokens=plan.micro_batch_tokens)
+    per_wave = plan.wave_rows // 8
+    waves = math.ceil(16 / per_wave)
+    assert waves > 1 and math.ceil(16 / waves) == per_wave  # e.g. 16 prompts as 6 + 5 + 5, not 7 + 7 + 2
+    wider = plan_memory(shape, settings, wave_rows=8 * math.ceil(16 / (waves - 1)),
+                        micro_batch_tokens=plan.micro_batch_tokens)
     assert wider.peak("rollout") > budget
     more = plan_memory(shape, settings, micro_batch_tokens=plan.micro_batch_tokens + 256)
     assert more.peak("update") > budget
@@ -130,6 +135,10 @@ def test_without_a_device_nothing_is_chosen_or_refused():
     assert plan.wave_rows == 128 and plan.micro_batch_tokens is None and plan.free_bytes is None
     assert micro_batch_span(settings, None) == 8 * 5120
     assert "none assumed" in plan.table()
+    summary = plan.summary()
+    assert summary["peak_gb"] == max(summary[k] for k in ("resident_gb", "peak_rollout_gb", "peak_update_gb"))
+    assert summary["peak_rollout_gb"] * GIB == plan.peak("resident") + sum(
+        c.nbytes for c in plan.components if c.phase == "rollout")
 
 
 @pytest.mark.parametrize(("engine", "keep", "kept"), [
