@@ -120,7 +120,7 @@ def test_choices_grow_with_the_free_memory_and_always_fit():
     budget = 60 * GIB - plan.margin_bytes
     per_wave = plan.wave_rows // 8
     waves = math.ceil(16 / per_wave)
-    assert waves > 1 and math.ceil(16 / waves) == per_wave  # e.g. 16 prompts as 6 + 5 + 5, not 7 + 7 + 2
+    assert waves > 1 and math.ceil(16 / waves) == per_wave  # e.g. 16 prompts as 6 + 6 + 4, not 7 + 7 + 2
     wider = plan_memory(shape, settings, wave_rows=8 * math.ceil(16 / (waves - 1)),
                         micro_batch_tokens=plan.micro_batch_tokens)
     assert wider.peak("rollout") > budget
