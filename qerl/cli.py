@@ -173,11 +173,19 @@ class QeRLCLI(LightningCLI):
                       "sizes its own memory.")
                 sys.exit(0)
             return
+        name = self.model.policy_config.model
         try:
-            shape = ModelShape.from_config(load_config(self.model.policy_config.model))
-        except OSError as error:
-            parser.error(f"model.policy.model={self.model.policy_config.model!r}: its config cannot be read for the "
-                         f"memory plan ({str(error).splitlines()[0]}).")
+            config = load_config(name)
+        except (OSError, ValueError) as error:
+            parser.error(f"model.policy.model={name!r}: its config cannot be read for the memory plan "
+                         f"({str(error).strip().splitlines()[0]}).")
+        try:
+            shape = ModelShape.from_config(config)
+        except AttributeError as error:  # not a Llama/Qwen2-style config: train without a plan
+            if print_only:
+                parser.error(f"model.policy.model={name!r}: no memory plan for this architecture ({error}).")
+            warnings.warn(f"No memory plan for {name} ({error}): wave_rows and micro_batch_tokens: auto stay unset.")
+            return
         settings = run_settings(self.model, self.datamodule)
         try:
             plan = plan_memory(shape, settings, free, wave_rows=getattr(engine, "wave_rows", None),
@@ -230,12 +238,11 @@ def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSett
     """What the memory plan needs of the configured module, engine and data."""
     policy, hparams, engine = model.policy_config, model.hparams, model.rollout
     waves = "wave_rows" in inspect.signature(type(engine).__init__).parameters  # engines that decode in waves
-    budget = hparams.micro_batch_tokens
     return RunSettings(
         prompts=datamodule.batch_size, group_size=hparams.group_size, max_prompt_tokens=datamodule.max_prompt_tokens,
         max_new_tokens=engine.max_new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
-        micro_batch_size=hparams.micro_batch_size, micro_batch_tokens=None if budget == "auto" else budget,
+        micro_batch_size=hparams.micro_batch_size,
         gradient_checkpointing=policy.gradient_checkpointing, logprob_chunk_size=hparams.logprob_chunk_size,
         engine="cuda_graph" if isinstance(engine, CUDAGraphRollout) else "builtin", waves=waves,
         length_bucket=getattr(engine, "length_bucket", 1), wide_batch_bf16=getattr(engine, "wide_batch_bf16", False),

@@ -146,7 +146,6 @@ class RunSettings:
         lora_targets: module names (leaf names or regexes) that get NVFP4 storage and LoRA.
         train_norms: the RMSNorm weights are trained too.
         micro_batch_size: at most this many rows per micro-batch.
-        micro_batch_tokens: at most this many (padded) tokens per micro-batch; None: ``micro_batch_size`` alone.
         gradient_checkpointing: decoder layers are recomputed in the backward.
         logprob_chunk_size: tokens per LM-head chunk in the loss.
         engine: ``cuda_graph`` (static slot cache, rounded up to ``length_bucket``) or ``builtin`` (transformers'
@@ -168,7 +167,6 @@ class RunSettings:
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     train_norms: bool = True
     micro_batch_size: int = 8
-    micro_batch_tokens: int | None = None
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
     engine: str = "cuda_graph"
@@ -246,7 +244,8 @@ class MemoryPlan:
         lines += [
             f"peak: {self.peak_bytes / GIB:.2f} GiB; free device memory: {budget}",
             f"wave_rows: {self.wave_rows} ({waves} wave{'s' if waves > 1 else ''} of at most {self.wave_rows} rows; "
-            f"{s.rows} rows = {s.prompts} prompts x {s.group_size})",
+            f"{s.rows} rows = {s.prompts} prompts x {s.group_size})" if s.waves else
+            f"wave_rows: none (this engine decodes all {s.rows} rows at once)",
             f"micro_batch_tokens: {self.micro_batch_tokens if self.micro_batch_tokens is not None else 'none'} "
             f"(longest row {s.longest_row} tokens, at most {s.micro_batch_size} rows per micro-batch; "
             f"{'with' if s.gradient_checkpointing else 'without'} gradient checkpointing)",
@@ -495,7 +494,7 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
 
     Args:
         shape: the model's sizes.
-        settings: the run's settings (``settings.micro_batch_tokens`` is ignored: see ``micro_batch_tokens``).
+        settings: the run's settings.
         free_bytes: free device memory before anything of the run is allocated.
         margin_bytes: left unplanned (default: ``SAFETY_MARGIN_FRACTION`` of ``free_bytes``).
         wave_rows: rows per wave the user set (whole groups: rounded down to a multiple of the group size); None:
