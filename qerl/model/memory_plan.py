@@ -50,7 +50,7 @@ PREFILL_HIDDEN_BUFFERS = 6  # [tokens, hidden] bf16: residual, normed input, att
 PREFILL_DENSE_MIN_TOKENS = 128  # from this many prefill tokens an NVFP4 group is dequantized to bf16 for cuBLAS
 WIDE_BATCH_ROWS = 64  # above this many rows the engine may decode with a bf16 copy of the NVFP4 weights
 WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the engine makes that copy (by default) only with this much left over
-KV_RELEASE_FRACTION = 0.1  # the graph engine frees a KV cache above this share of the GPU for the update (by default)
+KV_RELEASE_FRACTION = 0.05  # the graph engine frees a KV cache above this share of the GPU for the update (default)
 
 # ---- update ------------------------------------------------------------------------------------------------------
 NORM_FP32_INPUT_BYTES = 4  # an RMSNorm keeps its input in fp32 (per channel) for the backward of pow ...

@@ -142,7 +142,7 @@ def test_without_a_device_nothing_is_chosen_or_refused():
 
 
 @pytest.mark.parametrize(("engine", "keep", "kept"), [
-    ("cuda_graph", None, 0),  # 24 rows x 2304 x 192 KiB = 10.1 GiB: above a tenth of 79 GiB, so released...
+    ("cuda_graph", None, 0),  # 24 rows x 2304 x 192 KiB = 10.1 GiB: above a twentieth of 79 GiB, so released...
     ("cuda_graph", True, 24),  # ... unless the engine is told to keep it
     ("cuda_graph", False, 0),
     ("builtin", None, 0),  # transformers' cache is dropped after each rollout
