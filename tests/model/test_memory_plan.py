@@ -268,3 +268,20 @@ def test_bf16_32b_leaves_room_for_two_prompts_per_wave_at_most():
     assert bf16.wave_rows <= 16 < nvfp4.wave_rows  # at most 2 prompts per wave: 8 waves or more
     bigmath = replace(settings, quantization="bf16", prompts=8, max_prompt_tokens=1024, max_new_tokens=4096)
     assert plan_memory(shape, bigmath, H100_FREE, micro_batch_tokens="auto").wave_rows == 8
+
+
+def test_a_tied_llama_has_one_embedding_matrix_and_no_biases():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # SmolLM2-135M's sizes
+    shape = ModelShape.from_config(config)
+    assert (shape.head_dim, shape.tied_embeddings, shape.qkv_bias) == (64, True, False)
+    plan = plan_memory(shape, tiny_settings(lora_rank=16))
+    names = [c.name for c in plan.components if c.phase == "resident"]
+    assert "embeddings (bf16), tied LM head" in names and not any(n.startswith("LM head") for n in names)
+    assert component(plan, "norms and biases") == (2 * 30 + 1) * 576 * 2
+    with pytest.raises(AttributeError):  # no Llama-style sizes: the CLI trains without a plan
+        from transformers import GPT2Config
+
+        ModelShape.from_config(GPT2Config())
