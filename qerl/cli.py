@@ -197,7 +197,7 @@ class QeRLCLI(LightningCLI):
         if print_only:
             print(plan.table())
             sys.exit(0)
-        if settings.waves and getattr(engine, "wave_rows", None) is None:
+        if settings.waves and engine.wave_rows is None:
             engine.wave_rows = plan.wave_rows
         self.model.planned_micro_batch_tokens = plan.micro_batch_tokens
         if self.trainer.is_global_zero:
@@ -237,16 +237,17 @@ def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:
 def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSettings:
     """What the memory plan needs of the configured module, engine and data."""
     policy, hparams, engine = model.policy_config, model.hparams, model.rollout
-    waves = "wave_rows" in inspect.signature(type(engine).__init__).parameters  # engines that decode in waves
+    graphs = isinstance(engine, CUDAGraphRollout)  # decodes in waves, keeps or frees its static cache
     return RunSettings(
         prompts=datamodule.batch_size, group_size=hparams.group_size, max_prompt_tokens=datamodule.max_prompt_tokens,
         max_new_tokens=engine.max_new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
         micro_batch_size=hparams.micro_batch_size,
         gradient_checkpointing=policy.gradient_checkpointing, logprob_chunk_size=hparams.logprob_chunk_size,
-        engine="cuda_graph" if isinstance(engine, CUDAGraphRollout) else "builtin", waves=waves,
-        length_bucket=getattr(engine, "length_bucket", 1), wide_batch_bf16=getattr(engine, "wide_batch_bf16", False),
-        keep_kv_cache=getattr(engine, "keep_kv_cache", True),  # an engine without the setting keeps its cache
+        engine="cuda_graph" if graphs else "builtin", waves=graphs,
+        length_bucket=engine.length_bucket if graphs else 1,
+        wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
+        keep_kv_cache=engine.keep_kv_cache if graphs else False,
     )
 
 
