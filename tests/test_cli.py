@@ -110,3 +110,88 @@ def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after
     with pytest.raises(Exception):
         cli_main([*base, "--model.policy.model", str(broken)])
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no empty version_1 left behind
+
+
+GPU = str(Path(DEBUG).parent / "gpu.yaml")
+RECIPE_7B = str(Path(DEBUG).parent / "recipes" / "qwen2.5-7b_gsm8k.yaml")
+
+
+def config_only_model(directory: Path, size: str) -> Path:
+    """A model directory holding config.json alone: a plan must not need more."""
+    from qerl.testing.random_models import qwen25_config
+
+    qwen25_config(size).save_pretrained(directory)
+    assert [p.name for p in directory.iterdir()] == ["config.json"]
+    return directory
+
+
+def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_loads, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-7b", "qwen2.5-7b")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", GPU, "--config", RECIPE_7B, "--model.policy.model", str(model),
+                  "--trainer.accelerator", "cpu", "--print_memory_plan", "true", "--memory_plan_device_gb", "79"])
+    assert exit_info.value.code in (None, 0)
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split() == ["phase", "component", "GiB"]
+    assert "resident  NVFP4 linears (compressed-tensors" in printed
+    assert "KV cache, one wave (" in printed and "x 2304 positions" in printed  # 256 + 2048, in buckets of 256
+    assert "update    activations (4608 tokens, every layer's saved tensors)" in printed  # the recipe's budget
+    assert "free device memory: 79.00 GiB" in printed and "\nwave_rows: " in printed
+    assert "\nmicro_batch_tokens: 4608 (longest row 2304 tokens" in printed
+    assert not (tmp_path / "runs").exists()
+
+
+def test_print_memory_plan_on_a_cpu_assumes_no_device_memory(capsys, no_model_loads, tiny_model_dirs):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+                  "--print_memory_plan", "true"])
+    assert exit_info.value.code in (None, 0)
+    printed = capsys.readouterr().out
+    assert "free device memory: none assumed" in printed and "KV cache, one wave (4 rows x 132 positions" in printed
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading_naming_the_option(capsys, no_model_loads, tiny_model_dirs,
+                                                                           tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = fails(["--model.policy.model", str(tiny_model_dirs["qwen2"]), "--memory_plan_device_gb", "0.05",
+                  "--model.rollout.init_args.max_new_tokens", "100000"], capsys)
+    assert line.startswith("error: memory plan: model.rollout.init_args.max_new_tokens=100000 with "
+                           "data.max_prompt_tokens=128 needs "), line
+    assert "with all 4 rows at once" in line and "model.rollout.init_args.max_new_tokens to <= " in line
+    assert not (tmp_path / "runs").exists()
+    assert fails(["--model.policy.model", str(tiny_model_dirs["qwen2"]), "--memory_plan_device_gb", "0"],
+                 capsys).startswith("error: --memory_plan_device_gb=0.0: must be > 0")
+
+
+def test_micro_batch_tokens_auto_takes_the_plans_budget(no_model_loads, tiny_model_dirs, tmp_path, monkeypatch):
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.micro_batch_tokens",
+            "auto"]
+    planned = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_plan_device_gb", "4"])
+    assert planned.model.hparams.micro_batch_tokens == "auto"
+    assert planned.model.planned_micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
+    on_cpu = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)  # no plan without a device
+    assert on_cpu.model.planned_micro_batch_tokens is None
+
+
+def test_the_plan_gives_the_graph_engine_its_waves(no_model_loads, tmp_path, monkeypatch):
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-32b", "qwen2.5-32b")
+    args = ["--config", GPU, "--config", str(Path(DEBUG).parent / "recipes" / "qwen2.5-32b_gsm8k.yaml"),
+            "--model.policy.model", str(model), "--trainer.accelerator", "cpu",
+            "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout", "--memory_plan_device_gb", "79"]
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)
+    rows = cli.model.rollout.wave_rows  # 16 prompts x 8 do not fit at once beside 32B: whole groups per wave
+    assert rows % 8 == 0 and 8 <= rows < 128
+    kept = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                   args=[*args, "--model.rollout.init_args.wave_rows", "16"])
+    assert kept.model.rollout.wave_rows == 16  # the user's choice stays

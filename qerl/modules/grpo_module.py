@@ -31,6 +31,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -62,8 +63,9 @@ class GRPOModule(L.LightningModule):
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
         micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
-            longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone.
-            A sequence longer than the budget still gets a micro-batch of its own.
+            longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone;
+            ``auto``: the largest budget the memory plan fits in the free GPU memory (``micro_batch_size`` alone
+            where no plan runs: on CPU). A sequence longer than the budget still gets a micro-batch of its own.
         num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
         lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
         weight_decay: AdamW weight decay.
@@ -93,7 +95,7 @@ class GRPOModule(L.LightningModule):
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
-        micro_batch_tokens: int | None = None,
+        micro_batch_tokens: int | Literal["auto"] | None = None,
         num_iterations: int = 1,
         lr: float = 1e-5,
         weight_decay: float = 0.1,
@@ -118,8 +120,9 @@ class GRPOModule(L.LightningModule):
         check_options("model", [
             ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
             ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
-            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens is None or micro_batch_tokens >= 1,
-             ">= 1, or null for micro_batch_size alone"),
+            ("micro_batch_tokens", micro_batch_tokens,
+             micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
+             ">= 1, auto (the memory plan chooses) or null for micro_batch_size alone"),
             ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
             ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
@@ -136,6 +139,7 @@ class GRPOModule(L.LightningModule):
         ])
         policy.validate()
         self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
+        self.planned_micro_batch_tokens: int | None = None  # what ``micro_batch_tokens: auto`` is (the CLI's plan)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
@@ -229,7 +233,9 @@ class GRPOModule(L.LightningModule):
         # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
         # over zero rows fails).
         lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
-        plan = plan_micro_batches(lengths, self.hparams.micro_batch_tokens, self.hparams.micro_batch_size)
+        budget = self.hparams.micro_batch_tokens
+        budget = self.planned_micro_batch_tokens if budget == "auto" else budget
+        plan = plan_micro_batches(lengths, budget, self.hparams.micro_batch_size)
         chunks = [rows[torch.tensor(batch, device=rows.device)] for batch in plan]
         old = self._logprobs_no_grad(rollout, chunks) if self.hparams.num_iterations > 1 else None
         ref = None

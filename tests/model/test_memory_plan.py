@@ -1,0 +1,287 @@
+"""The memory plan: its exact parts (weights, the GEMV's repack, LoRA and AdamW states, the KV cache) equal the bytes a
+real policy, optimizer and cache allocate; its choices grow with the free memory; a setting that cannot fit is refused
+naming the option and the largest value that fits; the Qwen2.5 recipes fit an 80 GB GPU with waves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from qerl.model.memory_plan import (GIB, NVFP4_BYTES_PER_WEIGHT, MemoryPlanError, ModelShape, RunSettings,
+                                    micro_batch_span, plan_memory)
+from qerl.model.policy import build_policy, trainable_parameters
+from qerl.nvfp4.kernels.gemv_layout import repack, supported
+from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.cuda_graph import SlotCache
+from qerl.testing.random_models import qwen25_config
+from qerl.testing.tiny_models import tiny_config
+
+H100_FREE = int(79 * GIB)  # what an idle 80 GB H100 reports free
+
+
+def component(plan, prefix: str) -> float:
+    found = [c.nbytes for c in plan.components if c.name.startswith(prefix)]
+    assert len(found) == 1, (prefix, [c.name for c in plan.components])
+    return found[0]
+
+
+def tiny_settings(**overrides) -> RunSettings:
+    return RunSettings(**{**dict(prompts=3, group_size=2, max_prompt_tokens=40, max_new_tokens=300, lora_rank=4),
+                          **overrides})
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_model_dirs, quantization):
+    policy = build_policy(str(tiny_model_dirs["qwen2"]), quantization, lora_rank=4, lora_alpha=8, dtype="bfloat16")
+    model = policy.get_base_model()
+    plan = plan_memory(ModelShape.from_config(model.config), tiny_settings(quantization=quantization))
+
+    quantized = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    storage = sum(t.nbytes for m in quantized for t in (m.weight_packed, m.weight_scale, m.weight_global_scale))
+    repacked = sum(t.nbytes for m in quantized if supported(m.out_features, m.in_features)
+                   for t in repack(m.weight_packed, m.weight_scale))
+    if quantization == "nvfp4":
+        assert component(plan, "NVFP4 linears") == storage > 0
+        assert component(plan, "decode GEMV's repacked copy") == repacked > 0
+    else:
+        dense = sum(m.base_layer.weight.nbytes for n, m in model.named_modules() if n.endswith("_proj"))
+        assert component(plan, "bf16 linears") == dense and not quantized
+    assert component(plan, "embeddings") == model.get_input_embeddings().weight.nbytes
+    assert component(plan, "LM head") == model.get_output_embeddings().weight.nbytes
+    frozen_small = sum(p.nbytes for n, p in model.named_parameters()
+                       if ("norm" in n and "modules_to_save" not in n) or n.endswith("bias"))
+    assert component(plan, "norms and biases") == frozen_small
+
+    # one optimizer step: AdamW's states are allocated then
+    lora = [p for n, p in policy.named_parameters() if p.requires_grad and "lora_" in n]
+    norms = [p for n, p in policy.named_parameters() if p.requires_grad and "modules_to_save" in n]
+    assert len(lora) + len(norms) == len(trainable_parameters(policy))
+    policy(input_ids=torch.tensor([[1, 5, 9, 2]])).logits.float().square().mean().backward()
+    optimizer = torch.optim.AdamW(lora + norms)
+    optimizer.step()
+    states = lambda ps: sum(optimizer.state[p][k].nbytes for p in ps for k in ("exp_avg", "exp_avg_sq"))  # noqa: E731
+    assert component(plan, "LoRA r=4") == sum(p.nbytes for p in lora) > 0
+    assert component(plan, "AdamW states of LoRA") == states(lora)
+    assert component(plan, "trained norms") == sum(p.nbytes for p in norms) + states(norms)
+
+
+@pytest.mark.parametrize(("engine", "length"), [("cuda_graph", 512), ("builtin", 340)])
+def test_the_kv_cache_of_a_wave_is_what_the_slot_cache_allocates(engine, length):
+    config = tiny_config("qwen2")
+    shape = ModelShape.from_config(config)
+    plan = plan_memory(shape, tiny_settings(engine=engine), wave_rows=4)  # 40 + 300 positions (bucketed: 512)
+    cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, length,
+                      config.hidden_size // config.num_attention_heads, torch.bfloat16, "cpu")
+    allocated = sum(t.nbytes for t in (*cache.keys, *cache.values))
+    kv = component(plan, "KV cache, one wave (4 rows")
+    if engine == "cuda_graph":
+        assert kv == allocated
+    else:  # transformers' cache grows by concatenation: one layer's copy on top
+        assert kv == allocated * (1 + 1 / config.num_hidden_layers)
+
+
+def test_qwen25_32b_exact_parts_by_hand():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    assert shape.kv_bytes_per_token() == 256 * 1024  # 64 layers x 8 KV heads x 128 x K and V x 2 bytes
+    plan = plan_memory(shape, RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048))
+    H, I, q, kv, L = 5120.0, 27648.0, 40 * 128.0, 8 * 128.0, 64
+    weights = L * (H * (q + 2 * kv) + q * H + 3 * H * I)
+    assert component(plan, "NVFP4 linears") == weights * NVFP4_BYTES_PER_WEIGHT + 7 * L * 4
+    assert component(plan, "decode GEMV's repacked copy") == weights * 0.625
+    lora = L * 16 * ((H + q) * 2 + (H + kv) * 2 + (H + I) * 3)
+    assert component(plan, "LoRA r=16") == lora * 4
+    assert component(plan, "AdamW states") == lora * 8
+    assert component(plan, "KV cache, one wave (128 rows x 2304 positions") == 128 * 2304 * 256 * 1024
+    assert component(plan, "embeddings") == component(plan, "LM head") == 152064 * H * 2
+    no_copy = plan_memory(shape, replace(plan.settings, gemv_copy=False))
+    assert plan.peak("resident") - no_copy.peak("resident") == weights * 0.625
+
+
+def test_choices_grow_with_the_free_memory_and_always_fit():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-14b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=1024, max_new_tokens=4096,
+                           gradient_checkpointing=True, micro_batch_size=64)
+    waves, budgets = [], []
+    for gib in range(40, 201, 16):
+        free = gib * GIB
+        plan = plan_memory(shape, settings, free, micro_batch_tokens="auto")
+        assert plan.wave_rows % 8 == 0 and 8 <= plan.wave_rows <= 128
+        assert plan.peak_bytes <= free - plan.margin_bytes
+        assert plan.micro_batch_tokens >= settings.longest_row
+        waves.append(plan.wave_rows)
+        budgets.append(plan.micro_batch_tokens)
+    assert waves == sorted(waves) and waves[0] < waves[-1] == 128
+    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
+    # the fewest waves, as even as they go: one wave less, or 256 more tokens per micro-batch, would not fit
+    plan = plan_memory(shape, settings, 60 * GIB, micro_batch_tokens="auto")
+    budget = 60 * GIB - plan.margin_bytes
+    per_wave = plan.wave_rows // 8
+    waves = math.ceil(16 / per_wave)
+    assert waves > 1 and math.ceil(16 / waves) == per_wave  # e.g. 16 prompts as 6 + 6 + 4, not 7 + 7 + 2
+    wider = plan_memory(shape, settings, wave_rows=8 * math.ceil(16 / (waves - 1)),
+                        micro_batch_tokens=plan.micro_batch_tokens)
+    assert wider.peak("rollout") > budget
+    more = plan_memory(shape, settings, micro_batch_tokens=plan.micro_batch_tokens + 256)
+    assert more.peak("update") > budget
+
+
+def test_without_a_device_nothing_is_chosen_or_refused():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=1024, max_new_tokens=4096)
+    plan = plan_memory(shape, settings, micro_batch_tokens="auto")
+    assert plan.wave_rows == 128 and plan.micro_batch_tokens is None and plan.free_bytes is None
+    assert micro_batch_span(settings, None) == 8 * 5120
+    assert "none assumed" in plan.table()
+    summary = plan.summary()
+    assert summary["peak_gb"] == max(summary[k] for k in ("resident_gb", "peak_rollout_gb", "peak_update_gb"))
+    assert summary["peak_rollout_gb"] * GIB == plan.peak("resident") + sum(
+        c.nbytes for c in plan.components if c.phase == "rollout")
+
+
+@pytest.mark.parametrize(("engine", "keep", "kept"), [
+    ("cuda_graph", None, 0),  # 24 rows x 2304 x 192 KiB = 10.1 GiB: above a twentieth of 79 GiB, so released...
+    ("cuda_graph", True, 24),  # ... unless the engine is told to keep it
+    ("cuda_graph", False, 0),
+    ("builtin", None, 0),  # transformers' cache is dropped after each rollout
+])
+def test_the_kv_cache_counts_in_the_update_only_where_the_engine_keeps_it(engine, keep, kept):
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-14b"))
+    graphs = engine == "cuda_graph"
+    settings = RunSettings(prompts=16 if graphs else 4, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
+                           engine=engine, keep_kv_cache=keep, gradient_checkpointing=True, waves=graphs)
+    plan = plan_memory(shape, settings, H100_FREE, wave_rows=24 if graphs else None, micro_batch_tokens=8192)
+    if keep is None and graphs:
+        small = plan_memory(shape, settings, H100_FREE, wave_rows=8, micro_batch_tokens=8192)
+        assert small.kv_kept_rows == 8  # 3.4 GiB: kept
+    assert plan.kv_kept_rows == kept
+    in_update = [c.nbytes for c in plan.components if c.phase == "update" and c.name.startswith("KV cache kept")]
+    assert in_update == ([24 * 2304 * shape.kv_bytes_per_token()] if kept else [])
+    if not graphs:
+        return
+    # a kept cache is planned beside the update: the wave chosen leaves room for the shortest update next to it
+    chosen = plan_memory(shape, replace(settings, keep_kv_cache=True), 40 * GIB, micro_batch_tokens="auto")
+    assert chosen.peak_bytes <= 40 * GIB - chosen.margin_bytes and chosen.kv_kept_rows == chosen.wave_rows
+
+
+def fits(shape, settings, free, **kwargs) -> bool:
+    try:
+        plan_memory(shape, settings, free, **kwargs)
+    except MemoryPlanError:
+        return False
+    return True
+
+
+def test_a_rollout_that_cannot_fit_one_group_is_refused_with_the_largest_length_that_fits():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    settings = RunSettings(prompts=8, group_size=8, max_prompt_tokens=1024, max_new_tokens=4096,
+                           gradient_checkpointing=True)
+    free = 50 * GIB
+    with pytest.raises(MemoryPlanError) as error:
+        plan_memory(shape, settings, free, micro_batch_tokens="auto")
+    message = str(error.value)
+    assert message.startswith("memory plan: model.rollout.init_args.max_new_tokens=4096 with data.max_prompt_tokens"
+                              "=1024 needs ") and "at one group per wave (8 rows)" in message
+    new = int(message.split("max_new_tokens to <= ")[1].split(" ")[0])
+    assert fits(shape, replace(settings, max_new_tokens=new), free, micro_batch_tokens="auto")
+    assert not fits(shape, replace(settings, max_new_tokens=new + 1), free, micro_batch_tokens="auto")
+    assert error.value.plan is not None and error.value.plan.wave_rows == 8
+
+
+def test_a_wave_size_or_micro_batch_the_user_set_too_large_is_refused_with_what_fits():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-7b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048, micro_batch_size=64)
+    checkpointed = replace(settings, gradient_checkpointing=True)
+    with pytest.raises(MemoryPlanError, match=r"wave_rows=128 needs .* lower it to <= (\d+) \(or null") as error:
+        plan_memory(shape, checkpointed, 20 * GIB, wave_rows=128, micro_batch_tokens=2304)
+    rows = int(str(error.value).split("<= ")[1].split(" ")[0])
+    assert fits(shape, checkpointed, 20 * GIB, wave_rows=rows, micro_batch_tokens=2304)
+    assert not fits(shape, checkpointed, 20 * GIB, wave_rows=rows + 8, micro_batch_tokens=2304)
+    with pytest.raises(MemoryPlanError, match=r"wave_rows=4: must be at least one group \(model.group_size=8\)"):
+        plan_memory(shape, settings, 20 * GIB, wave_rows=4)
+    assert plan_memory(shape, settings, wave_rows=20).wave_rows == 16  # whole groups, as the engine decodes them
+    with pytest.raises(MemoryPlanError) as error:
+        plan_memory(shape, settings, 40 * GIB, micro_batch_tokens=65536)
+    message = str(error.value)
+    assert "micro-batches of 65536 tokens need" in message and "lower model.micro_batch_tokens to <= " in message
+    span = int(message.split("<= ")[1].split(" ")[0])
+    assert fits(shape, settings, 40 * GIB, micro_batch_tokens=span)
+    assert not fits(shape, settings, 40 * GIB, micro_batch_tokens=span + 1)
+    with pytest.raises(MemoryPlanError, match=r"set model.micro_batch_tokens to <= \d+ \(or auto\), or lower "
+                                              r"model.micro_batch_size to <= \d+ \(now 64\)"):
+        plan_memory(shape, settings, 40 * GIB, micro_batch_tokens=None)
+
+
+def test_a_row_too_long_to_update_asks_for_checkpointing_and_the_weights_alone_for_nvfp4():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    settings = RunSettings(prompts=8, group_size=8, max_prompt_tokens=1024, max_new_tokens=4096)
+    with pytest.raises(MemoryPlanError, match=r"the update of the longest row alone \(5120 tokens.*: set "
+                                              r"model.policy.gradient_checkpointing true or lower "
+                                              r"model.rollout.init_args.max_new_tokens to <= \d+ \(now 4096\)"):
+        plan_memory(shape, settings, H100_FREE, micro_batch_tokens="auto")
+    with pytest.raises(MemoryPlanError, match=r"the frozen weights and the LoRA state alone need 62.5 GiB, .*: set "
+                                              r"model.policy.quantization nvfp4\.$"):
+        plan_memory(shape, replace(settings, quantization="bf16"), 60 * GIB)
+
+
+def test_an_engine_without_waves_is_refused_with_fewer_prompts():
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
+                           gradient_checkpointing=True, engine="builtin", waves=False)
+    with pytest.raises(MemoryPlanError, match=r"with all 128 rows at once .*: lower data.batch_size to <= (\d+) "
+                                              r"\(now 16\) or model.rollout.init_args.max_new_tokens to <= \d+"):
+        plan_memory(shape, settings, H100_FREE)
+
+
+@pytest.mark.parametrize(("size", "prompt", "new", "prompts", "checkpointing"), [
+    ("qwen2.5-7b", 256, 2048, 16, False),
+    ("qwen2.5-7b", 1024, 4096, 16, False),
+    ("qwen2.5-14b", 256, 2048, 16, True),
+    ("qwen2.5-14b", 1024, 4096, 16, True),
+    ("qwen2.5-32b", 256, 2048, 16, True),
+    ("qwen2.5-32b", 1024, 4096, 8, True),
+])
+def test_the_nvfp4_recipes_fit_an_80gb_gpu_in_waves(size, prompt, new, prompts, checkpointing):
+    # configs/recipes: 16 prompts x 8 (bigmath 32B: 8 x 8), gradient checkpointing from 14B up, the 7B's budget
+    shape = ModelShape.from_config(qwen25_config(size))
+    settings = RunSettings(prompts=prompts, group_size=8, max_prompt_tokens=prompt, max_new_tokens=new,
+                           gradient_checkpointing=checkpointing, micro_batch_size=64)
+    tokens = 4608 if size == "qwen2.5-7b" and prompt == 256 else "auto"
+    plan = plan_memory(shape, settings, H100_FREE, micro_batch_tokens=tokens)
+    assert plan.peak_bytes <= H100_FREE - plan.margin_bytes
+    assert plan.wave_rows % 8 == 0
+    if size == "qwen2.5-32b":  # its KV cache for all rows would not fit beside the weights: it needs waves
+        assert plan.wave_rows < settings.rows
+        assert not fits(shape, settings, H100_FREE, wave_rows=settings.rows)
+
+
+def test_bf16_32b_leaves_room_for_two_prompts_per_wave_at_most():
+    # one copy of the weights (the rollout samples the training model): bf16 32B fits beside them, in small waves
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-32b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
+                           gradient_checkpointing=True, micro_batch_size=64)
+    bf16 = plan_memory(shape, replace(settings, quantization="bf16"), H100_FREE, micro_batch_tokens="auto")
+    nvfp4 = plan_memory(shape, settings, H100_FREE, micro_batch_tokens="auto")
+    assert bf16.peak("resident") > 60 * GIB > 1.5 * nvfp4.peak("resident")
+    assert bf16.wave_rows <= 16 < nvfp4.wave_rows  # at most 2 prompts per wave: 8 waves or more
+    bigmath = replace(settings, quantization="bf16", prompts=8, max_prompt_tokens=1024, max_new_tokens=4096)
+    assert plan_memory(shape, bigmath, H100_FREE, micro_batch_tokens="auto").wave_rows == 8
+
+
+def test_a_tied_llama_has_one_embedding_matrix_and_no_biases():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # SmolLM2-135M's sizes
+    shape = ModelShape.from_config(config)
+    assert (shape.head_dim, shape.tied_embeddings, shape.qkv_bias) == (64, True, False)
+    plan = plan_memory(shape, tiny_settings(lora_rank=16))
+    names = [c.name for c in plan.components if c.phase == "resident"]
+    assert "embeddings (bf16), tied LM head" in names and not any(n.startswith("LM head") for n in names)
+    assert component(plan, "norms and biases") == (2 * 30 + 1) * 576 * 2
+    with pytest.raises(AttributeError):  # no Llama-style sizes: the CLI trains without a plan
+        from transformers import GPT2Config
+
+        ModelShape.from_config(GPT2Config())
