@@ -86,6 +86,34 @@ def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
     return path
 
 
+def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
+    """The memory plan's phases for the row's settings (what ``--print_memory_plan`` prints) and plan / measured."""
+    from qerl.model.memory_plan import ModelShape, RunSettings, kv_cache_bytes, plan_memory
+    from qerl.testing.random_models import qwen25_config
+
+    import yaml
+
+    recipe = yaml.safe_load(Path(f"configs/recipes/{row['model']}_{row['task']}.yaml").read_text())["model"]
+    base = yaml.safe_load(Path("configs/gpu.yaml").read_text())["model"]
+    checkpointing = row.get("gradient_checkpointing", recipe["policy"].get("gradient_checkpointing", True))
+    settings = RunSettings(
+        prompts=row["prompts"], group_size=row["group_size"], max_prompt_tokens=row["prompt_tokens"],
+        max_new_tokens=row["new_tokens"], quantization=row["quantization"], micro_batch_size=base["micro_batch_size"],
+        gradient_checkpointing=checkpointing, keep_kv_cache=row.get("kv_cache_kept"))
+    budget = row.get("micro_batch_tokens", recipe.get("micro_batch_tokens", base.get("micro_batch_tokens")))
+    shape = ModelShape.from_config(qwen25_config(row["model"], vocab_size=vocab))
+    plan = plan_memory(shape, settings,
+                       free_bytes=free_bytes, total_bytes=total_bytes, wave_rows=row.get("wave_rows"),
+                       micro_batch_tokens=budget)
+    out = {f"plan_{k}": v for k, v in plan.summary().items()}
+    # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
+    out["plan_resident_gb"] += kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
+    for key in ("resident_gb", "peak_rollout_gb", "peak_update_gb", "peak_gb"):
+        if key in row:
+            out[f"plan_over_measured_{key.removesuffix('_gb')}"] = out[f"plan_{key}"] / row[key]
+    return out
+
+
 def read_events(log_dir: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -161,6 +189,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, report = [], None
+    free, total = torch.cuda.mem_get_info()  # what the plan is given, as train.py gives it
     for spec in args.rows.split(","):
         row = parse_row(spec)
         work = Path(args.work)
@@ -176,6 +205,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         row.update(result)
+        if "error" not in result:
+            row.update(planned(row, vocab, free, total))
         if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
             short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
             fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})

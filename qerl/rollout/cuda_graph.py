@@ -42,13 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
+from qerl.model.memory_plan import KV_RELEASE_FRACTION
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.row_noise import row_exponentials
 
 ATTENTION = "qerl_decode"
 MAX_EOS = 8
-RELEASE_FRACTION = 0.05  # a KV cache above this share of the GPU is freed for the update (keep_kv_cache=None)
 
 
 def wave_size(prompts: int, group_size: int, wave_rows: int | None) -> int:
@@ -549,13 +549,13 @@ class CUDAGraphRollout(RolloutEngine):
 
     def _release_kv_cache(self, s: dict, device) -> bool:
         """Whether to free the KV cache when the rollout ends (``keep_kv_cache``; None: on CUDA when it holds more
-        than ``RELEASE_FRACTION`` of the GPU's memory)."""
+        than ``KV_RELEASE_FRACTION`` of the GPU's memory, as the memory plan assumes)."""
         if s["cache"].storage is None or self.keep_kv_cache:
             return False
         if self.keep_kv_cache is False:
             return True
         return device.type == "cuda" and (
-            s["cache"].nbytes > RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+            s["cache"].nbytes > KV_RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
 
     def _reset_state(self, s: dict, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
         if s["tokens_out"].shape[1] < self.max_new_tokens:  # max_new_tokens grew since the buffers were made
