@@ -211,7 +211,29 @@ def e2e_section(result: dict) -> list[str]:
 
 
 def memory_section(result: dict) -> list[str]:
-    return variant_table(result["rows"], ["model"])
+    rows = result["rows"]
+    if not all("peak_rollout_gb" in r or "error" in r for r in rows):  # another benchmark's memory file
+        return variant_table(rows, ["model"])
+    header = ["model", "weights", "rows x new tokens", "wave rows", "micro-batch tokens", "checkpointing",
+              "resident GB (plan)", "rollout peak GB (plan)", "update peak GB (plan)", "plan / measured",
+              "step s (rollout + update)"]
+    body = []
+    for r in rows:
+        both = lambda key: f"{num(r.get(key), 1)} ({num(r.get('plan_' + key), 1)})"  # noqa: E731
+        ratios = [r[k] for k in r if k.startswith("plan_over_measured_")]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        step = (f"{num(r['step_s'], 1)} ({num(r['rollout_s'], 1)} + {num(r['train_s'], 1)})" if "step_s" in r
+                else r.get("error", "-"))
+        body.append([r["model"], r["quantization"], f"{r['prompts'] * r['group_size']} x {r['new_tokens']}",
+                     cell(r.get("wave_rows", r.get("plan_wave_rows"))),
+                     cell(r.get("micro_batch_tokens", r.get("plan_micro_batch_tokens"))),
+                     cell(r.get("gradient_checkpointing", "recipe")), both("resident_gb"), both("peak_rollout_gb"),
+                     both("peak_update_gb"), spread, step])
+    out = table(header, body)
+    out += ["", "GiB allocated: held between steps (resident), and the peak of each phase, measured (the memory plan's "
+            "prediction for the same settings in brackets); completions end at lognormal lengths "
+            "(`bench/forced_lengths.py`). " + result.get("plan_note", "")]
+    return out
 
 
 def kernel_name(name: str) -> str:
@@ -417,7 +439,7 @@ SECTIONS = (
             "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
             "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
             e2e_section, e2e_glance, e2e_plot),
-    Section("Memory", "*memory*.json", "(see the results file)",
+    Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Where a decode step's time goes", "decode_profile_*.json",
             "PYTHONPATH=. python bench/profile_decode.py --out bench/results",
