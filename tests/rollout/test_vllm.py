@@ -2,7 +2,9 @@
 
 The tests that need vLLM skip when it is not importable; ``.ci/vllm_tests.sh`` builds the venv that has it. They
 run the embedded SmolLM2-135M in fp32 with a LoRA of rank 4 (vLLM pads it to its slot rank 8) whose B matrices and
-trained norms are randomized, so that a mistake in the adapter or norm sync shows in the log-probs.
+trained norms are randomized, so that a mistake in the adapter or norm sync shows in the log-probs. The last test
+serves what a real 2-step fit trained (``python -m qerl.export --format vllm``) with vLLM and compares its greedy
+answers with ``train.py validate``'s.
 """
 
 import importlib.util
