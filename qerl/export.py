@@ -432,7 +432,7 @@ def export(
     (output / "export.json").write_text(json.dumps(report, indent=2))
     (output / "README.md").write_text(model_card(trained, output, format, report))
     if format == "vllm":
-        log(serve_command(output, trained.lora_rank))
+        log(serve_command(output, trained.lora_rank, served_dtype(trained, dtype)))
     else:
         log(f"wrote {output}: load it with AutoModelForCausalLM.from_pretrained({str(output)!r})"
             if format == "merged-bf16" else f"wrote {output}: vllm serve {output.resolve()}")
@@ -521,10 +521,16 @@ def write_generation_config(output: Path, tokenizer, max_new_tokens: int) -> Non
     generation.save_pretrained(output)
 
 
-def serve_command(output: Path, rank: int) -> str:
+def served_dtype(run: TrainedRun, dtype: str) -> str | None:
+    """The ``--dtype`` the serve line must name: ``float32`` for a dense float32 base, which vLLM's ``auto`` would
+    run in bfloat16 (it downcasts float32 checkpoints); None where ``auto`` takes the checkpoint's own dtype."""
+    return "float32" if dtype == "float32" and run.policy.quantization != "nvfp4" else None
+
+
+def serve_command(output: Path, rank: int, dtype: str | None = None) -> str:
     directory = output.resolve()
     return (f"vllm serve {directory} --enable-lora --lora-modules {SERVED_NAME}={directory / 'adapter'} "
-            f"--max-lora-rank {vllm_lora_rank(rank)}")
+            f"--max-lora-rank {vllm_lora_rank(rank)}" + (f" --dtype {dtype}" if dtype else ""))
 
 
 def model_card(run: TrainedRun, output: Path, format: str, report: dict) -> str:
@@ -534,19 +540,22 @@ def model_card(run: TrainedRun, output: Path, format: str, report: dict) -> str:
     directory = output.resolve()
     policy = (run.config.get("model") or {}).get("policy") or {}
     library = "peft" if format == "vllm" else "transformers"
+    quantized = format == "merged-nvfp4" or (format == "vllm" and run.policy.quantization == "nvfp4")
     lines = ["---", f"library_name: {library}", "tags: [qerl, grpo, lora"
-             + (", nvfp4, compressed-tensors" if format != "merged-bf16" else "") + "]", "---", "",
+             + (", nvfp4, compressed-tensors" if quantized else "") + "]", "---", "",
              f"# {run.directory.parent.name}/{run.directory.name} ({format})", "",
              f"Trained with qerl (GRPO/DAPO on {policy.get('quantization', 'nvfp4')} base weights + LoRA) from "
              f"`{policy.get('model')}`; exported with `python -m qerl.export --format {format}`.", "", "## Serve", ""]
     if format == "vllm":
         rank = vllm_lora_rank(run.lora_rank)
+        dtype = served_dtype(run, report["dtype"])
         lines += [
             "The base checkpoint holds the trained RMSNorm weights; `adapter/` holds the LoRA matrices only.", "",
-            "```bash", serve_command(output, run.lora_rank), "```", "",
+            "```bash", serve_command(output, run.lora_rank, dtype), "```", "",
             f"Requests name the adapter as the model: `\"model\": \"{SERVED_NAME}\"`. The same in Python:", "",
             "```python", "from vllm import LLM, SamplingParams", "from vllm.lora.request import LoRARequest", "",
-            f"llm = LLM(model={str(directory)!r}, enable_lora=True, max_lora_rank={rank})",
+            f"llm = LLM(model={str(directory)!r}, enable_lora=True, max_lora_rank={rank}"
+            + (f", dtype={dtype!r})" if dtype else ")"),
             f"policy = LoRARequest({SERVED_NAME!r}, 1, {str(directory / 'adapter')!r})",
             "outputs = llm.chat([{\"role\": \"user\", \"content\": \"What is 3 + 5?\"}], "
             "SamplingParams(temperature=0, max_tokens=256), lora_request=policy)", "```"]

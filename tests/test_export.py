@@ -336,6 +336,13 @@ def test_vllm_export_of_a_run_on_a_bf16_base_writes_a_dense_base(tiny_model_dirs
                     log=lambda line: None)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert report["agreement"]["differing"] == [] and report["agreement"]["questions"] == QUESTIONS
+    # vLLM's dtype "auto" runs a float32 checkpoint in bfloat16: the serve lines name float32
+    card = (out / "README.md").read_text()
+    assert "--max-lora-rank 8 --dtype float32" in card and "max_lora_rank=8, dtype='float32')" in card
+    assert "nvfp4" not in card.split("---")[1]  # the tags: a dense base
+    export(run, tmp_path / "bf16", "vllm", log=lambda line: None)  # bf16: "auto" takes it as it is
+    card = (tmp_path / "bf16" / "README.md").read_text()
+    assert "--dtype" not in card and "max_lora_rank=8)" in card
     exported = load_file(str(out / "model.safetensors"))
     trained = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     norms = {k.removeprefix("base_model.model."): v for k, v in trained.items() if ".lora_" not in k}

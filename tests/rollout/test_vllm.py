@@ -2,12 +2,18 @@
 
 The tests that need vLLM skip when it is not importable; ``.ci/vllm_tests.sh`` builds the venv that has it. They
 run the embedded SmolLM2-135M in fp32 with a LoRA of rank 4 (vLLM pads it to its slot rank 8) whose B matrices and
-trained norms are randomized, so that a mistake in the adapter or norm sync shows in the log-probs.
+trained norms are randomized, so that a mistake in the adapter or norm sync shows in the log-probs. The last test
+serves what a real 2-step fit trained (``python -m qerl.export --format vllm``) with vLLM and compares its greedy
+answers with ``train.py validate``'s.
 """
 
 import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,37 +261,164 @@ def test_prompt_too_long_for_max_model_len(engine, policy, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def fit(tmp_path, name: str, *overrides: str) -> tuple[set[str], str]:
-    """A 2-step ``train.py fit`` of the smoke config, in a subprocess (vLLM keeps process-wide state); returns the
-    TensorBoard scalar tags it wrote and the rollout engine's class path from the saved config."""
-    import subprocess
-    import sys
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parents[2]
 
+
+def train_py(tmp_path, *args: str) -> None:
+    """``python train.py ARGS`` in a subprocess (vLLM keeps process-wide state; a fresh process also keeps torch's
+    thread count, which an in-process vLLM pins to 1)."""
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def fit_run(tmp_path, name: str, *overrides: str) -> Path:
+    """A 2-step ``train.py fit`` of the smoke config on the bf16 base; returns its run folder (version_0)."""
+    train_py(tmp_path, "fit", "--config", str(ROOT / "configs" / "smoke.yaml"), "--trainer.max_steps", "2",
+             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
+             "--data.batch_size", "2", "--model.group_size", "2", "--model.policy.quantization", "bf16",
+             "--model.rollout.init_args.max_new_tokens", "8", *overrides)
+    return next((tmp_path / name).glob("version_*"))
+
+
+def logged(run: Path) -> tuple[set[str], str]:
+    """The TensorBoard scalar tags a run wrote and its rollout engine's class path (from the saved config)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, str(root / "train.py"), "fit", "--config", str(root / "configs" / "smoke.yaml"),
-            "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
-            "--trainer.logger.init_args.name", name, "--data.batch_size", "2", "--model.group_size", "2",
-            "--model.policy.quantization", "bf16", "--model.rollout.init_args.max_new_tokens", "8", *overrides]
-    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
     import yaml
 
-    version = next((tmp_path / name).glob("version_*"))
-    events = EventAccumulator(str(version))
+    events = EventAccumulator(str(run))
     events.Reload()
-    config = yaml.safe_load((version / "config.yaml").read_text())
+    config = yaml.safe_load((run / "config.yaml").read_text())
     return set(events.Tags()["scalars"]), config["model"]["rollout"]["class_path"]
+
+
+VAL_QUESTIONS, VAL_TOKENS = 8, 16
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tmp_path_factory) -> Path:
+    """A 2-step fit with the built-in engine whose adapter changes the greedy answers: 4 samples per prompt (groups
+    with a reward spread, so a gradient), an lr of 2e-3 from the first step (1e-2 collapses the 135M model into
+    repeated newlines, answers that a broken adapter could match too); 8 validation questions of 16 tokens."""
+    val = [{"class_path": "qerl.data.sources.ArithmeticSource",
+            "init_args": {"seed": 1234, "num_rows": VAL_QUESTIONS}}]
+    return fit_run(tmp_path_factory.mktemp("fit"), "builtin", "--model.lr", "2e-3", "--model.warmup_ratio", "0",
+                   "--model.group_size", "4", "--model.rollout.init_args.max_new_tokens", str(VAL_TOKENS),
+                   "--data.val_sources", json.dumps(val))
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_fit_with_vllm_logs_the_builtin_tags(tmp_path):
-    builtin, builtin_engine = fit(tmp_path, "builtin")
-    vllm, vllm_engine = fit(tmp_path, "vllm", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
-               "--model.rollout.init_args.enforce_eager", "true", "--model.rollout.init_args.max_model_len", "256")
+def test_fit_with_vllm_logs_the_builtin_tags(builtin_run, tmp_path):
+    builtin, builtin_engine = logged(builtin_run)
+    vllm, vllm_engine = logged(fit_run(
+        tmp_path, "vllm", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
+        "--model.rollout.init_args.enforce_eager", "true", "--model.rollout.init_args.max_model_len", "256"))
     assert {"train/reward", "rollout/entropy", "train/entropy", "perf/rollout_s"} <= builtin
     assert (builtin_engine, vllm_engine) == ("qerl.rollout.builtin.BuiltinRollout", "qerl.rollout.vllm.VLLMRollout")
     assert vllm == builtin
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The `vllm` export (python -m qerl.export --format vllm) served by a real vLLM, against `train.py validate`.
+
+# What the export's README tells a user to run (LLM(model=DIR, enable_lora=True, max_lora_rank=R) and a
+# LoRARequest of DIR/adapter), plus what this CPU test needs: a short context for a small KV cache and no compile.
+# Greedy answers with the adapter and without it (the base alone, with the trained norms), and one norm weight as
+# vLLM's model holds it. In a fresh process: the module's in-process vLLM keeps process-wide state.
+SERVE_EXPORT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+
+job = json.loads(sys.argv[1])
+llm = LLM(model=job["model"], enable_lora=True, max_lora_rank=job["max_lora_rank"], dtype=job["dtype"],
+          max_model_len=512, enforce_eager=True)
+policy = LoRARequest("policy", 1, job["adapter"])
+prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+greedy = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
+answers = lambda lora: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, lora_request=lora)]
+norm = llm.apply_model(lambda m: m.get_submodule(job["norm"]).weight.detach().float().tolist())[0]
+json.dump({"lora": answers(policy), "base": answers(None), "norm": norm}, open(job["output"], "w"))
+"""
+NEAR_TIE = 1e-3  # logit margin under which two fp32 implementations may pick different greedy tokens
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_the_export_with_the_greedy_answers_of_train_py_validate(builtin_run, tmp_path):
+    """A real run (2 steps, bf16 base, an adapter that changes the answers), ``train.py validate`` on its adapter,
+    the ``vllm`` export served by vLLM as the export's README says: the same greedy answers, or a difference where
+    the trained policy itself nearly ties between the two tokens."""
+    from safetensors.torch import load_file
+
+    from qerl.export import main, read_run, validation_questions
+    from qerl.hub import load_tokenizer
+
+    run, questions, tokens = builtin_run, VAL_QUESTIONS, VAL_TOKENS
+    train_py(tmp_path, "validate", "--config", str(run / "config.yaml"), "--model.policy.adapter", str(run / "adapter"),
+             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", "validate")
+    records = map(json.loads, next((tmp_path / "validate").rglob("val_step*.jsonl")).read_text().splitlines())
+    expected = [r["completion"] for r in records if r["mode"] == "greedy"]
+    assert len(set(expected)) > 1, f"a collapsed policy (one answer to every question): {expected[0]!r}"
+
+    out = tmp_path / "served"
+    assert main(["--run", str(run), "--output", str(out), "--format", "vllm", "--dtype", "float32", "--no-check"]) == 0
+    trained = read_run(run)
+    rank = vllm_lora_rank(trained.lora_rank)
+    readme = (out / "README.md").read_text()
+    # vLLM's dtype "auto" would run this float32 export in bfloat16; the README names float32
+    assert f"--max-lora-rank {rank} --dtype float32" in readme
+    assert f"LLM(model={str(out.resolve())!r}, enable_lora=True, max_lora_rank={rank}, dtype='float32')" in readme
+    assert f"LoRARequest('policy', 1, {str(out.resolve() / 'adapter')!r})" in readme
+    tokenizer = load_tokenizer(trained.policy.model)
+    prompts, _ = validation_questions(trained, tokenizer)
+    assert len(prompts) == len(expected) == questions
+
+    norm = "model.layers.0.input_layernorm"
+    job = {"model": str(out), "adapter": str(out / "adapter"), "max_lora_rank": rank, "dtype": "float32",
+           "prompts": [[int(t) for t in p] for p in prompts], "max_tokens": tokens, "norm": norm,
+           "output": str(tmp_path / "served.json")}
+    result = subprocess.run([sys.executable, "-c", SERVE_EXPORT, json.dumps(job)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    served = json.loads((tmp_path / "served.json").read_text())
+    decode = lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731  as validate decodes
+
+    # The run moved the weights: vLLM holds the trained norm, and without the adapter it answers otherwise.
+    trained_norm = load_file(str(run / "adapter" / "adapter_model.safetensors"))[
+        f"base_model.model.{norm}.weight"]  # peft saves a modules_to_save copy under the module's own name
+    assert torch.equal(torch.tensor(served["norm"]), trained_norm.float())
+    assert decode(served["base"]) != expected, "the adapter changes no answer: this comparison could not fail"
+
+    answers = decode(served["lora"])
+    differing = [i for i, (a, b) in enumerate(zip(answers, expected)) if a != b]
+    print(f"vLLM greedy answers identical to train.py validate's: {questions - len(differing)}/{questions}; "
+          f"without the adapter: {sum(a == b for a, b in zip(decode(served['base']), expected))}/{questions}")
+    for i, at, margin in parting_margins(trained, tokenizer, prompts, tokens, served["lora"], differing, expected):
+        print(f"question {i}: parts at token {at}, policy logit margin {margin:.2e}")
+        assert margin < NEAR_TIE, f"question {i}: vLLM {answers[i]!r} vs validate {expected[i]!r}"
+
+
+def parting_margins(trained, tokenizer, prompts, tokens, served, differing, expected) -> list[tuple[int, int, float]]:
+    """For each differing question: where the served tokens part from the trained policy's greedy ones (the engine of
+    ``train.py validate``, on the same batch) and the policy's logit margin there between its token and the served
+    one; a near-tie explains a difference between two correct implementations."""
+    from qerl.export import greedy_completions, load_trained_policy
+
+    if not differing:
+        return []
+    policy = load_trained_policy(trained, "float32")
+    reference = greedy_completions(policy, tokenizer, prompts, tokens)
+    margins = []
+    for i in differing:
+        ours, theirs = reference[i], served[i]
+        assert tokenizer.decode(ours, skip_special_tokens=True) == expected[i]  # the policy's tokens: validate's
+        at = next(j for j, (a, b) in enumerate(zip(ours + [-1], theirs + [-2])) if a != b)
+        assert at < min(len(ours), len(theirs)), f"question {i}: one answer stops where the other goes on"
+        with torch.no_grad():
+            logits = policy(input_ids=torch.tensor([list(prompts[i]) + ours[:at]])).logits[0, -1]
+        margins.append((i, at, float(logits[ours[at]] - logits[theirs[at]])))
+    return margins
