@@ -44,7 +44,8 @@ from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.micro_batches import plan_micro_batches, right_align
-from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, summarize_stats
+from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss
+from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
@@ -182,7 +183,7 @@ class GRPOModule(L.LightningModule):
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         answers = [a for a in batch["answers"] for _ in range(G)]
         rewards = self.reward(completions, answers).to(self.device)  # [N]
-        accuracy = self.reward.last_stats["correct"] / len(completions)
+        correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(
                 rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
@@ -204,7 +205,7 @@ class GRPOModule(L.LightningModule):
         train_s = time.perf_counter() - start
         memory["update"] = self._peak_memory_gb()
 
-        self._log_step(rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
+        self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
                        memory)
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
@@ -319,39 +320,19 @@ class GRPOModule(L.LightningModule):
         return sorted(i for i in ids if i is not None)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _log_step(self, rollout, rewards, accuracy, informative, stats, entropy, rollout_s, train_s, lr,
+    def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr,
                   update_tokens, memory: dict[str, float]) -> None:
-        lengths = rollout.lengths.float()
-        n_groups = informative.numel()
-        G = self.hparams.group_size
-        loss_stats = summarize_stats(stats)
-        metrics = {
-            "train/reward": rewards.mean(),
-            "train/reward_std": rewards.view(n_groups, G).std(dim=1).mean(),
-            "train/accuracy": accuracy,
-            "train/entropy": entropy.float().mean() if entropy.numel() else torch.zeros(()),
-            "rollout/entropy": rollout.entropy.sum() / rollout.completion_mask.sum().clamp(min=1),
-            "train/completion_length": lengths.mean(),
-            "train/truncated_frac": rollout.truncated.float().mean(),
-            "train/zero_std_groups_frac": 1.0 - informative.float().mean(),
-            "train/clip_frac_low": loss_stats["clip_frac_low"],
-            "train/clip_frac_high": loss_stats["clip_frac_high"],
-            "train/ratio_mean": loss_stats["ratio_mean"],
-            "train/is_ratio_mean": loss_stats["is_ratio_mean"],
-            "train/is_capped_frac": loss_stats["is_capped_frac"],
-            "train/lr": lr,
-            "perf/rollout_s": rollout_s,
-            "perf/train_s": train_s,
-            "perf/rollout_tokens_per_s": float(rollout.completion_mask.sum()) / max(rollout_s, 1e-9),
-            "perf/update_tokens": float(update_tokens),
-            "perf/update_tokens_per_s": update_tokens * self.hparams.num_iterations / max(train_s, 1e-9),
-        }
-        if self.loss.beta > 0:
-            metrics["train/kl"] = loss_stats["kl"]
+        # sums over this rank's rows, reduced over the ranks: every rank holds the global batch's metrics
+        sums = step_sums(rewards, self.hparams.group_size, correct, informative, entropy, rollout.completion_mask,
+                         rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s)
+        maxima = {"rollout_s": rollout_s, "train_s": train_s}
         if self.device.type == "cuda":
-            metrics["perf/peak_memory_gb"] = max(memory.values())
-            metrics.update({f"perf/{'resident' if k == 'resident' else 'peak_' + k}_gb": v for k, v in memory.items()})
-        batch_size = n_groups
+            maxima.update({"resident_gb" if k == "resident" else f"peak_{k}_gb": v for k, v in memory.items()})
+        metrics = step_metrics(*all_reduce(sums, maxima), self.hparams.num_iterations)
+        metrics["train/lr"] = lr
+        if self.loss.beta == 0:
+            del metrics["train/kl"]
+        batch_size = informative.numel()
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         # The progress bar shows the two numbers a user watches.
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)

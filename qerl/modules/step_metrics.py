@@ -1,0 +1,89 @@
+"""A training step's metrics from sums that add up over ranks.
+
+Under DDP each rank rolls out and scores its own groups. Every metric is a ratio of sums (reward per row, entropy
+per token, clip fraction per loss token), a sum (tokens per second of all ranks) or a maximum (seconds, memory), so one
+all-reduce of the sums and one of the maxima give every rank the metrics of the whole global batch: the same numbers a
+single process would log over the same rows. Off DDP the reductions are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from qerl.modules.loss import LossStats, summarize_stats
+
+MAXIMA = ("rollout_s", "train_s", "resident_gb", "peak_rollout_gb", "peak_update_gb")
+
+
+def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tensor, entropy: Tensor,
+              completion_mask: Tensor, rollout_entropy: Tensor, truncated: Tensor, stats: list[LossStats],
+              update_tokens: int, rollout_s: float, train_s: float) -> dict[str, float]:
+    """This rank's sums: ``rewards`` [N] of N = groups x ``group_size`` rows, ``correct`` answers among them,
+    ``informative`` [groups], the clean policy's per-token ``entropy``, the rollout's ``completion_mask`` [N, L] and
+    per-token ``rollout_entropy`` [N, L], ``truncated`` [N], the update's ``stats`` (one per micro-batch)."""
+    loss = LossStats(*(torch.stack(field).sum() for field in zip(*stats)))
+    generated = float(completion_mask.sum())
+    return {
+        "rows": float(rewards.numel()),
+        "groups": float(informative.numel()),
+        "reward": float(rewards.sum()),
+        "reward_group_std": float(rewards.view(-1, group_size).std(dim=1).sum()),
+        "correct": float(correct),
+        "entropy": float(entropy.float().sum()),
+        "entropy_tokens": float(entropy.numel()),
+        "rollout_entropy": float(rollout_entropy.sum()),
+        "generated_tokens": generated,
+        "truncated": float(truncated.sum()),
+        "informative_groups": float(informative.sum()),
+        **{f"loss_{name}": float(value) for name, value in loss._asdict().items()},
+        "update_tokens": float(update_tokens),
+        "rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+    }
+
+
+def all_reduce(sums: dict[str, float], maxima: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Sums and maxima over all ranks (as they are off DDP); a collective: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return sums, maxima
+    out = []
+    for values, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        # float64 on the CPU for gloo; NCCL needs the rank's device
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        out.append(dict(zip(values, t.tolist())))
+    return out[0], out[1]
+
+
+def step_metrics(sums: dict[str, float], maxima: dict[str, float], num_iterations: int) -> dict[str, float]:
+    """The logged metrics from (reduced) sums and maxima."""
+    rows, groups = max(sums["rows"], 1.0), max(sums["groups"], 1.0)
+    loss = summarize_stats([LossStats(*(torch.tensor(sums[f"loss_{name}"]) for name in LossStats._fields))])
+    metrics = {
+        "train/reward": sums["reward"] / rows,
+        "train/reward_std": sums["reward_group_std"] / groups,
+        "train/accuracy": sums["correct"] / rows,
+        "train/entropy": sums["entropy"] / max(sums["entropy_tokens"], 1.0),
+        "rollout/entropy": sums["rollout_entropy"] / max(sums["generated_tokens"], 1.0),
+        "train/completion_length": sums["generated_tokens"] / rows,
+        "train/truncated_frac": sums["truncated"] / rows,
+        "train/zero_std_groups_frac": 1.0 - sums["informative_groups"] / groups,
+        "train/clip_frac_low": loss["clip_frac_low"],
+        "train/clip_frac_high": loss["clip_frac_high"],
+        "train/ratio_mean": loss["ratio_mean"],
+        "train/is_ratio_mean": loss["is_ratio_mean"],
+        "train/is_capped_frac": loss["is_capped_frac"],
+        "train/kl": loss["kl"],
+        "perf/rollout_s": maxima["rollout_s"],  # the slowest rank: the others wait for it at the all-reduce
+        "perf/train_s": maxima["train_s"],
+        "perf/rollout_tokens_per_s": sums["rollout_tokens_per_s"],
+        "perf/update_tokens": sums["update_tokens"],
+        "perf/update_tokens_per_s": sums["update_tokens"] * num_iterations / max(maxima["train_s"], 1e-9),
+    }
+    memory = {k: v for k, v in maxima.items() if k.endswith("_gb")}
+    if memory:
+        metrics["perf/peak_memory_gb"] = max(memory.values())
+        metrics.update({f"perf/{k}": v for k, v in memory.items()})
+    return metrics
