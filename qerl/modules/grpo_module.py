@@ -44,7 +44,7 @@ from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.micro_batches import plan_micro_batches, right_align
-from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss
+from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
 from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
@@ -213,6 +213,10 @@ class GRPOModule(L.LightningModule):
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
 
+    def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the ranks (a collective: every rank calls it)."""
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+
     def _peak_memory_gb(self) -> float:
         """The GPU's peak allocated memory since the last call (GiB), then a new peak starts; 0 off CUDA."""
         if self.device.type != "cuda":
@@ -230,7 +234,8 @@ class GRPOModule(L.LightningModule):
         opt, scheduler = self.optimizers(), self.lr_schedulers()
         rows = loss_mask.sum(-1).nonzero().squeeze(-1)  # rows with any loss token: the others cost nothing
         weights = torch.zeros_like(loss_mask, dtype=torch.float32)  # [N, L], over the whole accumulated batch
-        weights[rows] = self.loss.token_weights(loss_mask[rows])
+        weights[rows] = global_token_weights(self.loss, loss_mask[rows], self.trainer.world_size,
+                                             self._all_reduce_sum)  # DDP: normalised over every rank's rows
         # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
         # over zero rows fails).
         lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()

@@ -24,7 +24,9 @@ What each piece keeps and drops:
 
 Gradient accumulation: ``token_weights`` is computed once over the mask of the *whole* accumulated batch and
 sliced per micro-batch, so the sum of the micro-batch losses (and of their gradients) is exactly the full-batch
-loss. Under DDP each rank normalises by its own batch; DDP then averages the ranks.
+loss. Under DDP the weights are rescaled to the global batch (``global_token_weights``): each rank's normaliser
+(``normalizer``: rows, tokens, rows x max length) is summed over the ranks, so after DDP averages the gradients the
+update is the one a single process makes over all the rows.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ class LossStats(NamedTuple):
     is_weight: Tensor  # sum of the IS weights applied (1 per token when IS is off)
     is_capped: Tensor  # tokens whose IS weight was cut to is_cap
     kl: Tensor  # sum of the per-token k3 KL (0 when no ref_logprobs)
+
+
+def global_token_weights(loss: PolicyLoss, mask: Tensor, world_size: int = 1,
+                         all_reduce_sum=None) -> Tensor:
+    """``loss.token_weights(mask)`` of this rank's rows, rescaled as if normalised over every rank's rows: times
+    ``world_size`` (DDP averages the ranks' gradients) x this rank's normaliser / the sum of all ranks' normalisers
+    (``all_reduce_sum``: a function returning a tensor summed over the ranks; a collective)."""
+    weights = loss.token_weights(mask)
+    if world_size == 1 or all_reduce_sum is None:
+        return weights
+    local = loss.normalizer(mask).float() if mask.shape[0] else torch.zeros((), device=mask.device)
+    total = all_reduce_sum(local.clone())
+    return weights * (world_size * local / total) if float(total) > 0 else weights
 
 
 def summarize_stats(stats: list[LossStats]) -> dict[str, float]:
@@ -104,6 +119,10 @@ class PolicyLoss(nn.Module):
         Returns:
             ``[N, L]`` float32 weights, 0 where ``mask`` is 0. Slice rows per micro-batch.
         """
+        raise NotImplementedError
+
+    def normalizer(self, mask: Tensor) -> Tensor:
+        """The batch-dependent denominator of ``token_weights`` (a count that adds up over ranks)."""
         raise NotImplementedError
 
     def forward(
@@ -186,6 +205,9 @@ class GRPOLoss(PolicyLoss):
         lengths = m.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]; an empty row stays all-zero
         return m / (lengths * m.shape[0])
 
+    def normalizer(self, mask: Tensor) -> Tensor:
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+
 
 class DAPOLoss(PolicyLoss):
     """DAPO aggregation: one token mean over the whole accumulated batch.
@@ -196,6 +218,9 @@ class DAPOLoss(PolicyLoss):
     def token_weights(self, mask: Tensor) -> Tensor:
         m = mask.float()  # [N, L]
         return m / m.sum().clamp(min=1)
+
+    def normalizer(self, mask: Tensor) -> Tensor:
+        return mask.float().sum()
 
 
 class DrGRPOLoss(PolicyLoss):
@@ -228,3 +253,6 @@ class DrGRPOLoss(PolicyLoss):
     def token_weights(self, mask: Tensor) -> Tensor:
         m = mask.float()  # [N, L]
         return m / (m.shape[0] * self.max_completion_length)
+
+    def normalizer(self, mask: Tensor) -> Tensor:
+        return torch.tensor(float(mask.shape[0] * self.max_completion_length), device=mask.device)

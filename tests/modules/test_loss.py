@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from qerl.modules.advantages import group_advantages
-from qerl.modules.loss import DAPOLoss, DrGRPOLoss, GRPOLoss, LossStats, PolicyLoss, summarize_stats
+from qerl.modules.loss import (DAPOLoss, DrGRPOLoss, GRPOLoss, LossStats, PolicyLoss, global_token_weights,
+                              summarize_stats)
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -270,3 +271,34 @@ def test_variants_are_policy_losses_and_stats_are_detached():
     assert all(issubclass(c, PolicyLoss) for c in (GRPOLoss, DAPOLoss, DrGRPOLoss))
     _, stats = DAPOLoss()(hand_logprobs(), OLD, ADV, MASK, DAPOLoss().token_weights(MASK))
     assert isinstance(stats, LossStats) and not any(s.requires_grad for s in stats)
+
+
+@pytest.mark.parametrize("cls, extra", [(GRPOLoss, {}), (DAPOLoss, {}), (DrGRPOLoss, {"max_completion_length": 9})])
+def test_ranks_with_global_weights_make_the_single_process_update(cls, extra):
+    """Two DDP ranks over uneven shares of the rows: weights normalised over both ranks' rows, gradients averaged as
+    DDP does, give the gradient of one process over all the rows (float64)."""
+    torch.manual_seed(0)
+    loss_fn = cls(**extra)
+    n, length, dim = 7, 9, 5
+    x = torch.randn(n, length, dim, dtype=torch.float64)
+    mask = (torch.rand(n, length) > 0.35).long()
+    mask[:, 0] = 1
+    advantages = torch.randn(n, dtype=torch.float64)
+    old = -torch.rand(n, length, dtype=torch.float64)
+
+    def grad(rows, weights):
+        theta = torch.linspace(-0.3, 0.4, dim, dtype=torch.float64, requires_grad=True)
+        logprobs = -torch.nn.functional.softplus(x[rows] @ theta)
+        loss, _ = loss_fn(logprobs, old[rows], advantages[rows], mask[rows], weights)
+        loss.backward()
+        return theta.grad
+
+    everything = torch.arange(n)
+    single = grad(everything, loss_fn.token_weights(mask))
+    shares = [torch.arange(0, 2), torch.arange(2, n)]
+    normalizers = [loss_fn.normalizer(mask[rows]) for rows in shares]
+    total = lambda local: sum(normalizers).to(local)  # noqa: E731  the all-reduce of the two ranks
+    ddp = sum(grad(rows, global_token_weights(loss_fn, mask[rows], 2, total)) for rows in shares) / 2
+    torch.testing.assert_close(ddp, single, rtol=1e-6, atol=1e-9)  # the weights are fp32
+    local_only = sum(grad(rows, loss_fn.token_weights(mask[rows])) for rows in shares) / 2
+    assert not torch.allclose(local_only, single, rtol=1e-3)  # normalising per rank would not
