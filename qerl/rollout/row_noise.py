@@ -13,8 +13,6 @@ CUDA and in torch elsewhere; both give the same integers (the GPU tests compare 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _GOLDEN = 0x61C88647  # (odd, below 2^31) spreads consecutive token ids / rows / steps before mixing
@@ -52,43 +50,50 @@ def exponentials_torch(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def row_exponentials(key: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """The Exp(1) noise of output ``rows`` at decode ``step`` over a ``vocab``-wide distribution (see the module
-    docstring): the Triton pass on CUDA, torch elsewhere."""
-    seeds = row_seeds(key, rows, step)
-    if seeds.is_cuda and _triton_kernel() is not None:
-        return _exponentials_triton(seeds, vocab)
-    return exponentials_torch(seeds, vocab)
+    docstring): one Triton pass on CUDA (the row seeds mixed inside it: no small kernels per decode step), torch
+    elsewhere."""
+    if rows.is_cuda and triton is not None:
+        return exponentials_triton(key, rows, step, vocab)
+    return exponentials_torch(row_seeds(key, rows, step), vocab)
 
 
-@functools.cache
-def _triton_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+try:  # Triton is optional off CUDA (the CPU path is torch)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
 
     @triton.jit
-    def kernel(seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        seed = tl.load(seed_ptr + row).to(tl.uint32)
-        x = seed ^ (tokens.to(tl.uint32) * 0x61C88647)
+    def _mix32_tl(x):
         x = x ^ (x >> 16)
         x = x * 0x21F0AAAD
         x = x ^ (x >> 15)
         x = x * 0x7FEB352D
-        x = x ^ (x >> 16)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _exponentials_kernel(key_ptr, rows_ptr, step_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        # row_seeds in uint32 (the torch version emulates these wrapping products in int64)
+        row = tl.program_id(0)
+        key0 = tl.load(key_ptr).to(tl.uint32)
+        key1 = tl.load(key_ptr + 1).to(tl.uint32)
+        seed = _mix32_tl(key0 ^ (tl.load(rows_ptr + row).to(tl.uint32) * 0x61C88647))
+        seed = _mix32_tl(seed ^ key1 ^ (tl.load(step_ptr).to(tl.uint32) * 0x7FEB352D))
+        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        x = _mix32_tl(seed ^ (tokens.to(tl.uint32) * 0x61C88647))
         uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
         tl.store(out_ptr + row.to(tl.int64) * vocab + tokens, -tl.log(uniform), mask=tokens < vocab)
-
-    return kernel
 
 
 _BLOCK = 2048
 
 
-def _exponentials_triton(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    out = torch.empty(seeds.shape[0], vocab, device=seeds.device, dtype=torch.float32)
-    if seeds.shape[0]:
-        _triton_kernel()[(seeds.shape[0], -(-vocab // _BLOCK))](seeds, out, vocab, BLOCK=_BLOCK)
+def exponentials_triton(key: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``exponentials_torch(row_seeds(key, rows, step), vocab)`` in one Triton launch (the same integers)."""
+    out = torch.empty(rows.shape[0], vocab, device=rows.device, dtype=torch.float32)
+    if rows.shape[0]:
+        grid = (rows.shape[0], -(-vocab // _BLOCK))
+        _exponentials_kernel[grid](key, rows.contiguous(), step, out, vocab, BLOCK=_BLOCK)
     return out
