@@ -24,23 +24,27 @@ def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tenso
     ``informative`` [groups], the clean policy's per-token ``entropy``, the rollout's ``completion_mask`` [N, L] and
     per-token ``rollout_entropy`` [N, L], ``truncated`` [N], the update's ``stats`` (one per micro-batch)."""
     loss = LossStats(*(torch.stack(field).sum() for field in zip(*stats)))
-    generated = float(completion_mask.sum())
-    return {
-        "rows": float(rewards.numel()),
-        "groups": float(informative.numel()),
-        "reward": float(rewards.sum()),
-        "reward_group_std": float(rewards.view(-1, group_size).std(dim=1).sum()),
-        "correct": float(correct),
-        "entropy": float(entropy.float().sum()),
-        "entropy_tokens": float(entropy.numel()),
-        "rollout_entropy": float(rollout_entropy.sum()),
-        "generated_tokens": generated,
-        "truncated": float(truncated.sum()),
-        "informative_groups": float(informative.sum()),
-        **{f"loss_{name}": float(value) for name, value in loss._asdict().items()},
-        "update_tokens": float(update_tokens),
-        "rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+    device = rewards.device
+    values = {
+        "rows": rewards.numel(),
+        "groups": informative.numel(),
+        "reward": rewards.sum(),
+        "reward_group_std": rewards.view(-1, group_size).std(dim=1).sum(),
+        "correct": correct,
+        "entropy": entropy.float().sum(),
+        "entropy_tokens": entropy.numel(),
+        "rollout_entropy": rollout_entropy.sum(),
+        "generated_tokens": completion_mask.sum(),
+        "truncated": truncated.sum(),
+        "informative_groups": informative.sum(),
+        **{f"loss_{name}": value for name, value in loss._asdict().items()},
+        "update_tokens": update_tokens,
     }
+    # one device-to-host copy for all of them, not one sync per value
+    stacked = torch.stack([torch.as_tensor(v, device=device).double().reshape(()) for v in values.values()])
+    sums = dict(zip(values, stacked.tolist()))
+    sums["rollout_tokens_per_s"] = sums["generated_tokens"] / max(rollout_s, 1e-9)
+    return sums
 
 
 def all_reduce(sums: dict[str, float], maxima: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
