@@ -50,19 +50,36 @@ def parse_row(spec: str) -> dict:
     return row
 
 
-def recipe_settings(row: dict) -> dict:
-    """prompts, group_size, prompt_tokens, new_tokens of the row's recipe (with the row's prompts)."""
-    import yaml
+def row_options(row: dict) -> list[str]:
+    """The row's recipe configs and overrides (what ``fit`` passes before the benchmark's own options)."""
+    configs = ["configs/gpu.yaml", f"configs/recipes/{row['model']}_{row['task']}.yaml"]
+    if row["quantization"] == "bf16":
+        configs.append("configs/recipes/bf16.yaml")
+    options = sum((["--config", c] for c in configs), [])
+    for key, option in (("wave_rows", "model.rollout.init_args.wave_rows"), ("prompts", "data.batch_size"),
+                        ("micro_batch_tokens", "model.micro_batch_tokens"),
+                        ("gradient_checkpointing", "model.policy.gradient_checkpointing")):
+        if key in row:
+            options += [f"--{option}", str(row[key]).lower() if isinstance(row[key], bool) else str(row[key])]
+    return options
 
-    merged: dict = {}
-    for path in ("configs/gpu.yaml", f"configs/recipes/{row['model']}_{row['task']}.yaml"):
-        config = yaml.safe_load(Path(path).read_text())
-        for section in ("model", "data"):
-            merged.setdefault(section, {}).update(config.get(section) or {})
-            if section == "model" and "rollout" in (config.get("model") or {}):
-                merged["new_tokens"] = config["model"]["rollout"]["init_args"]["max_new_tokens"]
-    return {"prompts": row.get("prompts", merged["data"]["batch_size"]), "group_size": merged["model"]["group_size"],
-            "prompt_tokens": merged["data"].get("max_prompt_tokens"), "new_tokens": merged["new_tokens"]}
+
+def configured(row: dict):
+    """The row's module, engine and data as ``train.py`` configures them (nothing loaded)."""
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    return QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                   args=[*row_options(row), "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
+                         "--trainer.accelerator", "cpu"])  # the trainer is never run: any machine configures it
+
+
+def recipe_settings(row: dict) -> dict:
+    """prompts, group_size, prompt_tokens, new_tokens of the row as configured."""
+    cli = configured(row)
+    return {"prompts": cli.datamodule.batch_size, "group_size": cli.model.hparams.group_size,
+            "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.rollout.max_new_tokens}
 
 
 def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
@@ -87,24 +104,21 @@ def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
 
 
 def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
-    """The memory plan's phases for the row's settings (what ``--print_memory_plan`` prints) and plan / measured."""
-    from qerl.model.memory_plan import ModelShape, RunSettings, kv_cache_bytes, plan_memory
+    """The memory plan of the row as ``train.py`` makes it (``qerl.cli.run_settings`` of the configured module, engine
+    and data) and plan / measured."""
+    import dataclasses
+
+    from qerl.cli import run_settings
+    from qerl.model.memory_plan import ModelShape, kv_cache_bytes, plan_memory
     from qerl.testing.random_models import qwen25_config
 
-    import yaml
-
-    recipe = yaml.safe_load(Path(f"configs/recipes/{row['model']}_{row['task']}.yaml").read_text())["model"]
-    base = yaml.safe_load(Path("configs/gpu.yaml").read_text())["model"]
-    checkpointing = row.get("gradient_checkpointing", recipe["policy"].get("gradient_checkpointing", True))
-    settings = RunSettings(
-        prompts=row["prompts"], group_size=row["group_size"], max_prompt_tokens=row["prompt_tokens"],
-        max_new_tokens=row["new_tokens"], quantization=row["quantization"], micro_batch_size=base["micro_batch_size"],
-        gradient_checkpointing=checkpointing, keep_kv_cache=row.get("kv_cache_kept"))
-    budget = row.get("micro_batch_tokens", recipe.get("micro_batch_tokens", base.get("micro_batch_tokens")))
+    cli = configured(row)
+    settings = run_settings(cli.model, cli.datamodule)
+    if "kv_cache_kept" in row:  # what the engine of that run did (an earlier release threshold)
+        settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(qwen25_config(row["model"], vocab_size=vocab))
-    plan = plan_memory(shape, settings,
-                       free_bytes=free_bytes, total_bytes=total_bytes, wave_rows=row.get("wave_rows"),
-                       micro_batch_tokens=budget)
+    plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
+                       wave_rows=cli.model.rollout.wave_rows, micro_batch_tokens=cli.model.hparams.micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
     out["plan_resident_gb"] += kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
@@ -125,29 +139,17 @@ def read_events(log_dir: Path) -> dict[str, list[float]]:
 def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
     from qerl.cli import cli_main
 
-    recipe = [f"configs/recipes/{row['model']}_{row['task']}.yaml"]
-    if row["quantization"] == "bf16":
-        recipe.append("configs/recipes/bf16.yaml")
     data = write_prompts(Path(args.work), args.tokenizer, row["prompt_tokens"])
     options_data = ["--data.sources", json.dumps([{"class_path": "qerl.data.sources.GSM8K",
                                                    "init_args": {"data_files": str(data)}}]),
                     "--data.answer_format", "gsm8k"]
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
-    options = [*options_data, "--model.rollout.class_path", engine]
-    if "wave_rows" in row:
-        options += ["--model.rollout.init_args.wave_rows", str(row["wave_rows"])]
-    if "prompts" in row:
-        options += ["--data.batch_size", str(row["prompts"])]
-    if "micro_batch_tokens" in row:
-        options += ["--model.micro_batch_tokens", str(row["micro_batch_tokens"])]
-    if "gradient_checkpointing" in row:
-        options += ["--model.policy.gradient_checkpointing", str(row["gradient_checkpointing"]).lower()]
+    options = [*row_options(row), *options_data, "--model.rollout.class_path", engine]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     cli_main([
-        "fit", "--config", "configs/gpu.yaml", *sum((["--config", r] for r in recipe), []),
-        "--model.policy.model", str(model_dir), *options, *extra,
+        "fit", *options, "--model.policy.model", str(model_dir), *extra,
         "--model.dynamic_sampling", "false", "--model.mask_truncated", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(Path(args.work) / "runs"),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
