@@ -3,7 +3,7 @@
 Random weights never sample EOS, so every completion of a benchmark would run to ``max_new_tokens``; real policies
 stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This engine
 is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median ``length_median``,
-shape ``length_sigma``), one draw per row and call from its own seeded generator; draws above ``max_new_tokens`` are
+shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each rank's own); draws above ``max_new_tokens`` are
 truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
 
     --model.rollout.class_path forced_lengths.ForcedLengthRollout   (bench/ on the Python path)
@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from qerl.ranks import rank_and_world_size, rank_seed
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 
 
@@ -37,13 +38,16 @@ class ForcedLengthRollout(CUDAGraphRollout):
     def __init__(self, length_median: float = 400.0, length_sigma: float = 0.8, length_seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.length_median, self.length_sigma = length_median, length_sigma
-        self._lengths_generator = torch.Generator().manual_seed(length_seed)
+        self.length_seed = length_seed
+        self._lengths_generator: torch.Generator | None = None  # made on first use, when the rank is known
         self._targets: torch.Tensor | None = None  # per output row; one storage, read inside captured graphs
         self._eos_id = 0
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
         rows = len(prompt_ids) * group_size
+        if self._lengths_generator is None:
+            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed, rank_and_world_size()[0]))
         lengths = draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
         lengths[lengths > self.max_new_tokens] = self.max_new_tokens + 1  # never reached: truncated
         device = next(policy.parameters()).device

@@ -5,7 +5,7 @@
 
 Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
 the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``*memory*``,
-``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
+``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
 table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
 default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
 the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
@@ -236,6 +236,33 @@ def memory_section(result: dict) -> list[str]:
     return out
 
 
+def multi_gpu_section(result: dict) -> list[str]:
+    settings = result["settings"]
+    header = ["GPUs", "step s", "prompts / s", "scaling (over 1 GPU)", "rollout s", "update s", "completion length",
+              "peak GB"]
+    body = [[str(r["gpus"]), num(r["step_s"]), num(r["prompts_per_s"], 3), num(r["scaling"], 2), num(r["rollout_s"]),
+             num(r["train_s"]), num(r["completion_length"], 0), num(r["peak_gb"], 1)] for r in result["rows"]]
+    out = table(header, body)
+    out += ["", f"{settings['model']}, {settings['prompts_per_gpu']} prompts x G={settings['group_size']} per GPU, "
+            f"{settings['new_tokens']} new tokens ({settings['lengths']} lengths, each rank its own draws), NVFP4 + "
+            "LoRA, the 7B recipe's settings; a step is the wall time between consecutive steps' event records, median "
+            "after the first; rollout and update seconds are the slowest rank's."]
+    check = result.get("same_update")
+    if check:
+        ranks, floor = check["ranks_vs_one"], check["float_tolerance"]
+        out += ["", f"Same update: one step on fixed rollouts of {check['prompts_total']} prompts, on 1 GPU and on "
+                f"{check['gpus']} ranks: the change of LoRA B differs by {num(ranks['lora_B_relative_difference'], 3)} "
+                f"(relative), against {num(floor['lora_B_relative_difference'], 3)} between two 1-GPU runs whose "
+                "micro-batches differ (the float tolerance of a bf16 step: Adam's first step is nearly lr x "
+                "sign(gradient)). On the CPU in float32 the two agree to 1e-4 (`tests/test_train.py`)."]
+    return out
+
+
+def multi_gpu_glance(result: dict) -> list[str]:
+    return [f"{r['gpus']} GPUs: {num(r['scaling'], 2)}x the prompts per second of one ({result['device']})"
+            for r in result["rows"] if r["gpus"] > 1]
+
+
 def kernel_name(name: str) -> str:
     """cuBLAS's generated kernel names (``nvjet_sm90_tst_192x8_...``) say only that they are a cuBLAS GEMM."""
     return "cuBLAS GEMM" if name.startswith("nvjet") else name.split("(")[0][:40]
@@ -441,6 +468,10 @@ SECTIONS = (
             e2e_section, e2e_glance, e2e_plot),
     Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
+    Section("Several GPUs: DDP scaling", "multi_gpu_*.json",
+            "python bench/bench_multi_gpu.py --tokenizer DIR --gpus 1 2 4 --out bench/results",
+            "`train.py fit` under Lightning's DDP on 1, 2 and 4 GPUs of one host, the same settings per GPU, one run "
+            "per GPU count on the same machine.", multi_gpu_section, multi_gpu_glance),
     Section("Where a decode step's time goes", "decode_profile_*.json",
             "PYTHONPATH=. python bench/profile_decode.py --out bench/results",
             "Kernel time and count per eager decode step (torch profiler; a replayed graph adds only launch gaps).",

@@ -133,6 +133,7 @@ class QeRLCLI(LightningCLI):
             if config.threads < 1:
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
+        self._check_strategy(config)
         if self.subcommand == "fit":
             max_steps = config.trainer.max_steps
             if max_steps is None or max_steps < 1:
@@ -141,6 +142,25 @@ class QeRLCLI(LightningCLI):
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
+
+    def _check_strategy(self, config) -> None:
+        """Refuse, before anything loads, the multi-GPU setups qerl does not run (README, "Several GPUs")."""
+        trainer = config.get("trainer") or {}
+        strategy = trainer.get("strategy")
+        name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")
+        if any(kind in name.lower() for kind in ("fsdp", "deepspeed", "modelparallel")):
+            self._parser(self.subcommand).error(
+                f"trainer.strategy={name}: not supported: every GPU decodes rollouts from the whole model, which "
+                "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
+                "one GPU in bf16.")
+        devices = trainer.get("devices")
+        many = (len(devices) > 1 if isinstance(devices, (list, tuple))
+                else str(devices).lstrip("-").isdigit() and (int(devices) > 1 or int(devices) == -1))
+        rollout = ((config.get("model") or {}).get("rollout") or {})
+        if many and str(getattr(rollout, "class_path", "") or "").endswith("VLLMRollout"):
+            self._parser(self.subcommand).error(
+                f"trainer.devices={devices} with qerl.rollout.vllm.VLLMRollout: the vLLM engine runs on one GPU only; "
+                "set trainer.devices: 1, or use qerl.rollout.cuda_graph.CUDAGraphRollout on several GPUs.")
 
     def instantiate_classes(self) -> None:
         # Constructors check every value; one that raises is a configuration mistake, reported like a parse error.

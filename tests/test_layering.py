@@ -7,6 +7,7 @@ Layers, lowest first (a module belongs to the layer of its longest matching pref
     nvfp4 layer, checkpoint  the frozen Linear and the compressed-tensors checkpoint format (nothing else of qerl
                              below: the NVFP4 package is the ground floor)
     hub                      where models and tokenizers come from
+    ranks                    what each process of a multi-process run owns (its seeds, its share of a checkpoint)
     data                     prompts, answers, rewards
     model                    the policy (NVFP4 + LoRA), its loading, AQN
     rollout                  the engines that sample from the policy
@@ -29,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nvfp4 format, kernels", ("qerl.nvfp4.format", "qerl.nvfp4.kernels")),
     ("nvfp4 layer, checkpoint", ("qerl.nvfp4",)),
     ("hub", ("qerl.hub",)),
+    ("ranks", ("qerl.ranks",)),
     ("data", ("qerl.data",)),
     ("model", ("qerl.model",)),
     ("rollout", ("qerl.rollout",)),

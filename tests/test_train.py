@@ -157,7 +157,7 @@ def test_adapter_export_and_checkpoint_hold_only_trainable_weights(runs):
     assert ckpt["global_step"] == 2
     assert {"qerl_rng", "qerl_rollout", "optimizer_states", "lr_schedulers"} <= set(ckpt)
     assert any("AdaptiveQuantizationNoise" in k for k in ckpt["callbacks"])
-    assert ckpt["MathPromptDataModule"]["train_stream"]["rounds"]  # the stream position
+    assert ckpt["MathPromptDataModule"]["train_stream"]["ranks"][0]["rounds"]  # the stream position
     for name, value in run["weights"].items():
         assert torch.equal(ckpt["state_dict"][f"policy.{name}"], value)
 
@@ -203,19 +203,97 @@ def test_resumed_run_ends_with_the_weights_of_the_straight_run(runs):
         assert [resumed[2], resumed[3]] == [straight[2], straight[3]], tag
 
 
-def test_ddp_on_two_cpu_processes_trains_and_checkpoints(tiny_model_dirs, tmp_path):
-    """Lightning's DDP strategy (gloo, 2 processes): the prompt stream is sharded per rank, frozen NVFP4 weights are
-    left out of DDP's broadcast (gloo has no fp8), and the rank-0 checkpoint/adapter export does not deadlock."""
+@pytest.fixture(scope="module")
+def ddp_runs(tiny_model_dirs, tmp_path_factory):
+    """Lightning's DDP strategy on two CPU processes (gloo): a straight 4-step run, and a run resumed on two ranks from
+    its step-2 checkpoint."""
     import subprocess
     import sys
 
+    root, logs = Path(__file__).resolve().parents[1], tmp_path_factory.mktemp("ddp")
+
+    def fit(version: str, *extra: str) -> Path:
+        cmd = [sys.executable, "train.py", "fit", "--config", DEBUG, "--model.policy.model",
+               str(tiny_model_dirs["qwen2"]), "--trainer.strategy", "ddp", "--trainer.devices", "2",
+               "--trainer.max_steps", "4", "--trainer.logger.init_args.save_dir", str(logs),
+               "--trainer.logger.init_args.version", version, *AQN, *extra]
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return logs / "debug" / version
+
+    straight = fit("S")
+    resumed = fit("R", "--ckpt_path", str(straight / "checkpoints" / "epoch=0-step=2.ckpt"))
+    return straight, resumed
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_ddp_on_two_cpu_processes_trains_and_checkpoints_every_rank(ddp_runs):
+    """The prompt stream is sharded per rank, frozen NVFP4 weights are left out of DDP's broadcast (gloo has no fp8),
+    the rank-0 checkpoint/adapter export does not deadlock, and the checkpoint holds each rank's own streams."""
+    straight, _ = ddp_runs
+    checkpoint = load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 4
+    assert (straight / "adapter" / "adapter_model.safetensors").exists()
+    assert scalars(events(straight), "train/reward").keys() == {0, 1, 2, 3}
+    aqn = next(v for k, v in checkpoint["callbacks"].items() if "AdaptiveQuantizationNoise" in k)["ranks"]
+    sampling = checkpoint["qerl_rollout"]["ranks"]
+    stream = checkpoint["MathPromptDataModule"]["train_stream"]["ranks"]
+    assert len(aqn) == len(sampling) == len(stream) == len(checkpoint["qerl_rng"]["ranks"]) == 2
+    # each rank draws its own noise and samples (one schedule, two streams) and reads its own share of the prompts
+    assert not torch.equal(aqn[0]["generator"], aqn[1]["generator"])
+    assert not torch.equal(sampling[0]["generator"][1], sampling[1]["generator"][1])
+    assert stream[0]["layout"] == stream[1]["layout"] == (2, 1)
+    assert stream[0]["counters"][0]["prompts"] == stream[1]["counters"][0]["prompts"] == 4 * 2
+
+
+def test_a_resume_on_two_ranks_continues_both_ranks_streams(ddp_runs):
+    """Resumed at step 2 on the same two ranks, the run ends where the straight run ended: the same adapter bit for
+    bit (both ranks drew the same prompts, noise and samples and made the same gradients), the same metrics at steps
+    2 and 3, and the same position of each rank's prompt stream and random streams."""
+    straight, resumed = ddp_runs
+    s, r = (load_checkpoint(run / "checkpoints" / "last.ckpt") for run in ddp_runs)
+    assert r["global_step"] == 4 and s["state_dict"].keys() == r["state_dict"].keys()
+    for name in s["state_dict"]:
+        assert torch.equal(s["state_dict"][name], r["state_dict"][name]), name
+    for tag in ("train/reward", "train/entropy", "train/completion_length", "train/aqn_sigma"):
+        straight_values, resumed_values = scalars(events(straight), tag), scalars(events(resumed), tag)
+        assert [resumed_values[2], resumed_values[3]] == [straight_values[2], straight_values[3]], tag
+    assert s["MathPromptDataModule"] == r["MathPromptDataModule"]
+    for rank in range(2):
+        assert torch.equal(s["qerl_rollout"]["ranks"][rank]["generator"][1], r["qerl_rollout"]["ranks"][rank]["generator"][1])
+
+
+def test_two_ranks_on_fixed_rollouts_make_the_update_of_one_process_over_the_same_prompts(tiny_model_dirs, tmp_path):
+    """One optimizer step through ``train.py fit`` on rollouts that depend on the prompt alone: one process over 4
+    prompts and two DDP ranks over 2 each (the stream's shares: prompts 0, 2 and 1, 3) change the adapter alike: the
+    loss's weights are normalised over the global batch and the gradients averaged over the ranks."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "train.py", "fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
-           "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    version = tmp_path / "debug" / "version_0"
-    checkpoint = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == 2
-    assert (version / "adapter" / "adapter_model.safetensors").exists()
-    assert scalars(events(version), "train/reward").keys() == {0, 1}
+
+    def fit(devices: int, batch_size: int) -> dict[str, torch.Tensor]:
+        version = f"ranks{devices}"
+        cmd = [sys.executable, "train.py", "fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+               "--trainer.devices", str(devices), "--trainer.max_steps", "1", "--data.batch_size", str(batch_size),
+               "--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
+               "--model.rollout.init_args.max_new_tokens", "12", "--model.reward.class_path",
+               "qerl.testing.fixed_rollouts.HashReward", "--model.group_size", "4", "--model.micro_batch_size", "3",
+               "--model.weight_decay", "0", "--model.max_grad_norm", "0", "--aqn.enabled", "false",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", version,
+               *(["--trainer.strategy", "ddp"] if devices > 1 else [])]
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_file(str(tmp_path / "debug" / version / "adapter" / "adapter_model.safetensors"))
+
+    one, two = fit(1, 4), fit(2, 2)
+    assert one.keys() == two.keys()
+    lora_b = [k for k in one if "lora_B" in k]
+    assert lora_b and all(one[k].abs().max() > 1e-4 for k in lora_b)  # the step moved B away from zero
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -6,13 +6,15 @@ import lightning as L
 import torch
 
 from qerl.model.aqn import aqn_sigma, aqn_stage
+from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
 
 
 class AdaptiveQuantizationNoise(L.Callback):
     """Anneal Adaptive Quantization Noise over ``num_stages`` equal stages of ``trainer.max_steps`` optimizer steps.
 
     The engine draws fresh noise from this callback's generator at each rollout and removes it afterwards; the
-    generator state is checkpointed so a resumed run draws the same noise it would have drawn.
+    generator state is checkpointed so a resumed run draws the same noise it would have drawn. Under DDP every rank
+    follows the same schedule and draws its own noise (its generator starts from ``rank_seed(seed, rank)``).
 
     Args:
         sigma_start: noise std of stage 1 (stage 0 is noise-free).
@@ -29,7 +31,12 @@ class AdaptiveQuantizationNoise(L.Callback):
         if sigma_start < 0 or sigma_end <= 0 and enabled:
             raise ValueError(f"aqn.sigma_start must be >= 0 and aqn.sigma_end > 0, got {sigma_start}, {sigma_end}.")
         self.sigma_start, self.sigma_end, self.num_stages, self.enabled = sigma_start, sigma_end, num_stages, enabled
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Runs once the process knows its rank, before a checkpoint's state is loaded.
+        self.generator.manual_seed(rank_seed(self.seed, trainer.global_rank))
 
     def sigma(self, step: int, total_steps: int) -> float:
         if not self.enabled:
@@ -47,7 +54,9 @@ class AdaptiveQuantizationNoise(L.Callback):
         pl_module.rollout.set_noise(0.0)
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return gather_rank_states({"generator": self.generator.get_state()})  # every rank's (a collective under DDP)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.generator.set_state(state_dict["generator"])
+        state = own_rank_state(state_dict)
+        if state is not None:  # else this rank was not in the saved run: its stream starts from its seed
+            self.generator.set_state(state["generator"])

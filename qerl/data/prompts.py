@@ -11,8 +11,9 @@ consumer reads (but does not tokenize) the whole stream; like ``datasets.distrib
 
 Resuming: each training batch carries ``stream_state`` = (worker, next round, counters); the data module pops it in
 ``on_before_batch_transfer`` (so ``training_step`` never sees it) and commits it, so the saved state covers exactly
-the batches training received (not those Lightning prefetched). A resumed stream regenerates the global order and
-skips, without tokenizing, to where each worker stopped.
+the batches training received (not those Lightning prefetched). The checkpoint holds every rank's state. A resumed
+stream regenerates the global order and skips, without tokenizing, to where each of its workers stopped; on another
+number of ranks or workers, every consumer starts at the first row that some saved consumer had not reached.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from qerl.data.skips import SKIP_REASONS
+from qerl.ranks import gather_rank_states
 from qerl.data.sources import ArithmeticSource, Mixture, PromptSource, endless
 
 # Instructions appended to the question. ``boxed`` is the Qwen2.5-Math / DeepSeek-R1 prompt; ``tags`` the
@@ -125,6 +127,7 @@ class PromptStream(IterableDataset):
         self._counters: dict[int, dict] = {}  # local worker -> its last counters
         self._layout: tuple[int, int] | None = None  # (world_size, workers) the rounds were counted with
         self._last_worker = -1  # the worker that built the last committed batch
+        self._resume_index = 0  # first global index some consumer of a saved run had not reached (layout changes)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -162,21 +165,19 @@ class PromptStream(IterableDataset):
             }
 
     def _start_round(self, me: int, k: int, worker: int, workers: int) -> int:
-        """First round of this consumer's share to read: where it stopped, or where rank 0 stopped if the layout
-        changed (K differs), so no prompt is skipped and few repeat."""
-        if not self._rounds:
-            return 0
+        """First round of this consumer's share to read: where it stopped, or, if the layout changed (K differs) or
+        this rank was not in the saved run, the first round at or past the saved run's earliest unread row, so no
+        prompt is skipped and few repeat."""
         if self._layout == (self.world_size, workers):
             return self._rounds.get(worker, 0)
-        k_old = self._layout[0] * self._layout[1]
-        position = min(w + r * k_old for w, r in self._rounds.items())  # rank 0's workers are consumers 0..W-1
-        return max(0, -(-(position - me) // k))
+        return max(0, -(-(self._resume_index - me) // k))
 
     def update(self, stream_state: tuple) -> None:
         """Commit the position carried by a batch that training received."""
         worker, workers, world_size, next_round, counters = stream_state
         if self._layout != (world_size, workers):
             self._layout, self._rounds, self._counters = (world_size, workers), {}, {}
+            self._resume_index = 0
         self._rounds[worker] = next_round
         self._counters[worker] = counters
         self._last_worker = worker
@@ -201,10 +202,20 @@ class PromptStream(IterableDataset):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._rounds = {int(w): r for w, r in state["rounds"].items()}
-        self._counters = {int(w): c for w, c in state["counters"].items()}
-        self._layout = tuple(state["layout"]) if state["layout"] is not None else None
-        self._last_worker = state["last_worker"]
+        """This rank's position from a checkpoint's stream state: every rank's (``{"ranks": [...]}``, what the data
+        module saves) or a single one (a stream's own ``state_dict``; older checkpoints: rank 0's)."""
+        states = state["ranks"] if set(state) == {"ranks"} else [state]
+        own = states[self.rank] if self.rank < len(states) else None
+        self._rounds = {int(w): r for w, r in own["rounds"].items()} if own else {}
+        self._counters = {int(w): c for w, c in own["counters"].items()} if own else {}
+        self._layout = tuple(own["layout"]) if own and own["layout"] is not None else None
+        self._last_worker = own["last_worker"] if own else -1
+        # Where a changed layout resumes: the earliest row some saved consumer (rank r, worker w: consumer
+        # r * workers + w of K = world x workers) had not reached.
+        unread = [(rank * saved["layout"][1] + int(w)) + rounds * saved["layout"][0] * saved["layout"][1]
+                  for rank, saved in enumerate(states) if saved and saved["layout"] is not None
+                  for w, rounds in saved["rounds"].items()]
+        self._resume_index = min(unread, default=0)
 
 
 def collate(items: list[dict], with_state: bool = True) -> dict:
@@ -375,7 +386,7 @@ class MathPromptDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         if self.train_stream is None:
             return {"train_stream": self._pending_state} if self._pending_state else {}
-        return {"train_stream": self.train_stream.state_dict()}
+        return {"train_stream": gather_rank_states(self.train_stream.state_dict())}  # a collective under DDP
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Lightning restores the data module before `setup`; keep the state until the stream exists.

@@ -47,6 +47,7 @@ from qerl.modules.micro_batches import plan_micro_batches, right_align
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
 from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
+from qerl.ranks import gather_rank_states, own_rank_state
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
 
@@ -443,15 +444,17 @@ class GRPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["qerl_rng"] = {"torch": torch.get_rng_state(),
-                                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        # every rank's random streams (collectives under DDP): a resume continues each rank's draws
+        checkpoint["qerl_rng"] = gather_rank_states({
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None})
         checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero and log_dir:
             save_adapter(self.policy, Path(log_dir) / "adapter")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        rng = checkpoint.get("qerl_rng")
+        rng = own_rank_state(checkpoint.get("qerl_rng"))
         if rng:
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():

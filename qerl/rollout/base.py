@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from qerl.ranks import gather_rank_states, own_rank_state, rank_and_world_size, rank_seed
+
 
 class Rollout(NamedTuple):
     """G sampled completions for each of B prompts; rows are grouped per prompt (N = B*G)."""
@@ -48,7 +50,7 @@ class RolloutEngine:
         max_new_tokens: completion budget; longer completions are truncated (and masked by the trainer if asked).
         temperature: sampling temperature (the loss recomputes log-probs at the same temperature).
         top_p: nucleus sampling threshold (1.0 keeps the full distribution, which keeps the IS ratio exact).
-        seed: seed of the sampling generator.
+        seed: seed of the sampling generator (under DDP each rank's stream starts from its own ``rank_seed``).
     """
 
     def __init__(self, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0):
@@ -81,7 +83,7 @@ class RolloutEngine:
         generator, pending = self._generator, self._generator_state
         state = generator.get_state() if generator is not None else None
         if generator is not None:
-            generator.manual_seed(self.seed if seed is None else seed)
+            generator.manual_seed(rank_seed(self.seed if seed is None else seed, rank_and_world_size()[0]))
         self.seed, training_seed = (self.seed if seed is None else seed), self.seed  # a stream made inside uses it
         self.temperature = saved[0] if temperature is None else temperature
         self.greedy, self.noise_std, self.noise_generator = greedy, 0.0, None
@@ -103,18 +105,26 @@ class RolloutEngine:
     def _sampling_generator(self, device: torch.device) -> torch.Generator:
         """The sampling generator on ``device``: seeded with ``seed``, or set to a checkpoint's state when resuming."""
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generator = torch.Generator(device=device).manual_seed(rank_seed(self.seed, rank_and_world_size()[0]))
             if self._generator_state is not None and self._generator_state[0] == device.type:
                 self._generator.set_state(self._generator_state[1])
             self._generator_state = None
         return self._generator
 
     def state_dict(self) -> dict:
-        """The sampling generator's position, so that a resumed run draws what the uninterrupted run would have."""
+        """Every rank's ``rank_state`` (a collective under DDP), so that a resumed run draws what the uninterrupted run
+        would have, on every rank."""
+        return gather_rank_states(self.rank_state())
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_rank_state(own_rank_state(state) or {})
+
+    def rank_state(self) -> dict:
+        """This process's random streams: the sampling generator's position."""
         g = self._generator
         return {"generator": None if g is None else (g.device.type, g.get_state())}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_rank_state(self, state: dict) -> None:
         saved = state.get("generator")
         if self._generator is None:
             self._generator_state = saved  # applied when the generator is created on the policy's device

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
 from qerl.model.memory_plan import KV_RELEASE_FRACTION
+from qerl.ranks import rank_and_world_size, rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.row_noise import row_exponentials
@@ -307,7 +308,7 @@ class CUDAGraphRollout(RolloutEngine):
     def reset_generator(self) -> None:
         """Restart the sampling stream from ``seed`` (tests compare runs with the same draws)."""
         if self._generator is not None:
-            self._generator.manual_seed(self.seed)
+            self._generator.manual_seed(rank_seed(self.seed, rank_and_world_size()[0]))
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
@@ -339,11 +340,12 @@ class CUDAGraphRollout(RolloutEngine):
         try:
             # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
             with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
-                    self._adapter_copies(params, base.get_input_embeddings().weight.dtype):
+                    self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
+                    pending = s["cache"].nbytes if s["cache"].storage is None else 0  # allocated after the copy
                     decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, wave_prompts * group_size,
-                                                                            dtype, device))
+                                                                            dtype, device, pending))
                     self._drop_stale_graphs(decoder)
                 s["decoder"] = decoder
                 s["noise_key"].copy_(key)
@@ -363,6 +365,10 @@ class CUDAGraphRollout(RolloutEngine):
                 decoder.release()
             if self._release_kv_cache(s, device):
                 s["cache"].release()
+                if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < s["cache"].nbytes:
+                    # Too little memory outside the allocator for the cache to come back as a fresh block: give its
+                    # block back now, before the update's long-lived tensors (AdamW states) land in it and pin it.
+                    torch.cuda.empty_cache()
         self._phase("done", steps - 1)
         completion = out["tokens_out"][:, :steps]
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
@@ -465,32 +471,39 @@ class CUDAGraphRollout(RolloutEngine):
         if getattr(self, "_pool", None) is not None:
             self._pool = torch.cuda.graph_pool_handle()
 
-    def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
-        free = _free_bytes(device) if device.type == "cuda" else None
+    def _wide_batch_bf16(self, decoder, rows: int, dtype, device, pending: int = 0) -> bool:
+        """Whether this rollout decodes its wide steps on a bf16 copy; ``pending``: bytes still to be allocated after
+        the copy (a KV cache released for the last update), which the copy must leave room for."""
+        free = _free_bytes(device) - pending if device.type == "cuda" else None
         return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free)
 
     @contextmanager
-    def _adapter_copies(self, params: list, dtype):
-        """Point the LoRA parameters (of ``params``: the policy's ``named_parameters()``) at copies in ``dtype`` (same
-        buffers every call) for the block; restore after."""
-        swapped, copies = [], []
+    def _adapter_copies(self, policy, params: list, dtype):
+        """Give the LoRA layers copies of their matrices (of ``params``: the policy's ``named_parameters()``) in
+        ``dtype`` for the block (same buffers every call), in their parameters' places; put the parameters back after.
+        The parameters themselves stay untouched: changing a parameter's dtype through ``.data`` would drop its
+        autograd accumulator, and with it the gradient hooks DDP registered there (no all-reduce after a rollout)."""
+        swapped, copies, sources = [], [], []
         if self.adapter_in_model_dtype:
             for name, p in params:
                 if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
                     copy = self._shadows.get(id(p))
                     if copy is None or copy.shape != p.shape or copy.device != p.device or copy.dtype != dtype:
-                        copy = self._shadows[id(p)] = torch.empty(p.shape, dtype=dtype, device=p.device)
+                        copy = self._shadows[id(p)] = torch.nn.Parameter(
+                            torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False)
+                    owner, attr = name.rsplit(".", 1)
+                    swapped.append((policy.get_submodule(owner), attr, p))
                     copies.append(copy)
-                    swapped.append((p, p.data))
+                    sources.append(p.detach())
             if copies:  # one multi-tensor kernel, not one per matrix (host time)
-                torch._foreach_copy_(copies, [data for _, data in swapped])
-            for (p, _), copy in zip(swapped, copies):
-                p.data = copy
+                torch._foreach_copy_(copies, sources)
+            for (module, attr, _), copy in zip(swapped, copies):
+                module._parameters[attr] = copy
         try:
             yield
         finally:
-            for p, data in swapped:
-                p.data = data
+            for module, attr, p in swapped:
+                module._parameters[attr] = p
 
     def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> dict:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
@@ -541,6 +554,8 @@ class CUDAGraphRollout(RolloutEngine):
         if cache.storage is not None:
             return
         if device.type == "cuda":
+            if torch.cuda.mem_get_info(device)[0] < cache.nbytes:
+                torch.cuda.empty_cache()  # the update's cached blocks back to the device: the cache is one block
             check_kv_cache_fits(cache.nbytes, _free_bytes(device), cache.rows, cache.length, str(device))
         cache.allocate()
         if s["cache_at"] is not None and s["cache_at"] != cache.storage.data_ptr():

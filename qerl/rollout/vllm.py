@@ -37,6 +37,7 @@ from qerl.model.aqn import aqn_noise
 from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.ranks import rank_and_world_size, rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad
 
@@ -167,17 +168,23 @@ class VLLMRollout(RolloutEngine):
         self._pending_lora = False  # a new adapter file waits to be loaded into vLLM
         self._clean_norms: dict[str, torch.Tensor] = {}  # trained norm weights, keyed by vLLM parameter name
         self._pending_norms = False
-        self._seeds = random.Random(seed)  # per-request seeds: reproducible and distinct across prompts and steps
+        self._seeds: random.Random | None = None  # per-request seeds, distinct across prompts, steps and ranks
 
     # ------------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The per-request seed stream, so that a resumed run sends vLLM the seeds the uninterrupted run would."""
-        return {**super().state_dict(), "seeds": self._seeds.getstate()}
+    def rank_state(self) -> dict:
+        """The per-request seed stream too, so that a resumed run sends vLLM the seeds the uninterrupted run would."""
+        return {**super().rank_state(), "seeds": self._request_seeds().getstate()}
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def load_rank_state(self, state: dict) -> None:
+        super().load_rank_state(state)
         if state.get("seeds") is not None:
-            self._seeds.setstate(state["seeds"])
+            self._request_seeds().setstate(state["seeds"])
+
+    def _request_seeds(self) -> random.Random:
+        """The per-request seed stream, made on first use (by then this process knows its DDP rank)."""
+        if self._seeds is None:
+            self._seeds = random.Random(rank_seed(self.seed, rank_and_world_size()[0]))
+        return self._seeds
 
     def sync(self, policy) -> None:
         """Snapshot the adapter (to RAM, PEFT format) and the trained norms; vLLM takes both before the next rollout
@@ -219,7 +226,7 @@ class VLLMRollout(RolloutEngine):
                     stop_token_ids=list(eos_ids),
                     ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
                     logprobs=0,
-                    seed=self._seeds.randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
+                    seed=self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
                     skip_special_tokens=False,
                     detokenize=False,
                 )

@@ -163,7 +163,7 @@ def test_trainer_checkpoint_resumes_the_stream(tokenizer, tmp_path):
     first, trainer = fit(3)
     assert first.trained == straight.trained[:3]
     state = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)["MathPromptDataModule"]
-    assert state["train_stream"]["rounds"] == {0: 3 * 2}  # the batches trained on, not the one Lightning prefetched
+    assert state["train_stream"]["ranks"][0]["rounds"] == {0: 3 * 2}  # the batches trained on, not the one Lightning prefetched
     resumed, _ = fit(5, ckpt_path=trainer.checkpoint_callback.best_model_path)
     assert resumed.trained == straight.trained[3:]
 
@@ -198,3 +198,24 @@ def test_training_batches_carry_the_skip_counts_of_the_stream(tokenizer, tmp_pat
     assert model.skipped[0]["unreadable_line"] == 0  # counted as the stream reaches them: line 3 is still ahead
     assert model.skipped[-1] == {"unreadable_line": 1, "missing_question": 0, "missing_answer": 1,
                                  "no_final_answer": 0, "too_long": 1}  # 12 prompts = 2 passes; the long last row of pass 2 is still ahead
+
+
+def test_resume_of_two_ranks_continues_each_rank_and_one_rank_skips_nothing(tokenizer, tmp_path):
+    rows = [{"question": f"Q{i}", "answer": str(i)} for i in range(60)]
+    source = HubSource(str(write_jsonl(tmp_path / "rows.jsonl", rows)))
+
+    def stream(rank=0, world_size=1):
+        return PromptStream(source, tokenizer, shuffle_buffer=0, rank=rank, world_size=world_size)
+
+    reference = [a for b in take(stream(), 10) for a in b]  # the global order (no shuffle: Q0, Q1, ...)
+    ranks = [stream(0, 2), stream(1, 2)]
+    assert take(ranks[0], 3) == [reference[0:8:2], reference[8:16:2], reference[16:24:2]]
+    assert take(ranks[1], 2) == [reference[1:8:2], reference[9:16:2]]  # rank 1 one batch behind (it skipped more)
+    saved = {"ranks": [r.state_dict() for r in ranks]}  # what the data module gathers into a checkpoint
+    for rank in range(2):  # the same two ranks: each continues its own share
+        resumed = stream(rank, 2)
+        resumed.load_state_dict(saved)
+        assert take(resumed, 1) == [reference[24:32:2] if rank == 0 else reference[17:24:2]]
+    one = stream()  # one rank: from the first row some rank had not reached (rank 1's Q17); 18, 20, 22 repeat
+    one.load_state_dict(saved)
+    assert take(one, 1) == [reference[17:21]]

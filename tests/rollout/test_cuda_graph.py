@@ -135,7 +135,14 @@ def test_random_nvfp4_builder_makes_a_working_policy():
     assert r.completion_ids.shape == (6, 4) and torch.isfinite(r.logprobs).all()
 
 
+def grad_accumulator(p: torch.Tensor):
+    """The autograd node that accumulates ``p``'s gradient (DDP hangs its all-reduce hooks there)."""
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
 def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
+    """The rollout runs bf16 copies of the fp32 adapter and leaves the parameters as they were: the same storage, dtype
+    and gradient accumulator (a dtype change through ``.data`` drops it: DDP's hooks would never fire again)."""
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="bfloat16")
     lora = [p for n, p in policy.named_parameters() if "lora_" in n]
@@ -144,9 +151,12 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
             p.data = p.data.float()  # peft's usual fp32 adapter on a bf16 model
             p.normal_(std=0.05)
     before = [(p.data_ptr(), p.dtype) for p in lora]
+    accumulators = [grad_accumulator(p) for p in lora]
     engine = CUDAGraphRollout(max_new_tokens=4)
     r = engine.generate(policy, PROMPTS, 2, PAD, [])
     assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
+    assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators))
+    assert all(p in set(policy.parameters()) for p in lora)  # the modules hold the parameters again
     assert all(s.dtype == torch.bfloat16 for s in engine._shadows.values()) and len(engine._shadows) == len(lora)
 
 

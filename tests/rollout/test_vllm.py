@@ -69,12 +69,12 @@ def test_seed_stream_survives_a_checkpoint():
     from qerl.rollout.vllm import VLLMRollout
 
     engine = VLLMRollout(seed=3)
-    engine._seeds.random()
+    engine._request_seeds().random()
     state = engine.state_dict()
-    expected = engine._seeds.random()
+    expected = engine._request_seeds().random()
     resumed = VLLMRollout(seed=3)
     resumed.load_state_dict(state)
-    assert resumed._seeds.random() == expected
+    assert resumed._request_seeds().random() == expected
 
 
 def test_vllm_outputs_become_a_builtin_layout_rollout():
