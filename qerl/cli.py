@@ -153,14 +153,6 @@ class QeRLCLI(LightningCLI):
                 f"trainer.strategy={name}: not supported: every GPU decodes rollouts from the whole model, which "
                 "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
                 "one GPU in bf16.")
-        devices = trainer.get("devices")
-        many = (len(devices) > 1 if isinstance(devices, (list, tuple))
-                else str(devices).lstrip("-").isdigit() and (int(devices) > 1 or int(devices) == -1))
-        rollout = ((config.get("model") or {}).get("rollout") or {})
-        if many and str(getattr(rollout, "class_path", "") or "").endswith("VLLMRollout"):
-            self._parser(self.subcommand).error(
-                f"trainer.devices={devices} with qerl.rollout.vllm.VLLMRollout: the vLLM engine runs on one GPU only; "
-                "set trainer.devices: 1, or use qerl.rollout.cuda_graph.CUDAGraphRollout on several GPUs.")
 
     def instantiate_classes(self) -> None:
         # Constructors check every value; one that raises is a configuration mistake, reported like a parse error.

@@ -37,8 +37,6 @@ def fails(args: list[str], capsys) -> str:
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),
-    (["--trainer.devices", "2", "--model.rollout", "qerl.rollout.vllm.VLLMRollout"],
-     "trainer.devices=2 with qerl.rollout.vllm.VLLMRollout: the vLLM engine runs on one GPU only"),
 ])
 def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
                                                               monkeypatch):

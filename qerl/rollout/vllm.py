@@ -8,6 +8,9 @@ Each step, through vLLM's public API only:
                    then trained norms + fresh AQN noise, written into vLLM's own RMSNorm parameters in place ->
                    ``reset_prefix_cache()`` -> sample with a plain ``LoRARequest`` -> clean norms back -> sleep
 
+Under DDP every rank runs its own engine on its own GPU and prompts (vLLM's data parallelism with an external
+launcher, ``data_parallel_size`` = the number of ranks, in the trainer's process group).
+
 vLLM loads the same model as the policy: an NVFP4 (compressed-tensors) checkpoint directory written by
 ``python -m qerl.quantize`` on a CUDA GPU, or a bf16/fp32 directory. Log-probs are vLLM's *processed* log-probs
 (temperature and top-p applied), the same distribution the built-in engine samples from. vLLM does not return the
@@ -255,10 +258,7 @@ class VLLMRollout(RolloutEngine):
         except ImportError as error:
             raise ImportError(f"{INSTALL_HINT} (importing vllm failed: {error})") from error
 
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise NotImplementedError("VLLMRollout runs one in-process vLLM per training process and supports a single "
-                                      "GPU (devices: 1) for now; use the built-in engine for DDP.")
+        process_rank, world_size = rank_and_world_size()  # DDP (``rank`` is the adapter's)
         base = policy.get_base_model()
         path = resolve_model(self.model or base.config._name_or_path)
         quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())
@@ -283,6 +283,14 @@ class VLLMRollout(RolloutEngine):
         )
         if self._on_cuda():
             kwargs["enable_sleep_mode"] = self.sleep
+        if world_size > 1:
+            # Under DDP: one engine per rank, each sampling its rank's prompts (vLLM's data parallelism with an
+            # external launcher; it joins the process group Lightning made and reads the launcher's variables,
+            # of which Lightning sets LOCAL_RANK and MASTER_*, not RANK and WORLD_SIZE).
+            os.environ.setdefault("RANK", str(process_rank))
+            os.environ.setdefault("WORLD_SIZE", str(world_size))
+            os.environ.setdefault("LOCAL_RANK", str(process_rank))
+            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
         kwargs.update(self.engine_kwargs)
         self.llm = LLM(**kwargs)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len

@@ -422,3 +422,23 @@ def parting_margins(trained, tokenizer, prompts, tokens, served, differing, expe
             logits = policy(input_ids=torch.tensor([list(prompts[i]) + ours[:at]])).logits[0, -1]
         margins.append((i, at, float(logits[ours[at]] - logits[theirs[at]])))
     return margins
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_ddp_ranks_each_sample_with_their_own_vllm(tmp_path):
+    """Lightning's DDP on two CPU processes (gloo), one in-process vLLM per rank (vLLM's data parallelism with an
+    external launcher, inside the trainer's process group): the run trains on both ranks' prompts, logs the global
+    batch, and checkpoints each rank's own request-seed stream."""
+    run = fit_run(tmp_path, "vllm_ddp", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
+                  "--model.rollout.init_args.enforce_eager", "true", "--model.rollout.init_args.max_model_len", "256",
+                  "--trainer.strategy", "ddp", "--trainer.devices", "2")
+    tags, engine = logged(run)
+    assert engine == "qerl.rollout.vllm.VLLMRollout"
+    assert {"train/reward", "rollout/entropy", "train/entropy", "perf/rollout_s"} <= tags
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    seeds = [state["seeds"] for state in checkpoint["qerl_rollout"]["ranks"]]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]  # each rank its own request seeds
+    streams = checkpoint["MathPromptDataModule"]["train_stream"]["ranks"]
+    assert [s["counters"][0]["prompts"] for s in streams] == [2 * 2, 2 * 2]  # both ranks trained on their prompts
