@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from qerl.ranks import rank_and_world_size, rank_seed
+from qerl.ranks import rank_seed
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 
 
@@ -47,7 +47,7 @@ class ForcedLengthRollout(CUDAGraphRollout):
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
         rows = len(prompt_ids) * group_size
         if self._lengths_generator is None:
-            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed, rank_and_world_size()[0]))
+            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
         lengths = draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
         lengths[lengths > self.max_new_tokens] = self.max_new_tokens + 1  # never reached: truncated
         device = next(policy.parameters()).device

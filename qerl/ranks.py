@@ -22,9 +22,11 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank ``rank``'s stream: ``seed`` on rank 0 (a single process draws what it always drew), a 63-bit
-    hash of (seed, rank) elsewhere, so that no two ranks share a stream (nor rank 1 of seed s and rank 0 of s + 1)."""
+def rank_seed(seed: int, rank: int | None = None) -> int:
+    """The seed of rank ``rank``'s stream (default: this process's rank): ``seed`` on rank 0 (a single process draws
+    what it always drew), a 63-bit hash of (seed, rank) elsewhere, so that no two ranks share a stream (nor rank 1 of
+    seed s and rank 0 of s + 1)."""
+    rank = rank_and_world_size()[0] if rank is None else rank
     if rank == 0:
         return seed
     return int.from_bytes(hashlib.sha256(f"{seed}/{rank}".encode()).digest()[:8], "little") >> 1

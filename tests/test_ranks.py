@@ -5,7 +5,7 @@ from qerl.ranks import gather_rank_states, own_rank_state, rank_and_world_size, 
 
 
 def test_rank_zero_keeps_the_seed_and_other_ranks_get_distinct_ones():
-    assert rank_seed(7, 0) == 7  # one process draws what it always drew
+    assert rank_seed(7, 0) == rank_seed(7) == 7  # one process (rank 0 by default) draws what it always drew
     seeds = {rank_seed(s, r) for s in range(4) for r in range(1, 8)} | set(range(4))
     assert len(seeds) == 4 + 4 * 7  # no two (seed, rank) pairs share a stream
     assert all(0 <= x < 2**63 for x in seeds) and rank_seed(3, 2) == rank_seed(3, 2)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from qerl.ranks import gather_rank_states, own_rank_state, rank_and_world_size, rank_seed
+from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
 
 
 class Rollout(NamedTuple):
@@ -83,7 +83,7 @@ class RolloutEngine:
         generator, pending = self._generator, self._generator_state
         state = generator.get_state() if generator is not None else None
         if generator is not None:
-            generator.manual_seed(rank_seed(self.seed if seed is None else seed, rank_and_world_size()[0]))
+            generator.manual_seed(rank_seed(self.seed if seed is None else seed))
         self.seed, training_seed = (self.seed if seed is None else seed), self.seed  # a stream made inside uses it
         self.temperature = saved[0] if temperature is None else temperature
         self.greedy, self.noise_std, self.noise_generator = greedy, 0.0, None
@@ -105,7 +105,7 @@ class RolloutEngine:
     def _sampling_generator(self, device: torch.device) -> torch.Generator:
         """The sampling generator on ``device``: seeded with ``seed``, or set to a checkpoint's state when resuming."""
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(rank_seed(self.seed, rank_and_world_size()[0]))
+            self._generator = torch.Generator(device=device).manual_seed(rank_seed(self.seed))
             if self._generator_state is not None and self._generator_state[0] == device.type:
                 self._generator.set_state(self._generator_state[1])
             self._generator_state = None

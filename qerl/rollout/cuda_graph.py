@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
 from qerl.model.memory_plan import KV_RELEASE_FRACTION
-from qerl.ranks import rank_and_world_size, rank_seed
+from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.row_noise import row_exponentials
@@ -287,7 +287,7 @@ class CUDAGraphRollout(RolloutEngine):
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
-        self._shadows: dict[int, torch.Tensor] = {}  # id(LoRA parameter) -> its copy in the model dtype
+        self._shadows: dict[int, tuple] = {}  # id(LoRA parameter) -> (its module, attribute, copy in the model dtype)
         self._state = None  # buffers of the current size, see _ensure_state
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
         # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
@@ -308,7 +308,7 @@ class CUDAGraphRollout(RolloutEngine):
     def reset_generator(self) -> None:
         """Restart the sampling stream from ``seed`` (tests compare runs with the same draws)."""
         if self._generator is not None:
-            self._generator.manual_seed(rank_seed(self.seed, rank_and_world_size()[0]))
+            self._generator.manual_seed(rank_seed(self.seed))
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
@@ -487,12 +487,14 @@ class CUDAGraphRollout(RolloutEngine):
         if self.adapter_in_model_dtype:
             for name, p in params:
                 if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
-                    copy = self._shadows.get(id(p))
-                    if copy is None or copy.shape != p.shape or copy.device != p.device or copy.dtype != dtype:
-                        copy = self._shadows[id(p)] = torch.nn.Parameter(
-                            torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False)
-                    owner, attr = name.rsplit(".", 1)
-                    swapped.append((policy.get_submodule(owner), attr, p))
+                    shadow = self._shadows.get(id(p))  # (module holding p, its attribute, the copy)
+                    if shadow is None or shadow[0]._parameters.get(shadow[1]) is not p or shadow[2].dtype != dtype \
+                            or shadow[2].shape != p.shape or shadow[2].device != p.device:
+                        owner, attr = name.rsplit(".", 1)
+                        shadow = self._shadows[id(p)] = (policy.get_submodule(owner), attr, torch.nn.Parameter(
+                            torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False))
+                    module, attr, copy = shadow
+                    swapped.append((module, attr, p))
                     copies.append(copy)
                     sources.append(p.detach())
             if copies:  # one multi-tensor kernel, not one per matrix (host time)

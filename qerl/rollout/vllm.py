@@ -186,7 +186,7 @@ class VLLMRollout(RolloutEngine):
     def _request_seeds(self) -> random.Random:
         """The per-request seed stream, made on first use (by then this process knows its DDP rank)."""
         if self._seeds is None:
-            self._seeds = random.Random(rank_seed(self.seed, rank_and_world_size()[0]))
+            self._seeds = random.Random(rank_seed(self.seed))
         return self._seeds
 
     def sync(self, policy) -> None:

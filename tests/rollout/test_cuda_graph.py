@@ -157,7 +157,16 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
     assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
     assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators))
     assert all(p in set(policy.parameters()) for p in lora)  # the modules hold the parameters again
-    assert all(s.dtype == torch.bfloat16 for s in engine._shadows.values()) and len(engine._shadows) == len(lora)
+    assert all(copy.dtype == torch.bfloat16 for _, _, copy in engine._shadows.values()) and len(engine._shadows) == len(lora)
+    # The next rollout reuses the copies (refreshed from the changed adapter) and again leaves the parameters alone.
+    copies = [copy for _, _, copy in engine._shadows.values()]
+    with torch.no_grad():
+        lora[-1].add_(0.5)
+    engine.reset_generator()
+    again = engine.generate(policy, PROMPTS, 2, PAD, [])
+    assert all(a is b for a, b in zip([copy for _, _, copy in engine._shadows.values()], copies))
+    assert torch.equal(copies[-1], lora[-1].detach().to(torch.bfloat16))  # the copy follows the trained weight
+    assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators)) and not torch.equal(again.logprobs, r.logprobs)
 
 
 def test_fused_step_follows_the_adapter_state(policy):
