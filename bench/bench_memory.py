@@ -181,6 +181,8 @@ def main() -> None:
     parser.add_argument("--builtin-tokens", type=int, default=0)
     parser.add_argument("--label", default="")
     parser.add_argument("--work", default="/tmp/qerl_memory")
+    parser.add_argument("--reuse", default=None, help="an earlier JSON of this benchmark: its rows (by spec) are taken "
+                        "as measured, not run again (e.g. to add --builtin-tokens to them in another call)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -191,24 +193,30 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, report = [], None
+    earlier = {r["spec"]: r for r in json.loads(Path(args.reuse).read_text())["rows"] if "spec" in r} if args.reuse else {}
     free, total = torch.cuda.mem_get_info()  # what the plan is given, as train.py gives it
     for spec in args.rows.split(","):
-        row = parse_row(spec)
+        if spec in earlier:
+            row = earlier[spec]
+        else:
+            row = parse_row(spec) | {"spec": spec}
         work = Path(args.work)
         model_dir = work / f"{row['model']}-{row['quantization']}"
         if not (model_dir / "config.json").exists():
             write_models(row["model"], args.tokenizer, work, vocab, quantizations=(row["quantization"],))
-        row.update(recipe_settings(row), lengths=args.lengths)
         name = spec.replace(":", "_")
-        try:
-            result = fit(row, model_dir, args, name, [])
-        except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
-            result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
-        gc.collect()
-        torch.cuda.empty_cache()
-        row.update(result)
-        if "error" not in result:
-            row.update(planned(row, vocab, free, total))
+        result = {k: v for k, v in row.items() if k == "error"}
+        if spec not in earlier:
+            row.update(recipe_settings(row), lengths=args.lengths)
+            try:
+                result = fit(row, model_dir, args, name, [])
+            except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
+                result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+            row.update(result)
+            if "error" not in result:
+                row.update(planned(row, vocab, free, total))
         if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
             short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
             fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})

@@ -68,6 +68,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
+               f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
     torch.cuda.reset_accumulated_memory_stats()
     cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
@@ -80,7 +82,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-        *args.overrides,
+        *profile, *args.overrides,
     ])
     alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # cudaFree + retry: memory pressure
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -119,6 +121,8 @@ def main() -> None:
     parser.add_argument("--label", default="current", help="names this build in the JSON (e.g. main-fb9bbcc)")
     parser.add_argument("--compare", default=None, help="a JSON of an earlier run of this benchmark")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
+    parser.add_argument("--profile-update", default=None, help="a directory: profile the NVFP4 run's second update "
+                        "there (bench/update_profiler.py; that step's time then includes the profiler's: use --steps 4)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
     work = Path(args.work)

@@ -233,6 +233,14 @@ def memory_section(result: dict) -> list[str]:
     out += ["", "GiB allocated: held between steps (resident), and the peak of each phase, measured (the memory plan's "
             "prediction for the same settings in brackets); completions end at lognormal lengths "
             "(`bench/forced_lengths.py`). " + result.get("plan_note", "")]
+    for r in rows:
+        if "builtin_step_s_estimate" in r:
+            out += ["", f"{r['model']} on `BuiltinRollout` (transformers' decode step): its rollout at "
+                        f"{r['builtin_tokens']} fixed new tokens took {num(r['builtin_over_graphs_rollout'])}x the "
+                        f"CUDA-graph engine's ({num(r['builtin_rollout_s_short'], 1)} vs "
+                        f"{num(r['graphs_rollout_s_short'], 1)} s); scaled by that ratio, its step would take "
+                        f"{num(r['builtin_step_s_estimate'], 0)} s: the CUDA-graph engine's step is "
+                        f"{num(r['speedup_vs_builtin_estimate'])}x faster."]
     return out
 
 
@@ -276,6 +284,14 @@ def profile_section(result: dict) -> list[str]:
                      num(run["kernel_ms_per_step"]), top])
     return table(["model", "weights", "batch", "kernels per step", "kernel ms per step", "top kernels (ms per step)"],
                  rows)
+
+
+def update_phase_section(result: dict) -> list[str]:
+    busy = result["gpu_busy_s"] / result["wall_s"]
+    lines = [f"{result['name']}: wall {num(result['wall_s'])} s, GPU busy {num(result['gpu_busy_s'])} s "
+             f"({busy:.0%}), {result['kernels']} kernels", ""]
+    rows = [[kernel_name(k["name"]), str(k["count"]), num(k["self_cuda_s"])] for k in result["top_cuda"][:10]]
+    return lines + table(["kernel or operator (self CUDA time)", "calls", "s"], rows)
 
 
 def wide_section(result: dict) -> list[str]:
@@ -476,6 +492,12 @@ SECTIONS = (
             "PYTHONPATH=. python bench/profile_decode.py --out bench/results",
             "Kernel time and count per eager decode step (torch profiler; a replayed graph adds only launch gaps).",
             profile_section),
+    Section("Where an update phase's time goes", "update_phase_*.json",
+            "python bench/bench_train_e2e.py --tokenizer DIR --steps 4 --profile-update bench/results",
+            "torch.profiler over the second step's update phase of `bench_train_e2e.py` (7B shape, lognormal lengths; "
+            "`bench/update_profiler.py`). GPU busy is the union of the kernels' intervals: the rest of the wall time "
+            "the GPU waits on the host. The profiler itself slows the host, so the wall time is above the unprofiled "
+            "`train_s`.", update_phase_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "

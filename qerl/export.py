@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from qerl.hub import load_tokenizer, resolve_model
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
-from qerl.model.policy import DTYPES, PolicyConfig, quiet_custom_layers
+from qerl.model.policy import DTYPES, PolicyConfig, quiet_custom_layers, with_lora_layers
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint, save_nvfp4
 from qerl.nvfp4.format import dequantize
 from qerl.nvfp4.linear import NVFP4Linear
@@ -487,10 +487,8 @@ def load_export(output: str | Path, format: str, dtype: str = "float32"):
     if format == "merged-nvfp4":
         return base
     from peft import LoraConfig, PeftModel
-    from peft.tuners.lora.layer import Linear as LoraLinear
 
-    config = LoraConfig.from_pretrained(str(output / "adapter"))
-    config._register_custom_module({NVFP4Linear: LoraLinear})
+    config = with_lora_layers(LoraConfig.from_pretrained(str(output / "adapter")))
     with quiet_custom_layers():
         return PeftModel.from_pretrained(base, str(output / "adapter"), config=config).eval()
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
+from qerl.model.lora_linear import LoraLinear
 from qerl.nvfp4.linear import NVFP4Linear
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,11 +34,8 @@ def norm_names(model: nn.Module) -> list[str]:
 
 
 def lora_config(rank: int, alpha: float, dropout: float, targets: Sequence[str], modules_to_save: Sequence[str] | None):
-    """A peft ``LoraConfig`` that also knows how to wrap ``NVFP4Linear`` (peft's Linear LoRA works on any base
-    layer with ``in_features``/``out_features`` whose forward is ``x -> base(x)``; it never touches the weight
-    unless asked to merge, which NVFP4 cannot do)."""
+    """A peft ``LoraConfig`` whose Linear layers (``NVFP4Linear`` and ``nn.Linear``) get qerl's ``LoraLinear``."""
     from peft import LoraConfig
-    from peft.tuners.lora.layer import Linear as LoraLinear
 
     config = LoraConfig(
         r=rank,
@@ -48,7 +46,14 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: Sequence[str],
         bias="none",
         task_type="CAUSAL_LM",
     )
-    config._register_custom_module({NVFP4Linear: LoraLinear})
+    return with_lora_layers(config)
+
+
+def with_lora_layers(config):
+    """Register qerl's ``LoraLinear`` with a peft ``LoraConfig`` for ``NVFP4Linear`` (peft's LoRA works on any base
+    layer with ``in_features``/``out_features`` whose forward is ``x -> base(x)``; it never touches the weight unless
+    asked to merge, which NVFP4 cannot do) and for ``nn.Linear`` (the bf16 baseline runs the same adapter code)."""
+    config._register_custom_module({NVFP4Linear: LoraLinear, nn.Linear: LoraLinear})
     return config
 
 
@@ -91,7 +96,6 @@ def build_policy(
         gradient_checkpointing: recompute decoder layers in backward to save activation memory.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
-    from peft.tuners.lora.layer import Linear as LoraLinear
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
@@ -104,8 +108,7 @@ def build_policy(
     norms = norm_names(base) if train_norms else None
     with quiet_custom_layers():
         if adapter is not None:
-            config = LoraConfig.from_pretrained(adapter)
-            config._register_custom_module({NVFP4Linear: LoraLinear})
+            config = with_lora_layers(LoraConfig.from_pretrained(adapter))
             policy = PeftModel.from_pretrained(base, adapter, config=config, is_trainable=True)
         else:
             policy = get_peft_model(base, lora_config(lora_rank, lora_alpha, lora_dropout, lora_targets, norms))

@@ -37,13 +37,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qerl.data.rewards import MathReward, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
-from qerl.modules.micro_batches import plan_micro_batches, right_align
+from qerl.modules.micro_batches import MicroBatch, micro_batches, plan_micro_batches
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
 from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
@@ -51,6 +52,7 @@ from qerl.ranks import gather_rank_states, own_rank_state
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
 
+UPDATE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 NO_SIGNAL_STEPS = 5  # batches in a row with no informative group before the warning: a few can happen by chance
 
 
@@ -238,12 +240,15 @@ class GRPOModule(L.LightningModule):
         weights[rows] = global_token_weights(self.loss, loss_mask[rows], self.trainer.world_size,
                                              self._all_reduce_sum)  # DDP: normalised over every rank's rows
         # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
-        # over zero rows fails).
+        # over zero rows fails), every one's inputs on the device before the first forward.
         lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
         budget = self.hparams.micro_batch_tokens
         budget = self.planned_micro_batch_tokens if budget == "auto" else budget
         plan = plan_micro_batches(lengths, budget, self.hparams.micro_batch_size)
-        chunks = [rows[torch.tensor(batch, device=rows.device)] for batch in plan]
+        row_list = rows.tolist()
+        chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
+                               rollout.completion_mask, [[row_list[i] for i in batch] for batch in plan],
+                               self.tokenizer.pad_token_id or 0, self.device)
         old = self._logprobs_no_grad(rollout, chunks) if self.hparams.num_iterations > 1 else None
         ref = None
         if self.loss.beta > 0:
@@ -254,10 +259,10 @@ class GRPOModule(L.LightningModule):
             self.manual_backward(sum(p.sum() for p in trainable_parameters(self.policy)) * 0.0)
         for iteration in range(self.hparams.num_iterations):
             stats = []
-            for i, idx in enumerate(chunks):
-                last = i == len(chunks) - 1
+            for i, batch in enumerate(chunks):
+                last, idx = i == len(chunks) - 1, batch.rows
                 with opt.toggle_model(sync_grad=last):  # one gradient all-reduce per step under DDP
-                    logprobs, entropy = self._logprobs(rollout, idx, with_entropy=iteration == 0)
+                    logprobs, entropy = self._logprobs(rollout, batch, with_entropy=iteration == 0)
                     loss, st = self.loss(
                         logprobs,
                         logprobs.detach() if old is None else old[idx],
@@ -281,42 +286,42 @@ class GRPOModule(L.LightningModule):
         entropy = torch.cat(entropies) if entropies else torch.zeros(0, device=self.device)
         return stats, entropy, sum(lengths)
 
-    def _logprobs(self, rollout: Rollout, idx: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-probs ``[n, L]`` (0 off the completions) of the completion tokens of rows ``idx`` under the clean
-        policy, and their entropy ``[K]`` (the K completion tokens, row by row) or None."""
+    def _logprobs(self, rollout: Rollout, batch: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs ``[n, L]`` (0 off the completions) of the completion tokens of the micro-batch's rows under the
+        clean policy, and their entropy ``[K]`` (the K completion tokens, row by row) or None."""
         model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
-        prompt_mask, completion_mask = rollout.prompt_mask[idx], rollout.completion_mask[idx]
-        ids, _ = right_align(torch.cat((rollout.prompt_ids[idx], rollout.completion_ids[idx]), dim=1),
-                             torch.cat((prompt_mask, completion_mask), dim=1), self.tokenizer.pad_token_id or 0)
-        with self._compute_dtype(model):  # positions 0..len-1 and a causal mask, as in the rollout
-            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [n, T, H]
-        row, k = completion_mask.nonzero(as_tuple=True)  # the K completion tokens, row by row
-        before = prompt_mask.sum(-1)[row] + k - 1  # the position whose output predicts completion token k
+        with self._forward_context(model):  # positions 0..len-1 and a causal mask, as in the rollout
+            hidden = model.get_decoder()(input_ids=batch.ids, use_cache=False).last_hidden_state  # [n, T, H]
         logprobs, entropy = token_logprobs(
-            hidden[row, before][None],  # [1, K, H]: the LM head sees no padding
+            hidden[batch.row, batch.position][None],  # [1, K, H]: the LM head sees no padding
             model.get_output_embeddings().weight,
-            rollout.completion_ids[idx][row, k][None],
+            batch.targets[None],
             temperature=self.rollout.temperature,
             chunk_size=self.hparams.logprob_chunk_size,
             with_entropy=with_entropy,
         )
-        out = logprobs.new_zeros(completion_mask.shape).index_put((row, k), logprobs[0])  # [n, L]
+        out = logprobs.new_zeros(batch.rows.shape[0], rollout.completion_mask.shape[1])
+        out = out.index_put((batch.row, batch.col), logprobs[0])  # [n, L]
         return out, None if entropy is None else entropy[0]
 
     @staticmethod
-    def _compute_dtype(model):
-        """LoRA matrices are trained in fp32 (peft upcasts them) but multiply in the model's 16-bit dtype, as the
-        rollout runs them: otherwise every adapter call upcasts its input and runs fp32 GEMMs and casts."""
+    def _forward_context(model) -> contextlib.ExitStack:
+        """The update's forward runs the LoRA matrices, trained in fp32 (peft upcasts them), in the model's 16-bit
+        dtype, as the rollout runs them (else every adapter call upcasts its input and runs fp32 GEMMs and casts), and
+        its attention on any SDPA kernel but cuDNN's: cuDNN builds an execution plan for every new shape (milliseconds
+        of host time per call), and each step's micro-batches come in new shapes."""
+        stack = contextlib.ExitStack()
         dtype = model.get_input_embeddings().weight.dtype
         if dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast(model.device.type, dtype=dtype)
-        return contextlib.nullcontext()
+            stack.enter_context(torch.autocast(model.device.type, dtype=dtype))
+        stack.enter_context(sdpa_kernel(UPDATE_ATTENTION))
+        return stack
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, rollout: Rollout, chunks: list[Tensor]) -> Tensor:
+    def _logprobs_no_grad(self, rollout: Rollout, chunks: list[MicroBatch]) -> Tensor:
         out = torch.zeros_like(rollout.logprobs)
-        for idx in chunks:
-            out[idx] = self._logprobs(rollout, idx, with_entropy=False)[0]
+        for batch in chunks:
+            out[batch.rows] = self._logprobs(rollout, batch, with_entropy=False)[0]
         return out
 
     def _eos_ids(self) -> list[int]:

@@ -12,11 +12,17 @@ prompt and longest completion. The update instead
 
 Gradient accumulation is a sum over micro-batches of per-token weights computed over the whole batch
 (``PolicyLoss.token_weights``), so the order and grouping of rows change neither the loss nor its gradient.
+
+Every micro-batch's inputs are built on the host before the first forward (``micro_batches``) and copied to the
+device without waiting: the update loop then never reads a device value back, so the host queues micro-batch after
+micro-batch ahead of the GPU (a read-back per micro-batch drains the queue and leaves the GPU idle while the host
+launches the next one's first kernels).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -69,3 +75,41 @@ def right_align(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]
     aligned = ids.gather(1, order)  # [n, T']
     after = torch.arange(width, device=ids.device)[None] >= lengths[:, None]
     return aligned.masked_fill(after, pad_id), lengths
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of the update, on the device.
+
+    ``rows`` index the rollout's rows; ``ids`` are their tokens right-aligned (``right_align``); the K completion
+    tokens of the micro-batch, row by row, sit at ``(row, col)`` of the completion and are predicted by the output at
+    aligned position ``position`` (their prompt length + col - 1); ``targets`` are their ids."""
+
+    rows: Tensor  # [n]
+    ids: Tensor  # [n, T]
+    row: Tensor  # [K]
+    col: Tensor  # [K]
+    position: Tensor  # [K]
+    targets: Tensor  # [K]
+
+
+def micro_batches(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor,
+                  rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> list[MicroBatch]:
+    """The ``MicroBatch`` of each list of row indices in ``rows``, built from host copies of the rollout's
+    ``[N, P]`` prompt and ``[N, L]`` completion tensors and moved to ``device`` asynchronously."""
+    host = [t.cpu() for t in (prompt_ids, completion_ids, prompt_mask, completion_mask)]
+    return [_to_device(_micro_batch(*host, torch.tensor(r, dtype=torch.long), pad_id), device) for r in rows]
+
+
+def _micro_batch(prompt_ids, completion_ids, prompt_mask, completion_mask, rows: Tensor, pad_id: int) -> MicroBatch:
+    ids, _ = right_align(torch.cat((prompt_ids[rows], completion_ids[rows]), dim=1),
+                         torch.cat((prompt_mask[rows], completion_mask[rows]), dim=1), pad_id)
+    row, col = completion_mask[rows].nonzero(as_tuple=True)
+    position = prompt_mask[rows].sum(-1)[row] + col - 1
+    return MicroBatch(rows, ids, row, col, position, completion_ids[rows][row, col])
+
+
+def _to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type != "cuda":
+        return MicroBatch(*(t.to(device) for t in batch))
+    # pinned host memory: the copies are asynchronous and the allocator keeps each until its copy has run
+    return MicroBatch(*(t.pin_memory().to(device, non_blocking=True) for t in batch))

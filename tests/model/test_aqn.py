@@ -248,9 +248,9 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
         captured["logprobs"] = logprobs.detach().clone()
         return loss_forward(logprobs, *args, **kwargs)
 
-    def spy_logprobs(rollout, idx, *args, **kwargs):
-        captured["rows"] = idx  # the micro-batch's rows, in the order the loss sees them
-        return logprobs_of(rollout, idx, *args, **kwargs)
+    def spy_logprobs(rollout, batch, *args, **kwargs):
+        captured["batch"] = batch  # the micro-batch, its rows in the order the loss sees them
+        return logprobs_of(rollout, batch, *args, **kwargs)
 
     module.rollout.generate, module.loss.forward, module._logprobs = spy_generate, spy_loss, spy_logprobs
     module.rollout.set_noise(0.05, torch.Generator().manual_seed(0))
@@ -260,10 +260,10 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
 
     ro = captured["rollout"]
-    rows = captured["rows"]
+    rows = captured["batch"].rows
     assert sorted(rows.tolist()) == list(range(ro.prompt_ids.shape[0]))  # one micro-batch of every row
     with torch.no_grad():
-        clean = logprobs_of(ro, rows, with_entropy=False)[0]
+        clean = logprobs_of(ro, captured["batch"], with_entropy=False)[0]
     mask = ro.completion_mask[rows].bool()
     torch.testing.assert_close(captured["logprobs"][mask], clean[mask], rtol=0, atol=1e-6)
     assert (ro.logprobs[rows] - clean)[mask].abs().max() > 1e-3  # the rollout sampled from the noisy policy

@@ -139,7 +139,7 @@ def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokeni
         fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
         grads[mbs], forwards[mbs] = recorder.steps[0], len(calls)
         tokens[mbs] = sum(int(rollout.prompt_mask[idx].sum() + rollout.completion_mask[idx].sum())
-                          for (rollout, idx, *_), _, _ in calls)  # real (prompt + completion) tokens
+                          for (rollout, batch, *_), _, _ in calls for idx in [batch.rows])  # real tokens
     assert forwards == {3: 3, 8: 1} and tokens[3] == tokens[8]
     reference = grads[8]
     assert all(reference[n].abs().sum() > 0 for n, g in reference.items() if g is not None)
@@ -281,7 +281,7 @@ def _padded_logprobs(module, rollout):
 
 @pytest.mark.parametrize("budget", [1, 30, 40, None])
 def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, tokenizer, prompt_ids, budget):
-    from qerl.modules.micro_batches import plan_micro_batches
+    from qerl.modules.micro_batches import micro_batches, plan_micro_batches
 
     module = make_module(qwen2, tokenizer, max_new_tokens=5, micro_batch_size=3, micro_batch_tokens=budget)
     with torch.no_grad():
@@ -304,9 +304,11 @@ def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, to
     assert [len(b) for b in plan] == {1: [1] * 8, 30: [1, 1, 2, 2, 2], 40: [2, 3, 3], None: [3, 3, 2]}[budget]
     logprobs, entropies = torch.zeros_like(reference), []
     grads = [torch.zeros_like(p) for p in params]
-    for batch in plan:
-        idx = torch.tensor(batch)
-        out, entropy = module._logprobs(rollout, idx, with_entropy=True)
+    batches = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask, rollout.completion_mask,
+                            plan, tokenizer.pad_token_id, torch.device("cpu"))
+    for batch in batches:
+        idx = batch.rows
+        out, entropy = module._logprobs(rollout, batch, with_entropy=True)
         for g, d in zip(grads, torch.autograd.grad((out * weights[idx]).sum(), params, allow_unused=True)):
             g += 0 if d is None else d
         logprobs[idx] = out.detach()

@@ -50,3 +50,22 @@ def test_right_align_moves_real_tokens_to_the_front_in_order():
     aligned, lengths = right_align(ids, mask, pad_id=-1)
     assert lengths.tolist() == [3, 4, 2]
     assert aligned.tolist() == [[7, 8, 9, -1], [5, 6, 7, 1], [3, 4, -1, -1]]
+
+
+def test_micro_batches_index_each_completion_token_and_the_position_that_predicts_it():
+    from qerl.modules.micro_batches import micro_batches
+
+    prompt_ids = torch.tensor([[0, 11, 12], [21, 22, 23], [0, 0, 31]])
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor([[13, 14, 0], [24, 0, 0], [32, 33, 34]])
+    completion_mask = (completion_ids != 0).long()
+    batches = micro_batches(prompt_ids, completion_ids, prompt_mask, completion_mask, [[2, 0], [1]], -1,
+                            torch.device("cpu"))
+    assert [b.rows.tolist() for b in batches] == [[2, 0], [1]]
+    first = batches[0]
+    assert first.ids.tolist() == [[31, 32, 33, 34], [11, 12, 13, 14]]
+    assert first.targets.tolist() == [32, 33, 34, 13, 14]
+    assert list(zip(first.row.tolist(), first.col.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    # the output at `position` predicts the token right after it
+    assert first.ids[first.row, first.position + 1].tolist() == first.targets.tolist()
+    assert batches[1].ids.tolist() == [[21, 22, 23, 24]] and batches[1].position.tolist() == [2]

@@ -1,0 +1,89 @@
+"""A callback for benchmarks: torch.profiler over one step's update phase (``GRPOModule._policy_update``) only.
+
+    --trainer.callbacks+=update_profiler.UpdateProfiler --trainer.callbacks.out=DIR --trainer.callbacks.name=nvfp4
+    (bench/ on the Python path)
+
+Writes ``DIR/update_phase_<device>_<name>.txt`` (kernels by total CUDA time, then operators by host time) and
+``DIR/update_phase_<device>_<name>.json``: the phase's wall time, the GPU's busy time (the union of its kernels'
+intervals: below the wall time the GPU waits on the host), and the top kernels and operators.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class UpdateProfiler(L.Callback):
+    """Profile the update phase of step ``step`` (0-based batch index).
+
+    Args:
+        out: directory for the tables.
+        name: file-name tag (e.g. the quantization).
+        step: which batch's update to profile (not the first: compilation, autotuning, allocator warm-up).
+        rows: rows per table.
+    """
+
+    def __init__(self, out: str, name: str = "update", step: int = 1, rows: int = 40):
+        self.out, self.name, self.step, self.rows = Path(out), name, step, rows
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx != self.step:
+            pl_module.__dict__.pop("_policy_update", None)  # the class's method again
+            return
+        original = type(pl_module)._policy_update.__get__(pl_module)
+
+        cuda = pl_module.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+        def profiled(*args, **kwargs):
+            sync()
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=activities) as prof:
+                start = time.perf_counter()
+                result = original(*args, **kwargs)
+                sync()
+                wall = time.perf_counter() - start
+            self._write(prof, wall)
+            return result
+
+        pl_module._policy_update = profiled
+
+    def _write(self, prof, wall: float) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = busy_seconds([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in kernels])
+        by_cuda = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[: self.rows]
+        by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: self.rows]
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        summary = {
+            "device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv), "name": self.name, "wall_s": wall, "gpu_busy_s": busy, "kernels": len(kernels),
+            "top_cuda": [{"name": e.key, "count": e.count, "self_cuda_s": e.self_device_time_total / 1e6}
+                         for e in by_cuda],
+            "top_cpu": [{"name": e.key, "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in by_cpu],
+        }
+        stem = f"update_phase_{device.split()[1].lower() if len(device.split()) > 1 else device}_{self.name}"
+        (self.out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+        (self.out / f"{stem}.txt").write_text(
+            f"update phase: wall {wall:.3f} s, GPU busy {busy:.3f} s, {len(kernels)} kernels\n\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=90) + "\n\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90))
+        print(f"update profile ({self.name}): wall {wall:.3f} s, GPU busy {busy:.3f} s", flush=True)
