@@ -1,7 +1,7 @@
 """End to end on one GPU: ``train.py fit`` on a 7B-shaped model, NVFP4 + LoRA against bf16 + LoRA, same settings.
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
-        [--lengths fixed|lognormal] [--micro-batch-tokens T] [--compare earlier.json]
+        [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--compare earlier.json]
 
 ``--lengths fixed``: every completion runs to ``--new-tokens`` (random weights never sample EOS). ``lognormal``: each
 completion ends at a length drawn from a lognormal of median 400 tokens and sigma 0.8 (``bench/forced_lengths.py``;
@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--micro-batch-tokens", type=int, default=4608, help="0: rows alone (older builds)")
+    parser.add_argument("--micro-batch-tokens", type=lambda v: v if v == "auto" else int(v), default=4608,
+                        help="0: rows alone (older builds); auto: the memory plan's budget")
     parser.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=False)
     parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed")
     parser.add_argument("--quantizations", default="nvfp4,bf16")

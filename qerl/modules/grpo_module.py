@@ -52,6 +52,7 @@ from qerl.ranks import gather_rank_states, own_rank_state
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
 
+# the update's attention kernels: every SDPA kernel but cuDNN's (see GRPOModule._forward_context)
 UPDATE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 NO_SIGNAL_STEPS = 5  # batches in a row with no informative group before the warning: a few can happen by chance
 
