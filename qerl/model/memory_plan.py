@@ -49,7 +49,7 @@ PREFILL_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 alive in a prefi
 PREFILL_HIDDEN_BUFFERS = 6  # [tokens, hidden] bf16: residual, normed input, attention output, o / down outputs, ...
 PREFILL_DENSE_MIN_TOKENS = 128  # from this many prefill tokens an NVFP4 group is dequantized to bf16 for cuBLAS
 WIDE_BATCH_ROWS = 64  # above this many rows the engine may decode with a bf16 copy of the NVFP4 weights
-WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the engine makes that copy (by default) only with this much left over
+WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the engine makes that copy (by default) only with this much (or the margin) left
 KV_RELEASE_FRACTION = 0.05  # the graph engine frees a KV cache above this share of the GPU for the update (default)
 
 # ---- update ------------------------------------------------------------------------------------------------------
@@ -584,7 +584,13 @@ def _makes_bf16_copy(shape: ModelShape, settings: RunSettings, rows: int, free_b
     if free_bytes is None:
         return False
     need = nvfp4_weights(shape, settings) * DENSE_BYTES
-    return rollout_peak(shape, settings, rows) + need + WIDE_BATCH_SPARE_BYTES <= free_bytes
+    return rollout_peak(shape, settings, rows) + need + bf16_copy_spare(free_bytes) <= free_bytes
+
+
+def bf16_copy_spare(free_bytes: int) -> int:
+    """What the optional bf16 weight copy must leave free: the plan's margin, at least ``WIDE_BATCH_SPARE_BYTES`` (the
+    engine decides with the same rule, so the copy never takes the margin the plan keeps)."""
+    return max(WIDE_BATCH_SPARE_BYTES, default_margin(free_bytes))
 
 
 def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_tokens) -> None:

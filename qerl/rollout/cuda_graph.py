@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
-from qerl.model.memory_plan import KV_RELEASE_FRACTION
+from qerl.model.memory_plan import KV_RELEASE_FRACTION, bf16_copy_spare
 from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
@@ -251,8 +251,9 @@ class CUDAGraphRollout(RolloutEngine):
             rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
             (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
-            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with 2 GiB to spare
-            (the KV cache already allocated). Fused step only; bf16 models are unaffected.
+            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with the memory plan's
+            margin to spare (6% of the GPU, at least 2 GiB; the KV cache already allocated). Fused step only; bf16
+            models are unaffected.
         wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
             one wave instead of the whole batch (the memory plan sets it when left None: all rows in one wave). Each
             row's sampling noise is a function of its output row and step, so the samples are the same whatever the
@@ -474,8 +475,11 @@ class CUDAGraphRollout(RolloutEngine):
     def _wide_batch_bf16(self, decoder, rows: int, dtype, device, pending: int = 0) -> bool:
         """Whether this rollout decodes its wide steps on a bf16 copy; ``pending``: bytes still to be allocated after
         the copy (a KV cache released for the last update), which the copy must leave room for."""
-        free = _free_bytes(device) - pending if device.type == "cuda" else None
-        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free)
+        if device.type != "cuda":
+            return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), None)
+        free = _free_bytes(device) - pending
+        spare = bf16_copy_spare(torch.cuda.mem_get_info(device)[1])  # the memory plan's margin, as it assumes
+        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free, spare)
 
     @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):

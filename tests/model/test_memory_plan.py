@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qerl.model.memory_plan import (GIB, NVFP4_BYTES_PER_WEIGHT, MemoryPlanError, ModelShape, RunSettings,
-                                    micro_batch_span, plan_memory)
+                                    bf16_copy_spare, micro_batch_span, plan_memory)
 from qerl.model.policy import build_policy, trainable_parameters
 from qerl.nvfp4.kernels.gemv_layout import repack, supported
 from qerl.nvfp4.linear import NVFP4Linear
@@ -285,3 +285,18 @@ def test_a_tied_llama_has_one_embedding_matrix_and_no_biases():
         from transformers import GPT2Config
 
         ModelShape.from_config(GPT2Config())
+
+
+@pytest.mark.parametrize("size, gib_range", [("qwen2.5-7b", (30, 100)), ("qwen2.5-14b", (140, 200))])
+def test_a_plan_that_chose_its_waves_is_never_refused_for_the_optional_bf16_copy(size, gib_range):
+    # the engine makes the bf16 decode copy only where it leaves the plan's margin; the plan assumes the same, so the
+    # copy never pushes a wave size the plan chose over its budget (it once refused e.g. a 7B run with 41.5 GiB free,
+    # telling the user to lower a wave_rows they had not set)
+    shape = ModelShape.from_config(qwen25_config(size))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048, micro_batch_size=64)
+    for tenths in range(gib_range[0] * 10, gib_range[1] * 10, 5):
+        free = int(tenths / 10 * GIB)
+        plan = plan_memory(shape, settings, free, micro_batch_tokens="auto")
+        assert plan.peak_bytes <= free - plan.margin_bytes
+        if plan.wide_batch_bf16:  # the rollout's peak counts the copy: it leaves the spare the engine wants
+            assert plan.peak("rollout") + bf16_copy_spare(free) <= free
