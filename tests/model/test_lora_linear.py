@@ -90,6 +90,17 @@ def test_bf16_adapter_runs_in_the_base_dtype_and_rounds_once():
     torch.testing.assert_close(out.double(), reference(model, x), rtol=0.03, atol=0.03)
 
 
+def test_the_plain_adapter_takes_the_one_gemm_path():
+    # bit for bit the one addmm (peft's forward rounds the product, the scaled product and the sum separately)
+    model = adapted("bf16", torch.bfloat16)
+    layer = model.base_model.model.q_proj
+    assert layer._fast_adapter((), {}) == "default"
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
+    a, b = layer.lora_A["default"].weight.bfloat16(), layer.lora_B["default"].weight.bfloat16()
+    one_gemm = torch.addmm(layer.base_layer(x), x @ a.t(), b.t(), alpha=layer.scaling["default"])
+    assert torch.equal(layer(x), one_gemm)
+
+
 def test_cases_outside_the_fast_path_are_peft_forward():
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(5))
     model = adapted("bf16", torch.float32, dropout=0.5)

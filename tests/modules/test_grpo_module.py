@@ -359,3 +359,26 @@ def test_steps_without_any_learning_signal_warn_once(qwen2, tokenizer, prompt_id
         warnings.simplefilter("always")
         fit(mixed, prompt_ids, steps=NO_SIGNAL_STEPS + 1)
     assert not [w for w in caught if "No learning signal" in str(w.message)]
+
+
+def test_the_update_forward_never_runs_cudnn_attention(qwen2, tokenizer, prompt_ids):
+    """cuDNN's SDPA builds a plan per new shape and every step's micro-batches bring new shapes: the update's forward
+    runs with it switched off (FlashAttention first), and only there."""
+    from qerl.modules.micro_batches import micro_batches
+
+    module = make_module(qwen2, tokenizer, max_new_tokens=3)
+    with torch.no_grad():
+        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    seen = []
+    decoder = module.policy.get_base_model().get_decoder()
+    hook = decoder.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(
+        (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())))
+    try:
+        (batch,) = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
+                                 rollout.completion_mask, [list(range(len(rollout.prompt_ids)))],
+                                 tokenizer.pad_token_id, torch.device("cpu"))
+        module._logprobs(rollout, batch, with_entropy=False)
+    finally:
+        hook.remove()
+    assert seen == [(False, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the setting is the update's alone
