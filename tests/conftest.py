@@ -3,6 +3,10 @@ of it loads that checkpoint; tiny random-init models serve everything that does 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,23 @@ from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.checkpoint_io import load_model
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.quantize import quantize_checkpoint
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def run_interpreted():
+    """``run(script)``: the Python file ``script`` run in a child process under ``TRITON_INTERPRET=1`` (set before
+    triton loads, and never in this process), its last line of output read as JSON."""
+    def run(script: Path) -> dict:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
+from qerl.model.rms_norm import replace_rms_norms
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
 from qerl.nvfp4.format import check_quantizable, global_scale, quantize
 from qerl.nvfp4.linear import NVFP4Linear
@@ -91,7 +92,8 @@ def load_model(
     kernel: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> nn.Module:
-    """A transformers causal LM whose targeted Linear layers are ``NVFP4Linear`` (``quantization="nvfp4"``) or dense.
+    """A transformers causal LM whose targeted Linear layers are ``NVFP4Linear`` (``quantization="nvfp4"``) or dense,
+    its Llama/Qwen2 RMSNorms qerl's fused ``RMSNorm`` (same weights and values).
 
     Accepts the embedded model's name, an HF hub id, a bf16 directory (quantized on load, layer by layer) or a
     compressed-tensors NVFP4A16 directory (read as is).
@@ -124,6 +126,7 @@ def load_model(
             check_quantizable(linear.weight, name)
             parent, leaf = _parent(model, name)
             setattr(parent, leaf, NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, kernel, "meta"))
+    replace_rms_norms(model)
     _fill(model, files, nvfp4, prequantized, dtype, device, progress)
     model.tie_weights()
     model.eval()

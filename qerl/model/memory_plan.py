@@ -53,12 +53,11 @@ WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the engine makes that copy (by default) only
 KV_RELEASE_FRACTION = 0.05  # the graph engine frees a KV cache above this share of the GPU for the update (default)
 
 # ---- update ------------------------------------------------------------------------------------------------------
-NORM_FP32_INPUT_BYTES = 4  # an RMSNorm keeps its input in fp32 (per channel) for the backward of pow ...
-NORM_NORMALIZED_BYTES = DENSE_BYTES  # ... and its normalized input in bf16 for the weight's gradient (trained norms)
+NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per channel (and one fp32 rstd per token)
 ATTENTION_LSE_BYTES = 4  # SDPA (flash / efficient) keeps one fp32 log-sum-exp per query head
 BACKWARD_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 gradients alive in a layer's MLP backward
 BACKWARD_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 gradients alive across a layer's backward (residual, norm, ...)
-FINAL_HIDDEN_BUFFERS = 5  # [tokens, hidden] bf16 around the LM head: final norm (fp32 = 2), output, gathered, grad
+FINAL_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 around the LM head: final norm input, output, gathered, grad
 LOGITS_FP32_BUFFERS = 4  # [chunk, vocab] fp32 in the backward of one log-prob chunk: logits, /T, softmax, grad
 LOGITS_MODEL_DTYPE_BUFFERS = 1  # [chunk, vocab] the logits' gradient cast to bf16 for the LM head's matmuls
 DEQUANTIZED_LAYER_COPIES = 2  # NVFP4 training kernels dequantize one layer's weight to bf16: forward + backward
@@ -408,7 +407,7 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     H, I, r = shape.hidden, shape.intermediate, settings.lora_rank
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     targeted = dict(_layer_projections(shape, settings.lora_targets)[0])
-    norm = H * (NORM_FP32_INPUT_BYTES + (NORM_NORMALIZED_BYTES if settings.train_norms else 0))
+    norm = H * NORM_INPUT_BYTES
     b = DENSE_BYTES
     total = 2 * norm
     total += H * b * any(targeted[p] for p in ("q_proj", "k_proj", "v_proj"))  # LoRA-A input: the normed hidden

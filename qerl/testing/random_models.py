@@ -54,8 +54,10 @@ def random_nvfp4_linear(in_features: int, out_features: int, bias: bool, kernel:
 def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARGETS, dtype=torch.bfloat16,
                        device="cuda", kernel: str = "auto", seed: int = 0) -> nn.Module:
     """A transformers causal LM of ``config`` with random weights, made on ``device`` without a dense copy of the
-    NVFP4 layers."""
+    NVFP4 layers (its norms qerl's, as ``load_model`` makes them)."""
     from transformers import AutoModelForCausalLM
+
+    from qerl.model.rms_norm import replace_rms_norms
 
     if quantization not in ("nvfp4", "bf16"):
         raise ValueError(f"quantization must be 'nvfp4' or 'bf16', got {quantization!r}.")
@@ -68,6 +70,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, random_nvfp4_linear(
                     linear.in_features, linear.out_features, linear.bias is not None, kernel, device, generator))
+    replace_rms_norms(model)  # as load_model does
     for module in model.modules():  # everything still on meta: allocate on the device, then fill
         for key, param in list(module.named_parameters(recurse=False)):
             if param.device.type != "meta":

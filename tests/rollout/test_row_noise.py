@@ -1,9 +1,5 @@
 """Per-row sampling noise: Exp(1) draws that depend on (key, row, step, token) only; the Triton pass == torch."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +7,6 @@ import torch
 
 from qerl.rollout.row_noise import row_exponentials
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_row_draws_the_same_noise_in_any_batch_and_exp1_overall():
@@ -25,11 +20,7 @@ def test_a_row_draws_the_same_noise_in_any_batch_and_exp1_overall():
     assert abs(float(lag)) < 5e-3  # neighbouring tokens independent
 
 
-def test_triton_pass_draws_the_torch_integers():
+def test_triton_pass_draws_the_torch_integers(run_interpreted):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_interpret_row_noise.py"))], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(Path(__file__).with_name("_interpret_row_noise.py"))
     assert result["shape"] == [4, 3001] and result["max_rel"] < 1e-6  # same integers; logs within a few ulps

@@ -1,6 +1,5 @@
 """The fused decode kernels under Triton's interpreter (vs their torch twins), and the stacked NVFP4 weight."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,12 +14,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_interpret_fused.py"))], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def interpreted(run_interpreted):
+    return run_interpreted(Path(__file__).with_name("_interpret_fused.py"))
 
 
 def _check(results: dict, prefix: str, fp32: float, fp16: float, expected: int):

@@ -3,9 +3,7 @@ weight. The kernels take their compute dtype from the input; the interpreter is 
 bf16 subnormals and its bf16 dot is wrong), so these run the same code path in those dtypes.
 """
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,21 +11,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
 # fp32 products of exact weights: only summation order differs; fp16 rounds inputs and outputs once (2^-11).
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3}
 
 
 @pytest.fixture(scope="module")
-def interpreted_results() -> dict[str, float]:
+def interpreted_results(run_interpreted) -> dict[str, float]:
     """All kernel checks in one child process: TRITON_INTERPRET must be set before triton loads, and must not leak."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_interpret_checks.py"))],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(Path(__file__).with_name("_interpret_checks.py"))
 
 
 def test_every_matmul_case_ran(interpreted_results):
