@@ -53,6 +53,21 @@ def matmul_cases(gen: torch.Generator) -> dict[str, float]:
     return results
 
 
+def repacked_cases(gen: torch.Generator) -> dict[str, float]:
+    """The dense weight from the decode GEMV's repacked layout: the values of the compressed-tensors dequantize."""
+    from qerl.nvfp4.kernels.gemv_layout import repack
+
+    results = {}
+    for n, k in ((16, 64), (48, 192), (32, 128)):
+        p, s, g = random_nvfp4(n, k, gen)
+        words, factors = repack(p, s)
+        for dtype in (torch.float32, torch.float16):
+            out = kernels.dequantize_repacked(words, factors, g, dtype)
+            ref = dequantize(p, s, g, dtype)
+            results[f"repacked-{str(dtype)[6:]}-N{n}-K{k}"] = float((out.double() - ref.double()).abs().max())
+    return results
+
+
 def linear_cases(gen: torch.Generator) -> dict[str, float]:
     """NVFP4Linear on the triton kernel: bias, a 3-D input, and the gradient to the input through the custom op."""
     layer = NVFP4Linear(80, 24, bias=True, kernel="triton")
@@ -110,4 +125,5 @@ def tuning_bucket_cases() -> dict[str, float]:
 
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
-    print(json.dumps({**matmul_cases(generator), **linear_cases(generator), **tuning_bucket_cases()}))
+    print(json.dumps({**matmul_cases(generator), **repacked_cases(generator), **linear_cases(generator),
+                      **tuning_bucket_cases()}))

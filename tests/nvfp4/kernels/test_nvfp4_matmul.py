@@ -42,6 +42,11 @@ def test_matmul_matches_fp64(interpreted_results, direction, dtype):
     assert errors and max(errors.values()) < TOLERANCE[dtype], errors
 
 
+def test_dense_weight_from_the_repacked_layout_is_the_dequantized_weight(interpreted_results):
+    cases = {k: v for k, v in interpreted_results.items() if k.startswith("repacked-")}
+    assert len(cases) == 6 and all(v == 0.0 for v in cases.values()), cases  # the same fp32 products, bit for bit
+
+
 @pytest.mark.parametrize("case", ["linear-fwd-bias", "linear-grad-input", "custom-op-grad-input", "compiled-fwd"])
 def test_nvfp4_linear_on_triton_kernel(interpreted_results, case):
     assert interpreted_results[case] < TOLERANCE["float32"], interpreted_results[case]
