@@ -599,10 +599,30 @@ def forward(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: Ge
     return _matmul(x, weight_packed, weight_scale, weight_global_scale, False, gemv_weight)
 
 
+def forward_repacked(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight):
+    """``x @ W.T`` of a layer whose compressed-tensors tensors are off the device (only their shapes are read): the
+    GEMV on the repacked copy up to its widest batch, else the dense weight made from the repacked copy and the
+    library matmul."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if not torch.compiler.is_compiling():
+        cfg = default_config(False, x.shape[0], n, k)
+        if cfg.gemv is not None:
+            out = _try_mma_gemv(x.contiguous(), weight_global_scale, n, k, False, cfg, gemv_weight)
+            if out is not None:
+                return out
+    return x @ dequantize_repacked(*gemv_weight(build=True), weight_global_scale, x.dtype).t()
+
+
+def backward_input_repacked(dy, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight):
+    """``dy @ W`` of a layer whose compressed-tensors tensors are off the device: the dense weight made from the
+    repacked copy, then the library matmul."""
+    return dy @ dequantize_repacked(*gemv_weight(build=True), weight_global_scale, dy.dtype)
+
+
 def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
     """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
     return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
 
 
-__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "default_config", "dequantize_dense", "dequantize_repacked",
-           "forward", "m_bucket", "nvfp4_mm"]
+__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "backward_input_repacked", "default_config",
+           "dequantize_dense", "dequantize_repacked", "forward", "forward_repacked", "m_bucket", "nvfp4_mm"]

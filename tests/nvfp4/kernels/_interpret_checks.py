@@ -93,6 +93,33 @@ def linear_cases(gen: torch.Generator) -> dict[str, float]:
     }
 
 
+def released_cases(gen: torch.Generator) -> dict[str, float]:
+    """NVFP4Linear after ``release_packed``: the kernels read the repacked copy alone (forward at a decode-size and a
+    dense-size M, the input gradient), the saved tensors and ``dequantize`` are unchanged, ``load_nvfp4`` returns
+    to the packed kernels."""
+    layer = NVFP4Linear(128, 48, bias=True, kernel="triton")
+    p, s, g = random_nvfp4(48, 128, gen)
+    layer.load_nvfp4({"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, torch.randn(48, generator=gen))
+    w = layer.dequantize(torch.float64)
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.gemv_weight()
+    layer.release_packed()
+    results = {"released-flag": float(layer._packed_released),
+               "released-dequantize": float((layer.dequantize(torch.float64) - w).abs().max()),
+               "released-state-dict": float(all(torch.equal(saved[k].view(torch.uint8), v.view(torch.uint8))
+                                                for k, v in layer.state_dict().items()))}
+    for m in (3, kernels.DENSE_MIN_M + 5):
+        x = torch.randn(m, 128, generator=gen, requires_grad=True)
+        y = layer(x)
+        probe = torch.randn(y.shape, generator=gen)
+        (y * probe).sum().backward()
+        results[f"released-fwd-M{m}"] = rel_err(y, x.detach().double() @ w.t() + layer.bias.double())
+        results[f"released-grad-input-M{m}"] = rel_err(x.grad, probe.double() @ w)
+    layer.load_nvfp4({"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, torch.randn(48, generator=gen))
+    results["reloaded-flag"] = float(not layer._packed_released)
+    return results
+
+
 def tuning_bucket_cases() -> dict[str, float]:
     """The tuning benchmark (bench/nvfp4_tuning.py) keeps a winner per (M bucket, shape) and reuses it for every M of
     its bucket, so every GEMV candidate offered at some M must fit the shared memory at every M of that bucket; and a
@@ -126,4 +153,4 @@ def tuning_bucket_cases() -> dict[str, float]:
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     print(json.dumps({**matmul_cases(generator), **repacked_cases(generator), **linear_cases(generator),
-                      **tuning_bucket_cases()}))
+                      **released_cases(generator), **tuning_bucket_cases()}))
