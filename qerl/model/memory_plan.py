@@ -151,7 +151,8 @@ class RunSettings:
             growing cache).
         waves: the engine decodes the rows in waves of whole groups (else all rows at once).
         length_bucket: the cuda_graph engine's cache length is a multiple of this.
-        gemv_copy: the decode GEMV keeps its repacked copy of each NVFP4 weight beside the compressed-tensors one.
+        gemv_copy: the decode GEMV's repacked copy of each NVFP4 weight it serves is the copy on the GPU (the
+            compressed-tensors one then lives in host memory); False: the compressed-tensors copy alone.
         wide_batch_bf16: the engine's setting for the bf16 weight copy above 64 rows (None: when it fits).
         keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
             it (False), or free it when it holds more than ``KV_RELEASE_FRACTION`` of the GPU (None).
@@ -298,11 +299,13 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
     bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.layers if shape.qkv_bias else 0
     lora = lora_parameters(shape, settings)
     out = []
+    repacked = gemv if settings.gemv_copy else 0  # those weights' compressed-tensors tensors are in host memory
     if quantized:
-        out.append(Component("resident", "NVFP4 linears (compressed-tensors, 0.5625 B/weight)",
-                             quantized * NVFP4_BYTES_PER_WEIGHT + tensors * NVFP4_GLOBAL_SCALE_BYTES))
-    if gemv and settings.gemv_copy:
-        out.append(Component("resident", "decode GEMV's repacked copy (0.625 B/weight)", gemv * GEMV_BYTES_PER_WEIGHT))
+        out.append(Component("resident", "NVFP4 linears (compressed-tensors, 0.5625 B/weight; global scales)",
+                             (quantized - repacked) * NVFP4_BYTES_PER_WEIGHT + tensors * NVFP4_GLOBAL_SCALE_BYTES))
+    if repacked:
+        out.append(Component("resident", "NVFP4 linears in the decode GEMV's layout (0.625 B/weight)",
+                             repacked * GEMV_BYTES_PER_WEIGHT))
     if dense:
         out.append(Component("resident", "bf16 linears", dense * DENSE_BYTES))
     out.append(Component("resident", "embeddings (bf16)" + (", tied LM head" if shape.tied_embeddings else ""),

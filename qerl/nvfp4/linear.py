@@ -1,7 +1,9 @@
 """The frozen Linear stored as NVFP4, and the matmul it runs: a torch reference everywhere, Triton kernels on CUDA.
 
 The layer owns what its kernels derive from its storage (a dequantized copy on CPU, the decode GEMV's repacked copy
-on CUDA): each is built on first use and rebuilt when the storage changes, and neither is ever saved.
+on CUDA): each is built on first use and rebuilt when the storage changes, and neither is ever saved. On CUDA, once
+the repacked copy exists, it is the only copy on the GPU: the compressed-tensors tensors (what is saved, exported and
+loaded) move to host memory and every kernel reads the repacked copy (``release_packed``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class NVFP4Linear(nn.Module):
         # runtime only, never saved: (storage version, derived tensors)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
         self._gemv_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._packed_released = False  # the kernels read the repacked copy alone (see release_packed)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None, name: str = "linear", kernel: str = "auto"):
@@ -118,13 +121,25 @@ class NVFP4Linear(nn.Module):
                 raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, expected {tuple(expected)}.")
             setattr(self, key, _frozen(tensors[key].detach().reshape(expected)))
         self._dense_cache = self._gemv_cache = None
+        self._packed_released = False
         if self.bias is not None:
             if bias is None:
                 raise ValueError("This NVFP4Linear has a bias but none was given.")
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense weight ``[out, in]`` in ``dtype``, on the device of the layer's global scale (``out``: write
+        there); from the repacked copy once the compressed-tensors tensors are in host memory."""
+        if self._packed_released:
+            from qerl.nvfp4.kernels.matmul import dequantize_repacked
+
+            return dequantize_repacked(*self.gemv_weight(), self.weight_global_scale, dtype, out=out)
+        if self.weight_packed.is_cuda and _triton_available():  # one Triton pass
+            from qerl.nvfp4.kernels.matmul import dequantize_dense
+
+            return dequantize_dense(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype, out=out)
+        dense = dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return dense if out is None else out.copy_(dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
@@ -141,10 +156,13 @@ class NVFP4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _kernels(self, name: str) -> tuple[Callable, Callable]:
-        if name == "torch":
+        if name == "torch" and not self._packed_released:
             return reference_forward, reference_backward_input
         from qerl.nvfp4.kernels import matmul
 
+        if self._packed_released:
+            return (functools.partial(matmul.forward_repacked, gemv_weight=self.gemv_weight),
+                    functools.partial(matmul.backward_input_repacked, gemv_weight=self.gemv_weight))
         return functools.partial(matmul.forward, gemv_weight=self.gemv_weight), matmul.backward_input
 
     def gemv_weight(self, build: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -157,8 +175,31 @@ class NVFP4Linear(nn.Module):
         if self._gemv_cache is None or self._gemv_cache[0] != key:
             if not build:
                 return None
-            self._gemv_cache = (key, repack(self.weight_packed, self.weight_scale))
+            device = self.weight_global_scale.device  # the compressed-tensors tensors may be in host memory
+            self._gemv_cache = (key, repack(self.weight_packed.to(device), self.weight_scale.to(device)))
+            if device.type == "cuda" and self.weight_packed.is_cuda:  # (again after a module.to(cuda))
+                self.release_packed()
         return self._gemv_cache[1]
+
+    def adopt_gemv_weight(self, words: torch.Tensor, factors: torch.Tensor) -> None:
+        """Take ``(words, factors)`` (views into a group's stacked repacked copy, equal to this layer's own) as the
+        repacked copy, so the group's stack is the only one."""
+        current = self.gemv_weight()
+        if words.shape != current[0].shape or factors.shape != current[1].shape:
+            raise ValueError(f"repacked copy of shape {tuple(words.shape)}, expected {tuple(current[0].shape)}")
+        self._gemv_cache = (self._gemv_cache[0], (words, factors))
+
+    def release_packed(self) -> None:
+        """Move the compressed-tensors tensors to host memory and keep the repacked copy alone on the device: one
+        resident copy of the weight (0.625 instead of 1.1875 bytes per weight); the kernels then read the repacked
+        copy (the decode GEMV, else its dense weight for the library matmul). The tensors stay the layer's parameters:
+        state dicts, exports and ``load_nvfp4`` see them as before (a later change of them rebuilds the repack)."""
+        words_factors = self.gemv_weight()
+        self.weight_packed.data = self.weight_packed.data.cpu()
+        self.weight_scale.data = self.weight_scale.data.cpu()
+        self._gemv_cache = (_storage_version(self.weight_packed, self.weight_scale), words_factors)
+        self._dense_cache = None
+        self._packed_released = True
 
     def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
         key = (_storage_version(self.weight_packed, self.weight_scale, self.weight_global_scale), dtype)

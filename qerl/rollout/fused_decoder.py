@@ -156,12 +156,18 @@ class BaseGEMM:
             self._rebuilds += self._repacked is not None
             if len(ms) == 1:
                 words, factors = ms[0].gemv_weight()  # the layer's own copy: the per-layer kernels use it too
-            else:
-                parts = [gemv_layout.repack(m.weight_packed, m.weight_scale) for m in ms]
-                words = torch.cat([p[0] for p in parts])
-                factors = torch.cat([p[1] for p in parts])
-                del parts
-            self._repacked, self._versions = (words, factors, gs), versions
+            else:  # one stacked copy; each layer's own becomes its slice of it (one resident copy of every weight)
+                words = torch.cat([m.gemv_weight()[0] for m in ms])
+                factors = torch.cat([m.gemv_weight()[1] for m in ms])
+                blocks = 0
+                for m in ms:
+                    n = m.out_features // 16
+                    m.adopt_gemv_weight(words[blocks:blocks + n], factors[blocks:blocks + n])
+                    blocks += n
+            # (building a layer's repacked copy moves its compressed-tensors tensors to host memory: new versions)
+            self._repacked = (words, factors, gs)
+            self._versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+                                                                            m.weight_global_scale))
         return self._repacked
 
     def prepare(self, dtype) -> None:
@@ -183,13 +189,11 @@ class BaseGEMM:
 
     def _dense_stack(self, dtype) -> torch.Tensor:
         """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
-        from qerl.nvfp4.kernels.matmul import dequantize_dense
-
         ms = self.layers
-        stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_packed.device)
+        stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_global_scale.device)
         row = 0
         for m, n in zip(ms, self.sizes):
-            dequantize_dense(m.weight_packed, m.weight_scale, m.weight_global_scale, dtype, out=stacked[row:row + n])
+            m.dequantize(dtype, out=stacked[row:row + n])
             row += n
         return stacked
 

@@ -30,6 +30,7 @@ Tile configurations come from a per-M-bucket default (:func:`default_config`, th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 
@@ -294,6 +295,32 @@ def _dequantize_kernel(
              mask=(rows[:, None] < ROWS) & (cols[None, :] < COLS))
 
 
+@triton.jit
+def _dequantize_repacked_kernel(
+    words_ptr, factors_ptr, global_scale_ptr, mag_base_ptr, sign_base_ptr, e2m1_ptr, out_ptr, CHUNKS, COLS,
+):
+    """``out[16 rb : +16, 64 c : +64] = dequant(W)`` from the decode GEMV's repacked layout (``gemv_layout``): each
+    element's word, bit positions and factor half follow from its (row, k) by the layout's fragment order."""
+    rb = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, 16)[:, None]
+    k = tl.arange(0, 64)[None, :]
+    g, hi = r % 8, r // 8
+    q, j, kr = k // 16, (k % 16) // 4, k % 4
+    e = (kr % 2) + 2 * hi + 4 * (kr // 2)  # the fragment element holding (row, k)
+    lane = 4 * g + q
+    tile = rb * CHUNKS + c
+    word = tl.load(words_ptr + (tile * 32 + lane) * 4 + j)
+    code = (word >> tl.load(mag_base_ptr + e)) & 7
+    negative = (word >> tl.load(sign_base_ptr + e)) & 1
+    factor = tl.load(factors_ptr + tile * 32 + lane)
+    bits = tl.where(hi == 1, (factor >> 16) & 0xFFFF, factor & 0xFFFF)
+    scale = (bits << 16).to(tl.float32, bitcast=True) * 2.0**-118  # the e4m3 block scale, exactly
+    value = tl.load(e2m1_ptr + code) * (scale / tl.load(global_scale_ptr))
+    value = tl.where(negative == 1, -value, value)
+    tl.store(out_ptr + (rb * 16 + r) * COLS + c * 64 + k, value.to(out_ptr.dtype.element_ty))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Configurations
 
@@ -387,6 +414,32 @@ def dequantize_dense(
     else:  # the compiled kernel takes every parameter in order, the constexprs included
         _dequant_compiled(args, dtype)[grid](*args, *_DEQUANT_BLOCK, _COMPUTE[dtype], _SHIFT[dtype])
     return out
+
+
+def dequantize_repacked(
+    words: torch.Tensor, factors: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decode GEMV's repacked weight (``gemv_layout.repack``) -> dense ``dtype [N, K]``, the values of
+    ``qerl.nvfp4.format.dequantize`` on the compressed-tensors tensors it was made from."""
+    blocks, chunks = words.shape[:2]
+    n, k = blocks * 16, chunks * gemv_layout.CHUNK
+    if out is None:
+        out = torch.empty(n, k, device=words.device, dtype=dtype)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    mag, sign, e2m1 = _repacked_tables(words.device)
+    _dequantize_repacked_kernel[(blocks, chunks)](words, factors, weight_global_scale, mag, sign, e2m1, out, chunks, k)
+    return out
+
+
+@functools.cache
+def _repacked_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout's bit positions per fragment element and the E2M1 magnitudes, once per device. Read-only."""
+    return (torch.tensor(gemv_layout.MAG_BASE, dtype=torch.int32, device=device),
+            torch.tensor(gemv_layout.SIGN_BASE, dtype=torch.int32, device=device),
+            torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float32, device=device))
 
 
 _DEQUANT_BLOCK = (16, 256)
@@ -546,10 +599,30 @@ def forward(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: Ge
     return _matmul(x, weight_packed, weight_scale, weight_global_scale, False, gemv_weight)
 
 
+def forward_repacked(x, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight):
+    """``x @ W.T`` of a layer whose compressed-tensors tensors are off the device (only their shapes are read): the
+    GEMV on the repacked copy up to its widest batch, else the dense weight made from the repacked copy and the
+    library matmul."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if not torch.compiler.is_compiling():
+        cfg = default_config(False, x.shape[0], n, k)
+        if cfg.gemv is not None:
+            out = _try_mma_gemv(x.contiguous(), weight_global_scale, n, k, False, cfg, gemv_weight)
+            if out is not None:
+                return out
+    return x @ dequantize_repacked(*gemv_weight(build=True), weight_global_scale, x.dtype).t()
+
+
+def backward_input_repacked(dy, weight_packed, weight_scale, weight_global_scale, gemv_weight: GemvWeight):
+    """``dy @ W`` of a layer whose compressed-tensors tensors are off the device: the dense weight made from the
+    repacked copy, then the library matmul."""
+    return dy @ dequantize_repacked(*gemv_weight(build=True), weight_global_scale, dy.dtype)
+
+
 def backward_input(dy, weight_packed, weight_scale, weight_global_scale):
     """``dy [M, out] @ W -> [M, in]`` (NVFP4Linear's backward kernel), read from the same packed layout."""
     return _matmul(dy, weight_packed, weight_scale, weight_global_scale, True)
 
 
-__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "default_config", "dequantize_dense", "forward", "m_bucket",
-           "nvfp4_mm"]
+__all__ = ["DENSE_MIN_M", "TileConfig", "backward_input", "backward_input_repacked", "default_config",
+           "dequantize_dense", "dequantize_repacked", "forward", "forward_repacked", "m_bucket", "nvfp4_mm"]

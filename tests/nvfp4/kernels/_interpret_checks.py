@@ -53,6 +53,21 @@ def matmul_cases(gen: torch.Generator) -> dict[str, float]:
     return results
 
 
+def repacked_cases(gen: torch.Generator) -> dict[str, float]:
+    """The dense weight from the decode GEMV's repacked layout: the values of the compressed-tensors dequantize."""
+    from qerl.nvfp4.kernels.gemv_layout import repack
+
+    results = {}
+    for n, k in ((16, 64), (48, 192), (32, 128)):
+        p, s, g = random_nvfp4(n, k, gen)
+        words, factors = repack(p, s)
+        for dtype in (torch.float32, torch.float16):
+            out = kernels.dequantize_repacked(words, factors, g, dtype)
+            ref = dequantize(p, s, g, dtype)
+            results[f"repacked-{str(dtype)[6:]}-N{n}-K{k}"] = float((out.double() - ref.double()).abs().max())
+    return results
+
+
 def linear_cases(gen: torch.Generator) -> dict[str, float]:
     """NVFP4Linear on the triton kernel: bias, a 3-D input, and the gradient to the input through the custom op."""
     layer = NVFP4Linear(80, 24, bias=True, kernel="triton")
@@ -76,6 +91,33 @@ def linear_cases(gen: torch.Generator) -> dict[str, float]:
         "custom-op-grad-input": rel_err(x2.grad, grad_ref.reshape(6, 80)),
         "compiled-fwd": rel_err(compiled(x.detach().reshape(6, 80)), (ref - layer.bias.double()).reshape(6, 24)),
     }
+
+
+def released_cases(gen: torch.Generator) -> dict[str, float]:
+    """NVFP4Linear after ``release_packed``: the kernels read the repacked copy alone (forward at a decode-size and a
+    dense-size M, the input gradient), the saved tensors and ``dequantize`` are unchanged, ``load_nvfp4`` returns
+    to the packed kernels."""
+    layer = NVFP4Linear(128, 48, bias=True, kernel="triton")
+    p, s, g = random_nvfp4(48, 128, gen)
+    layer.load_nvfp4({"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, torch.randn(48, generator=gen))
+    w = layer.dequantize(torch.float64)
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.gemv_weight()
+    layer.release_packed()
+    results = {"released-flag": float(layer._packed_released),
+               "released-dequantize": float((layer.dequantize(torch.float64) - w).abs().max()),
+               "released-state-dict": float(all(torch.equal(saved[k].view(torch.uint8), v.view(torch.uint8))
+                                                for k, v in layer.state_dict().items()))}
+    for m in (3, kernels.DENSE_MIN_M + 5):
+        x = torch.randn(m, 128, generator=gen, requires_grad=True)
+        y = layer(x)
+        probe = torch.randn(y.shape, generator=gen)
+        (y * probe).sum().backward()
+        results[f"released-fwd-M{m}"] = rel_err(y, x.detach().double() @ w.t() + layer.bias.double())
+        results[f"released-grad-input-M{m}"] = rel_err(x.grad, probe.double() @ w)
+    layer.load_nvfp4({"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, torch.randn(48, generator=gen))
+    results["reloaded-flag"] = float(not layer._packed_released)
+    return results
 
 
 def tuning_bucket_cases() -> dict[str, float]:
@@ -110,4 +152,5 @@ def tuning_bucket_cases() -> dict[str, float]:
 
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
-    print(json.dumps({**matmul_cases(generator), **linear_cases(generator), **tuning_bucket_cases()}))
+    print(json.dumps({**matmul_cases(generator), **repacked_cases(generator), **linear_cases(generator),
+                      **released_cases(generator), **tuning_bucket_cases()}))

@@ -33,6 +33,18 @@ def test_matmul_matches_fp64(interpreted_results, direction, dtype):
     assert errors and max(errors.values()) < TOLERANCE[dtype], errors
 
 
+def test_dense_weight_from_the_repacked_layout_is_the_dequantized_weight(interpreted_results):
+    cases = {k: v for k, v in interpreted_results.items() if k.startswith("repacked-")}
+    assert len(cases) == 6 and all(v == 0.0 for v in cases.values()), cases  # the same fp32 products, bit for bit
+
+
+def test_a_layer_with_its_packed_tensors_released_reads_the_repacked_copy(interpreted_results):
+    assert interpreted_results["released-flag"] == interpreted_results["reloaded-flag"] == 1.0
+    assert interpreted_results["released-dequantize"] == 0.0 and interpreted_results["released-state-dict"] == 1.0
+    errors = {k: v for k, v in interpreted_results.items() if k.startswith(("released-fwd", "released-grad"))}
+    assert len(errors) == 4 and max(errors.values()) < TOLERANCE["float32"], errors
+
+
 @pytest.mark.parametrize("case", ["linear-fwd-bias", "linear-grad-input", "custom-op-grad-input", "compiled-fwd"])
 def test_nvfp4_linear_on_triton_kernel(interpreted_results, case):
     assert interpreted_results[case] < TOLERANCE["float32"], interpreted_results[case]
