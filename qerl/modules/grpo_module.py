@@ -273,7 +273,8 @@ class GRPOModule(L.LightningModule):
                         rollout_logprobs=rollout.logprobs[idx],
                         ref_logprobs=None if ref is None else ref[idx],
                     )
-                    self.manual_backward(loss)
+                    with sdpa_kernel(UPDATE_ATTENTION):  # checkpointed layers recompute the forward's attention
+                        self.manual_backward(loss)
                 stats.append(st)
                 if entropy is not None:
                     entropies.append(entropy)

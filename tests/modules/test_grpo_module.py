@@ -382,3 +382,19 @@ def test_the_update_forward_never_runs_cudnn_attention(qwen2, tokenizer, prompt_
         hook.remove()
     assert seen == [(False, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the setting is the update's alone
+
+
+def test_checkpointed_layers_recompute_attention_with_the_forwards_kernels(qwen2, tokenizer, prompt_ids):
+    """With gradient checkpointing the backward runs each layer's forward again: its attention must see the same
+    SDPA kernels as the forward (another kernel saves tensors of other shapes, which torch's checkpoint refuses)."""
+    module = make_module(qwen2, tokenizer, max_new_tokens=3)
+    module.policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = []
+    attention = module.policy.get_base_model().get_decoder().layers[0].self_attn
+    hook = attention.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        fit(module, prompt_ids)
+    finally:
+        hook.remove()
+    update_calls = 2  # the micro-batch's forward and its recomputation in the backward (the rollout's run eagerly)
+    assert len(seen) >= update_calls and seen[-update_calls:] == [False] * update_calls
