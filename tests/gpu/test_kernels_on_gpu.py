@@ -41,7 +41,8 @@ def random_layer(n: int, k: int, seed: int) -> NVFP4Linear:
 
 
 def weights(layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+    """The compressed-tensors tensors on the GPU (a layer whose repacked copy exists keeps them in host memory)."""
+    return layer.weight_packed.cuda(), layer.weight_scale.cuda(), layer.weight_global_scale
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -71,6 +72,7 @@ def test_gemv_matches_float64_and_repeats_bitwise(layer, m):
     poisoned_allocator()
     y = kernels.forward(x, *weights(layer), gemv_weight=layer.gemv_weight)
     assert layer.gemv_weight(build=False) is not None  # the layer's repacked copy, built for it
+    assert not layer.weight_packed.is_cuda  # and then the only copy on the GPU (the layer below runs from it)
     assert rel_err(y, x.double() @ w64.t()) < REL_TOL
     # the fused split-K reduction leaves its counters at zero: the same answer, bit for bit, again
     assert torch.equal(y, kernels.forward(x, *weights(layer), gemv_weight=layer.gemv_weight))
