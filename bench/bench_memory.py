@@ -3,7 +3,8 @@
     python bench/bench_memory.py --tokenizer DIR --out bench/results \
         --rows 7b:nvfp4:gsm8k,7b:bf16:gsm8k,14b:nvfp4:gsm8k [--steps 3] [--lengths lognormal] [--builtin-tokens 128]
 
-Each row is ``<size>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<micro-batch tokens>[:ckpt|nockpt]]]]``: ``train.py fit`` with
+Each row is ``<size>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<micro-batch tokens|auto>[:ckpt|nockpt
+[:<GiB>]]]]]]`` (empty fields: the recipe's; ``GiB``: ``--memory_plan_device_gb``, plan for that much memory): ``train.py fit`` with
 ``configs/gpu.yaml`` + ``configs/recipes/qwen2.5-<size>_<task>.yaml`` (+ ``recipes/bf16.yaml``) on random-init
 weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's), the
 recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
@@ -44,9 +45,11 @@ def parse_row(spec: str) -> dict:
     if len(parts) > 4 and parts[4]:
         row["wave_rows"] = int(parts[4])
     if len(parts) > 5 and parts[5]:
-        row["micro_batch_tokens"] = int(parts[5])
+        row["micro_batch_tokens"] = parts[5] if parts[5] == "auto" else int(parts[5])
     if len(parts) > 6 and parts[6]:
         row["gradient_checkpointing"] = parts[6] == "ckpt"
+    if len(parts) > 7 and parts[7]:
+        row["device_gb"] = float(parts[7])
     return row
 
 
@@ -114,6 +117,8 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
 
     cli = configured(row)
     settings = run_settings(cli.model, cli.datamodule)
+    if "device_gb" in row:  # planned for that much memory, as train.py plans it
+        free_bytes = total_bytes = int(row["device_gb"] * 2**30)
     if "kv_cache_kept" in row:  # what the engine of that run did (an earlier release threshold)
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(qwen25_config(row["model"], vocab_size=vocab))
@@ -146,6 +151,8 @@ def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     options = [*row_options(row), *options_data, "--model.rollout.class_path", engine]
+    if "device_gb" in row:
+        options += ["--memory_plan_device_gb", str(row["device_gb"])]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     cli_main([

@@ -211,6 +211,11 @@ class QeRLCLI(LightningCLI):
             sys.exit(0)
         if settings.waves and engine.wave_rows is None:
             engine.wave_rows = plan.wave_rows
+        if isinstance(engine, CUDAGraphRollout):  # the engine follows what the plan assumed where it was left open
+            if engine.wide_batch_bf16 is None and not plan.wide_batch_bf16:
+                engine.wide_batch_bf16 = False  # (a copy the plan counts is still checked against the memory then)
+            if engine.keep_kv_cache is None:
+                engine.keep_kv_cache = bool(plan.kv_kept_rows)
         self.model.planned_micro_batch_tokens = plan.micro_batch_tokens
         if self.trainer.is_global_zero:
             print(f"memory plan: peak {plan.peak_bytes / GIB:.1f} GiB of {free / GIB:.1f} GiB free; wave_rows "

@@ -196,3 +196,31 @@ def test_the_plan_gives_the_graph_engine_its_waves(no_model_loads, tmp_path, mon
     kept = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
                    args=[*args, "--model.rollout.init_args.wave_rows", "16"])
     assert kept.model.rollout.wave_rows == 16  # the user's choice stays
+
+
+def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_loads, tmp_path, monkeypatch):
+    """A run planned for a smaller device (``--memory_plan_device_gb``, e.g. a 24 GiB card's worth of a shared
+    H100) must not make the bf16 decode copy or keep a KV cache the plan left out, whatever the real GPU has free."""
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.model.memory_plan import GIB, KV_RELEASE_FRACTION
+    from qerl.modules.grpo_module import GRPOModule
+
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-7b", "qwen2.5-7b")
+    args = ["--config", GPU, "--config", str(Path(DEBUG).parent / "recipes" / "qwen2.5-7b_gsm8k.yaml"),
+            "--model.policy.model", str(model), "--trainer.accelerator", "cpu", "--model.micro_batch_tokens", "auto",
+            "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout"]
+    small = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,  # (without checkpointing one row's update won't fit)
+                    args=[*args, "--memory_plan_device_gb", "24", "--model.policy.gradient_checkpointing", "true"])
+    assert small.model.rollout.wide_batch_bf16 is False and small.model.rollout.keep_kv_cache is False
+    big = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_plan_device_gb", "79"])
+    assert big.model.rollout.wide_batch_bf16 is None  # counted by the plan: the engine checks the memory it finds
+    assert big.model.rollout.wave_rows == 128
+    kv_gib = 128 * (256 + 2048) * 28 * 4 * 128 * 2 * 2 / GIB
+    assert big.model.rollout.keep_kv_cache is (kv_gib <= KV_RELEASE_FRACTION * 79)  # freed: 15.75 GiB > 3.95
+    chosen = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                     args=[*args, "--memory_plan_device_gb", "24", "--model.policy.gradient_checkpointing", "true",
+                           "--model.rollout.init_args.wide_batch_bf16", "true",
+                           "--model.rollout.init_args.keep_kv_cache", "true", "--model.rollout.init_args.wave_rows", "16"])
+    assert chosen.model.rollout.wide_batch_bf16 is True and chosen.model.rollout.keep_kv_cache is True  # the user's
