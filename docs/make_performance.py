@@ -214,8 +214,8 @@ def memory_section(result: dict) -> list[str]:
     rows = result["rows"]
     if not all("peak_rollout_gb" in r or "error" in r for r in rows):  # another benchmark's memory file
         return variant_table(rows, ["model"])
-    header = ["model", "weights", "rows x new tokens", "wave rows", "micro-batch tokens", "checkpointing",
-              "resident GB (plan)", "rollout peak GB (plan)", "update peak GB (plan)", "plan / measured",
+    header = ["model", "weights", "rows x new tokens", "planned for GiB", "wave rows", "micro-batch tokens",
+              "checkpointing", "resident GB (plan)", "rollout peak GB (plan)", "update peak GB (plan)", "plan / measured",
               "step s (rollout + update)"]
     body = []
     for r in rows:
@@ -225,7 +225,7 @@ def memory_section(result: dict) -> list[str]:
         step = (f"{num(r['step_s'], 1)} ({num(r['rollout_s'], 1)} + {num(r['train_s'], 1)})" if "step_s" in r
                 else r.get("error", "-"))
         body.append([r["model"], r["quantization"], f"{r['prompts'] * r['group_size']} x {r['new_tokens']}",
-                     cell(r.get("wave_rows", r.get("plan_wave_rows"))),
+                     cell(r.get("device_gb", "all free")), cell(r.get("wave_rows", r.get("plan_wave_rows"))),
                      cell(r.get("micro_batch_tokens", r.get("plan_micro_batch_tokens"))),
                      cell(r.get("gradient_checkpointing", "recipe")), both("resident_gb"), both("peak_rollout_gb"),
                      both("peak_update_gb"), spread, step])
