@@ -158,8 +158,14 @@ class NVFP4Linear(nn.Module):
     def _kernels(self, name: str) -> tuple[Callable, Callable]:
         if name == "torch" and not self._packed_released:
             return reference_forward, reference_backward_input
-        from qerl.nvfp4.kernels import matmul
+        from qerl.nvfp4.kernels import gemv_layout, matmul
 
+        if (not self._packed_released and name == "triton" and self.weight_packed.is_cuda
+                and gemv_layout.supported(self.out_features, self.in_features)
+                and not torch.cuda.is_current_stream_capturing()):
+            # Build the repack (which moves the compressed-tensors tensors to host memory) before the autograd Function
+            # saves them: built inside the forward, the backward would get the host copies.
+            self.gemv_weight()
         if self._packed_released:
             return (functools.partial(matmul.forward_repacked, gemv_weight=self.gemv_weight),
                     functools.partial(matmul.backward_input_repacked, gemv_weight=self.gemv_weight))
