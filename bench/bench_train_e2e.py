@@ -1,12 +1,15 @@
 """End to end on one GPU: ``train.py fit`` on a 7B-shaped model, NVFP4 + LoRA against bf16 + LoRA, same settings.
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
-        [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--compare earlier.json]
+        [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--kv-cache-dtypes nvfp4=fp8_e4m3] \
+        [--compare earlier.json]
 
 ``--lengths fixed``: every completion runs to ``--new-tokens`` (random weights never sample EOS). ``lognormal``: each
 completion ends at a length drawn from a lognormal of median 400 tokens and sigma 0.8 (``bench/forced_lengths.py``;
 draws over ``--new-tokens`` are truncated), the same draws for both formats, so that batch compaction in the rollout
-and padding-free updates count as they would with a real policy. ``--compare`` adds the step of an earlier run of
+and padding-free updates count as they would with a real policy. ``--kv-cache-dtypes``: the rollout engine's
+``kv_cache_dtype`` per format (``auto`` where not named), e.g. NVFP4 with an e4m3 cache against bf16 as it is.
+``--compare`` adds the step of an earlier run of
 this benchmark (e.g. an older checkout on the same lengths) to the table. The update's floor is its FLOPs at the
 dense bf16 rate (6 x linear params x real tokens, plus causal attention) over 790 TFLOP/s.
 
@@ -68,6 +71,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    kv = ["--model.rollout.init_args.kv_cache_dtype", kv_cache_dtype(args, quantization)]
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
     torch.cuda.reset_accumulated_memory_stats()
@@ -78,7 +82,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.rollout.class_path", engine,
         "--model.rollout.init_args.max_new_tokens", str(args.new_tokens),
         "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
-        "--model.micro_batch_size", str(args.micro_batch), *budget, "--model.mask_truncated", "false",
+        "--model.micro_batch_size", str(args.micro_batch), *budget, *kv, "--model.mask_truncated", "false",
         "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
@@ -104,6 +108,10 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     }
 
 
+def kv_cache_dtype(args, quantization: str) -> str:
+    return dict(item.split("=") for item in args.kv_cache_dtypes.split(",") if item).get(quantization, "auto")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", required=True, help="a directory with the embedded model's tokenizer")
@@ -119,6 +127,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=False)
     parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed")
     parser.add_argument("--quantizations", default="nvfp4,bf16")
+    parser.add_argument("--kv-cache-dtypes", default="", help="format=kv_cache_dtype,... (default auto)")
     parser.add_argument("--label", default="current", help="names this build in the JSON (e.g. main-fb9bbcc)")
     parser.add_argument("--compare", default=None, help="a JSON of an earlier run of this benchmark")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
@@ -148,6 +157,7 @@ def main() -> None:
         row[f"rollout_s_{q}"], row[f"train_s_{q}"] = r["rollout_s"], r["train_s"]
         row[f"step_s_{q}"], row[f"peak_gb_{q}"] = r["rollout_s"] + r["train_s"], r["peak_gb"]
         row[f"completion_length_{q}"] = r["completion_length"]
+        row[f"kv_cache_dtype_{q}"] = kv_cache_dtype(args, q)
         if r["update_tokens"]:
             rows = args.prompts * args.group_size
             tokens = r["update_tokens"]

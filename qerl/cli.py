@@ -265,6 +265,7 @@ def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSett
         length_bucket=engine.length_bucket if graphs else 1,
         wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
         keep_kv_cache=engine.keep_kv_cache if graphs else False,
+        kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto",
     )
 
 

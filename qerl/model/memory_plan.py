@@ -126,9 +126,9 @@ class ModelShape:
                 "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
                 "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate)}[name]
 
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one position of one row, bf16."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * DENSE_BYTES
+    def kv_bytes_per_token(self, element_bytes: int = DENSE_BYTES) -> int:
+        """K and V of every layer for one position of one row (bf16; e4m3: 1 byte per element)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class RunSettings:
         wide_batch_bf16: the engine's setting for the bf16 weight copy above 64 rows (None: when it fits).
         keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
             it (False), or free it when it holds more than ``KV_RELEASE_FRACTION`` of the GPU (None).
+        kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte).
     """
 
     prompts: int
@@ -175,6 +176,11 @@ class RunSettings:
     gemv_copy: bool = True
     wide_batch_bf16: bool | None = None
     keep_kv_cache: bool | None = None
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def kv_element_bytes(self) -> int:
+        return 1 if self.engine == "cuda_graph" and self.kv_cache_dtype == "fp8_e4m3" else DENSE_BYTES
 
     @property
     def rows(self) -> int:
@@ -324,7 +330,7 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
 
 def kv_cache_bytes(shape: ModelShape, settings: RunSettings, rows: int) -> int:
     """The KV cache of ``rows`` rows as the engine allocates it."""
-    return shape.kv_bytes_per_token() * rows * kv_cache_length(settings)
+    return shape.kv_bytes_per_token(settings.kv_element_bytes) * rows * kv_cache_length(settings)
 
 
 def kv_kept_rows(shape: ModelShape, settings: RunSettings, rows: int, total_bytes: int | None) -> int:
@@ -377,7 +383,8 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
     prefill = prefill_tokens * DENSE_BYTES * (PREFILL_INTERMEDIATE_BUFFERS * shape.intermediate
                                               + PREFILL_HIDDEN_BUFFERS * shape.hidden + 2 * q)  # + K/V repeated to q
     out = [
-        Component("rollout", f"KV cache, one wave ({wave_rows} rows x {length} positions, bf16)", kv),
+        Component("rollout", f"KV cache, one wave ({wave_rows} rows x {length} positions, "
+                             f"{'e4m3' if settings.kv_element_bytes == 1 else 'bf16'})", kv),
         Component("rollout", f"sampling workspace ({wave_rows} rows x vocab, {SAMPLING_FP32_BUFFERS} fp32 buffers)",
                   wave_rows * shape.vocab * (4 * SAMPLING_FP32_BUFFERS + DENSE_BYTES * SAMPLING_MODEL_DTYPE_BUFFERS)),
         Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x "

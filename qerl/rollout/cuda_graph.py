@@ -37,12 +37,14 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
 from qerl.model.memory_plan import KV_RELEASE_FRACTION, bf16_copy_spare
+from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_bytes, cache_dtype, to_cache_element
 from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
@@ -108,7 +110,9 @@ class SlotCache:
 
     ``prefill(B, P)``: the layer's keys go to rows 0..B-1, columns 0..P-1 (and are returned as they are).
     ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
-    columns of those rows are returned as views, so the attention reads nothing else."""
+    columns of those rows are returned as views, so the attention reads nothing else.
+    ``dtype``: the model's, or e4m3 (``qerl.nvfp4.kernels.kv_cache_element``; then what is returned is the rounded
+    values widened back to the model's dtype)."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device,
                  allocate: bool = True):
@@ -138,24 +142,31 @@ class SlotCache:
         self.storage, self.keys, self.values = None, [], []
 
     def update(self, key, value, layer_idx, *args, **kwargs):
+        """transformers' cache call: store ``key``/``value``; return what the attention reads, in their dtype (an
+        e4m3 cache hands back its rounded values, in the prefill too, as the fused step reads them)."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
         if self.mode == "prefill":
-            k[: key.shape[0], :, : key.shape[2]].copy_(key)
-            v[: key.shape[0], :, : key.shape[2]].copy_(value)
-            return key, value
-        k, v = k[: self.b], v[: self.b]
-        k.index_copy_(2, self.position, key)
-        v.index_copy_(2, self.position, value)
-        return k[:, :, : self.L], v[:, :, : self.L]
+            k, v = k[: key.shape[0], :, : key.shape[2]], v[: key.shape[0], :, : key.shape[2]]
+            k.copy_(to_cache_element(key, k.dtype))
+            v.copy_(to_cache_element(value, v.dtype))
+        else:
+            k, v = k[: self.b], v[: self.b]
+            cache_bytes(k).index_copy_(2, self.position, cache_bytes(to_cache_element(key, k.dtype)))
+            cache_bytes(v).index_copy_(2, self.position, cache_bytes(to_cache_element(value, v.dtype)))
+            k, v = k[:, :, : self.L], v[:, :, : self.L]
+        if self.dtype == key.dtype:
+            return (key, value) if self.mode == "prefill" else (k, v)
+        return k.to(key.dtype), v.to(value.dtype)
 
     def repeat_rows(self, prompts: int, group_size: int, length: int) -> None:
         """Rows 0..B-1 -> rows 0..B*G-1, each prompt's KV copied to the G rows of its group."""
         for t in (*self.keys, *self.values):
+            t = cache_bytes(t)
             t[: prompts * group_size, :, :length].copy_(t[:prompts, :, :length].repeat_interleave(group_size, 0))
 
     def permute_rows(self, order: torch.Tensor, length: int) -> None:
         for t in (*self.keys, *self.values):
-            view = t[: order.numel(), :, :length]
+            view = cache_bytes(t)[: order.numel(), :, :length]
             view.copy_(view.index_select(0, order))
 
 
@@ -261,6 +272,12 @@ class CUDAGraphRollout(RolloutEngine):
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
             update can use the memory (False; the next rollout allocates it again). None: free it on CUDA when it
             holds more than a twentieth of the GPU's memory.
+        kv_cache_dtype: ``auto``: the KV cache in the model's dtype; ``fp8_e4m3``: one byte per element (vLLM's
+            option of the same name, scale 1): half the cache memory (twice the rows per wave) and half the bytes
+            each decode step's attention reads. K and V are rounded to e4m3, so the sampling policy moves a little
+            further from the trained one; the truncated-IS weights of the loss correct for it as they do for the
+            NVFP4 kernels and AQN noise (docs/performance.md compares the gap with AQN's). Needs a GPU of compute
+            capability >= 8.9 (Ada, Hopper) for the fused step; any device otherwise.
     """
 
     def __init__(
@@ -277,8 +294,13 @@ class CUDAGraphRollout(RolloutEngine):
         wide_batch_bf16: bool | None = None,
         wave_rows: int | None = None,
         keep_kv_cache: bool | None = None,
+        kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
     ):
         super().__init__(max_new_tokens, temperature, top_p, seed)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"model.rollout.init_args.kv_cache_dtype={kv_cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}; use auto (the model's dtype) or fp8_e4m3.")
+        self.kv_cache_dtype = kv_cache_dtype
         if check_every < 1 or length_bucket < 1 or min_bucket < 1:
             raise ValueError("check_every, length_bucket and min_bucket must be >= 1.")
         if wave_rows is not None and wave_rows < 1:
@@ -327,6 +349,11 @@ class CUDAGraphRollout(RolloutEngine):
         key = torch.randint(0, 2**32, (2,), generator=self._generator, device=device)
         wave_prompts = wave_size(B, group_size, self.wave_rows)
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
+        if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
+                             f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
+                             f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
         s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, device)
         out = {name: torch.zeros(N, new, dtype=s[name].dtype, device=device)
@@ -516,7 +543,9 @@ class CUDAGraphRollout(RolloutEngine):
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
         pointers = tuple(p.data_ptr() for _, p in params)
-        key = (pointers, self.top_p, id(policy))
+        dtype = base.get_input_embeddings().weight.dtype
+        kv_dtype = cache_dtype(self.kv_cache_dtype, dtype)
+        key = (pointers, self.top_p, id(policy), kv_dtype)
         s = self._state
         if s is not None and s["key"] == key and s["rows"] >= rows and s["length"] >= length:
             return s
@@ -528,9 +557,8 @@ class CUDAGraphRollout(RolloutEngine):
             del s
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        dtype = base.get_input_embeddings().weight.dtype
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config))
-        cache = SlotCache(*shape, dtype, device, allocate=False)  # allocated (again) by _ensure_cache
+        cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated (again) by _ensure_cache
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         s = dict(
             key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache), cache_at=None,

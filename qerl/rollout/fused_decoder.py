@@ -492,7 +492,7 @@ class FusedDecoder:
         def attend(i, q):
             layer = self.layers[i]
             q = q.view(B, P, self.heads, -1).transpose(1, 2)
-            k, v = keys[i][:B, :, :P], values[i][:B, :, :P]
+            k, v = keys[i][:B, :, :P].to(q.dtype), values[i][:B, :, :P].to(q.dtype)  # (e4m3 cache: widened)
             out, _ = sdpa_attention_forward(layer["attn"], q, k, v, mask, scaling=layer["scaling"])
             return out.reshape(B * P, -1)  # [B, P, Hq, D] -> rows
 

@@ -199,6 +199,58 @@ def test_fused_decode_kernels_match_their_torch_twins(b):
     assert max_diff(K.silu_mul_epilogue(yg, yu, ug, lg), K.silu_mul_epilogue_torch(yg, yu, ug, lg)) <= 0.0625
 
 
+@pytest.mark.parametrize("m", [16, 4608])
+def test_first_training_call_of_a_layer_releases_its_packed_copy_before_autograd_saves_it(m):
+    """A layer's first call with gradients (no repack built yet, as in an update before any decode of <= 64 rows):
+    forward and backward both read the repacked copy, none the host copies the release left behind."""
+    layer = random_layer(3584, 3584, seed=m)
+    ref_w = dequantize(*weights(layer), torch.float64)
+    x = torch.randn(m, 3584, device="cuda").to(torch.bfloat16).requires_grad_()
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert layer._packed_released and not layer.weight_packed.is_cuda
+    assert rel_err(y, x.detach().double() @ ref_w.t()) < REL_TOL
+    assert rel_err(x.grad, dy.double() @ ref_w) < REL_TOL
+
+
+def test_fp8_kv_cache_writes_and_reads_like_the_torch_twins():
+    """An e4m3 cache: the epilogue stores the twin's bytes (rounded to nearest even, saturated at 448: no NaN) but
+    where fp32 sums in another order tip a value over a rounding boundary; the attention reads it widened, exactly."""
+    from qerl.nvfp4.kernels import fused_decode as K
+
+    b, gen = 64, torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    y = rnd(b, 4608, scale=150.0)  # some K/V beyond e4m3's 448: saturated
+    yq, yk, yv = y.split([3584, 512, 512], 1)
+    lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
+    u = K.lora_a(rnd(b, 3584), rnd(48, 3584, scale=0.02))
+    pos = torch.randint(0, 4000, (b,), device="cuda", generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    col = torch.tensor([300], device="cuda")
+    c = [torch.zeros(b, 4, 512, 128, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(4)]
+    q1 = K.qkv_epilogue(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
+    q2 = K.qkv_epilogue_torch(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+    assert float((q1.double() - q2.double()).abs().max()) <= 8.0  # one bf16 step of values up to ~1000
+    for mine, twin in ((c[0], c[2]), (c[1], c[3])):
+        assert torch.isfinite(mine.float()).all() and float(mine.float().abs().max()) == 448.0
+        differ = mine.view(torch.uint8) != twin.view(torch.uint8)
+        assert differ[:, :, 300].float().mean() < 0.05 and not differ[:, :, :300].any()  # (bf16 inputs 1 ulp apart)
+        # one e4m3 step at most, or (near 0) one bf16 step of the products the value was summed from
+        assert ((mine.float() - twin.float()).abs() <= (twin.float().abs() / 8).clamp(min=4.0)).all()
+    kc = (torch.randn(b, 4, 1280, 128, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
+    vc = (torch.randn(b, 4, 1280, 128, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
+    q = rnd(b, 28, 128)
+    mask = torch.ones(b, 1280, dtype=torch.bool, device="cuda")
+    mask[:, :40] = False
+    out = K.decode_attention(q, kc, vc, mask, 1100, 128**-0.5)
+    ref = K.decode_attention_torch(q.double(), kc.double(), vc.double(), mask, 1100, 128**-0.5)
+    assert rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("m", [100, 256])
 def test_decoder_gate_up_group_on_token_blocks(m):
     """The decoder's stacked 7B gate|up at 65-256 rows on the token-block GEMV (no bf16 copy): each layer's output vs

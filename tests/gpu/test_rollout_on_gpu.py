@@ -73,6 +73,19 @@ def test_logprobs_equal_a_full_recomputation(policy, prompts, wgmma):
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
 
 
+def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
+    """kv_cache_dtype fp8_e4m3 under graphs, waves of 64 and 96 rows (the bf16 copy above 64): the log-probs are those
+    of a full forward whose attention reads the e4m3-rounded K/V; the unrounded policy's are further away."""
+    for group in (4, 32):
+        engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, kv_cache_dtype="fp8_e4m3")
+        r = engine.generate(policy, prompts, group, 0, [])
+        assert engine._state["cache"].dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
+        m = r.completion_mask.bool()
+        err = (r.logprobs - recompute(policy, r, kv_cache_dtype=torch.float8_e4m3fn)[0]).abs()[m]
+        gap = (r.logprobs - recompute(policy, r)[0]).abs()[m]
+        assert float(err.max()) < LOGPROB_ATOL and err.mean() < gap.mean()
+
+
 def test_compaction_keeps_logprobs_exact(policy, prompts):
     engine = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
     r = engine.generate(policy, prompts, 8, 0, list(range(100, 108)))  # many EOS ids: rows finish early

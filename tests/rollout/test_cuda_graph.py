@@ -418,3 +418,36 @@ def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert kept._state["cache"].storage is not None and freed._state["cache"].storage is None
     assert kept._state["rows"] == 4  # the cache holds one wave (two groups of 2), not the 6 rows
+
+
+def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
+    """kv_cache_dtype fp8_e4m3: one byte per cache element, and the log-probs returned are those of the policy whose
+    attention reads K and V rounded to e4m3 (a full forward through such a cache), not the unrounded policy's."""
+    engine = CUDAGraphRollout(max_new_tokens=10, temperature=0.8, seed=2, check_every=3, fused=fused,
+                              kv_cache_dtype="fp8_e4m3")
+    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS])
+    assert used_decoder(engine) == fused
+    cache = engine._state["cache"]
+    assert cache.storage.dtype == torch.float8_e4m3fn and cache.storage.element_size() == 1
+    lp, entropy = recompute(policy, r, 0.8, kv_cache_dtype=torch.float8_e4m3fn)
+    exact, _ = recompute(policy, r, 0.8)
+    m = r.completion_mask.bool()
+    err, ent_err, gap = ((r.logprobs - lp).abs()[m], (r.entropy - entropy).abs()[m], (r.logprobs - exact).abs()[m])
+    # the same e4m3 values, except where another order of fp32 sums tips a K/V element over a rounding boundary (one
+    # e4m3 step, rare): the typical error is float noise, the mean far below the rounding's own effect
+    assert err.median() < 2e-5 and ent_err.median() < 2e-5
+    assert err.mean() < 0.05 * gap.mean() and ent_err.mean() < 0.05 * gap.mean()
+    assert 1e-3 < gap.mean() < 0.1  # rounded K/V move the distribution, a little
+
+
+def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
+    from qerl.model.memory_plan import ModelShape, RunSettings, kv_cache_bytes as planned_kv_bytes
+
+    config = policy.get_base_model().config
+    assert kv_cache_bytes(config, 8, 64, torch.float8_e4m3fn) * 2 == kv_cache_bytes(config, 8, 64, torch.bfloat16)
+    settings = RunSettings(prompts=2, group_size=4, max_prompt_tokens=100, max_new_tokens=156)
+    shape = ModelShape.from_config(config)
+    fp8 = RunSettings(**{**settings.__dict__, "kv_cache_dtype": "fp8_e4m3"})
+    assert planned_kv_bytes(shape, fp8, 8) * 2 == planned_kv_bytes(shape, settings, 8)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*fp8_e4m3"):
+        CUDAGraphRollout(kv_cache_dtype="fp8")

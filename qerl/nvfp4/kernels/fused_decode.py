@@ -14,6 +14,9 @@ normalized value rounded before the weight product, rotary products rounded befo
 from the model's own distribution up to the order of fp32 sums. Every kernel has a torch twin (``*_torch``): the CPU
 path of the decoder, and the reference of the interpreter tests (``TRITON_INTERPRET=1``).
 
+The KV cache is in the model dtype or e4m3 (``kv_cache_element``): the epilogue rounds K and V to it, the attention
+widens what it loads back to the query's dtype.
+
 LoRA-B matrices arrive with the LoRA scaling already folded in (``B * scaling``) and the LoRA-A outputs ``u``
 of a group side by side (``[b, r * members]``); every LoRA argument is optional (``None``: no adapter).
 """
@@ -29,6 +32,7 @@ import triton.language as tl
 
 from qerl.nvfp4.kernels import pdl as _pdl
 from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2, sm_count
+from qerl.nvfp4.kernels.kv_cache_element import FP8_KV, cache_bytes, to_cache_element
 from qerl.nvfp4.kernels.split_k import counters
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -141,6 +145,16 @@ def lora_a_torch(x: torch.Tensor, a: torch.Tensor, max_splits: int = 0) -> torch
 
 
 @triton.jit
+def _cache_element(x, KV_FP8: tl.constexpr):
+    """``x`` (model dtype) as the KV cache stores it; e4m3 rounds to nearest even via fp32, saturating at +-448."""
+    if KV_FP8:
+        y = tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _qkv_epilogue_kernel(
     yq_ptr, yk_ptr, yv_ptr, sy_q, sy_k, sy_v,
     bq_ptr, bk_ptr, bv_ptr, u_ptr, s_us, s_ub, S, lq_ptr, lk_ptr, lv_ptr, r,
@@ -148,7 +162,7 @@ def _qkv_epilogue_kernel(
     q_out_ptr, k_cache_ptr, v_cache_ptr, sc_row, sc_head, sc_pos,
     HQ, HKV, SEQ,
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
-    DT: tl.constexpr, PDL: tl.constexpr,
+    DT: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     _pdl.enter(PDL)
     row = tl.program_id(0)
@@ -179,11 +193,13 @@ def _qkv_epilogue_kernel(
         o1 = ((x1 * c).to(DT).to(tl.float32) + (-x2 * s).to(DT).to(tl.float32)).to(DT)
         o2 = ((x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)).to(DT)
         if j < HQ:
-            dst = q_out_ptr + (row * HQ + head) * 2 * HALF
-        else:
-            dst = k_cache_ptr + seq * sc_row + head * sc_head + column * sc_pos
-        tl.store(dst + lo, o1)
-        tl.store(dst + HALF + lo, o2)
+            q_dst = q_out_ptr + (row * HQ + head) * 2 * HALF
+            tl.store(q_dst + lo, o1)
+            tl.store(q_dst + HALF + lo, o2)
+        else:  # (another name: the cache's element type may differ from q's)
+            k_dst = k_cache_ptr + seq * sc_row + head * sc_head + column * sc_pos
+            tl.store(k_dst + lo, _cache_element(o1, KV_FP8))
+            tl.store(k_dst + HALF + lo, _cache_element(o2, KV_FP8))
     else:
         head = j - HQ - HKV
         y = yv_ptr + row * sy_v
@@ -192,7 +208,7 @@ def _qkv_epilogue_kernel(
         for h in tl.static_range(2):
             offs = head * 2 * HALF + h * HALF + lo
             v = _module_output(y, bv_ptr, u, s_us, S, lv_ptr, offs, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
-            tl.store(dst + h * HALF + lo, v.to(DT))
+            tl.store(dst + h * HALF + lo, _cache_element(v.to(DT), KV_FP8))
 
 
 def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: float, column, k_cache, v_cache,
@@ -200,7 +216,8 @@ def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: flo
     """q/k/v module outputs from their base GEMMs ``y* [b, H*D]`` (row-strided views allowed): ``+ bias`` (``biases``:
     (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled,
     or None), rotary on q and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows,
-    kv_heads, L, D]`` at column ``column`` (a 1-element device tensor) of rows 0..b-1. Returns q ``[b, heads, D]``.
+    kv_heads, L, D]`` (model dtype or ``FP8_KV``) at column ``column`` (a 1-element device tensor) of rows 0..b-1.
+    Returns q ``[b, heads, D]``.
     ``seq_len`` > 1 (a prefill): the ``b`` rows are ``b / seq_len`` sequences of ``seq_len`` tokens, token t of
     sequence s goes to cache row s, column ``column + t``."""
     b = yq.shape[0]
@@ -218,7 +235,7 @@ def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: flo
         pos, inv_freq, float(attn_scaling), column, q, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, seq_len,
         HALF=D // 2, HAS_BIAS=biases is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
-        DT=_TL[yq.dtype], PDL=pdl, num_warps=1, **_pdl.options(pdl))
+        DT=_TL[yq.dtype], KV_FP8=k_cache.dtype == FP8_KV, PDL=pdl, num_warps=1, **_pdl.options(pdl))
     return q
 
 
@@ -252,8 +269,9 @@ def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scalin
     k = rotate(outs[1].view(b, kv_heads, D), pos, inv_freq, attn_scaling)
     n = b // seq_len
     columns = column + torch.arange(seq_len, device=column.device)
-    k_cache[:n].index_copy_(2, columns, k.view(n, seq_len, kv_heads, D).transpose(1, 2))
-    v_cache[:n].index_copy_(2, columns, outs[2].view(n, seq_len, kv_heads, D).transpose(1, 2))
+    for cache, x in ((k_cache, k), (v_cache, outs[2])):
+        x = to_cache_element(x.view(n, seq_len, kv_heads, D).transpose(1, 2), cache.dtype)
+        cache_bytes(cache)[:n].index_copy_(2, columns, cache_bytes(x))
     return q
 
 
@@ -288,8 +306,9 @@ def _attention_split_kernel(
         p = off + tl.arange(0, BLOCK_L)
         pok = p < L
         live = tl.load(mask_ptr + row * s_mask + p, mask=pok, other=0) != 0
-        k = tl.load(k_ptr + kv + p[None, :] * sc_pos + d[:, None], mask=pok[None, :], other=0.0)  # [D, BLOCK_L]
-        v = tl.load(v_ptr + kv + p[:, None] * sc_pos + d[None, :], mask=pok[:, None], other=0.0)  # [BLOCK_L, D]
+        # [D, BLOCK_L] and [BLOCK_L, D]; an e4m3 cache widens exactly to the query's dtype
+        k = tl.load(k_ptr + kv + p[None, :] * sc_pos + d[:, None], mask=pok[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv + p[:, None] * sc_pos + d[None, :], mask=pok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, k) * scale_log2  # [GP, BLOCK_L], log2 units
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -336,7 +355,7 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
                      last: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """softmax(q K^T * scaling) V for one query per row, GQA (query heads ``kv_head * G .. + G - 1`` share a KV head).
 
-    q ``[b, Hq, D]``, caches ``[rows, Hkv, Lmax, D]`` (rows 0..b-1 and columns 0..length-1 are read), ``mask``
+    q ``[b, Hq, D]``, caches ``[rows, Hkv, Lmax, D]`` in q's dtype or ``FP8_KV`` (rows 0..b-1 and columns 0..length-1 are read), ``mask``
     ``[b, >= length]`` bool (False: not attended, e.g. left padding). ``last`` (1-element device tensor, optional):
     the last column written; the ones after it must be masked for every row and are not read (a graph captured for a
     length bucket then reads only what the step needs). Returns ``[b, Hq * D]``."""
@@ -358,7 +377,9 @@ def decode_attention(q, k_cache, v_cache, mask, length: int, scaling: float, spl
         q, k_cache, v_cache, mask, m, lsum, o, last if last is not None else mask, out, k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), mask.stride(0), length, split_len, S, hq, scaling * 1.4426950408889634,
         G=G, GP=_pow2(G, 16), D=D, BLOCK_L=min(64, split_len), HAS_LAST=last is not None, DIRECT=direct, PDL=pdl,
-        num_warps=4, num_stages=2, **_pdl.options(pdl))  # 2 stages: the fastest at 64-256 rows
+        # stages: the fastest at 128-256 rows (bench/sweep_decode_attention.py): 2 for bf16, 4 for e4m3 (half the
+        # bytes per tile: more tiles in flight to keep the memory busy)
+        num_warps=4, num_stages=4 if k_cache.dtype == FP8_KV else 2, **_pdl.options(pdl))
     if not direct:
         _attention_merge_kernel[(b * hq,)](m, lsum, o, out, S, D=D, SP=_pow2(S), PDL=pdl, num_warps=4,
                                            **_pdl.options(pdl))
