@@ -325,8 +325,11 @@ def e2e_glance(result: dict) -> list[str]:
         if "step_s_nvfp4" in r and "step_s_bf16" in r:
             peak = (f"; peak {num(r['peak_gb_nvfp4'], 1)} vs {num(r['peak_gb_bf16'], 1)} GB"
                     if "peak_gb_nvfp4" in r and "peak_gb_bf16" in r else "")
+            kv = "".join(f" ({q} with an {r[f'kv_cache_dtype_{q}']} KV cache)" for q in ("nvfp4", "bf16")
+                         if r.get(f"kv_cache_dtype_{q}", "auto") != "auto")
             lines.append(f"{r['model']} GRPO step, {r['prompts']} prompts x {r['group_size']}, {r['new_tokens']} new "
-                         f"tokens: NVFP4 {num(r['step_s_nvfp4'], 1)} s vs bf16 {num(r['step_s_bf16'], 1)} s{peak}")
+                         f"tokens ({r.get('lengths', 'fixed')} lengths){kv}: NVFP4 {num(r['step_s_nvfp4'], 1)} s vs bf16 "
+                         f"{num(r['step_s_bf16'], 1)} s{peak}")
     return lines
 
 

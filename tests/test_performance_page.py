@@ -119,7 +119,8 @@ def test_new_end_to_end_keys_and_a_memory_file_are_rendered_without_editing_the_
     assert "`train_e2e_memory_h100.json`: NVIDIA H100 80GB HBM3, 2026-12-02" in mem
     assert "| model | peak GB | peak GB rollout | peak GB update | step s |" in mem
     assert "| qwen2.5-32b | 71.25 | 60.50 | 71.25 | 88.00 |" in mem
-    assert "GRPO step, 16 prompts x 8, 2048 new tokens: NVFP4 31.5 s vs bf16 47.2 s" in section(page, "At a glance")
+    assert "GRPO step, 16 prompts x 8, 2048 new tokens (lognormal lengths): NVFP4 31.5 s vs bf16 47.2 s" in section(
+        page, "At a glance")
 
 
 def test_a_file_no_section_can_render_is_an_error_naming_it(results):
