@@ -141,6 +141,22 @@ def test_training_tiles_forward_and_backward_match_float64(layer, m):
     assert all(p.grad is None for p in layer.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_repacked_dequantize_is_bitwise_the_reference(dtype):
+    """The dense weight from the decode GEMV's layout (what the update multiplies once a layer's compressed-tensors
+    tensors are in host memory): every 7B shape and a small one, alone and into an ``out`` slice."""
+    from qerl.nvfp4.kernels.gemv_layout import repack
+
+    for n, k in [*SHAPES, (48, 192)]:
+        p, s, g = weights(random_layer(n, k, seed=n + k))
+        words, factors = repack(p, s)
+        ref = dequantize(p, s, g, dtype)
+        assert torch.equal(kernels.dequantize_repacked(words, factors, g, dtype), ref)
+        stacked = torch.zeros(n + 16, k, dtype=dtype, device="cuda")
+        kernels.dequantize_repacked(words, factors, g, dtype, out=stacked[16:])
+        assert torch.equal(stacked[16:], ref) and not stacked[:16].any()
+
+
 @pytest.mark.parametrize("rows", [slice(None), slice(1, None), slice(3, -5)], ids=["whole", "from-1", "3-to-5"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantize_kernel_is_bitwise_the_reference(rows, dtype):
@@ -152,6 +168,27 @@ def test_dequantize_kernel_is_bitwise_the_reference(rows, dtype):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Fused decode kernels (7B shapes) against their torch twins (same roundings, run by torch on the same GPU)
+
+
+def qkv_epilogues(b: int, gen: torch.Generator, rnd, cache_dtype: torch.dtype, y_scale: float = 1.0):
+    """The 7B q/k/v epilogue (bias, split-K LoRA-A partials, LoRA-B, rotary at random positions, cache column 300)
+    by the kernel and by its torch twin, each into zeroed caches of ``cache_dtype``:
+    (q kernel, q twin, [k kernel, v kernel, k twin, v twin])."""
+    from qerl.nvfp4.kernels import fused_decode as K
+
+    yq, yk, yv = rnd(b, 4608, scale=y_scale).split([3584, 512, 512], 1)
+    biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
+    xa, aa = rnd(b, 3584), rnd(48, 3584, scale=0.02)
+    u = K.lora_a(xa, aa)  # split-K partials [S, b, 48]
+    assert rel_err(u.sum(0), xa.double() @ aa.double().t()) < 1e-5
+    lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
+    pos = torch.randint(0, 4000, (b,), device="cuda", generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    col = torch.tensor([300], device="cuda")
+    c = [torch.zeros(b, 4, 512, 128, device="cuda", dtype=cache_dtype) for _ in range(4)]
+    q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
+    q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+    return q1, q2, c
 
 
 @pytest.mark.parametrize("b", [1, 64])
@@ -166,19 +203,7 @@ def test_fused_decode_kernels_match_their_torch_twins(b):
     def max_diff(a, c):
         return float((a.double() - c.double()).abs().max())
 
-    y = rnd(b, 4608)
-    yq, yk, yv = y.split([3584, 512, 512], 1)
-    biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
-    xa, aa = rnd(b, 3584), rnd(48, 3584, scale=0.02)
-    u = K.lora_a(xa, aa)  # split-K partials [S, b, 48]
-    assert rel_err(u.sum(0), xa.double() @ aa.double().t()) < 1e-5
-    lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
-    pos = torch.randint(0, 4000, (b,), device="cuda", generator=gen)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
-    col = torch.tensor([300], device="cuda")
-    c = [torch.zeros(b, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    q1 = K.qkv_epilogue(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
-    q2 = K.qkv_epilogue_torch(yq, yk, yv, biases, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+    q1, q2, c = qkv_epilogues(b, gen, rnd, torch.bfloat16)
     # one bf16 rounding step apart at most (the order of fp32 sums differs): values of magnitude ~4
     assert max(max_diff(q1, q2), max_diff(c[0], c[2]), max_diff(c[1], c[3])) <= 0.0625
     kc, vc, q = rnd(b, 4, 1280, 128), rnd(b, 4, 1280, 128), rnd(b, 28, 128)
@@ -224,16 +249,7 @@ def test_fp8_kv_cache_writes_and_reads_like_the_torch_twins():
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-    y = rnd(b, 4608, scale=150.0)  # some K/V beyond e4m3's 448: saturated
-    yq, yk, yv = y.split([3584, 512, 512], 1)
-    lora = (rnd(3584, 16, scale=0.05), rnd(512, 16, scale=0.05), rnd(512, 16, scale=0.05))
-    u = K.lora_a(rnd(b, 3584), rnd(48, 3584, scale=0.02))
-    pos = torch.randint(0, 4000, (b,), device="cuda", generator=gen)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
-    col = torch.tensor([300], device="cuda")
-    c = [torch.zeros(b, 4, 512, 128, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(4)]
-    q1 = K.qkv_epilogue(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, col, c[0], c[1], 28, 4)
-    q2 = K.qkv_epilogue_torch(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, col, c[2], c[3], 28, 4)
+    q1, q2, c = qkv_epilogues(b, gen, rnd, torch.float8_e4m3fn, y_scale=150.0)  # some K/V beyond 448: saturated
     assert float((q1.double() - q2.double()).abs().max()) <= 8.0  # one bf16 step of values up to ~1000
     for mine, twin in ((c[0], c[2]), (c[1], c[3])):
         assert torch.isfinite(mine.float()).all() and float(mine.float().abs().max()) == 448.0
