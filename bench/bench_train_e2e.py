@@ -75,7 +75,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
     torch.cuda.reset_accumulated_memory_stats()
-    cli_main([
+    cli = cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
         "--model.policy.gradient_checkpointing", str(args.checkpointing).lower(),
@@ -89,6 +89,10 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         *profile, *args.overrides,
     ])
     alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # cudaFree + retry: memory pressure
+    from qerl.nvfp4.linear import NVFP4Linear
+
+    nvfp4 = [m for m in cli.model.policy.modules() if isinstance(m, NVFP4Linear)]
+    released = sum(m._packed_released for m in nvfp4)  # layers whose compressed-tensors copy is in host memory
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(sorted(glob.glob(str(log_root / name / "*" / "events*")))[-1])
@@ -104,6 +108,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "truncated_frac": steady("train/truncated_frac"),
         "update_tokens": (steady("perf/update_tokens") if "perf/update_tokens" in series else None),
         "alloc_retries": alloc_retries,
+        "nvfp4_layers_released": f"{released}/{len(nvfp4)}",
         "steps": len(series["perf/rollout_s"]),
     }
 
