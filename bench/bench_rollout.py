@@ -88,13 +88,15 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
 
 
 def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | None = None,
-                wide_batch_bf16: bool | None = None, wgmma: bool | None = None, **options) -> dict:
+                wide_batch_bf16: bool | None = None, wgmma: bool | None = None, fused_sampling: bool = True,
+                **options) -> dict:
     """One timed ``generate`` of ``batch`` rows (G = min(8, batch)) after a warm-up; ``options``: more engine
     arguments (e.g. ``kv_cache_dtype``)."""
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
-    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, max_new_tokens=new, seed=0, check_every=16, fused=fused,
+    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, max_new_tokens=new, seed=0,
+                               check_every=16, fused=fused,
                                wide_batch_bf16=wide_batch_bf16, **options)
     timer = rollout_hooks.PhaseTimer(eng)
     torch.cuda.reset_peak_memory_stats()

@@ -1,5 +1,6 @@
 """The benchmarks' handles on ``CUDAGraphRollout``: its comparison switches (eager steps, the plain launch order, the
-mma.sync GEMV) and its timing, through the engine's underscore hooks; users never set these."""
+mma.sync GEMV, the torch sampling expression) and its timing, through the engine's underscore hooks; users never set
+these."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from qerl.rollout.cuda_graph import CUDAGraphRollout
 
 
 def engine(use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
-           **options) -> CUDAGraphRollout:
+           fused_sampling: bool = True, **options) -> CUDAGraphRollout:
     """A ``CUDAGraphRollout(**options)`` with the comparison switches set (None: the engine's own choice)."""
     eng = CUDAGraphRollout(**options)
-    eng._use_graphs, eng._pdl, eng._wgmma = use_graphs, pdl, wgmma
+    eng._use_graphs, eng._pdl, eng._wgmma, eng._fused_sampling = use_graphs, pdl, wgmma, fused_sampling
     return eng
 
 

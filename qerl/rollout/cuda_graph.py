@@ -40,7 +40,6 @@ from contextlib import contextmanager
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
 from qerl.model.memory_plan import KV_RELEASE_FRACTION, bf16_copy_spare
@@ -48,7 +47,7 @@ from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_bytes, ca
 from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
-from qerl.rollout.row_noise import row_exponentials
+from qerl.rollout.sampling import sample_rows
 
 ATTENTION = "qerl_decode"
 MAX_EOS = 8
@@ -62,23 +61,6 @@ def wave_size(prompts: int, group_size: int, wave_rows: int | None) -> int:
         raise ValueError(f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group "
                          f"(model.group_size={group_size}): a wave decodes whole groups; set it >= {group_size}.")
     return wave_rows // group_size
-
-
-def sample_gumbel(logits: torch.Tensor, temperature: float, top_p: float, exponentials: torch.Tensor | None):
-    """``sample`` of the built-in engine without a host sync: Gumbel-max (argmax of p / E with ``exponentials`` E ~
-    Exp(1) [N, V], exactly a draw from p) instead of ``multinomial``; ``exponentials`` None is the plain argmax
-    (greedy). Returns (tokens [N], log-probs of the sampled tokens [N], entropy [N])."""
-    logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
-    if top_p < 1.0:
-        sorted_lp, order = logprobs.sort(dim=-1, descending=True)
-        outside = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p
-        sorted_lp = sorted_lp.masked_fill(outside, float("-inf"))
-        logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
-        logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)
-    probs = logprobs.exp()
-    tokens = logprobs.argmax(-1) if exponentials is None else (probs / exponentials).argmax(-1)
-    entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
 
 def gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -317,12 +299,14 @@ class CUDAGraphRollout(RolloutEngine):
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graphs_captured = 0
         # Benchmark hooks (bench/bench_rollout.py), never set by a user: eager steps on CUDA (``_use_graphs``), the
-        # plain launch order or the mma.sync GEMV (``_pdl``, ``_wgmma`` False; None = where supported), a callable
+        # plain launch order or the mma.sync GEMV (``_pdl``, ``_wgmma`` False; None = where supported), the torch
+        # sampling expression instead of the fused kernels (``_fused_sampling`` False), a callable
         # told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
         # "captured" around each captured step), and a token count to stop decoding at.
         self._use_graphs: bool | None = None
         self._pdl: bool | None = None
         self._wgmma: bool | None = None
+        self._fused_sampling = True
         self._phase_hook = None
         self._stop_after: int | None = None
         self._decoder = None  # (model id, fast, pdl, wgmma) -> FusedDecoder, built on first use
@@ -629,8 +613,9 @@ class CUDAGraphRollout(RolloutEngine):
     def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
         rows = s["first_row"] + s["slot_row"][:b]  # output rows: the noise follows the row, not its slot or wave
-        noise = None if self.greedy else row_exponentials(s["noise_key"], rows, s["step"], logits.shape[-1])
-        token, logprob, entropy = sample_gumbel(logits, self.temperature, self.top_p, noise)
+        key = None if self.greedy else s["noise_key"]
+        token, logprob, entropy = sample_rows(logits, self.temperature, self.top_p, key, rows, s["step"],
+                                              self._fused_sampling)
         done = s["finished"][:b]
         token = torch.where(done, s["pad"], token)
         index = (s["slot_row"][:b], s["step"].expand(b))

@@ -74,17 +74,26 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _exponentials_kernel(key_ptr, rows_ptr, step_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-        # row_seeds in uint32 (the torch version emulates these wrapping products in int64)
-        row = tl.program_id(0)
+    def row_seed_tl(key_ptr, rows_ptr, step_ptr, row):
+        """``row_seeds`` of the row at index ``row`` of ``rows_ptr``, in uint32 (the torch version emulates these
+        wrapping products in int64)."""
         key0 = tl.load(key_ptr).to(tl.uint32)
         key1 = tl.load(key_ptr + 1).to(tl.uint32)
         seed = _mix32_tl(key0 ^ (tl.load(rows_ptr + row).to(tl.uint32) * 0x61C88647))
-        seed = _mix32_tl(seed ^ key1 ^ (tl.load(step_ptr).to(tl.uint32) * 0x7FEB352D))
-        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        return _mix32_tl(seed ^ key1 ^ (tl.load(step_ptr).to(tl.uint32) * 0x7FEB352D))
+
+    @triton.jit
+    def uniform_tl(seed, tokens):
+        """The row's uniform in (0, 1) for each token id of ``tokens`` (``exponentials_torch`` before its log)."""
         x = _mix32_tl(seed ^ (tokens.to(tl.uint32) * 0x61C88647))
-        uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
-        tl.store(out_ptr + row.to(tl.int64) * vocab + tokens, -tl.log(uniform), mask=tokens < vocab)
+        return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+
+    @triton.jit
+    def _exponentials_kernel(key_ptr, rows_ptr, step_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed = row_seed_tl(key_ptr, rows_ptr, step_ptr, row)
+        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row.to(tl.int64) * vocab + tokens, -tl.log(uniform_tl(seed, tokens)), mask=tokens < vocab)
 
 
 _BLOCK = 2048

@@ -187,3 +187,30 @@ def test_evaluation_blocks_on_a_fresh_engine_capture_again(policy, prompts):
             results.append(engine.generate(policy, prompts, 1, 0, []))
     assert torch.equal(results[0].completion_ids, results[1].completion_ids)
     assert engine.graphs_captured >= 1 and len(engine._graphs) == engine.graphs_captured
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (128, 152064), (300, 1000)])
+def test_fused_draw_matches_the_torch_expression_and_replays_from_a_graph(rows, vocab):
+    from qerl.rollout.row_noise import row_exponentials
+    from qerl.rollout.sampling import sample_fused, sample_gumbel
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    key, step = torch.tensor([1, 2**31 + 5], device="cuda"), torch.tensor([3], device="cuda")
+    ids = torch.arange(rows, device="cuda") + 7
+    ref = sample_gumbel(logits, 0.9, 1.0, row_exponentials(key, ids, step, vocab))
+    got = sample_fused(logits, 0.9, key, ids, step)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=5e-5)
+    torch.testing.assert_close(got[2], ref[2], rtol=0, atol=5e-5)
+    greedy = sample_fused(logits, 0.9, None, ids, step)
+    top = logits == logits.max(-1, keepdim=True).values  # bf16: ties at the top happen; the lowest id wins
+    assert torch.equal(greedy[0], torch.where(top, torch.arange(vocab, device="cuda"), vocab).min(-1).values)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = sample_fused(logits, 0.9, key, ids, step)
+    step += 1  # the graph reads the step at replay: the next step's draw
+    graph.replay()
+    nxt = sample_gumbel(logits, 0.9, 1.0, row_exponentials(key, ids, step, vocab))
+    assert torch.equal(out[0], nxt[0])
+    assert rows == 1 or not torch.equal(out[0], ref[0])  # (one peaked row may well draw the same token again)
