@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
+from qerl.model.gated_mlp import replace_gated_mlps
 from qerl.model.rms_norm import replace_rms_norms
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
 from qerl.nvfp4.format import check_quantizable, global_scale, quantize
@@ -127,6 +128,7 @@ def load_model(
             parent, leaf = _parent(model, name)
             setattr(parent, leaf, NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, kernel, "meta"))
     replace_rms_norms(model)
+    replace_gated_mlps(model)
     _fill(model, files, nvfp4, prequantized, dtype, device, progress)
     model.tie_weights()
     model.eval()

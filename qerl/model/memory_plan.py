@@ -424,7 +424,8 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     total += (2 * q + 2 * kv) * b + shape.heads * ATTENTION_LSE_BYTES  # SDPA: q, k, v, output, log-sum-exp
     total += q * b * targeted["o_proj"]  # o's LoRA-A input: the attention output, reshaped (a copy)
     total += H * b * (targeted["gate_proj"] or targeted["up_proj"])  # LoRA-A input of gate/up
-    total += 3 * I * b  # SiLU's input (gate), and the product's two factors (silu(gate), up)
+    total += 3 * I * b  # SiLU's input (gate), and the product's two factors (silu(gate), up): the torch path; the
+    # fused product (CUDA) keeps two of the three, left counted until the H100 measurements behind the plan are redone
     total += I * b * targeted["down_proj"]  # down's LoRA-A input: the product
     total += r * b * sum(targeted.values())  # each LoRA-B's input (x @ A.T)
     return total

@@ -57,6 +57,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     NVFP4 layers (its norms qerl's, as ``load_model`` makes them)."""
     from transformers import AutoModelForCausalLM
 
+    from qerl.model.gated_mlp import replace_gated_mlps
     from qerl.model.rms_norm import replace_rms_norms
 
     if quantization not in ("nvfp4", "bf16"):
@@ -71,6 +72,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
                 setattr(model.get_submodule(parent), leaf, random_nvfp4_linear(
                     linear.in_features, linear.out_features, linear.bias is not None, kernel, device, generator))
     replace_rms_norms(model)  # as load_model does
+    replace_gated_mlps(model)
     for module in model.modules():  # everything still on meta: allocate on the device, then fill
         for key, param in list(module.named_parameters(recurse=False)):
             if param.device.type != "meta":
