@@ -141,6 +141,13 @@ class NVFP4Linear(nn.Module):
         dense = dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
         return dense if out is None else out.copy_(dense)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight ``[out, in]`` in ``dtype`` as this layer's matmul multiplies by it: the kept copy under the
+        ``cached`` kernel, else dequantized now (not kept)."""
+        if kernel_name(self.kernel, self.weight_global_scale.device) == "cached":
+            return self._cached_dense(dtype)
+        return self.dequantize(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -284,3 +284,64 @@ def test_decoder_gate_up_group_on_token_blocks(m):
     assert all(torch.equal(a, c) for a, c in zip(outs, again))
     if gemv_plan.max_m(torch.device("cuda")) >= m:
         assert gemm._repacked is not None
+
+
+def test_silu_product_kernels_round_as_autograd_and_as_the_decode_epilogue():
+    import torch.nn.functional as F
+
+    from qerl.nvfp4.kernels.fused_decode import silu_mul_epilogue
+    from qerl.nvfp4.kernels.silu_mul import SiluMul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate, up, dh = ((torch.randn(2, 300, 18944, device="cuda", generator=gen) * s).to(torch.bfloat16)
+                    for s in (4, 1, 1e-3))
+    ours = [t.clone().requires_grad_() for t in (gate, up)]
+    theirs = [t.clone().requires_grad_() for t in (gate, up)]
+    h, href = SiluMul.apply(*ours), F.silu(theirs[0]) * theirs[1]
+    for a, b in zip((h,) + torch.autograd.grad(h, ours, dh), (href,) + torch.autograd.grad(href, theirs, dh)):
+        # Triton's exp and CUDA's differ in an fp32 ulp: a bf16 rounding flips where that crosses a boundary
+        assert float((a == b).float().mean()) > 0.999
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=0)
+    decode = silu_mul_epilogue(gate.view(-1, 18944), up.view(-1, 18944))
+    assert torch.equal(decode, h.detach().view(-1, 18944))  # the update's product is the rollout's, bit for bit
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_lora_layer_gradients_with_the_base_accumulated_in_one_gemm(kind):
+    from peft import get_peft_model
+
+    from qerl.model.lora_linear import LoraLinear
+    from qerl.model.policy import lora_config, quiet_custom_layers
+
+    class One(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.q_proj = layer
+
+    base = random_layer(512, 3584, seed=5)
+    if kind == "bf16":
+        base = torch.nn.Linear(3584, 512, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    config = lora_config(16, 32.0, 0.0, ("q_proj",), None)
+    config.task_type = None
+    with quiet_custom_layers():
+        model = get_peft_model(One(base), config)
+    layer = model.base_model.model.q_proj
+    assert type(layer) is LoraLinear
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=0.05)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 300, 3584, device="cuda", generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(2, 300, 512, device="cuda", generator=gen).bfloat16()
+    params = [x, layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    out = layer(x)
+    grads = torch.autograd.grad(out, params, dy)
+    w = (base.dequantize(torch.float32) if kind == "nvfp4" else base.weight).double()
+    if kind == "nvfp4":
+        assert base._packed_released  # the backward read the repacked copy
+    ref = [p.detach().double().requires_grad_() for p in params]
+    y = ref[0] @ w.t() + (ref[0] @ ref[1].t() @ ref[2].t()) * layer.scaling["default"]
+    # bf16 roundings of the base output, of A and B, of the sum (a dropped or doubled term would be off by O(1))
+    tol = 4 * REL_TOL
+    torch.testing.assert_close(out.double(), y, rtol=0, atol=tol * y.abs().max().item())
+    for g, r in zip(grads, torch.autograd.grad(y, ref, dy.double())):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=tol * r.abs().max().item())

@@ -66,16 +66,18 @@ def test_lora_layers_are_qerls_for_nvfp4_and_dense_linears(kind):
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
 def test_forward_and_gradients_match_a_float64_reference(kind):
+    # the input's gradient too: the base's and the adapter's terms accumulate in one GEMM
     model = adapted(kind, torch.float32)
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
-    params = [p for p in model.parameters() if p.requires_grad]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    params = [x] + [p for p in model.parameters() if p.requires_grad]
     out = model(x)
     ref_model = adapted(kind, torch.float32)
-    ref = reference(ref_model, x)
+    ref_x = x.detach().double().requires_grad_()
+    ref = reference(ref_model, ref_x)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad((out * weights).sum(), params)
-    ref_params = [p for p in ref_model.parameters() if p.requires_grad]
+    ref_params = [ref_x] + [p for p in ref_model.parameters() if p.requires_grad]
     ref_grads = torch.autograd.grad((ref * weights.double()).sum(), ref_params)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), r.double(), rtol=1e-4, atol=1e-5 * r.abs().max().item())
@@ -84,10 +86,18 @@ def test_forward_and_gradients_match_a_float64_reference(kind):
 def test_bf16_adapter_runs_in_the_base_dtype_and_rounds_once():
     # the fast path computes in bf16 with an fp32 accumulator: close to the float64 result within bf16 rounding
     model = adapted("bf16", torch.bfloat16)
-    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).bfloat16().requires_grad_()
     out = model(x)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), reference(model, x), rtol=0.03, atol=0.03)
+    ref_x = x.detach().double().requires_grad_()
+    ref = reference(model, ref_x)
+    torch.testing.assert_close(out.double(), ref, rtol=0.03, atol=0.03)
+    params = [x] + [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.float().sum(), params)
+    ref_grads = torch.autograd.grad(ref.sum(), [ref_x] + params[1:])
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == (torch.bfloat16 if g.shape == x.shape else r.dtype)
+        torch.testing.assert_close(g.double(), r.double(), rtol=0.03, atol=0.03 * r.abs().max().item())
 
 
 def test_the_plain_adapter_takes_the_one_gemm_path():
