@@ -1,9 +1,14 @@
 """Per-token log-probs (and entropy) from the last hidden states, without the ``[N, T, V]`` logits.
 
 With a 150k vocabulary, fp32 logits of 8 x 4096 tokens take 20 GB, and autograd would keep them (and the
-softmax) for the backward. Here the N*T tokens go through the LM head ``chunk_size`` at a time; each chunk is
-wrapped in a non-reentrant checkpoint so only its inputs are saved and the backward recomputes its logits.
-Peak extra memory is then a few ``[chunk_size, V]`` fp32 buffers, whatever N and T.
+softmax) for the backward. Here the N*T tokens go through the LM head ``chunk_size`` at a time and only each chunk's
+inputs are kept; the backward recomputes its logits. Peak extra memory is then a few ``[chunk_size, V]`` buffers,
+whatever N and T.
+
+On CUDA a chunk is one autograd node (``_FusedChunk``): the LM-head GEMM writes fp32 logits, one Triton pass gives the
+log-probs, the entropy and the logsumexp (``qerl.nvfp4.kernels.token_logprobs``); the backward recomputes the logits
+and one pass writes their gradient in the GEMM's dtype. Elsewhere the torch expression (``_chunk``) under a
+non-reentrant checkpoint computes the same values.
 """
 
 from __future__ import annotations
@@ -57,6 +62,44 @@ def _chunk(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, 
     return logp, entropy
 
 
+class _FusedChunk(torch.autograd.Function):
+    """``_chunk`` of bf16/fp16 ``hidden [n, H]`` and ``weight [V, H]`` on CUDA in fused kernels (see the module
+    docstring); keeps the inputs and one fp32 logsumexp per token."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float):
+        from qerl.nvfp4.kernels.token_logprobs import logprob_forward
+
+        logp, entropy, lse = logprob_forward(torch.mm(hidden, weight.t(), out_dtype=torch.float32), targets,
+                                             temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor | None):
+        from qerl.nvfp4.kernels.token_logprobs import logprob_backward
+
+        hidden, weight, targets, lse = ctx.saved_tensors
+        logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # recomputed, as the checkpoint would
+        grad = logprob_backward(logits, targets, lse, grad_logp, ctx.temperature, hidden.dtype)  # [n, V]
+        del logits
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
+
+
+def _fused(hidden: Tensor, weight: Tensor) -> bool:
+    if not (hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    try:
+        import qerl.nvfp4.kernels.token_logprobs  # noqa: F401
+    except ImportError:  # no Triton
+        return False
+    return True
+
+
 def token_logprobs(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -87,10 +130,14 @@ def token_logprobs(
     flat_t = targets.reshape(N * T)  # [N*T]
     # Checkpoint only when a backward will come: under no_grad (old / reference log-probs) it would only cost.
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
+    fused = _fused(flat_h, lm_head_weight)
     logps, entropies = [], []
     for start in range(0, N * T, chunk_size):
         args = (flat_h[start : start + chunk_size], lm_head_weight, flat_t[start : start + chunk_size])
-        if recompute:
+        if fused:
+            logp, entropy = _FusedChunk.apply(*args, temperature)
+            entropy = entropy if with_entropy else None
+        elif recompute:
             logp, entropy = checkpoint(_chunk, *args, temperature, with_entropy, use_reentrant=False)
         else:
             logp, entropy = _chunk(*args, temperature, with_entropy)

@@ -345,3 +345,22 @@ def test_lora_layer_gradients_with_the_base_accumulated_in_one_gemm(kind):
     torch.testing.assert_close(out.double(), y, rtol=0, atol=tol * y.abs().max().item())
     for g, r in zip(grads, torch.autograd.grad(y, ref, dy.double())):
         torch.testing.assert_close(g.double(), r, rtol=0, atol=tol * r.abs().max().item())
+
+
+def test_fused_logprob_chunks_match_the_torch_expression():
+    from qerl.modules.logprobs import _chunk, token_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hidden = torch.randn(2, 700, 1024, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(32768, 1024, device="cuda", generator=gen) * 0.05).bfloat16()
+    targets = torch.randint(0, 32768, (2, 700), device="cuda", generator=gen)
+    scale = torch.randn(2, 700, device="cuda", generator=gen)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.8, chunk_size=512)
+    (grad,) = torch.autograd.grad((logp * scale).sum(), hidden)
+    ref_logp, ref_entropy = _chunk(hidden.view(-1, 1024), weight, targets.view(-1), 0.8, True)
+    (ref_grad,) = torch.autograd.grad((ref_logp * scale.view(-1)).sum(), hidden)
+    torch.testing.assert_close(logp.view(-1), ref_logp, rtol=0, atol=1e-4)
+    torch.testing.assert_close(entropy.view(-1), ref_entropy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-2 * ref_grad.abs().max().item())
+    with torch.no_grad():  # the old / reference log-probs of the update: the same forward
+        torch.testing.assert_close(token_logprobs(hidden, weight, targets, 0.8, 512)[0], logp, rtol=0, atol=0)
