@@ -100,15 +100,18 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "prompt_len": PROMPT,
-              "kernel": kernel([int(r) for r in args.rows.split(",")]),
-              "engine": engine(args.engine_rows, args.new)}
+              "rows": kernel([int(r) for r in args.rows.split(",")]) + engine(args.engine_rows, args.new)}
     print(f"\nnext-token draw, bf16 logits, {device}: ms per draw (torch / fused)")
     print(f"{'vocab':>8}{'rows':>6}{'torch':>9}{'fused':>9}{'ratio':>8}{'tokens eq':>11}")
-    for r in report["kernel"]:
+    for r in report["rows"]:
+        if "vocab" not in r:
+            continue
         print(f"{r['vocab']:>8}{r['rows']:6d}{r['ms_torch']:9.3f}{r['ms_fused']:9.3f}{r['torch_over_fused']:8.2f}"
               f"{r['tokens_equal_frac']:11.4f}")
     print(f"\n7B decode ms/step at {args.engine_rows} rows, prompt {PROMPT} + {args.new} new")
-    for r in report["engine"]:
+    for r in report["rows"]:
+        if "quant" not in r:
+            continue
         print(f"{r['quant']:>8}  torch {r['ms_step_torch']:.3f}  fused {r['ms_step_fused']:.3f}  "
               f"ratio {r['torch_over_fused']:.3f}")
     out = Path(args.out)
