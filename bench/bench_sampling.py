@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:bench python bench/bench_sampling.py [--out bench/results] [--rows 1,16,64,128,256] [--new 512]
 
-``kernel``: ms per draw (CUDA graph of 20 draws, median of 5 replays) at each row count for the Qwen2.5 vocabulary
+``kernel``: ms per draw (CUDA graph of 20 draws, median of 5 replays: ``nvfp4_tuning.graph_time_ms``) at each row count for the Qwen2.5 vocabulary
 (152,064) and SmolLM2's (49,152), bf16 logits, temperature 1: the fused kernels (``sample_fused``) vs the noise
 pass + ``sample_gumbel``. ``engine``: ms per 7B decode step of ``CUDAGraphRollout.generate`` (random-init
 Qwen2.5-7B-shaped NVFP4 and bf16 + LoRA r16, prompt 256 + ``--new`` fixed new tokens, G = 8) with either draw, in
@@ -15,7 +15,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,34 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import PROMPT, time_engine  # noqa: E402
+from nvfp4_tuning import graph_time_ms  # noqa: E402
 
 from qerl.rollout.row_noise import row_exponentials  # noqa: E402
 from qerl.rollout.sampling import sample_fused, sample_gumbel  # noqa: E402
 from qerl.testing.random_models import build_random_policy, qwen25_config  # noqa: E402
 
 VOCABS = {"qwen2.5": 152064, "smollm2": 49152}
-
-
-def graph_ms(fn, draws: int = 20, repeats: int = 5) -> float:
-    """ms per call of ``fn`` replayed from a CUDA graph of ``draws`` calls (the engine replays its draw the same way)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(draws):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / draws)
-    return statistics.median(times)
 
 
 def kernel(rows_list: list[int]) -> list[dict]:
@@ -60,8 +38,9 @@ def kernel(rows_list: list[int]) -> list[dict]:
         for rows in rows_list:
             logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16) * 3
             ids = torch.arange(rows, device="cuda")
-            fused = graph_ms(lambda: sample_fused(logits, 1.0, key, ids, step))
-            torch_ms = graph_ms(lambda: sample_gumbel(logits, 1.0, 1.0, row_exponentials(key, ids, step, vocab)))
+            fused = graph_time_ms(lambda i: sample_fused(logits, 1.0, key, ids, step), 20)
+            torch_ms = graph_time_ms(lambda i: sample_gumbel(logits, 1.0, 1.0, row_exponentials(key, ids, step, vocab)),
+                                     20)
             got, ref = sample_fused(logits, 1.0, key, ids, step), sample_gumbel(
                 logits, 1.0, 1.0, row_exponentials(key, ids, step, vocab))
             row = {"vocab": name, "rows": rows, "ms_fused": fused, "ms_torch": torch_ms, "torch_over_fused": torch_ms / fused,
@@ -103,15 +82,12 @@ def main() -> None:
               "rows": kernel([int(r) for r in args.rows.split(",")]) + engine(args.engine_rows, args.new)}
     print(f"\nnext-token draw, bf16 logits, {device}: ms per draw (torch / fused)")
     print(f"{'vocab':>8}{'rows':>6}{'torch':>9}{'fused':>9}{'ratio':>8}{'tokens eq':>11}")
-    for r in report["rows"]:
-        if "vocab" not in r:
-            continue
+    draws, engines = [r for r in report["rows"] if "vocab" in r], [r for r in report["rows"] if "quant" in r]
+    for r in draws:
         print(f"{r['vocab']:>8}{r['rows']:6d}{r['ms_torch']:9.3f}{r['ms_fused']:9.3f}{r['torch_over_fused']:8.2f}"
               f"{r['tokens_equal_frac']:11.4f}")
     print(f"\n7B decode ms/step at {args.engine_rows} rows, prompt {PROMPT} + {args.new} new")
-    for r in report["rows"]:
-        if "quant" not in r:
-            continue
+    for r in engines:
         print(f"{r['quant']:>8}  torch {r['ms_step_torch']:.3f}  fused {r['ms_step_fused']:.3f}  "
               f"ratio {r['torch_over_fused']:.3f}")
     out = Path(args.out)

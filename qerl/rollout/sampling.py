@@ -29,6 +29,7 @@ try:  # Triton is optional off CUDA (the CPU path is torch)
     import triton
     import triton.language as tl
 
+    from qerl.nvfp4.kernels.online_softmax import first_best, merge, online_update
     from qerl.rollout.row_noise import row_seed_tl, uniform_tl
 except ImportError:
     triton = None
@@ -143,14 +144,7 @@ if triton is not None:
             tokens = offset + lanes
             ok = tokens < end
             z = tl.load(base + tokens, mask=ok, other=float("-inf")).to(tl.float32) / temperature
-            m_new = tl.maximum(m, z)
-            live = m_new > float("-inf")
-            shift = tl.where(s > 0, m - m_new, 0.0)
-            scale = tl.where(live, tl.exp(shift), 0.0)
-            e = tl.where(z > float("-inf"), tl.exp(z - m_new), 0.0)
-            u = scale * (u + s * shift) + e * tl.where(e > 0, z - m_new, 0.0)
-            s = s * scale + e
-            m = m_new
+            m, s, u = online_update(m, s, u, z)
             if GREEDY:
                 k = z
             else:
@@ -161,13 +155,8 @@ if triton is not None:
             best_z = tl.where(better, z, best_z)
             best_i = tl.where(better, tokens, best_i)
         # lanes -> one value per (row, split)
-        M = tl.max(m, axis=0)
-        scale = tl.where(s > 0, tl.exp(m - M), 0.0)
-        S = tl.sum(s * scale, axis=0)
-        U = tl.sum(scale * (u + s * tl.where(s > 0, m - M, 0.0)), axis=0)
-        K = tl.max(best, axis=0)
-        I = tl.min(tl.where(best == K, best_i, 2147483647), axis=0)
-        Z = tl.sum(tl.where(best_i == I, best_z, 0.0), axis=0)
+        M, S, U = merge(m, s, u)
+        K, I, Z = first_best(best, best_i, best_z)
         out = floats_ptr + row.to(tl.int64) * 5 * splits + split
         tl.store(out, M)
         tl.store(out + splits, S)
@@ -188,13 +177,8 @@ if triton is not None:
         k = tl.load(part + 3 * splits, mask=ok, other=float("-inf"))
         z = tl.load(part + 4 * splits, mask=ok, other=0.0)
         i = tl.load(index_ptr + row.to(tl.int64) * splits + j, mask=ok, other=2147483647)
-        M = tl.max(m, axis=0)
-        scale = tl.where(s > 0, tl.exp(m - M), 0.0)
-        S = tl.sum(s * scale, axis=0)
-        U = tl.sum(scale * (u + s * tl.where(s > 0, m - M, 0.0)), axis=0)
-        K = tl.max(k, axis=0)
-        token = tl.min(tl.where(k == K, i, 2147483647), axis=0)
-        z_token = tl.sum(tl.where(i == token, z, 0.0), axis=0)
+        M, S, U = merge(m, s, u)
+        _, token, z_token = first_best(k, i, z)
         log_s = tl.log(S)
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(out_ptr + row, z_token - M - log_s)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from qerl.nvfp4.kernels.grid import cdiv
+from qerl.nvfp4.kernels.online_softmax import merge, online_update
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FORWARD_BLOCK = 1024
@@ -38,17 +39,8 @@ def _forward_kernel(logits_ptr, stride, targets_ptr, logp_ptr, entropy_ptr, lse_
     for offset in range(0, vocab, BLOCK):
         cols = offset + lanes
         z = tl.load(base + cols, mask=cols < vocab, other=float("-inf")) / temperature
-        m_new = tl.maximum(m, z)
-        shift = tl.where(s > 0, m - m_new, 0.0)
-        scale = tl.where(m_new > float("-inf"), tl.exp(shift), 0.0)
-        e = tl.where(z > float("-inf"), tl.exp(z - m_new), 0.0)
-        u = scale * (u + s * shift) + e * tl.where(e > 0, z - m_new, 0.0)
-        s = s * scale + e
-        m = m_new
-    M = tl.max(m, axis=0)
-    scale = tl.where(s > 0, tl.exp(m - M), 0.0)
-    S = tl.sum(s * scale, axis=0)
-    U = tl.sum(scale * (u + s * tl.where(s > 0, m - M, 0.0)), axis=0)
+        m, s, u = online_update(m, s, u, z)
+    M, S, U = merge(m, s, u)
     log_s = tl.log(S)
     lse = M + log_s
     target = tl.load(targets_ptr + row)
