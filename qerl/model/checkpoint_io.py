@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
+from qerl.model.attention import replace_attentions
 from qerl.model.gated_mlp import replace_gated_mlps
 from qerl.model.rms_norm import replace_rms_norms
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
@@ -129,6 +130,7 @@ def load_model(
             setattr(parent, leaf, NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, kernel, "meta"))
     replace_rms_norms(model)
     replace_gated_mlps(model)
+    replace_attentions(model)
     _fill(model, files, nvfp4, prequantized, dtype, device, progress)
     model.tie_weights()
     model.eval()

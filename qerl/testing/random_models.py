@@ -57,6 +57,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     NVFP4 layers (its norms qerl's, as ``load_model`` makes them)."""
     from transformers import AutoModelForCausalLM
 
+    from qerl.model.attention import replace_attentions
     from qerl.model.gated_mlp import replace_gated_mlps
     from qerl.model.rms_norm import replace_rms_norms
 
@@ -73,6 +74,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
                     linear.in_features, linear.out_features, linear.bias is not None, kernel, device, generator))
     replace_rms_norms(model)  # as load_model does
     replace_gated_mlps(model)
+    replace_attentions(model)
     for module in model.modules():  # everything still on meta: allocate on the device, then fill
         for key, param in list(module.named_parameters(recurse=False)):
             if param.device.type != "meta":

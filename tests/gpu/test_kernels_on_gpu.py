@@ -364,3 +364,27 @@ def test_fused_logprob_chunks_match_the_torch_expression():
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-2 * ref_grad.abs().max().item())
     with torch.no_grad():  # the old / reference log-probs of the update: the same forward
         torch.testing.assert_close(token_logprobs(hidden, weight, targets, 0.8, 512)[0], logp, rtol=0, atol=0)
+
+
+def test_rotary_kernels_are_transformers_rotation_within_one_step_in_the_projection_layout():
+    from qerl.model.attention import rotate_half
+    from qerl.nvfp4.kernels.rotary import Rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(2, 300, 28, 128, device="cuda", generator=gen).bfloat16().transpose(1, 2)  # q_proj's output
+    angles = torch.arange(300, device="cuda")[:, None] * 1e6 ** (-torch.arange(64, device="cuda") / 64)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[None].bfloat16()  # [1, T, D], as Qwen2's rotary makes it
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[None].bfloat16()
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = Rotary.apply(ours, cos, sin)
+    yref = theirs * cos[:, None] + rotate_half(theirs) * sin[:, None]
+    # compiled for the H100, 13% of the values differ from torch's by one bf16 step (the interpreter's fp16 run is bit
+    # for bit torch's: the GPU code does not keep every intermediate rounding); a wrong element or head is far off
+    step = 2.0**-7 * x.abs().max().item()
+    torch.testing.assert_close(y.float(), yref.float(), rtol=0, atol=step)
+    assert y.stride() == x.stride()
+    for dy in (torch.randn_like(yref), torch.randn_like(x)):  # gradients in either layout
+        (dx,) = torch.autograd.grad(y, ours, dy, retain_graph=True)
+        (dxref,) = torch.autograd.grad(yref, theirs, dy, retain_graph=True)
+        torch.testing.assert_close(dx.float(), dxref.float(), rtol=0, atol=2.0**-7 * dy.abs().max().item())
+        assert dx.stride() == x.stride()

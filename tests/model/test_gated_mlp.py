@@ -1,4 +1,5 @@
-"""qerl's GatedMLP takes the place of transformers' Llama/Qwen2 MLPs with the same projections, names and values."""
+"""qerl's GatedMLP takes the place of transformers' Llama/Qwen2 MLPs with the same projections, names and values (and
+with qerl's attention and norms: the whole model's logits and gradients are transformers')."""
 
 from __future__ import annotations
 
