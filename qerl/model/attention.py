@@ -16,6 +16,8 @@ import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from qerl.model.replace import replace_modules
+
 # transformers' classes whose forward is the one below (q/k/v projections, rotary, cache update, attention function,
 # o projection); Qwen2's also passes its sliding window
 REPLACED = frozenset({"LlamaAttention", "Qwen2Attention"})
@@ -78,12 +80,4 @@ class Attention(nn.Module):
 def replace_attentions(model: nn.Module) -> int:
     """Put an ``Attention`` holding the same projections in the place of every transformers attention of the family
     in ``model``; returns how many."""
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if type(module).__name__ not in REPLACED:
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, Attention(module))
-        replaced += 1
-    return replaced
+    return replace_modules(model, lambda m: type(m).__name__ in REPLACED, Attention)

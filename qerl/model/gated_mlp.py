@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qerl.model.replace import replace_modules
+
 # transformers' classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 REPLACED = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 
@@ -49,12 +51,5 @@ def _is_silu(act) -> bool:
 def replace_gated_mlps(model: nn.Module) -> int:
     """Put a ``GatedMLP`` holding the same projections in the place of every transformers MLP of the family in
     ``model`` whose activation is SiLU; returns how many."""
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if type(module).__name__ not in REPLACED or not _is_silu(getattr(module, "act_fn", None)):
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, GatedMLP(module.gate_proj, module.up_proj, module.down_proj))
-        replaced += 1
-    return replaced
+    return replace_modules(model, lambda m: type(m).__name__ in REPLACED and _is_silu(getattr(m, "act_fn", None)),
+                           lambda m: GatedMLP(m.gate_proj, m.up_proj, m.down_proj))

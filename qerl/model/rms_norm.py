@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from qerl.model.replace import replace_modules
+
 # transformers' classes whose forward is ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``
 # (Gemma's, for one, multiplies by 1 + weight: not replaced)
 REPLACED = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -49,13 +51,5 @@ def _kernels_take(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def replace_rms_norms(model: nn.Module) -> int:
     """Put an ``RMSNorm`` (on the same device and dtype, weights not copied: call before loading them) in the place of
     every transformers norm of the family in ``model``; returns how many."""
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if type(module).__name__ not in REPLACED:
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        weight = module.weight
-        setattr(parent, leaf, RMSNorm(weight.shape[0], module.variance_epsilon, weight.device, weight.dtype))
-        replaced += 1
-    return replaced
+    return replace_modules(model, lambda m: type(m).__name__ in REPLACED, lambda m: RMSNorm(
+        m.weight.shape[0], m.variance_epsilon, m.weight.device, m.weight.dtype))
