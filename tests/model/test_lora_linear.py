@@ -123,3 +123,16 @@ def test_cases_outside_the_fast_path_are_peft_forward():
     base_only = model.base_model.model.o_proj.base_layer(torch.tanh(layer.base_layer(x)))
     torch.testing.assert_close(plain, base_only)
     assert issubclass(LoraLinear, PeftLinear)
+
+
+def test_a_trainable_base_takes_peft_forward_and_gets_its_gradient():
+    # the fast backward computes no gradient for the base layer: a base someone unfroze goes through peft
+    model = adapted("bf16", torch.float32)
+    layer = model.base_model.model.q_proj
+    layer.base_layer.weight.requires_grad_(True)
+    assert layer._fast_adapter((), {}) is None
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(7))
+    (grad,) = torch.autograd.grad(model(x).sum(), layer.base_layer.weight)
+    assert grad.abs().sum() > 0
+    layer.base_layer.weight.requires_grad_(False)
+    assert layer._fast_adapter((), {}) == "default"
