@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_train_e2e import write_models  # noqa: E402
+from bench_train_e2e import in_own_process, write_models  # noqa: E402
 
 
 def parse_row(spec: str) -> dict:
@@ -153,7 +153,7 @@ def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
     options = [*row_options(row), *options_data, "--model.rollout.class_path", engine]
     if "device_gb" in row:
         options += ["--memory_plan_device_gb", str(row["device_gb"])]
-    torch.cuda.reset_peak_memory_stats()
+    # (a fresh process: no CUDA call before the CLI, so that its allocator settings apply)
     start = time.perf_counter()
     cli_main([
         "fit", *options, "--model.policy.model", str(model_dir), *extra,
@@ -171,6 +171,7 @@ def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
         "peak_update_gb": max(series["perf/peak_update_gb"]), "peak_gb": max(series["perf/peak_memory_gb"]),
         "load_peak_gb": torch.cuda.max_memory_allocated() / 2**30,  # the whole process: loading included
         "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        "expandable_segments": any(s.get("is_expandable") for s in torch.cuda.memory._snapshot()["segments"]),
         "completion_length": steady("train/completion_length"), "steps": len(series["perf/rollout_s"]),
         "fit_wall_s": wall,
     }
@@ -216,7 +217,7 @@ def main() -> None:
         if spec not in earlier:
             row.update(recipe_settings(row), lengths=args.lengths)
             try:
-                result = fit(row, model_dir, args, name, [])
+                result = in_own_process(fit, row, model_dir, args, name, [])
             except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
                 result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
             gc.collect()
@@ -227,9 +228,9 @@ def main() -> None:
         if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
             short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
             fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})
-            graphs = fit(row, model_dir, fixed, name + "_graphs_short", short)
-            builtin = fit(row, model_dir, fixed, name + "_builtin_short",
-                          short + ["--model.rollout.class_path", "qerl.rollout.builtin.BuiltinRollout"])
+            graphs = in_own_process(fit, row, model_dir, fixed, name + "_graphs_short", short)
+            builtin = in_own_process(fit, row, model_dir, fixed, name + "_builtin_short",
+                                     short + ["--model.rollout.class_path", "qerl.rollout.builtin.BuiltinRollout"])
             ratio = builtin["rollout_s"] / graphs["rollout_s"]
             row.update(builtin_tokens=args.builtin_tokens, builtin_rollout_s_short=builtin["rollout_s"],
                        graphs_rollout_s_short=graphs["rollout_s"], builtin_over_graphs_rollout=ratio,

@@ -18,7 +18,8 @@ tokenizer drives it) are written once as checkpoints (NVFP4: compressed-tensors;
 through the real CLI: DataModule, rollout engine, rewards, GRPOModule, callbacks, TensorBoard. Generation length is
 fixed by the random weights (EOS is never sampled in practice), so the timings are those of real weights. Reads
 ``perf/rollout_s``, ``perf/train_s``, ``perf/peak_memory_gb`` back from the event files, drops the first step (graph
-capture, autotuning) and prints the medians side by side; writes ``train_e2e_<device>.json``.
+capture, autotuning) and prints the medians side by side; writes ``train_e2e_<device>.json``. Each format trains in a
+process of its own, so the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import datetime
 import gc
 import glob
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,6 +67,12 @@ def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int,
     return dirs
 
 
+def in_own_process(fn, *args):
+    """``fn(*args)`` in a fresh (spawned) process: a run leaves nothing on the GPU for the next one to plan around."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
@@ -74,8 +83,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     kv = ["--model.rollout.init_args.kv_cache_dtype", kv_cache_dtype(args, quantization)]
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
-    torch.cuda.reset_accumulated_memory_stats()
-    cli = cli_main([
+    cli = cli_main([  # (a fresh process: no CUDA call before it, so that the CLI's allocator settings apply)
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
         "--model.policy.gradient_checkpointing", str(args.checkpointing).lower(),
@@ -109,6 +117,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "update_tokens": (steady("perf/update_tokens") if "perf/update_tokens" in series else None),
         "alloc_retries": alloc_retries,
         "nvfp4_layers_released": f"{released}/{len(nvfp4)}",
+        "graphs_captured": getattr(cli.model.rollout, "graphs_captured", None),  # over all steps (recaptures count)
+        "expandable_segments": any(s.get("is_expandable") for s in torch.cuda.memory._snapshot()["segments"]),
         "steps": len(series["perf/rollout_s"]),
     }
 
@@ -127,8 +137,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--micro-batch-tokens", type=lambda v: v if v == "auto" else int(v), default=4608,
-                        help="0: rows alone (older builds); auto: the memory plan's budget")
+    parser.add_argument("--micro-batch-tokens", type=lambda v: v if v == "auto" else int(v), default="auto",
+                        help="0: rows alone (older builds); auto: the memory plan's budget (the 3B / 7B recipes')")
     parser.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=False)
     parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed")
     parser.add_argument("--quantizations", default="nvfp4,bf16")
@@ -150,9 +160,7 @@ def main() -> None:
     results = {}
     quantizations = args.quantizations.split(",")
     for quantization in quantizations:
-        results[quantization] = fit(dirs[quantization], quantization, args, work / "runs")
-        gc.collect()
-        torch.cuda.empty_cache()
+        results[quantization] = in_own_process(fit, dirs[quantization], quantization, args, work / "runs")
         print(quantization, results[quantization], flush=True)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
            "lengths": args.lengths, "label": args.label, "micro_batch_tokens": args.micro_batch_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
 import shutil
 import sys
@@ -134,6 +135,7 @@ class QeRLCLI(LightningCLI):
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
         self._check_strategy(config)
+        default_allocator_settings(str((config.get("model") or {}).get("rollout", {}).get("class_path", "")))
         if self.subcommand == "fit":
             max_steps = config.trainer.max_steps
             if max_steps is None or max_steps < 1:
@@ -242,6 +244,21 @@ class QeRLCLI(LightningCLI):
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
+
+
+ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def default_allocator_settings(rollout_class_path: str) -> None:
+    """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator, CUDA already
+    started, or the engine is vLLM's (its sleep mode's memory pool refuses them). The rollout frees a KV cache and a
+    bf16 weight copy of tens of GiB that the update's activations then take over: in fixed-size segments those end up
+    in pieces too small for a [tokens, intermediate] tensor (on the H100 an update planned at 72 GiB of 78 ran out of
+    memory with 25 GiB held free in such pieces); expandable segments map what a tensor needs, wherever it lies."""
+    if any(name in os.environ for name in ALLOCATOR_SETTINGS) or "vllm" in rollout_class_path.lower():
+        return
+    if not torch.cuda.is_initialized():
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:

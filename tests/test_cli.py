@@ -4,6 +4,7 @@ its own directory; a failed start leaves no empty run directory."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -137,10 +138,34 @@ def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_
     assert printed.splitlines()[0].split() == ["phase", "component", "GiB"]
     assert "resident  NVFP4 linears (compressed-tensors" in printed
     assert "KV cache, one wave (" in printed and "x 2304 positions" in printed  # 256 + 2048, in buckets of 256
-    assert "update    activations (4608 tokens, every layer's saved tensors)" in printed  # the recipe's budget
+    # the recipe's budget is auto: the largest multiple of 256 tokens that fits 79 GiB, at least two longest rows
+    tokens = int(printed.split("\nmicro_batch_tokens: ")[1].split()[0])
+    assert tokens % 256 == 0 and tokens >= 2 * 2304
+    assert f"update    activations ({tokens} tokens, every layer's saved tensors)" in printed
     assert "free device memory: 79.00 GiB" in printed and "\nwave_rows: " in printed
-    assert "\nmicro_batch_tokens: 4608 (longest row 2304 tokens" in printed
+    assert f"\nmicro_batch_tokens: {tokens} (longest row 2304 tokens" in printed
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_built_in_engines_get_expandable_segments_unless_the_allocator_is_configured(
+        capsys, no_model_loads, tmp_path, monkeypatch):
+    from qerl.cli import ALLOCATOR_SETTINGS, default_allocator_settings
+
+    for name in ALLOCATOR_SETTINGS:
+        monkeypatch.delenv(name, raising=False)  # (restored to unset afterwards)
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-7b", "qwen2.5-7b")
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", GPU, "--config", RECIPE_7B, "--model.policy.model", str(model),
+                  "--trainer.accelerator", "cpu", "--print_memory_plan", "true", "--memory_plan_device_gb", "79"])
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"  # the recipe's CUDA-graph engine
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    default_allocator_settings("qerl.rollout.vllm.VLLMRollout")  # vLLM's sleep mode refuses them
+    assert not any(name in os.environ for name in ALLOCATOR_SETTINGS)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's setting stays the only one
+    default_allocator_settings("qerl.rollout.cuda_graph.CUDAGraphRollout")
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def test_print_memory_plan_on_a_cpu_assumes_no_device_memory(capsys, no_model_loads, tiny_model_dirs):

@@ -356,8 +356,9 @@ class CUDAGraphRollout(RolloutEngine):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
                     pending = s["cache"].nbytes if s["cache"].storage is None else 0  # allocated after the copy
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, wave_prompts * group_size,
-                                                                            dtype, device, pending))
+                    rows = wave_prompts * group_size
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device, pending),
+                                    rows=rows)
                     self._drop_stale_graphs(decoder)
                 s["decoder"] = decoder
                 s["noise_key"].copy_(key)
@@ -487,10 +488,10 @@ class CUDAGraphRollout(RolloutEngine):
         """Whether this rollout decodes its wide steps on a bf16 copy; ``pending``: bytes still to be allocated after
         the copy (a KV cache released for the last update), which the copy must leave room for."""
         if device.type != "cuda":
-            return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), None)
+            return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), None)
         free = _free_bytes(device) - pending
         spare = bf16_copy_spare(torch.cuda.mem_get_info(device)[1])  # the memory plan's margin, as it assumes
-        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype), free, spare)
+        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), free, spare)
 
     @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):

@@ -175,16 +175,23 @@ class BaseGEMM:
         if self._repacked is not None:
             self._mma_weight()
 
-    def dequantized_bytes(self, dtype) -> int:
-        """Bytes :meth:`dequantize` would allocate (0 where it does not apply)."""
+    def dequantized_bytes(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
+        """Bytes :meth:`dequantize` would allocate for steps of up to ``rows`` rows (0 where it does not apply: dense
+        groups, and groups the wgmma loop serves faster at that batch)."""
         if self.kind != "nvfp4" or not self.fast:
             return 0
-        return sum(self.sizes) * self.layers[0].in_features * torch.empty(0, dtype=dtype).element_size()
+        n, k = sum(self.sizes), self.layers[0].in_features
+        device = self.layers[0].weight_global_scale.device
+        if (device.type == "cuda" and self.wgmma is not False and gemv_plan.max_m(device) >= rows
+                and gemv_plan.beats_bf16_copy(n, k, rows) and self._mma_weight() is not None):
+            return 0
+        return n * k * torch.empty(0, dtype=dtype).element_size()
 
-    def dequantize(self, dtype) -> None:
-        """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch use."""
+    def dequantize(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> None:
+        """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch, up to
+        ``rows`` rows, use."""
         self._dequantized = None
-        if dtype is not None and self.dequantized_bytes(dtype):
+        if dtype is not None and self.dequantized_bytes(dtype, rows):
             self._dequantized = self._dense_stack(dtype)
 
     def _dense_stack(self, dtype) -> torch.Tensor:
@@ -372,13 +379,14 @@ class FusedDecoder:
         self._key = None
         self._lora_a_stacks = {}  # group kind -> (layout, LoRA-A rows of all layers, their GEMV fragments)
 
-    def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False, rows: int = gemv_plan.WIDE_MAX_M) -> None:
         """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights; ``dequantize``:
-        also a dense copy of the NVFP4 weights for the steps above the GEMV's batch (dropped by :meth:`release`)."""
+        also a dense copy of the NVFP4 weights for the steps above the GEMV's batch, up to ``rows`` rows (dropped by
+        :meth:`release`)."""
         for layer in self.layers:
             for g in GROUPS:
                 layer[g].gemm.prepare(dtype)
-                layer[g].gemm.dequantize(dtype if dequantize else None)
+                layer[g].gemm.dequantize(dtype if dequantize else None, rows)
         self._refresh_adapter(dtype)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
         self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
@@ -454,9 +462,9 @@ class FusedDecoder:
         also the per-rollout dense copies, so the steps up to it keep their graphs when those move."""
         return self._wide_key if batch > gemv_plan.MAX_M else self._key
 
-    def dequantized_bytes(self, dtype: torch.dtype) -> int:
-        """What ``prepare(dtype, dequantize=True)`` allocates."""
-        return sum(lyr[g].gemm.dequantized_bytes(dtype) for lyr in self.layers for g in GROUPS)
+    def dequantized_bytes(self, dtype: torch.dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
+        """What ``prepare(dtype, dequantize=True, rows=rows)`` allocates."""
+        return sum(lyr[g].gemm.dequantized_bytes(dtype, rows) for lyr in self.layers for g in GROUPS)
 
     def release(self) -> None:
         """After a rollout: drop the dense copies (the update gets the memory back)."""

@@ -286,6 +286,26 @@ def test_decoder_gate_up_group_on_token_blocks(m):
         assert gemm._repacked is not None
 
 
+def test_down_projection_keeps_no_bf16_copy_up_to_one_token_block():
+    """The rollout's bf16 copy above 64 rows leaves out the 7B down projection up to 128 rows (the wgmma loop on the
+    NVFP4 weight is faster there) and takes it above; the output is the fp64 product either way."""
+    from qerl.rollout.fused_decoder import BaseGEMM
+
+    down, gate = BaseGEMM([random_layer(3584, 18944, seed=7)], fast=True), BaseGEMM([random_layer(18944, 3584, 8)], True)
+    dense = 3584 * 18944 * 2
+    if gemv_plan.max_m(torch.device("cuda")) < 128:
+        pytest.skip("no wgmma token blocks on this GPU")
+    assert [down.dequantized_bytes(torch.bfloat16, m) for m in (96, 128, 129, 256)] == [0, 0, dense, dense]
+    assert gate.dequantized_bytes(torch.bfloat16, 128) == dense
+    for rows, copied in ((128, False), (256, True)):
+        down.dequantize(torch.bfloat16, rows)
+        assert (down._dequantized is not None) == copied
+        x = torch.randn(rows, 18944, device="cuda").to(torch.bfloat16)
+        (y,) = down(x)
+        assert rel_err(y, x.double() @ dequantize(*weights(down.layers[0]), torch.float64).t()) < REL_TOL
+    down.dequantize(None)
+
+
 def test_silu_product_kernels_round_as_autograd_and_as_the_decode_epilogue():
     import torch.nn.functional as F
 

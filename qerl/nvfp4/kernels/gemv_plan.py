@@ -137,6 +137,13 @@ def default_widest(n: int, k: int) -> int:
     return WIDE_MAX_M if n * k >= WIDE_MIN_WEIGHTS else MAX_M
 
 
+def beats_bf16_copy(n: int, k: int, m: int) -> bool:
+    """Whether the wgmma loop on the NVFP4 weight beats cuBLAS on a bf16 copy of it for a batch of ``m`` rows above
+    :data:`MAX_M`: on the long-K weights (K >= 2 N: the MLP's down projection) up to one token block; elsewhere the
+    bf16 copy wins (``bench/sweep_wide_gemv.py``, ``wide_probe_<device>.json``)."""
+    return m <= TOKEN_BLOCK and k >= 2 * n and default_widest(n, k) >= m
+
+
 def max_m(device: torch.device) -> int:
     """The widest batch :func:`launch` takes on ``device``: :data:`WIDE_MAX_M` with the wgmma loop and Gluon."""
     return WIDE_MAX_M if HAS_GLUON and wgmma_supported(device) else MAX_M

@@ -117,6 +117,13 @@ def test_auto_shapes():
     assert [gemv_plan.counter_size(m, 3584) for m in (1, 64, 65, 128, 129, 256)] == [224, 224, 224, 224, 448, 448]
     # token blocks by default for weights of >= 20M entries only (7B gate, the stacked 7B q|k|v is below)
     assert gemv_plan.default_widest(18944, 3584) == gemv_plan.WIDE_MAX_M and gemv_plan.default_widest(4608, 3584) == gemv_plan.MAX_M
+    # above 64 rows the rollout decodes on a bf16 copy, except the down projections (K >= 2 N) up to one token block
+    downs = [(3584, 18944), (5120, 27648), (5120, 13824)]  # 7B, 32B, 14B
+    others = [(4608, 3584), (3584, 3584), (37888, 3584), (55296, 5120), (7168, 5120)]  # q|k|v, o, gate|up
+    assert all(gemv_plan.beats_bf16_copy(n, k, m) for n, k in downs for m in (65, 96, 128))
+    assert not any(gemv_plan.beats_bf16_copy(n, k, m) for n, k in downs for m in (129, 192, 256))
+    assert not any(gemv_plan.beats_bf16_copy(n, k, m) for n, k in others for m in (65, 128, 256))
+    assert not gemv_plan.beats_bf16_copy(896, 4864, 128)  # 0.5B down: too small for token blocks
 
 
 def test_wide_splits_weigh_waves_against_the_partials():
