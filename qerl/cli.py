@@ -135,7 +135,8 @@ class QeRLCLI(LightningCLI):
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
         self._check_strategy(config)
-        default_allocator_settings(str((config.get("model") or {}).get("rollout", {}).get("class_path", "")))
+        rollout = (config.get("model") or {}).get("rollout") or {}
+        default_allocator_settings(str(rollout.get("class_path", "") if hasattr(rollout, "get") else rollout))
         if self.subcommand == "fit":
             max_steps = config.trainer.max_steps
             if max_steps is None or max_steps < 1:
