@@ -254,8 +254,8 @@ def default_allocator_settings(rollout_class_path: str) -> None:
     """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator, CUDA already
     started, or the engine is vLLM's (its sleep mode's memory pool refuses them). The rollout frees a KV cache and a
     bf16 weight copy of tens of GiB that the update's activations then take over: in fixed-size segments those end up
-    in pieces too small for a [tokens, intermediate] tensor (on the H100 an update planned at 72 GiB of 78 ran out of
-    memory with 25 GiB held free in such pieces); expandable segments map what a tensor needs, wherever it lies."""
+    in pieces too small for a [tokens, intermediate] tensor, and a plan near the GPU's size runs out of memory with
+    much of it held free (bench/README); expandable segments map what a tensor needs, wherever it lies."""
     if any(name in os.environ for name in ALLOCATOR_SETTINGS) or "vllm" in rollout_class_path.lower():
         return
     if not torch.cuda.is_initialized():

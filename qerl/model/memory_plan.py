@@ -414,7 +414,7 @@ def micro_batch_span(settings: RunSettings, budget: int | None) -> int:
 def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     """Bytes one token keeps for the backward in one decoder layer on the GPU (qerl's fused kernels; LoRA on the
     targeted projections, NVFP4 or frozen bf16 base layers keep nothing of their input: their weight gets no
-    gradient). The H100's saved tensors of a 7B layer match it to 0.5%."""
+    gradient), as the saved tensors of a 7B layer on the H100 do (``memory_<device>_7b.json`` checks the whole plan)."""
     H, I, r = shape.hidden, shape.intermediate, settings.lora_rank
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     targeted = dict(_layer_projections(shape, settings.lora_targets)[0])
