@@ -30,7 +30,7 @@ from pathlib import Path
 import rollout_hooks
 import torch
 
-from qerl.testing.random_models import build_random_policy, qwen25_config
+from qerl.testing.random_models import build_random_policy, model_config
 from qerl.rollout.cuda_graph import kv_cache_bytes
 
 PROMPT = 256
@@ -150,7 +150,7 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
-    ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b")
+    ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b,qwen3-8b,llama3.1-8b")
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
     ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
                                                           "loop instead of the wgmma one ('' none)")
@@ -175,7 +175,7 @@ def main():
             return
         try:
             t = time.time()
-            policy = build_random_policy(qwen25_config(model), quant, lora_rank=rank)
+            policy = build_random_policy(model_config(model), quant, lora_rank=rank)
             wb = weight_bytes(policy)
             log(f"built {model} {quant} r{rank} in {time.time() - t:.1f}s, {wb / 1e9:.2f} GB read per step")
             cfg = policy.config
@@ -257,6 +257,10 @@ def main():
     for quant in ("nvfp4", "bf16"):
         if "14b" in models:
             run("qwen2.5-14b", quant, 16, [64])
+    for family in ("qwen3-8b", "llama3.1-8b"):  # the other families on the fused path, LoRA r16
+        for quant in ("nvfp4", "bf16"):
+            if family in models:
+                run(family, quant, 16, batches)
 
     for (model, rank, quant), per_batch in sorted(measured.items()):
         if quant != "nvfp4":

@@ -44,10 +44,10 @@ def write_models(size: str, tokenizer_dir: str, root: Path, vocab: int,
     from transformers import AutoTokenizer
 
     from qerl.nvfp4.checkpoint import save_nvfp4
-    from qerl.testing.random_models import build_random_model, qwen25_config
+    from qerl.testing.random_models import build_random_model, model_config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = qwen25_config(size, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+    config = model_config(size, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     dirs = {}
     for quantization in quantizations:

@@ -14,7 +14,7 @@ import torch
 
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.checkpoint_io import load_model
-from qerl.testing.tiny_models import save_tiny_model
+from qerl.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from qerl.quantize import quantize_checkpoint
 
 
@@ -42,9 +42,10 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """bf16 HF directories of a 2-layer Llama and a 2-layer Qwen2 (q/k/v biases), hidden size 64."""
+    """bf16 HF directories of 2-layer Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms, own head_dim, tied head) and
+    Llama 3 (rope scaling, tied head) models, hidden size 64."""
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: save_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(("llama", "qwen2"))}
+    return {arch: save_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(ARCHITECTURES)}
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,12 @@ For every RMSNorm of the rollout model, w' = w + Z with Z ~ N(0, sigma^2) of the
 per-channel perturbation of the activations that needs no parameter and no change to fused kernels. The noise is
 fresh for each rollout and removed exactly afterwards, so the loss sees the clean (trainable) weights.
 
+Which norms: those whose output is a linear layer's input (each decoder layer's two norms and the final norm).
+There, scaling channel c of the activations by 1 + z_c is the same as scaling column c of the next weight matrices:
+the weight-like noise the paper derives AQN from. Qwen3's per-head ``q_norm`` / ``k_norm`` take none: their outputs
+are rotated and multiplied with each other in the attention logits, not fed to a linear layer, so noise there would
+perturb the attention's temperature per channel pair, a different noise from the one the method studies.
+
 Schedule over K stages of equal length across the optimizer steps: stage 0 is noise-free, stage k >= 1 has
 sigma_k = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2)).
 """
@@ -45,8 +51,18 @@ def aqn_noise(weight: torch.Tensor, std: float, generator: torch.Generator | Non
     return z.to(device=weight.device, dtype=weight.dtype)
 
 
+QK_NORMS = ("q_norm", "k_norm")  # per-head norms inside the attention (Qwen3): no noise (module docstring)
+
+
+def takes_noise(name: str) -> bool:
+    """Whether the RMSNorm named ``name`` (a module or parameter name, peft's ``modules_to_save`` copies included)
+    gets AQN noise."""
+    return not any(part in QK_NORMS for part in name.split("."))
+
+
 def rms_norms(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if is_rms_norm(m)]
+    """The RMSNorms of ``model`` that AQN perturbs."""
+    return [m for n, m in model.named_modules() if is_rms_norm(m) and takes_noise(n)]
 
 
 @contextmanager

@@ -1,5 +1,5 @@
-"""The attention of Llama / Qwen2-family models as qerl runs it: transformers' forward with the rotary embedding of
-the query and key in fused kernels on CUDA.
+"""The attention of Llama / Qwen2 / Qwen3-family models as qerl runs it: transformers' forward with the rotary
+embedding of the query and key in fused kernels on CUDA.
 
 ``load_model`` puts an ``Attention`` in the place of every transformers attention of that family (``LlamaAttention``,
 ``Qwen2Attention``, ...), holding the same ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and the attributes the
@@ -20,7 +20,7 @@ from qerl.model.replace import replace_modules
 
 # transformers' classes whose forward is the one below (q/k/v projections, rotary, cache update, attention function,
 # o projection); Qwen2's also passes its sliding window
-REPLACED = frozenset({"LlamaAttention", "Qwen2Attention"})
+REPLACED = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})  # Qwen3's: q/k RMSNorm per head first
 ATTRIBUTES = ("config", "layer_idx", "layer_type", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
               "is_causal", "sliding_window")
 
@@ -48,7 +48,7 @@ def _kernels_take(x, cos, sin) -> bool:
 
 
 class Attention(nn.Module):
-    """transformers' Llama/Qwen2 attention with the rotation of ``apply_rotary`` (see the module docstring)."""
+    """transformers' Llama/Qwen2/Qwen3 attention with the rotation of ``apply_rotary`` (see the module docstring)."""
 
     def __init__(self, source: nn.Module):
         super().__init__()
@@ -56,13 +56,18 @@ class Attention(nn.Module):
             setattr(self, name, child)
         for name in ATTRIBUTES:
             setattr(self, name, getattr(source, name, None))
+        if not hasattr(self, "q_norm"):
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, H, T, D]
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, H, T, D]
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)

@@ -186,9 +186,14 @@ def _fill(model, files: _TensorFiles, nvfp4: bool, prequantized: bool, dtype, de
 def materialize_rotary(model: nn.Module, device) -> None:
     """Rotary inverse frequencies are non-persistent buffers: a model built on meta has none, so compute them on
     ``device`` with the model's own rope function (scaled rope types included)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     for module in model.modules():
         if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
-            rope_fn = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
+            # transformers picks the function by rope type inside __init__ and keeps no reference to it
+            rope_type = getattr(module, "rope_type", "default")
+            rope_fn = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[
+                rope_type]
             inv_freq, scaling = rope_fn(module.config, device)
             module.register_buffer("inv_freq", inv_freq, persistent=False)
             module.original_inv_freq = inv_freq

@@ -1,4 +1,4 @@
-"""One decode step of a Llama/Qwen2-family policy (NVFP4 or bf16 base + peft LoRA) in a few kernels per layer, and
+"""One decode step of a Llama/Qwen2/Qwen3-family policy (NVFP4 or bf16 base + peft LoRA) in a few kernels per layer, and
 the prompts' prefill through the same kernels.
 
 The CUDA-graph engine decodes one token per row per step. Through transformers + peft that step is thousands of small
@@ -8,7 +8,7 @@ small batch. This module runs the same mathematics from the model's own paramete
     x = RMSNorm(h)                                    (fused into the previous layer's residual kernel)
     u = x @ [A_q; A_k; A_v].T                         LoRA-A of the three projections at once
     y_q, y_k, y_v = base GEMM(s)                      one launch when the weights can be stacked
-    q, cache k/v <- qkv_epilogue(...)                 bias, LoRA-B, rotary, KV-cache write
+    q, cache k/v <- qkv_epilogue(...)                 bias, LoRA-B, (Qwen3: q/k RMSNorm), rotary, KV-cache write
     a = decode_attention(q, cache)                    GQA flash-decoding (split + merge; prefill: SDPA)
     u = a @ A_o.T ; y_o = base GEMM
     h += o-output ; x = RMSNorm(h)                    residual_rms_norm (LoRA-B included)
@@ -51,7 +51,7 @@ from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.split_k import counters
 from qerl.nvfp4.linear import NVFP4Linear
 
-SUPPORTED_TYPES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # Qwen3: a per-head RMSNorm of q and k inside the q/k/v epilogue
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
 
 
@@ -331,8 +331,8 @@ class _Group:
 
 
 class FusedDecoder:
-    """The decode step described in the module docstring, for a transformers Llama/Qwen2 causal LM (peft-injected
-    or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
+    """The decode step described in the module docstring, for a transformers Llama/Qwen2/Qwen3 causal LM
+    (peft-injected or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
     launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.nvfp4.kernels.pdl.supported``).
     ``wgmma``: the NVFP4 GEMV's loop (``gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
     mma.sync loop).
@@ -368,8 +368,10 @@ class FusedDecoder:
             if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
                     hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
+            qk_norms = (att.q_norm, att.k_norm) if getattr(att, "q_norm", None) is not None else ()
             self.layers.append(dict(
                 ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling), attn=att,
+                qk_norms=qk_norms,
                 qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl, wgmma),
                 o=_Group([att.o_proj], fast, self.pdl, wgmma),
                 gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl, wgmma),
@@ -389,7 +391,9 @@ class FusedDecoder:
                 layer[g].gemm.dequantize(dtype if dequantize else None, rows)
         self._refresh_adapter(dtype)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
-        self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for pair in self._norms for n in pair) + tuple(
+        self._qk_norms = [tuple(_active(n) for n in lyr["qk_norms"]) for lyr in self.layers]
+        self._key = (self.pdl, self.wgmma) + tuple(
+            n.weight.data_ptr() for pair in self._norms + self._qk_norms for n in pair) + tuple(
             k for lyr in self.layers for g in GROUPS for k in lyr[g].key())
         self._wide_key = self._key + tuple(k for lyr in self.layers for g in GROUPS for k in lyr[g].gemm.wide_key())
 
@@ -517,8 +521,10 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             g = layer["qkv"]
             (yq, yk, yv), u = g.project(x)
+            qk = self._qk_norms[i]
             q = qkv_epilogue(yq, yk, yv, g.biases, u, g.lora_b(), pos, inv_freq, attn_scaling, column, keys[i],
-                             values[i], self.heads, self.kv_heads, seq_len)
+                             values[i], self.heads, self.kv_heads, seq_len,
+                             qk_norms=(qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None)
             a = attend(i, q)
             g = layer["o"]
             (y,), u = g.project(a)

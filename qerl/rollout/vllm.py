@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from qerl.hub import resolve_model
-from qerl.model.aqn import aqn_noise
+from qerl.model.aqn import aqn_noise, takes_noise
 from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
@@ -314,7 +314,7 @@ class VLLMRollout(RolloutEngine):
 
     def _noisy_norms(self) -> dict[str, torch.Tensor]:
         """Trained weight + fresh N(0, sigma^2) per channel, drawn in fp32 from the AQN callback's generator."""
-        return {name: weight + aqn_noise(weight, self.noise_std, self.noise_generator)
+        return {name: weight + aqn_noise(weight, self.noise_std, self.noise_generator) if takes_noise(name) else weight
                 for name, weight in self._clean_norms.items()}
 
     def _write_norms(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""Random-init models with the real shapes of Qwen2.5-7B/14B/32B, built directly on the device (speed and memory
+"""Random-init models with the real shapes of Qwen2.5, Qwen3 and Llama 3.x, built directly on the device (speed and memory
 benchmarks: with fixed generation lengths, throughput does not depend on weight values).
 
 The model is made on the meta device; targeted Linears become ``NVFP4Linear`` filled with random packed codes and
@@ -26,6 +26,55 @@ QWEN25 = {
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8),
 }
+
+
+# From the Qwen3-* config.json files (all: vocab 151936, head_dim 128, no biases, per-head q/k RMSNorm, rope theta 1e6;
+# the small ones tie the LM head to the embeddings).
+QWEN3 = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8),
+}
+
+# From the Llama-3.x config.json files (vocab 128256, rope theta 5e5 with the llama3 scaling, no biases).
+LLAMA3 = {
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, factor=32.0),
+    "llama3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, factor=32.0),
+    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, factor=8.0),
+}
+
+
+def model_config(name: str, **overrides):
+    """The transformers config of a shape named in ``QWEN25``, ``QWEN3`` or ``LLAMA3`` (``overrides`` win)."""
+    if name in QWEN25:
+        return qwen25_config(name, **overrides)
+    if name in QWEN3:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**{**dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+                                     rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                                     use_sliding_window=False, bos_token_id=None, eos_token_id=None,
+                                     pad_token_id=None), **QWEN3[name], **overrides})
+    if name in LLAMA3:
+        from transformers import LlamaConfig
+
+        shape = dict(LLAMA3[name])
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=shape.pop("factor"), low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+        return LlamaConfig(**{**dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=False, rope_parameters=rope, bos_token_id=None,
+                                     eos_token_id=None, pad_token_id=None), **shape, **overrides})
+    raise ValueError(f"name must be one of {sorted({**QWEN25, **QWEN3, **LLAMA3})}, got {name!r}.")
 
 
 def qwen25_config(name: str, **overrides):

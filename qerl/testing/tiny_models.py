@@ -1,4 +1,4 @@
-"""Tiny random-init Llama and Qwen2 checkpoints (real transformers classes, real safetensors) for tests and demos.
+"""Tiny random-init Llama, Llama 3, Qwen2 and Qwen3 checkpoints (real transformers classes, real safetensors) for tests and demos.
 
 Their vocabulary is the embedded model's, so the embedded tokenizer drives them; sizes are multiples of 16 so every
 Linear can be NVFP4.
@@ -12,12 +12,14 @@ import torch
 
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "llama3")
 
 
 def tiny_config(architecture: str = "qwen2", hidden_size: int = 64, layers: int = 2, vocab_size: int = 49152):
-    """A 2-layer config of ``architecture`` (``llama`` or ``qwen2``; Qwen2 has q/k/v biases)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A 2-layer config of ``architecture``: ``llama``, ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k RMSNorm, a
+    head_dim of its own, tied embeddings, as the small Qwen3 models) or ``llama3`` (Llama 3.x rope scaling, tied
+    embeddings, as Llama-3.2-1B/3B)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         hidden_size=hidden_size,
@@ -36,6 +38,12 @@ def tiny_config(architecture: str = "qwen2", hidden_size: int = 64, layers: int 
         return LlamaConfig(**common)
     if architecture == "qwen2":
         return Qwen2Config(**common)
+    if architecture == "qwen3":  # head_dim independent of hidden_size / heads, as in every Qwen3
+        return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=2 * hidden_size // 4)
+    if architecture == "llama3":
+        return LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))
     raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}.")
 
 

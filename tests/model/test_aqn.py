@@ -267,3 +267,16 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     mask = ro.completion_mask[rows].bool()
     torch.testing.assert_close(captured["logprobs"][mask], clean[mask], rtol=0, atol=1e-6)
     assert (ro.logprobs[rows] - clean)[mask].abs().max() > 1e-3  # the rollout sampled from the noisy policy
+
+
+def test_qwen3_per_head_qk_norms_take_no_noise(tiny_model_dirs):
+    """Qwen3's q_norm / k_norm are left clean (qerl.model.aqn says why); every other norm gets fresh noise."""
+    policy = build_policy(str(tiny_model_dirs["qwen3"]), "nvfp4", lora_rank=4, lora_alpha=8, dtype="float32")
+    norms = {n: m for n, m in policy.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    qk = {n for n in norms if ".q_norm" in n or ".k_norm" in n}
+    assert len(qk) == 2 * 2 * 2  # 2 layers x (q, k) x (peft's frozen original + trained copy)
+    clean = {n: m.weight.detach().clone() for n, m in norms.items()}
+    with noisy_norms(policy, 0.05, torch.Generator().manual_seed(0)):
+        changed = {n for n, m in norms.items() if not torch.equal(m.weight, clean[n])}
+    assert changed == set(norms) - qk
+    assert all(torch.equal(m.weight, clean[n]) for n, m in norms.items())

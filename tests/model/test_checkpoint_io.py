@@ -50,7 +50,7 @@ def load_decompressed(directory):
     return AutoModelForCausalLM.from_pretrained(directory, quantization_config=config)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_quantize_on_load_equals_per_layer_quantization_with_fused_scales(tiny_model_dirs, arch):
     directory = tiny_model_dirs[arch]
     dense = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ from qerl.rollout.cuda_graph import CUDAGraphRollout, check_kv_cache_fits, kv_ca
 PAD, EOS = 0, 7
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "llama3"])
 def policy(request, tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
@@ -286,12 +286,12 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
 def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dtype, quantization):
     """The prompts through the fused step's kernels (all B * P tokens at once): the same KV cache and next-token
     logits as transformers' forward (+ peft), left padding included."""
     from qerl.rollout.builtin import left_pad
-    from qerl.rollout.cuda_graph import SlotCache, _as_cache
+    from qerl.rollout.cuda_graph import SlotCache, _as_cache, _head_dim
     from qerl.rollout.fused_decoder import FusedDecoder
 
     path = save_tiny_model(tmp_path / "m", model_type, vocab_size=64, hidden_size=64)
@@ -308,7 +308,7 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
     m4 = torch.ones(P, P, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
     m4 = (m4 | torch.eye(P, dtype=torch.bool)[None])[:, None]
     caches = [SlotCache(config.num_hidden_layers, B + 1, config.num_key_value_heads, P + 3,
-                        config.hidden_size // config.num_attention_heads, dt, "cpu") for _ in range(2)]
+                        _head_dim(config), dt, "cpu") for _ in range(2)]
     with torch.no_grad():
         ref = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                      past_key_values=_as_cache(caches[0]), use_cache=True, logits_to_keep=1).logits[:, -1]

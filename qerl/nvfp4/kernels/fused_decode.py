@@ -160,9 +160,9 @@ def _qkv_epilogue_kernel(
     bq_ptr, bk_ptr, bv_ptr, u_ptr, s_us, s_ub, S, lq_ptr, lk_ptr, lv_ptr, r,
     pos_ptr, inv_freq_ptr, attn_scaling, column_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, sc_row, sc_head, sc_pos,
-    HQ, HKV, SEQ,
+    HQ, HKV, SEQ, qn_ptr, kn_ptr, norm_eps,
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
-    DT: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    DT: tl.constexpr, KV_FP8: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     _pdl.enter(PDL)
     row = tl.program_id(0)
@@ -176,15 +176,19 @@ def _qkv_epilogue_kernel(
         if j < HQ:
             head = j
             y = yq_ptr + row * sy_q
-            bias, lb, uo = bq_ptr, lq_ptr, r * 0
+            bias, lb, uo, nw = bq_ptr, lq_ptr, r * 0, qn_ptr
         else:
             head = j - HQ
             y = yk_ptr + row * sy_k
-            bias, lb, uo = bk_ptr, lk_ptr, r
+            bias, lb, uo, nw = bk_ptr, lk_ptr, r, kn_ptr
         base = head * 2 * HALF
         u = u_ptr + row * s_ub + uo
         x1 = _module_output(y, bias, u, s_us, S, lb, base + lo, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
         x2 = _module_output(y, bias, u, s_us, S, lb, base + HALF + lo, ok, r, HAS_BIAS, HAS_LORA, RP, SP, DT)
+        if QK_NORM:  # Qwen3: RMSNorm over the head's D features before the rotation (transformers' roundings)
+            rs = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + norm_eps)
+            x1 = (tl.load(nw + lo).to(tl.float32) * (x1 * rs).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+            x2 = (tl.load(nw + HALF + lo).to(tl.float32) * (x2 * rs).to(DT).to(tl.float32)).to(DT).to(tl.float32)
         # transformers: cos/sin = cos/sin(pos * inv_freq) * attention_scaling in fp32, cast to the dtype;
         # out = x * cos + rotate_half(x) * sin with every product rounded, then the sum
         ang = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + lo)
@@ -212,12 +216,13 @@ def _qkv_epilogue_kernel(
 
 
 def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: float, column, k_cache, v_cache,
-                 heads: int, kv_heads: int, seq_len: int = 1, pdl: bool = False) -> torch.Tensor:
+                 heads: int, kv_heads: int, seq_len: int = 1, qk_norms=None, pdl: bool = False) -> torch.Tensor:
     """q/k/v module outputs from their base GEMMs ``y* [b, H*D]`` (row-strided views allowed): ``+ bias`` (``biases``:
     (bq, bk, bv) or None), ``+ u_i @ B_i.T`` (``u [S, b, 3r]`` from :func:`lora_a`, ``lora_b``: (Bq, Bk, Bv) scaled,
     or None), rotary on q and k at position ids ``pos [b]``; k and v are written into ``k_cache/v_cache [rows,
     kv_heads, L, D]`` (model dtype or ``FP8_KV``) at column ``column`` (a 1-element device tensor) of rows 0..b-1.
-    Returns q ``[b, heads, D]``.
+    Returns q ``[b, heads, D]``. ``qk_norms``: ``(q_weight [D], k_weight [D], eps)`` of a per-head RMSNorm applied
+    to q and k before the rotation (Qwen3), or None.
     ``seq_len`` > 1 (a prefill): the ``b`` rows are ``b / seq_len`` sequences of ``seq_len`` tokens, token t of
     sequence s goes to cache row s, column ``column + t``."""
     b = yq.shape[0]
@@ -229,13 +234,15 @@ def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: flo
     dummy = yq
     bq, bk, bv = biases if biases is not None else (dummy, dummy, dummy)
     lq, lk, lv = lora_b if lora_b is not None else (dummy, dummy, dummy)
+    qn, kn, eps = qk_norms if qk_norms is not None else (dummy, dummy, 0.0)
     u_ptr, s_us, s_ub, S, SP = _u_args(u, dummy)
     _qkv_epilogue_kernel[(b, heads + 2 * kv_heads)](
         yq, yk, yv, yq.stride(0), yk.stride(0), yv.stride(0), bq, bk, bv, u_ptr, s_us, s_ub, S, lq, lk, lv, r,
         pos, inv_freq, float(attn_scaling), column, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, seq_len,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, seq_len, qn, kn, float(eps),
         HALF=D // 2, HAS_BIAS=biases is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
-        DT=_TL[yq.dtype], KV_FP8=k_cache.dtype == FP8_KV, PDL=pdl, num_warps=1, **_pdl.options(pdl))
+        DT=_TL[yq.dtype], KV_FP8=k_cache.dtype == FP8_KV, QK_NORM=qk_norms is not None, PDL=pdl, num_warps=1,
+        **_pdl.options(pdl))
     return q
 
 
@@ -257,7 +264,7 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, attn_scal
 
 
 def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling, column, k_cache, v_cache,
-                       heads, kv_heads, seq_len=1):
+                       heads, kv_heads, seq_len=1, qk_norms=None):
     b = yq.shape[0]
     r = lora_b[0].shape[1] if lora_b is not None else 0
     outs = []
@@ -265,8 +272,11 @@ def qkv_epilogue_torch(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scalin
         outs.append(_module_output_torch(y, None if biases is None else biases[i], _u(u, i * r, r, y.dtype),
                                          None if lora_b is None else lora_b[i]))
     D = yq.shape[1] // heads
-    q = rotate(outs[0].view(b, heads, D), pos, inv_freq, attn_scaling)
-    k = rotate(outs[1].view(b, kv_heads, D), pos, inv_freq, attn_scaling)
+    q, k = outs[0].view(b, heads, D), outs[1].view(b, kv_heads, D)
+    if qk_norms is not None:
+        q, k = rms_norm_torch(q, qk_norms[0], qk_norms[2]), rms_norm_torch(k, qk_norms[1], qk_norms[2])
+    q = rotate(q, pos, inv_freq, attn_scaling)
+    k = rotate(k, pos, inv_freq, attn_scaling)
     n = b // seq_len
     columns = column + torch.arange(seq_len, device=column.device)
     for cache, x in ((k_cache, k), (v_cache, outs[2])):

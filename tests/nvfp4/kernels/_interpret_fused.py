@@ -37,6 +37,28 @@ for dtype in (torch.float32, torch.float16):
         res[key] = max(diff(q1, q2), diff(caches[0], caches[2]), diff(caches[1], caches[3]))
         res[key + "-written"] = float(caches[0][:b, :, 3].abs().sum() > 0 and caches[1][:b, :, 3].abs().sum() > 0
                                       and caches[0][:, :, :3].abs().sum() == 0 and caches[0][b:].abs().sum() == 0)
+    # Qwen3: a per-head RMSNorm of q and k before the rotation (decode rows and a prefill's)
+    for b, hq, hkv, D, r, seq_len in ((2, 4, 2, 16, 4, 1), (6, 4, 2, 32, 0, 3)):
+        y = rnd(b, (hq + 2 * hkv) * D, dtype=dtype, scale=2.0)
+        yq, yk, yv = y.split([hq * D, hkv * D, hkv * D], 1)
+        u = rnd(2, b, 3 * r, dtype=torch.float32) if r else None
+        lora = tuple(rnd(n, r, dtype=dtype, scale=0.1) for n in (hq * D, hkv * D, hkv * D)) if r else None
+        norms = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype), (1 + 0.3 * torch.randn(D, generator=g)).to(dtype),
+                 1e-6)
+        pos = torch.arange(b) % 5 + 2
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        column = torch.tensor([1])
+        caches = [torch.zeros(b, hkv, 6, D, dtype=dtype) for _ in range(4)]
+        q1 = K.qkv_epilogue(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, column, caches[0], caches[1], hq, hkv,
+                            seq_len, qk_norms=norms)
+        q2 = K.qkv_epilogue_torch(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, column, caches[2], caches[3], hq,
+                                  hkv, seq_len, qk_norms=norms)
+        plain = K.qkv_epilogue_torch(yq, yk, yv, None, u, lora, pos, inv_freq, 1.0, column, caches[2].clone(),
+                                     caches[3].clone(), hq, hkv, seq_len)
+        key = f"qknorm-{dtype}-{b}-{D}-{seq_len}"
+        res[key] = max(diff(q1, q2), diff(caches[0], caches[2]), diff(caches[1], caches[3]))
+        # the norm changes q (inputs of rms ~2, weights ~1)
+        res[f"qknormed-{dtype}-{b}-{D}-{seq_len}"] = float(diff(q2, plain) > 0.1)
     # a prefill's rows: 2 sequences x 3 tokens -> cache rows 0..1, columns 2..4
     hq, hkv, D, r = 4, 2, 16, 4
     y = rnd(6, (hq + 2 * hkv) * D, dtype=dtype)

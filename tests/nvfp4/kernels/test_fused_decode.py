@@ -31,6 +31,14 @@ def test_qkv_epilogue_matches_and_writes_only_its_cache_column(interpreted):
     assert written and all(v == 1.0 for v in written)
 
 
+def test_qkv_epilogue_with_qwen3_qk_norms_matches(interpreted):
+    """Qwen3's per-head RMSNorm of q and k inside the epilogue, before the rotation: the twin's values (fp16: at most
+    one rounding step, where the kernel's sum of squares lands on the other side of a boundary)."""
+    _check(interpreted, "qknorm-", 1e-6, 2e-3, 4)
+    normed = [v for k, v in interpreted.items() if k.startswith("qknormed-")]
+    assert normed and all(v == 1.0 for v in normed)
+
+
 def test_decode_attention_matches_fp64(interpreted):
     _check(interpreted, "attn-", 1e-6, 5e-4, 8)  # vs float64: fp16 output rounding only (and never NaN)
 
@@ -98,14 +106,15 @@ from triton.compiler import ASTSource
 from qerl.nvfp4.kernels import fused_decode as K
 consts = {
     "_lora_a_kernel": dict(BP=16, NAP=64, BLOCK_K=64),
-    "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16),
+    "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16,
+                                 QK_NORM=True),
     "_attention_split_kernel": dict(G=7, GP=16, D=128, BLOCK_L=64, HAS_LAST=True, DIRECT=False),
     "_attention_merge_kernel": dict(D=128, SP=8),
     "_residual_norm_kernel": dict(ADD=True, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16,
                                   BLOCK=256, CP=16, OUT_BLOCK=4096),
     "_silu_mul_kernel": dict(HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16, BLOCK=128, ROWS=16),
 }
-floats = {"attn_scaling", "scale_log2", "eps"}
+floats = {"attn_scaling", "scale_log2", "eps", "norm_eps"}
 pointers = {"count_ptr": "*i32", "column_ptr": "*i64", "last_ptr": "*i64", "pos_ptr": "*i64", "mask_ptr": "*u8",
             "inv_freq_ptr": "*fp32",
             "u_ptr": "*fp32", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
