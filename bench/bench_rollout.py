@@ -68,11 +68,16 @@ def weight_bytes(policy) -> int:
     return total
 
 
+def random_prompt(policy, generator: torch.Generator | None = None) -> list[int]:
+    """``PROMPT`` random token ids of the policy's vocabulary (Llama 3's is smaller than Qwen's)."""
+    return [int(x) for x in torch.randint(0, min(150000, policy.config.vocab_size), (PROMPT,), generator=generator)]
+
+
 def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     """CUDA kernels launched per decode step (profiler, eager steps: what a captured graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,))] for _ in range(batch)]
+    prompts = [random_prompt(policy) for _ in range(batch)]
     counts = {}
     for steps in (4, 12):
         eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
@@ -94,7 +99,7 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
     arguments (e.g. ``kv_cache_dtype``)."""
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
-    prompts = [[int(x) for x in torch.randint(0, 150000, (PROMPT,), generator=gen)] for _ in range(batch // group)]
+    prompts = [random_prompt(policy, gen) for _ in range(batch // group)]
     eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, max_new_tokens=new, seed=0,
                                check_every=16, fused=fused,
                                wide_batch_bf16=wide_batch_bf16, **options)
@@ -124,7 +129,7 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
 
 def hf_generate(policy, batch: int) -> float:
     """ms per decode step of transformers' generate with a static cache (eager), from two lengths."""
-    ids = torch.randint(0, 150000, (batch, PROMPT), device="cuda")
+    ids = torch.tensor([random_prompt(policy) for _ in range(batch)], device="cuda")
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
               cache_implementation="static", disable_compile=True, pad_token_id=0, eos_token_id=None)
     times = {}
