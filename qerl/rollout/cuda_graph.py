@@ -463,7 +463,8 @@ class CUDAGraphRollout(RolloutEngine):
         try:
             decoder = FusedDecoder(base, fast, pdl, wgmma)
         except Unsupported as e:
-            warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); using the transformers step.")
+            warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); decoding with the transformers "
+                          f"step, many times slower per token (it launches thousands of kernels a token).")
             decoder = None
         self._decoder = ((id(base), fast, pdl, wgmma), decoder)
         return decoder
