@@ -113,7 +113,7 @@ class Recorder(L.Callback):
         step.update({tag: float(trainer.callback_metrics[tag]) for tag in TAGS})
 
 
-def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None):
+def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None, num_workers=0):
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
@@ -121,7 +121,7 @@ def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None):
         dynamic_sampling=True, max_refill_rounds=max_refill_rounds, log_samples_every=0, mask_truncated=False,
         lr=1e-2,
     )
-    data = MathPromptDataModule(batch_size=BATCH, tokenizer=str(model_dir), seed=3)
+    data = MathPromptDataModule(batch_size=BATCH, tokenizer=str(model_dir), seed=3, num_workers=num_workers)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -180,3 +180,8 @@ def test_refill_options_fail_with_one_message():
         GRPOModule(max_refill_rounds=2)
     with pytest.raises(ValueError, match="model.max_refill_rounds=-1"):
         GRPOModule(max_refill_rounds=-1, dynamic_sampling=True)
+
+
+def test_refills_with_dataloader_workers_fail_before_the_model_loads(tiny_model_dirs, tmp_path, no_model_loads):
+    with pytest.raises(ValueError, match="data.num_workers=1: refilling a batch"):
+        fit(tiny_model_dirs["qwen2"], tmp_path, max_refill_rounds=2, num_workers=1)
