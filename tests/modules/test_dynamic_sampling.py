@@ -185,3 +185,51 @@ def test_refill_options_fail_with_one_message():
 def test_refills_with_dataloader_workers_fail_before_the_model_loads(tiny_model_dirs, tmp_path, no_model_loads):
     with pytest.raises(ValueError, match="data.num_workers=1: refilling a batch"):
         fit(tiny_model_dirs["qwen2"], tmp_path, max_refill_rounds=2, num_workers=1)
+
+
+def test_two_ranks_refill_their_own_share_and_resume_exactly(tiny_model_dirs, tmp_path):
+    """DDP on two CPU processes through train.py: the tiny random policy never answers right, so every group lacks
+    signal and each rank refills twice per step (2 prompts each: the fraction of informative groups is 0), from its
+    own shard of the stream, with no collective in the refill loop. Resumed at step 1 (a prefetched batch pending on
+    each rank), the run ends with the straight run's weights, streams and counts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parents[2]
+
+    def fit(version: str, *extra: str) -> Path:
+        cmd = [sys.executable, "train.py", "fit", "--config", "configs/debug.yaml", "--model.policy.model",
+               str(tiny_model_dirs["qwen2"]), "--trainer.strategy", "ddp", "--trainer.devices", "2",
+               "--trainer.max_steps", "3", "--trainer.logger.init_args.save_dir", str(tmp_path),
+               "--trainer.logger.init_args.version", version, "--model.dynamic_sampling", "true",
+               "--model.max_refill_rounds", "2", *extra]
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return tmp_path / "debug" / version
+
+    straight = fit("S")
+    step1 = torch.load(straight / "checkpoints" / "epoch=0-step=1.ckpt", map_location="cpu", weights_only=False)
+    streams = step1["MathPromptDataModule"]["train_stream"]["ranks"]
+    assert [len(s["pending"]) for s in streams] == [2, 2]  # each rank's prefetched batch waits behind its refills
+    assert [s["counters"][0]["prompts"] for s in streams] == [2 + 2 * 2 + 2, 2 + 2 * 2 + 2]  # + the pending batch
+    resumed = fit("R", "--ckpt_path", str(straight / "checkpoints" / "epoch=0-step=1.ckpt"))
+
+    s, r = (torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+            for run in (straight, resumed))
+    assert s["MathPromptDataModule"] == r["MathPromptDataModule"]
+    assert s["qerl_informative_fraction"] == r["qerl_informative_fraction"]
+    for name in s["state_dict"]:
+        assert torch.equal(s["state_dict"][name], r["state_dict"][name]), name
+    logged = {}
+    for run in (straight, resumed):
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        logged[run] = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in TAGS}
+    assert logged[straight]["train/prompts_sampled"] == {0: 12.0, 1: 12.0, 2: 12.0}  # 2 ranks x (2 + 2 refills x 2)
+    assert logged[straight]["train/refill_rounds"] == {0: 2.0, 1: 2.0, 2: 2.0}
+    assert logged[straight]["train/informative_groups_frac"] == {0: 0.0, 1: 0.0, 2: 0.0}
+    for tag in TAGS:
+        assert logged[resumed][tag] == {k: v for k, v in logged[straight][tag].items() if k >= 1}, tag
