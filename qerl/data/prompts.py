@@ -230,7 +230,8 @@ class PromptStream(IterableDataset):
         if self._layout != (world_size, workers):
             self._layout, self._rounds, self._counters = (world_size, workers), {}, {}
             self._resume_index = 0
-        if next_round >= self._rounds.get(worker, 0):  # a batch prefetched before a refill commits after it: no step back
+        # a batch prefetched before a refill commits after the refill: the position never steps back
+        if next_round >= self._rounds.get(worker, 0):
             self._rounds[worker] = next_round
             self._counters[worker] = counters
         self._last_worker = worker

@@ -72,7 +72,8 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 class Advantage:
-    """Turns a batch's rewards ``[B*G]`` into one advantage per completion ``[B*G]``; pick a subclass by ``class_path``."""
+    """Turns a batch's rewards ``[B*G]`` into one advantage per completion ``[B*G]``; pick a subclass by
+    ``class_path``."""
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
         raise NotImplementedError

@@ -313,8 +313,8 @@ class DrGRPOLoss(PolicyLoss):
 class GSPOLoss(GRPOLoss):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the importance ratio and its clip per sequence.
 
-    ``s_i = exp(mean_t(logp - logp_old))`` replaces the per-token ratio and is clipped to ``[1 - eps_low, 1 + eps_high]``
-    as a whole, so one noisy token cannot blow up or zero a sequence's update; GRPO's aggregation (each sequence
+    ``s_i = exp(mean_t(logp - logp_old))`` replaces the per-token ratio and is clipped to
+    ``[1 - eps_low, 1 + eps_high]`` as a whole, so one noisy token cannot blow up or zero a sequence's update; GRPO's aggregation (each sequence
     weighs ``1 / N``). The truncated IS correction is per sequence too: ``min(exp(mean_t(logp_old - logp_rollout)),
     is_cap)``. As TRL's ``importance_sampling_level="sequence"`` and verl's ``gspo`` loss mode.
 
@@ -334,12 +334,12 @@ class GSPOLoss(GRPOLoss):
 
 
 class CISPOLoss(DAPOLoss):
-    """CISPO (MiniMax-M1, Chen et al. 2025): ``-sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp``, DAPO's token mean.
+    """CISPO (MiniMax-M1, Chen et al. 2025): ``-sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp``, token mean.
 
     PPO's clip drops the gradient of a token whose ratio left the trust region; CISPO clips the (detached) importance
     weight instead, so rare tokens that matter for reasoning ("However", "Wait") keep contributing when several updates
     run per rollout (``num_iterations > 1``). On the first update of a rollout the ratio is 1 and the gradient is
-    GRPO's. ``clip_frac_high`` / ``clip_frac_low`` count the tokens whose weight was cut (they still train).
+    ``DAPOLoss``'s. ``clip_frac_high`` / ``clip_frac_low`` count the tokens whose weight was cut (they still train).
 
     Args:
         eps_low: lower bound ``1 - eps_low`` of the weight; None (default, as the paper): no lower bound.

@@ -1,5 +1,5 @@
-"""DAPO's dynamic sampling with refill: the pure pieces by hand, then a real Trainer on a tiny random Qwen2 with the real
-data module, showing (a) refills fill a batch that dropping alone leaves short, on the same first batch, and (b) a run
+"""DAPO's dynamic sampling with refill: the pure pieces by hand, then a real Trainer on a tiny random Qwen2 with the
+real data module, showing (a) refills fill a batch that dropping alone leaves short, on the same first batch, and (b) a run
 resumed from a checkpoint written while a prefetched batch waited behind a refill makes the same refill decisions,
 on the same prompts, and ends with the same weights."""
 
