@@ -187,6 +187,7 @@ def test_refills_with_dataloader_workers_fail_before_the_model_loads(tiny_model_
         fit(tiny_model_dirs["qwen2"], tmp_path, max_refill_rounds=2, num_workers=1)
 
 
+@pytest.mark.slow  # two DDP fits in subprocesses
 def test_two_ranks_refill_their_own_share_and_resume_exactly(tiny_model_dirs, tmp_path):
     """DDP on two CPU processes through train.py: the tiny random policy never answers right, so every group lacks
     signal and each rank refills twice per step (2 prompts each: the fraction of informative groups is 0), from its
