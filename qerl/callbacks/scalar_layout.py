@@ -11,6 +11,9 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
         "accuracy (training samples)": [r"^train/accuracy$"],
         "held-out accuracy (strict, flexible)": [r"^val/.*_acc$", r"^val/.*_acc_flexible$", r"^val/.*_mean@\d+$"],
         "groups without signal": [r"^train/zero_std_groups_frac$"],
+        "dynamic sampling (trained batch's informative fraction, refills)": [r"^train/informative_groups_frac$",
+                                                                               r"^train/refill_rounds$"],
+        "prompts rolled out per step": [r"^train/prompts_sampled$"],
     },
     "2 entropy and noise": {
         "entropy (training vs rollout policy)": [r"^train/entropy$", r"^rollout/entropy$"],

@@ -14,13 +14,19 @@ Resuming: each training batch carries ``stream_state`` = (worker, next round, co
 the batches training received (not those Lightning prefetched). The checkpoint holds every rank's state. A resumed
 stream regenerates the global order and skips, without tokenizing, to where each of its workers stopped; on another
 number of ranks or workers, every consumer starts at the first row that some saved consumer had not reached.
+
+Refills (``take``, dynamic sampling): training may draw more prompts from the same stream in the middle of a step.
+They come from the very iterator the DataLoader reads (in the main process: ``data.num_workers: 0``), right after the
+batch Lightning already prefetched, and count as consumed at once. The prefetched batch then lies before the committed
+position without having been trained on: the state keeps those items (``pending``) and a resumed stream yields them
+first, so it continues exactly as the uninterrupted stream did.
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Literal
 
@@ -128,11 +134,52 @@ class PromptStream(IterableDataset):
         self._layout: tuple[int, int] | None = None  # (world_size, workers) the rounds were counted with
         self._last_worker = -1  # the worker that built the last committed batch
         self._resume_index = 0  # first global index some consumer of a saved run had not reached (layout changes)
+        self._live: Iterator[dict] | None = None  # the training iterator of this process (main process only): refills
+        self._yielded: deque[dict] = deque()  # items it yielded that no commit covers yet (a prefetched batch)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
         resuming = (self.world_size, workers) == self._layout
+        pending = self._untrained() if resuming else []
+        items = self._items(workers, worker, resuming)
+        if info is not None or not self.endless:
+            return items
+        # The main process's training stream: track what it yields, so `take` can draw from it and a checkpoint
+        # can keep what was yielded (prefetched) but not trained on.
+        self._yielded = deque()
+        self._live = self._tracked(_chain(pending, items))
+        return self._live
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_live": None}  # a running generator does not pickle (DataLoader workers, copies)
+
+    def _tracked(self, items: Iterable[dict]) -> Iterator[dict]:
+        for item in items:
+            self._yielded.append(item)
+            yield item
+
+    def _untrained(self) -> list[dict]:
+        """Items yielded before the committed position that no batch committed: a batch prefetched before a `take`."""
+        return [item for item in self._yielded if _next_round(item) <= self._rounds.get(item["stream_state"][0], 0)]
+
+    def take(self, n: int) -> list[dict]:
+        """``n`` more items of this process's training stream, where it stands (after any prefetched batch), committed
+        at once: a checkpoint after them resumes past them (dynamic sampling's refill)."""
+        if self._live is None:
+            raise RuntimeError(
+                "Refilling a batch draws prompts from the training stream of the main process, which has not started "
+                "(data.num_workers must be 0, and the training DataLoader must be iterating)."
+            )
+        items = []
+        for _ in range(n):
+            items.append(next(self._live))
+            self._yielded.pop()  # consumed now, not pending
+        if items:
+            self._commit(items[-1]["stream_state"])
+        return items
+
+    def _items(self, workers: int, worker: int, resuming: bool) -> Iterator[dict]:
         if resuming:
             # The DataLoader asks its workers for batches in turn, starting with worker 0: let DataLoader worker 0
             # play the worker whose turn was next when the state was saved, so the order continues exactly.
@@ -174,12 +221,19 @@ class PromptStream(IterableDataset):
 
     def update(self, stream_state: tuple) -> None:
         """Commit the position carried by a batch that training received."""
+        while self._yielded and _next_round(self._yielded[0]) <= stream_state[3]:
+            self._yielded.popleft()  # this batch's items: trained now
+        self._commit(stream_state)
+
+    def _commit(self, stream_state: tuple) -> None:
         worker, workers, world_size, next_round, counters = stream_state
         if self._layout != (world_size, workers):
             self._layout, self._rounds, self._counters = (world_size, workers), {}, {}
             self._resume_index = 0
-        self._rounds[worker] = next_round
-        self._counters[worker] = counters
+        # a batch prefetched before a refill commits after the refill: the position never steps back
+        if next_round >= self._rounds.get(worker, 0):
+            self._rounds[worker] = next_round
+            self._counters[worker] = counters
         self._last_worker = worker
 
     @property
@@ -199,6 +253,7 @@ class PromptStream(IterableDataset):
             "counters": dict(self._counters),
             "layout": self._layout,
             "last_worker": self._last_worker,
+            "pending": self._untrained(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -210,12 +265,22 @@ class PromptStream(IterableDataset):
         self._counters = {int(w): c for w, c in own["counters"].items()} if own else {}
         self._layout = tuple(own["layout"]) if own and own["layout"] is not None else None
         self._last_worker = own["last_worker"] if own else -1
+        self._yielded = deque(own.get("pending", []) if own else [])  # yielded first when the stream resumes
         # Where a changed layout resumes: the earliest row some saved consumer (rank r, worker w: consumer
         # r * workers + w of K = world x workers) had not reached.
         unread = [(rank * saved["layout"][1] + int(w)) + rounds * saved["layout"][0] * saved["layout"][1]
                   for rank, saved in enumerate(states) if saved and saved["layout"] is not None
                   for w, rounds in saved["rounds"].items()]
         self._resume_index = min(unread, default=0)
+
+
+def _next_round(item: dict) -> int:
+    return item["stream_state"][3]
+
+
+def _chain(first: list[dict], rest: Iterator[dict]) -> Iterator[dict]:
+    yield from first
+    yield from rest
 
 
 def collate(items: list[dict], with_state: bool = True) -> dict:
@@ -377,6 +442,15 @@ class MathPromptDataModule(L.LightningDataModule):
             stats = self.train_stream.stats
             batch["skipped"] = {reason: stats.get(reason, 0) for reason in SKIPPED_COUNTERS}  # for the logger
         return batch
+
+    def draw_prompts(self, n: int) -> dict:
+        """``n`` more training prompts of this rank's stream, right after the ones drawn so far, as a batch (without
+        ``stream_state``): dynamic sampling's refill. They count as consumed at once, so a checkpoint written after
+        this step resumes past them."""
+        if self.num_workers:
+            raise ValueError(f"data.num_workers={self.num_workers}: refilling a batch (model.max_refill_rounds) draws "
+                             "prompts from the training stream in the main process: set data.num_workers: 0.")
+        return collate(self.train_stream.take(n), with_state=False)
 
     @property
     def stats(self) -> dict[str, int]:

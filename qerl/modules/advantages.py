@@ -1,10 +1,15 @@
-"""Group-relative advantages (GRPO) and the DAPO dynamic-sampling filter.
+"""Group-relative advantages (GRPO, RLOO) and the DAPO dynamic-sampling filter.
 
 The rollout samples G completions per prompt and lays them out as consecutive blocks of G: rewards
-``[B*G]`` = ``[p0s0, p0s1, ..., p0s{G-1}, p1s0, ...]``. Each completion's advantage is its reward minus
-the mean of its group, optionally divided by the group's standard deviation. The std is the unbiased one
-(divides by G-1), as ``torch.std``, TRL's and torchtune's GRPO use: with G = 2 and rewards (0, 1) the
-advantages are (-0.707, 0.707), not (-1, 1).
+``[B*G]`` = ``[p0s0, p0s1, ..., p0s{G-1}, p1s0, ...]``. Two baselines, each a pure function and a class that
+``model.advantage`` picks by ``class_path``:
+
+- ``GroupAdvantage`` (GRPO): reward minus the mean of its group, optionally divided by the group's standard
+  deviation. The std is the unbiased one (divides by G-1), as ``torch.std``, TRL's and torchtune's GRPO use: with
+  G = 2 and rewards (0, 1) the advantages are (-0.707, 0.707), not (-1, 1).
+- ``RLOOAdvantage`` (Ahmadian et al. 2024, "Back to Basics"; Kool et al. 2019): reward minus the mean of the *other*
+  G-1 rewards of its group, ``G / (G-1) * (r - mean)``: the baseline does not contain the sample it judges, so the
+  policy-gradient estimate stays unbiased; no std scaling.
 """
 
 from __future__ import annotations
@@ -48,6 +53,51 @@ def group_advantages(rewards: Tensor, group_size: int, scale_std: bool = True, e
     if scale_std:
         adv = adv / (shifted.std(dim=1, keepdim=True) + eps)  # a constant group has adv == 0 exactly, so 0 / eps = 0
     return adv.reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Leave-one-out advantages: each reward minus the mean of the other ``group_size - 1`` rewards of its group.
+
+    Args:
+        rewards: ``[B*G]`` rewards, groups as consecutive blocks of ``group_size``.
+        group_size: G, completions per prompt (>= 2).
+
+    Returns:
+        ``[B*G]`` advantages, float32 (float64 if the rewards are); exactly 0 for a group of equal rewards.
+    """
+    r = _groups(rewards, group_size).to(torch.promote_types(rewards.dtype, torch.float32))  # [B, G]
+    shifted = r - r[:, :1]  # exact zeros for a constant group (see group_advantages)
+    others = (shifted.sum(dim=1, keepdim=True) - shifted) / (group_size - 1)  # [B, G] mean of the other rewards
+    return (shifted - others).reshape(-1)
+
+
+class Advantage:
+    """Turns a batch's rewards ``[B*G]`` into one advantage per completion ``[B*G]``; pick a subclass by
+    ``class_path``."""
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        raise NotImplementedError
+
+
+class GroupAdvantage(Advantage):
+    """GRPO's group-normalised advantage: reward minus its group's mean, divided by the group's std.
+
+    Args:
+        scale_std: divide by the group's unbiased std (GRPO); False keeps the mean-only baseline (Dr. GRPO).
+    """
+
+    def __init__(self, scale_std: bool = True):
+        self.scale_std = scale_std
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        return group_advantages(rewards, group_size, self.scale_std)
+
+
+class RLOOAdvantage(Advantage):
+    """RLOO's leave-one-out advantage: reward minus the mean of the group's other rewards (no std scaling)."""
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        return rloo_advantages(rewards, group_size)
 
 
 def informative_groups(rewards: Tensor, group_size: int) -> Tensor:

@@ -4,7 +4,9 @@ One ``training_step`` = one batch of B prompts:
 
     (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
     (2) rewards     answer checking (+ DAPO overlong shaping)
-    (3) advantages  group-normalized; DAPO dynamic sampling drops groups whose rewards are all equal
+    (3) advantages  group-relative (``model.advantage``: GRPO's mean/std or RLOO's leave-one-out); DAPO dynamic
+                    sampling drops groups whose rewards are all equal and, with ``max_refill_rounds``, rolls out more
+                    prompts of the stream until the batch holds ``data.batch_size`` groups with signal
     (4) loss        clipped surrogate with truncated IS, in micro-batches of rows of similar length within a token
                     budget (no padding work), log-probs from hidden states in chunks
     (5) optimizer   clip grad-norm, AdamW step, warmup + cosine; ``num_iterations`` updates per rollout
@@ -41,7 +43,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qerl.data.rewards import MathReward, overlong_penalty
 from qerl.hub import load_tokenizer
-from qerl.modules.advantages import group_advantages, informative_groups
+from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
+from qerl.modules.dynamic_sampling import InformativeFraction, Sample, cat_samples, kept_groups, refill_size
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.micro_batches import MicroBatch, micro_batches, plan_micro_batches
@@ -62,7 +65,8 @@ class GRPOModule(L.LightningModule):
 
     Args:
         policy: the model and its LoRA (see ``PolicyConfig``).
-        loss: the policy loss; its class picks the aggregation (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``).
+        loss: the policy loss; its class picks the variant (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``, ``GSPOLoss``,
+            ``CISPOLoss``).
         reward: scores completions against reference answers.
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
@@ -79,7 +83,14 @@ class GRPOModule(L.LightningModule):
         min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
         max_grad_norm: gradient-norm clip (0 disables).
         scale_std: divide advantages by the group's reward std (GRPO); False keeps mean-centering only (Dr. GRPO).
+            The default advantage's option: with ``advantage`` set, give it there.
+        advantage: the advantage estimator (``GroupAdvantage``, ``RLOOAdvantage``); None: ``GroupAdvantage`` with
+            ``scale_std``.
         dynamic_sampling: drop groups whose rewards are all equal from the loss (DAPO).
+        max_refill_rounds: with ``dynamic_sampling``, roll out more prompts of the data stream, up to this many extra
+            rollouts per step, until the step holds ``data.batch_size`` groups whose rewards differ (DAPO's dynamic
+            sampling as published); each refill draws ``missing / (running fraction of informative groups)`` prompts,
+            at most ``data.batch_size``. 0: only drop. Needs ``data.num_workers: 0``.
         mask_truncated: completions cut by ``max_new_tokens`` get no loss (DAPO's overlong filtering).
         overlong_buffer: DAPO soft overlong punishment over the last ``overlong_buffer`` tokens (0 disables).
         overlong_penalty: the punishment at the maximum length.
@@ -109,7 +120,9 @@ class GRPOModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         max_grad_norm: float = 0.2,
         scale_std: bool = True,
+        advantage: Advantage | None = None,
         dynamic_sampling: bool = False,
+        max_refill_rounds: int = 0,
         mask_truncated: bool = True,
         overlong_buffer: int = 0,
         overlong_penalty: float = 1.0,
@@ -136,6 +149,12 @@ class GRPOModule(L.LightningModule):
             ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
             ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
             ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
+            ("max_refill_rounds", max_refill_rounds, max_refill_rounds >= 0,
+             ">= 0 (0: drop uninformative groups only)"),
+            ("max_refill_rounds", max_refill_rounds, max_refill_rounds == 0 or dynamic_sampling,
+             "0 unless model.dynamic_sampling is true (refills replace the groups dynamic sampling drops)"),
+            ("scale_std", scale_std, scale_std or advantage is None,
+             "true when model.advantage is set (give GroupAdvantage's scale_std there)"),
             ("overlong_penalty", overlong_penalty, overlong_penalty >= 0, ">= 0"),
             ("logprob_chunk_size", logprob_chunk_size, logprob_chunk_size >= 1, ">= 1"),
             ("log_samples_every", log_samples_every, log_samples_every >= 0, ">= 0 (0 turns it off)"),
@@ -143,7 +162,7 @@ class GRPOModule(L.LightningModule):
             ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
         ])
         policy.validate()
-        self.save_hyperparameters(ignore=["loss", "reward", "rollout"])
+        self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage"])
         self.planned_micro_batch_tokens: int | None = None  # what ``micro_batch_tokens: auto`` is (the CLI's plan)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
@@ -151,6 +170,8 @@ class GRPOModule(L.LightningModule):
         self.loss = loss if loss is not None else DAPOLoss()
         self.reward = reward if reward is not None else MathReward()
         self.rollout = rollout if rollout is not None else BuiltinRollout()
+        self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
+        self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
         if overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
                              f"max_new_tokens ({self.rollout.max_new_tokens}).")
@@ -158,6 +179,15 @@ class GRPOModule(L.LightningModule):
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if stage == "fit" and self.hparams.max_refill_rounds and not hasattr(datamodule, "draw_prompts"):
+            raise ValueError(f"model.max_refill_rounds={self.hparams.max_refill_rounds}: refills draw prompts from the "
+                             "data module's stream, and this run has none that can (use MathPromptDataModule).")
+        if stage == "fit" and self.hparams.max_refill_rounds and getattr(datamodule, "num_workers", 0):
+            raise ValueError(f"data.num_workers={datamodule.num_workers}: refilling a batch (model.max_refill_rounds) "
+                             "draws prompts from the training stream in the main process: set data.num_workers: 0.")
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -175,30 +205,24 @@ class GRPOModule(L.LightningModule):
         memory = {"resident": torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0}
         self._peak_memory_gb()  # the rollout's peak starts here
 
-        # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs
-        start = time.perf_counter()
-        rollout = self.rollout.generate(
-            self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
-        )
-        rollout_s = time.perf_counter() - start
+        # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs;
+        # (2) rewards: answer checking, then DAPO's soft overlong punishment
+        sample = self._rollout_and_rewards(batch)
+        # DAPO's dynamic sampling as published: more prompts of the stream until B groups carry signal
+        batch_size, refill_rounds = len(batch["prompt_ids"]), 0
+        if self.hparams.max_refill_rounds:
+            sample, refill_rounds = self._refill(sample, batch_size)
+        rollout, completions, rewards, correct, rollout_s = sample
         memory["rollout"] = self._peak_memory_gb()
 
-        # (2) rewards: answer checking, then DAPO's soft overlong punishment
-        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        answers = [a for a in batch["answers"] for _ in range(G)]
-        rewards = self.reward(completions, answers).to(self.device)  # [N]
-        correct = self.reward.last_stats["correct"]
-        if self.hparams.overlong_buffer > 0:
-            rewards += overlong_penalty(
-                rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
-            ).to(rewards)
-
-        # (3) advantages within each group; uninformative groups and truncated completions get no loss
-        advantages = group_advantages(rewards, G, self.hparams.scale_std)  # [N]
-        informative = informative_groups(rewards, G)  # [B]
+        # (3) advantages within each group; uninformative groups (and those past the batch) and truncated completions
+        # get no loss
+        advantages = self.advantage(rewards, G)  # [N]
+        informative = informative_groups(rewards, G)  # [groups]
+        kept = kept_groups(informative, batch_size) if self.hparams.dynamic_sampling else informative  # [groups]
         loss_mask = rollout.completion_mask.clone()  # [N, L]
         if self.hparams.dynamic_sampling:
-            loss_mask *= informative.repeat_interleave(G)[:, None]
+            loss_mask *= kept.repeat_interleave(G)[:, None]
         if self.hparams.mask_truncated:
             loss_mask *= (~rollout.truncated)[:, None]
 
@@ -210,12 +234,47 @@ class GRPOModule(L.LightningModule):
         memory["update"] = self._peak_memory_gb()
 
         self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
-                       memory)
+                       memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
+
+    def _rollout_and_rewards(self, batch: dict) -> Sample:
+        """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
+        G = self.hparams.group_size
+        start = time.perf_counter()
+        rollout = self.rollout.generate(
+            self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
+        )
+        rollout_s = time.perf_counter() - start
+
+        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        answers = [a for a in batch["answers"] for _ in range(G)]
+        rewards = self.reward(completions, answers).to(self.device)  # [N]
+        correct = self.reward.last_stats["correct"]
+        if self.hparams.overlong_buffer > 0:
+            rewards += overlong_penalty(
+                rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
+            ).to(rewards)
+        return Sample(rollout, completions, rewards, correct, rollout_s)
+
+    def _refill(self, sample: Sample, batch_size: int) -> tuple[Sample, int]:
+        """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
+        groups have rewards that differ; each refill sized from the running fraction of such groups. Returns every
+        rollout as one ``Sample`` (rows in sampling order) and the number of refills."""
+        G, samples = self.hparams.group_size, [sample]
+        found = int(informative_groups(sample.rewards, G).sum())  # a device sync: the decision needs the count
+        self.informative_fraction.update(found, len(sample.completions) // G)
+        rounds = 0
+        while found < batch_size and rounds < self.hparams.max_refill_rounds:
+            n = refill_size(batch_size - found, self.informative_fraction.value, batch_size)
+            samples.append(self._rollout_and_rewards(self.trainer.datamodule.draw_prompts(n)))
+            new = int(informative_groups(samples[-1].rewards, G).sum())
+            self.informative_fraction.update(new, n)
+            found, rounds = found + new, rounds + 1
+        return cat_samples(samples, self.tokenizer.pad_token_id or 0), rounds
 
     def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the ranks (a collective: every rank calls it)."""
@@ -334,10 +393,11 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr,
-                  update_tokens, memory: dict[str, float]) -> None:
+                  update_tokens, memory: dict[str, float], kept: Tensor, batch_size: int, refill_rounds: int) -> None:
         # sums over this rank's rows, reduced over the ranks: every rank holds the global batch's metrics
         sums = step_sums(rewards, self.hparams.group_size, correct, informative, entropy, rollout.completion_mask,
-                         rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s)
+                         rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s,
+                         kept_groups=kept, batch_groups=batch_size, refill_rounds=refill_rounds)
         maxima = {"rollout_s": rollout_s, "train_s": train_s}
         if self.device.type == "cuda":
             maxima.update({"resident_gb" if k == "resident" else f"peak_{k}_gb": v for k, v in memory.items()})
@@ -456,6 +516,8 @@ class GRPOModule(L.LightningModule):
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None})
         checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
+        # the refills' sizing: a resume draws as many prompts as the uninterrupted run
+        checkpoint["qerl_informative_fraction"] = gather_rank_states(self.informative_fraction.state_dict())
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero and log_dir:
             save_adapter(self.policy, Path(log_dir) / "adapter")
@@ -468,6 +530,9 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if "qerl_rollout" in checkpoint:
             self.rollout.load_state_dict(checkpoint["qerl_rollout"])
+        fraction = own_rank_state(checkpoint.get("qerl_informative_fraction"))
+        if fraction:
+            self.informative_fraction.load_state_dict(fraction)
 
 
 def check_options(prefix: str, checks: list[tuple[str, object, bool, str]]) -> None:

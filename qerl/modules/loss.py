@@ -1,7 +1,7 @@
-"""The clipped policy-gradient loss of GRPO / DAPO, one ``nn.Module`` per aggregation (pick it by ``class_path``).
+"""The clipped policy-gradient loss of GRPO / DAPO and its variants, one ``nn.Module`` each (pick it by ``class_path``).
 
-All variants share one per-token term (``PolicyLoss.forward``) and differ only in how tokens are weighted
-into one scalar (``token_weights``):
+The PPO-style variants share one per-token term (``PolicyLoss.forward``) and differ only in how tokens are weighted
+into one scalar (``token_weights``); ``GSPOLoss`` and ``CISPOLoss`` change the term itself (below):
 
     ratio     = exp(logp - logp_old)                                   logp_old: the policy before this update
     surrogate = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
@@ -21,6 +21,13 @@ What each piece keeps and drops:
 - Aggregation: ``GRPOLoss`` token mean per sequence then mean over sequences (long answers weigh less per
   token); ``DAPOLoss`` one token mean over the whole batch (every token weighs the same); ``DrGRPOLoss`` a
   constant ``N * max_completion_length`` (no length bias at all, Liu et al. 2025).
+- ``GSPOLoss`` (Zheng et al. 2025, Qwen): one ratio per sequence, ``s_i = exp(mean_t(logp - logp_old))`` (the
+  length-normalised log-ratio), clipped per sequence (eps 3e-4 / 4e-4), GRPO's aggregation; the truncated IS weight
+  is per sequence too (the same length-normalised form of rollout -> old), so every token of a sequence gets one
+  weight, as the sequence-level objective asks.
+- ``CISPOLoss`` (MiniMax-M1, 2025): ``-sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp``: the clipped ratio is
+  a detached weight on the REINFORCE term, so a clipped token still gets a gradient (PPO's clip zeroes it); no lower
+  bound by default, as the paper; DAPO's token mean.
 
 Gradient accumulation: ``token_weights`` is computed once over the mask of the *whole* accumulated batch and
 sliced per micro-batch, so the sum of the micro-batch losses (and of their gradients) is exactly the full-batch
@@ -51,6 +58,42 @@ class LossStats(NamedTuple):
     is_weight: Tensor  # sum of the IS weights applied (1 per token when IS is off)
     is_capped: Tensor  # tokens whose IS weight was cut to is_cap
     kl: Tensor  # sum of the per-token k3 KL (0 when no ref_logprobs)
+
+
+def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``[n, L]`` ``logprobs - old_logprobs`` on ``mask``, 0 elsewhere (masked positions may hold -inf or NaN: zeroing
+    them keeps ``exp()`` finite and no NaN reaches the gradient through a weight of 0)."""
+    return torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised sequence log-ratio on every token of the sequence, ``[n, L]`` (0 off ``mask``).
+
+    The value is ``mean_t(logp - logp_old)`` of the row, the same on all its tokens; the gradient is that of
+    ``logp_t`` on each token (``logp - sg(logp) + sg(mean)``), so ``d exp(.)/d logp_t = s_i``: summed with GRPO's
+    weights ``1 / (len_i N)`` this is GSPO's gradient ``s_i A_i mean_t grad logp_t`` (GSPO-token with one advantage per
+    sequence).
+    """
+    mask = mask.bool()
+    per_token = token_log_ratio(logprobs, old_logprobs, mask)  # [n, L]
+    mean = per_token.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [n, 1]
+    own = torch.where(mask, logprobs, 0.0)
+    return torch.where(mask, own - own.detach() + mean.detach(), 0.0)
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's pessimistic clipped term ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``: no gradient where the
+    clipped branch is the smaller one."""
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -torch.minimum(ratio * adv, clipped * adv)
+
+
+def cispo_surrogate(ratio: Tensor, adv: Tensor, logprobs: Tensor, mask: Tensor, eps_low: float | None,
+                    eps_high: float) -> Tensor:
+    """CISPO's term ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` (0 off ``mask``): the clipped ratio only
+    weighs the REINFORCE gradient ``A grad logp``, so every token keeps a gradient; ``eps_low`` None: no lower bound."""
+    weight = ratio.detach().clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
+    return -weight * adv * torch.where(mask.bool(), logprobs, 0.0)
 
 
 def global_token_weights(loss: PolicyLoss, mask: Tensor, world_size: int = 1,
@@ -110,6 +153,15 @@ class PolicyLoss(nn.Module):
             raise ValueError(f"model.loss is_cap={is_cap}: must be > 1, or null to turn the IS correction off.")
         self.eps_low, self.eps_high, self.beta, self.is_cap = eps_low, eps_high, beta, is_cap
 
+    def log_ratio(self, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+        """``[n, L]`` log of the importance ratio of each token, 0 off ``mask``: per token here, per sequence in GSPO.
+        Also gives the truncated IS weight's log (``old_logprobs`` over the rollout's)."""
+        return token_log_ratio(logprobs, old_logprobs, mask)
+
+    def surrogate(self, ratio: Tensor, adv: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:
+        """``[n, L]`` per-token policy-gradient term from the ratio ``[n, L]`` and advantages ``[n, 1]``."""
+        return clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
+
     def token_weights(self, mask: Tensor) -> Tensor:
         """Weight of each token in the loss, over the whole accumulated batch.
 
@@ -155,18 +207,17 @@ class PolicyLoss(nn.Module):
         mask = mask.bool()
         # Masked positions may hold anything (-inf, NaN): zero every log-difference there so exp() stays finite
         # and no NaN reaches the gradient through a weight of 0.
-        log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # [n, L]
+        log_ratio = self.log_ratio(logprobs, old_logprobs.detach(), mask)  # [n, L]
         ratio = log_ratio.exp()
         adv = advantages.detach().to(ratio.dtype).unsqueeze(1)  # [n, 1]
-        clipped = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)  # [n, L]
+        per_token = self.surrogate(ratio, adv, logprobs, mask)  # [n, L]
 
         is_weight = torch.ones_like(ratio)
         is_capped = torch.zeros_like(mask)
         if rollout_logprobs is not None and self.is_cap is not None:
             # Corrects the sampling distribution (rollout engine) to the trainer's old policy; detached, so it
             # rescales the gradient without being differentiated (Yao et al. 2025, "truncated IS").
-            raw = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0).exp()
+            raw = self.log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), mask).detach().exp()
             is_weight = raw.clamp(max=self.is_cap)
             is_capped = raw > self.is_cap
             per_token = per_token * is_weight
@@ -184,7 +235,7 @@ class PolicyLoss(nn.Module):
             m = mask.float()
             stats = LossStats(
                 tokens=m.sum(),
-                clip_low=((ratio < 1 - self.eps_low) & (adv < 0) & mask).float().sum(),
+                clip_low=((ratio < 1 - (self.eps_low or 0.0)) & (adv < 0) & mask).float().sum(),
                 clip_high=((ratio > 1 + self.eps_high) & (adv > 0) & mask).float().sum(),
                 ratio=(ratio * m).sum().float(),
                 is_weight=(is_weight * m).sum().float(),
@@ -256,3 +307,51 @@ class DrGRPOLoss(PolicyLoss):
 
     def normalizer(self, mask: Tensor) -> Tensor:
         return torch.tensor(float(mask.shape[0] * self.max_completion_length), device=mask.device)
+
+
+
+class GSPOLoss(GRPOLoss):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the importance ratio and its clip per sequence.
+
+    ``s_i = exp(mean_t(logp - logp_old))`` replaces the per-token ratio and is clipped to
+    ``[1 - eps_low, 1 + eps_high]`` as a whole, so one noisy token cannot blow up or zero a sequence's update; GRPO's aggregation (each sequence
+    weighs ``1 / N``). The truncated IS correction is per sequence too: ``min(exp(mean_t(logp_old - logp_rollout)),
+    is_cap)``. As TRL's ``importance_sampling_level="sequence"`` and verl's ``gspo`` loss mode.
+
+    Args:
+        eps_low: lower clip of the sequence ratio (the paper: 3e-4; sequence ratios stay much closer to 1 than token
+            ones).
+        eps_high: upper clip of the sequence ratio (the paper: 4e-4).
+        beta: see ``PolicyLoss``.
+        is_cap: see ``PolicyLoss`` (applied to the sequence-level weight).
+    """
+
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, beta: float = 0.0, is_cap: float | None = 2.0):
+        super().__init__(eps_low=eps_low, eps_high=eps_high, beta=beta, is_cap=is_cap)
+
+    def log_ratio(self, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+        return sequence_log_ratio(logprobs, old_logprobs, mask)
+
+
+class CISPOLoss(DAPOLoss):
+    """CISPO (MiniMax-M1, Chen et al. 2025): ``-sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp``, token mean.
+
+    PPO's clip drops the gradient of a token whose ratio left the trust region; CISPO clips the (detached) importance
+    weight instead, so rare tokens that matter for reasoning ("However", "Wait") keep contributing when several updates
+    run per rollout (``num_iterations > 1``). On the first update of a rollout the ratio is 1 and the gradient is
+    ``DAPOLoss``'s. ``clip_frac_high`` / ``clip_frac_low`` count the tokens whose weight was cut (they still train).
+
+    Args:
+        eps_low: lower bound ``1 - eps_low`` of the weight; None (default, as the paper): no lower bound.
+        eps_high: upper bound ``1 + eps_high`` of the weight (the only one the paper tunes).
+        beta: see ``PolicyLoss``.
+        is_cap: see ``PolicyLoss``.
+    """
+
+    def __init__(self, eps_low: float | None = None, eps_high: float = 0.28, beta: float = 0.0,
+                 is_cap: float | None = 2.0):
+        super().__init__(eps_low=0.0 if eps_low is None else eps_low, eps_high=eps_high, beta=beta, is_cap=is_cap)
+        self.eps_low = eps_low  # None: no lower bound (and no clip_low counted)
+
+    def surrogate(self, ratio: Tensor, adv: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:
+        return cispo_surrogate(ratio, adv, logprobs, mask, self.eps_low, self.eps_high)

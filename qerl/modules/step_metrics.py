@@ -19,10 +19,13 @@ MAXIMA = ("rollout_s", "train_s", "resident_gb", "peak_rollout_gb", "peak_update
 
 def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tensor, entropy: Tensor,
               completion_mask: Tensor, rollout_entropy: Tensor, truncated: Tensor, stats: list[LossStats],
-              update_tokens: int, rollout_s: float, train_s: float) -> dict[str, float]:
+              update_tokens: int, rollout_s: float, train_s: float, kept_groups: Tensor | None = None,
+              batch_groups: int | None = None, refill_rounds: int = 0) -> dict[str, float]:
     """This rank's sums: ``rewards`` [N] of N = groups x ``group_size`` rows, ``correct`` answers among them,
     ``informative`` [groups], the clean policy's per-token ``entropy``, the rollout's ``completion_mask`` [N, L] and
-    per-token ``rollout_entropy`` [N, L], ``truncated`` [N], the update's ``stats`` (one per micro-batch)."""
+    per-token ``rollout_entropy`` [N, L], ``truncated`` [N], the update's ``stats`` (one per micro-batch); dynamic
+    sampling's ``kept_groups`` [groups] (those trained on; default ``informative``), ``batch_groups`` (the batch size it
+    fills; default: every group) and ``refill_rounds`` (extra rollouts this step)."""
     loss = LossStats(*(torch.stack(field).sum() for field in zip(*stats)))
     device = rewards.device
     values = {
@@ -37,6 +40,10 @@ def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tenso
         "generated_tokens": completion_mask.sum(),
         "truncated": truncated.sum(),
         "informative_groups": informative.sum(),
+        "kept_groups": (informative if kept_groups is None else kept_groups).sum(),
+        "batch_groups": informative.numel() if batch_groups is None else batch_groups,
+        "refill_rounds": refill_rounds,
+        "ranks": 1,
         **{f"loss_{name}": value for name, value in loss._asdict().items()},
         "update_tokens": update_tokens,
     }
@@ -74,6 +81,11 @@ def step_metrics(sums: dict[str, float], maxima: dict[str, float], num_iteration
         "train/completion_length": sums["generated_tokens"] / rows,
         "train/truncated_frac": sums["truncated"] / rows,
         "train/zero_std_groups_frac": 1.0 - sums["informative_groups"] / groups,
+        # dynamic sampling: how full of groups with signal the trained batch is, refills (mean over ranks), prompts
+        # rolled out (all ranks, refills included)
+        "train/informative_groups_frac": sums["kept_groups"] / max(sums["batch_groups"], 1.0),
+        "train/refill_rounds": sums["refill_rounds"] / max(sums["ranks"], 1.0),
+        "train/prompts_sampled": sums["groups"],
         "train/clip_frac_low": loss["clip_frac_low"],
         "train/clip_frac_high": loss["clip_frac_high"],
         "train/ratio_mean": loss["ratio_mean"],

@@ -219,3 +219,55 @@ def test_resume_of_two_ranks_continues_each_rank_and_one_rank_skips_nothing(toke
     one = stream()  # one rank: from the first row some rank had not reached (rank 1's Q17); 18, 20, 22 repeat
     one.load_state_dict(saved)
     assert take(one, 1) == [reference[17:21]]
+
+
+def _prefetching_run(stream: PromptStream, refills: dict[int, int], steps: int, save_after: int | None = None):
+    """Training order of the prompts of ``steps`` steps as Lightning feeds them: batch t+1 is fetched before step t
+    runs; step t commits its batch, then takes ``refills[t]`` more prompts. Returns the questions per step (batch, then
+    refill) and the stream state saved after step ``save_after``."""
+    batches = iter(loader(stream))
+    ahead = next(batches)
+    seen, saved = [], None
+    for step in range(steps):
+        batch, ahead = ahead, next(batches)  # Lightning's one-batch prefetch
+        stream.update(batch.pop("stream_state"))
+        refill = [item["question"] for item in stream.take(refills.get(step, 0))]
+        seen.append((batch["questions"], refill))
+        if step == save_after:
+            saved = stream.state_dict()
+    return seen, saved
+
+
+def test_refills_take_the_next_prompts_and_a_resume_continues_exactly(tokenizer):
+    def stream():
+        return PromptStream(ArithmeticSource(seed=5), tokenizer, shuffle_buffer=16, seed=1)
+
+    straight, saved = _prefetching_run(stream(), {1: 3, 2: 5}, steps=5, save_after=1)
+    # Against the stream's order without refills: every prompt read once, in stream order. Step 1's refill is what
+    # followed the batch prefetched for step 2; step 2's follows batch 3 (prefetched while step 2 ran).
+    plain, _ = _prefetching_run(stream(), {}, steps=8)
+    order = [q for batch, _ in plain for q in batch]
+    expected = [(order[0:4], []), (order[4:8], order[12:15]), (order[8:12], order[19:24]), (order[15:19], []),
+                (order[24:28], [])]
+    assert straight == expected
+    # Resume after step 1 (mid-run, batch 2 prefetched and untrained): the same batches and refills follow.
+    assert len(saved["pending"]) == 4
+    resumed_stream = stream()
+    resumed_stream.load_state_dict(saved)
+    resumed, _ = _prefetching_run(resumed_stream, {0: 5}, steps=3)
+    assert resumed == straight[2:]
+    assert resumed_stream.stats == _stats_after(stream, {1: 3, 2: 5}, steps=5)
+
+
+def _stats_after(make, refills, steps):
+    s = make()
+    _prefetching_run(s, refills, steps)
+    return s.stats
+
+
+def test_take_needs_the_main_process_stream(tokenizer):
+    with pytest.raises(RuntimeError, match="num_workers must be 0"):
+        PromptStream(ArithmeticSource(), tokenizer).take(2)
+    dm = MathPromptDataModule(num_workers=1)
+    with pytest.raises(ValueError, match="data.num_workers=1"):
+        dm.draw_prompts(2)

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from qerl.modules.advantages import group_advantages, informative_groups
+from qerl.modules.advantages import (GroupAdvantage, RLOOAdvantage, group_advantages, informative_groups,
+                                     rloo_advantages)
 
 # Two groups of 4, laid out as consecutive blocks. Worked by hand:
 # group 0: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
@@ -74,3 +75,39 @@ def test_informative_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.2])
     assert informative_groups(rewards, 2).tolist() == [False, True, False, False, True]
     assert informative_groups(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 3).tolist() == [True, False]
+
+
+# --- RLOO ----------------------------------------------------------------------------------------------------------
+
+
+def test_rloo_hand_values():
+    # group (1, 0, 0, 1): each 1 against the others' mean 1/3 -> 2/3; each 0 against 2/3 -> -2/3
+    adv = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+def test_rloo_matches_a_float64_leave_one_out_loop():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(15, generator=g, dtype=torch.float64) * 3
+    G = 5
+    expected = torch.empty_like(rewards)
+    for i in range(rewards.numel()):
+        start = i // G * G
+        others = [float(rewards[j]) for j in range(start, start + G) if j != i]
+        expected[i] = float(rewards[i]) - sum(others) / len(others)
+    torch.testing.assert_close(rloo_advantages(rewards, G), expected, atol=1e-12, rtol=1e-12)
+    # and it is GRPO's mean-only advantage scaled by G / (G - 1)
+    torch.testing.assert_close(rloo_advantages(rewards, G), group_advantages(rewards, G, scale_std=False) * G / (G - 1))
+
+
+def test_rloo_gives_exact_zero_for_equal_rewards():
+    assert (rloo_advantages(torch.full((6,), 0.7), 3) == 0).all()
+
+
+def test_the_advantage_classes_call_their_functions():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    torch.testing.assert_close(GroupAdvantage()(rewards, 2), group_advantages(rewards, 2))
+    torch.testing.assert_close(GroupAdvantage(scale_std=False)(rewards, 2), group_advantages(rewards, 2, False))
+    torch.testing.assert_close(RLOOAdvantage()(rewards, 2), rloo_advantages(rewards, 2))
+    with pytest.raises(ValueError, match="group_size"):
+        RLOOAdvantage()(rewards, 3)

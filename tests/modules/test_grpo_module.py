@@ -243,6 +243,9 @@ def test_warmup_cosine_by_hand():
         (["--aqn.num_stages", "1"], "aqn.num_stages"),
         (["--model.policy.lora_targets", "[no_such_proj]"], "model.policy.lora_targets"),
         (["--model.policy.model", "/nonexistent/qwen"], "model.policy.model"),
+        (["--model.max_refill_rounds", "2"], "model.max_refill_rounds"),  # without dynamic_sampling
+        (["--model.scale_std", "false", "--model.advantage", "qerl.modules.advantages.RLOOAdvantage"],
+         "model.scale_std"),
     ],
 )
 def test_bad_config_fails_before_any_model_loads(qwen2, tmp_path, no_model_loads, capsys, override, option):
