@@ -79,7 +79,7 @@ def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
     for group in (4, 32):
         engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, kv_cache_dtype="fp8_e4m3")
         r = engine.generate(policy, prompts, group, 0, [])
-        assert engine._state["cache"].dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
+        assert engine._state.cache.dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
         m = r.completion_mask.bool()
         err = (r.logprobs - recompute(policy, r, kv_cache_dtype=torch.float8_e4m3fn)[0]).abs()[m]
         gap = (r.logprobs - recompute(policy, r)[0]).abs()[m]
@@ -167,7 +167,7 @@ def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompt
     waves = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=2, wave_rows=8, keep_kv_cache=False)
     eos = list(range(100, 108))
     a, b = one.generate(policy, prompts, 4, 0, eos), waves.generate(policy, prompts, 4, 0, eos)
-    assert waves._state["cache"].storage is None and waves._state["rows"] == 8
+    assert waves._state.cache.storage is None and waves._state.rows == 8
     first = (a.completion_ids[:, :8] == b.completion_ids[:, :8]).all(-1)
     assert int(first.sum()) >= 9, first  # 12 rows; keyed by slot instead of row, about none would agree
     assert max_logprob_error(policy, b) < LOGPROB_ATOL
