@@ -46,51 +46,16 @@ from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad, position_ids
+from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
 from qerl.rollout.footprint import bf16_copy_spare, wants_bf16_copy
+from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
 from qerl.rollout.kv_cache import SlotCache, free_bytes, head_dim, releases_kv_cache, total_bytes
 from qerl.rollout.sampling import sample_rows
 
-ATTENTION = "qerl_decode"
-
-
-def gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """One query token per row: softmax(q K^T) V with the KV heads shared by their query heads (no repeat of K/V).
-
-    query [b, Hq, 1, D], key/value [b, Hkv, L, D] (views of the cache), attention_mask bool [b, 1, 1, L].
-    Longer queries (the prefill) go to transformers' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)  # [b, Hkv, G, D]
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d**-0.5)
-    scores = scores.masked_fill(~attention_mask, float("-inf"))  # [b, Hkv, G, L]
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # [b, Hkv, G, D]
-    return out.reshape(b, 1, hq, d), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, gqa_attention)
-
-
 def _base_model(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-
-
-@contextmanager
-def _attention(config, name: str):
-    old = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
 
 
 class CUDAGraphRollout(RolloutEngine):
@@ -119,16 +84,20 @@ class CUDAGraphRollout(RolloutEngine):
             rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
             (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
-            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with the memory plan's
-            margin to spare (6% of the GPU, at least 2 GiB; the KV cache already allocated). Fused step only; bf16
-            models are unaffected.
+            None: what the memory plan counted (``train.py`` decides it before the engine is built); an engine built
+            without a plan makes it when the rollout has more than 64 rows and the copy fits in free GPU memory with
+            the plan's margin to spare (``qerl.rollout.footprint.wants_bf16_copy``). Fused step only; bf16 models are
+            unaffected.
         wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
-            one wave instead of the whole batch (the memory plan sets it when left None: all rows in one wave). Each
+            one wave instead of the whole batch (None: the memory plan's, decided before the engine is built; all
+            rows in one wave where no plan is made). Each
             row's sampling noise is a function of its output row and step, so the samples are the same whatever the
             wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
-            update can use the memory (False; the next rollout allocates it again). None: free it on CUDA when it
-            holds more than a twentieth of the GPU's memory.
+            update can use the memory (False; the next rollout allocates it again). None: what the memory plan
+            assumed (decided before the engine is built); without a plan the engine's rule
+            (``qerl.rollout.kv_cache.releases_kv_cache``: free it on CUDA when it holds more than a twentieth of the
+            GPU's memory).
         kv_cache_dtype: ``auto``: the KV cache in the model's dtype; ``fp8_e4m3``: one byte per element (vLLM's
             option of the same name, scale 1): half the cache memory (twice the rows per wave) and half the bytes
             each decode step's attention reads. K and V are rounded to e4m3, so the sampling policy moves a little
@@ -173,18 +142,7 @@ class CUDAGraphRollout(RolloutEngine):
         # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graphs_captured = 0
-        # Benchmark hooks (bench/bench_rollout.py), never set by a user: eager steps on CUDA (``_use_graphs``), the
-        # plain launch order or the mma.sync GEMV (``_pdl``, ``_wgmma`` False; None = where supported), the torch
-        # sampling expression instead of the fused kernels (``_fused_sampling`` False), a callable
-        # told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
-        # "captured" around each captured step), and a token count to stop decoding at.
-        self._use_graphs: bool | None = None
-        self._pdl: bool | None = None
-        self._wgmma: bool | None = None
-        self._fused_sampling = True
-        self._phase_hook = None
-        self._stop_after: int | None = None
-        self._decoder = None  # (model id, fast, pdl, wgmma) -> FusedDecoder, built on first use
+        self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -196,11 +154,11 @@ class CUDAGraphRollout(RolloutEngine):
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         base = _base_model(policy)
         device = next(policy.parameters()).device
-        graphs = device.type == "cuda" if self._use_graphs is None else self._use_graphs
+        graphs = self._captures(device)
         self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
-        _register_attention()
+        register_decode_attention()
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
@@ -225,7 +183,7 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 0
         try:
             # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
-            with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
+            with noisy_norms(policy, self.noise_std, self.noise_generator), decode_attention(base.config), \
                     self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
@@ -299,7 +257,7 @@ class CUDAGraphRollout(RolloutEngine):
         del logits
         self._phase("decode")
         b, steps = N, 1
-        while steps < min(new, self._stop_after or new):
+        while steps < min(new, self._decode_limit()):
             if steps % self.check_every == 0:
                 alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
@@ -314,29 +272,42 @@ class CUDAGraphRollout(RolloutEngine):
         return steps
 
     # ------------------------------------------------------------------------------------------------------------
+    # The engine's seams: what it picks by itself, one method each (a benchmark's subclass compares the alternatives,
+    # ``qerl.testing.comparison_rollout``).
+    def _captures(self, device) -> bool:
+        """Whether the decode steps run from captured CUDA graphs (on CUDA; eagerly elsewhere)."""
+        return device.type == "cuda"
+
+    def _kernels(self, device) -> Kernels:
+        """The fused step's kernels on ``device``, picked once (PDL and the wgmma GEMV where supported)."""
+        return Kernels.pick(device)
+
+    def _sample(self, logits, key, rows, step):
+        """The draw of one step (the fused sampling kernels where they apply)."""
+        return sample_rows(logits, self.temperature, self.top_p, key, rows, step)
+
+    def _decode_limit(self) -> int:
+        """Tokens to decode at most (``max_new_tokens``)."""
+        return self.max_new_tokens
+
+    def _phase(self, name: str, decode_steps: int = 0) -> None:
+        """Told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
+        "captured" around each captured step): nothing to do here."""
+
     def _fused_decoder(self, base, device):
-        from qerl.nvfp4.kernels import gemv_plan
-        from qerl.nvfp4.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
         if not (device.type == "cuda" if self.fused is None else self.fused):
             return None
-        fast = device.type == "cuda"
-        pdl = fast and P.supported(device) if self._pdl is None else self._pdl
-        if pdl and not P.supported(device):
-            raise ValueError(f"PDL launches need a CUDA device of compute capability >= 9.0 and Triton >= 3.4, "
-                             f"got {device}.")
-        if self._wgmma and not (fast and gemv_plan.wgmma_supported(device)):
-            raise ValueError(f"The wgmma GEMV needs an sm_90 GPU (H100/H200), got {device}.")
-        wgmma = None if self._wgmma is None else (fast and self._wgmma)
-        if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl, wgmma):
+        kernels = self._kernels(device)
+        if self._decoder is not None and self._decoder[0] == (id(base), kernels):
             return self._decoder[1]
         try:
-            decoder = FusedDecoder(base, fast, pdl, wgmma)
+            decoder = FusedDecoder(base, kernels)
         except Unsupported as e:
             warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); using the transformers step.")
             decoder = None
-        self._decoder = ((id(base), fast, pdl, wgmma), decoder)
+        self._decoder = ((id(base), kernels), decoder)
         return decoder
 
     def _drop_stale_graphs(self, decoder) -> None:
@@ -425,8 +396,7 @@ class CUDAGraphRollout(RolloutEngine):
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
         rows = s.first_row + s.slot_row[:b]  # output rows: the noise follows the row, not its slot or wave
         key = None if self.greedy else s.noise_key
-        token, logprob, entropy = sample_rows(logits, self.temperature, self.top_p, key, rows, s.step,
-                                              self._fused_sampling)
+        token, logprob, entropy = self._sample(logits, key, rows, s.step)
         done = s.finished[:b]
         token = torch.where(done, s.pad, token)
         index = (s.slot_row[:b], s.step.expand(b))
@@ -472,7 +442,3 @@ class CUDAGraphRollout(RolloutEngine):
             self._graphs[graph_key] = graph
             self.graphs_captured += 1
             self._phase("captured")
-
-    def _phase(self, name: str, decode_steps: int = 0) -> None:
-        if self._phase_hook is not None:
-            self._phase_hook(name, decode_steps)

@@ -95,9 +95,11 @@ def engine_kind(rollout) -> str | None:
 
 def engine_args(rollout) -> dict:
     """The engine's init arguments as it will be built: the config's, over its signature's defaults."""
-    cls = engine_class(rollout)
-    args = {name: p.default for name, p in inspect.signature(cls).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    args = {}
+    for cls in reversed(engine_class(rollout).__mro__):  # a subclass passes its base's arguments on as **kwargs
+        if "__init__" in vars(cls) and cls is not object:
+            args.update({name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                         if p.default is not inspect.Parameter.empty})
     given = rollout.get("init_args") if rollout is not None and not isinstance(rollout, str) else None
     args.update(dict(given.items()) if given is not None else {})
     return args

@@ -9,6 +9,7 @@ from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.rollout.kv_cache import check_kv_cache_fits, kv_cache_bytes
 
 PAD, EOS = 0, 7
@@ -193,8 +194,7 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
     assert not pdl.supported("cpu") and pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
     base = policy.get_base_model()
     assert CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu")).pdl is False  # auto: off on CPU
-    forced = CUDAGraphRollout(fused=True)
-    forced._pdl = True  # the benchmarks' comparison hook
+    forced = ComparisonRollout(fused=True, pdl=True)  # the benchmarks' comparison switch
     with pytest.raises(ValueError, match="compute capability >= 9.0"):
         forced._fused_decoder(base, torch.device("cpu"))
 
@@ -204,8 +204,7 @@ def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
 
     assert not gemv_plan.wgmma_supported(torch.device("cpu"))
     base = policy.get_base_model()
-    forced, off_engine = CUDAGraphRollout(fused=True), CUDAGraphRollout(fused=True)
-    forced._wgmma, off_engine._wgmma = True, False  # the benchmarks' comparison hook
+    forced, off_engine = ComparisonRollout(fused=True, wgmma=True), ComparisonRollout(fused=True, wgmma=False)
     with pytest.raises(ValueError, match="sm_90 GPU"):
         forced._fused_decoder(base, torch.device("cpu"))
     auto = CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu"))
@@ -243,14 +242,14 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
 
 
 def test_unsupported_model_falls_back_with_a_warning(policy):
-    from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels, Unsupported
 
     base = policy.get_base_model()
     old = base.config.hidden_act
     base.config.hidden_act = "gelu"
     try:
         with pytest.raises(Unsupported, match="hidden_act"):
-            FusedDecoder(base, fast=False)
+            FusedDecoder(base, Kernels(fast=False))
         engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
         with pytest.warns(UserWarning, match="fused decoding off"):
             engine._fused_decoder(base, torch.device("cpu"))
@@ -261,7 +260,7 @@ def test_unsupported_model_falls_back_with_a_warning(policy):
 def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     """Frozen bf16 q|k|v and gate|up weights move into one buffer each (modules keep views: no extra memory); the
     model's outputs are unchanged and a second decoder on the same model finds them already stacked."""
-    from qerl.rollout.fused_decoder import FusedDecoder
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="float32")
@@ -271,7 +270,7 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     base = policy.get_base_model()
     att = base.model.layers[0].self_attn
     params = sum(p.numel() for p in policy.parameters())
-    decoder = FusedDecoder(base, fast=True)
+    decoder = FusedDecoder(base, Kernels(fast=True))
     w = [att.q_proj.base_layer.weight, att.k_proj.base_layer.weight, att.v_proj.base_layer.weight]
     assert len({t.untyped_storage().data_ptr() for t in w}) == 1
     stacked = decoder.layers[0]["qkv"].gemm.dense
@@ -279,7 +278,7 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     assert sum(p.numel() for p in policy.parameters()) == params
     with torch.no_grad():
         torch.testing.assert_close(policy(input_ids=ids).logits, before, rtol=0, atol=0)
-    again = FusedDecoder(base, fast=True).layers[0]["qkv"].gemm.dense
+    again = FusedDecoder(base, Kernels(fast=True)).layers[0]["qkv"].gemm.dense
     assert again.data_ptr() == stacked.data_ptr() and torch.equal(again, stacked)
     x = torch.randn(3, 64)
     ys = decoder.layers[0]["qkv"].gemm(x)
@@ -295,7 +294,7 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
     logits as transformers' forward (+ peft), left padding included."""
     from qerl.rollout.builtin import left_pad
     from qerl.rollout.kv_cache import SlotCache, as_cache
-    from qerl.rollout.fused_decoder import FusedDecoder
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", model_type, vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype=dtype)
@@ -315,7 +314,7 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
     with torch.no_grad():
         ref = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                      past_key_values=as_cache(caches[0]), use_cache=True, logits_to_keep=1).logits[:, -1]
-        decoder = FusedDecoder(base, fast=False)
+        decoder = FusedDecoder(base, Kernels(fast=False))
         decoder.prepare(dt)
         got = decoder.prefill(ids, position_ids(mask), caches[1].keys, caches[1].values, m4)
     # bf16: the LoRA-B product is summed in another order than peft's (one rounding step of the outputs)
@@ -331,7 +330,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     """The LoRA-A rows of every layer's group of a kind share one 16-row-aligned buffer and its GEMV fragments; a
     new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
     from qerl.nvfp4.kernels import gemv_layout, gemv_plan
-    from qerl.rollout.fused_decoder import GROUPS, FusedDecoder
+    from qerl.rollout.fused_decoder import GROUPS, FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="bfloat16")  # q|k|v: 12 rows -> 16
@@ -339,7 +338,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     with torch.no_grad():
         for i, p in enumerate(lora.values()):
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
-    decoder = FusedDecoder(policy.get_base_model(), fast=True)  # fast on CPU: the fragments are plain torch
+    decoder = FusedDecoder(policy.get_base_model(), Kernels(fast=True))  # fast on CPU: the fragments are plain torch
 
     def check():
         for layer in decoder.layers:
