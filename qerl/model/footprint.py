@@ -34,7 +34,6 @@ SAFETY_MARGIN_FRACTION = 0.06  # of the free memory, left unplanned: allocator f
 #                                workspaces, CUDA graph pools and whatever else the plan does not count
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 @dataclass(frozen=True)
@@ -123,10 +122,6 @@ class RunSettings:
     kv_cache_dtype: str = "auto"
 
     @property
-    def kv_element_bytes(self) -> int:
-        return 1 if self.engine == "cuda_graph" and self.kv_cache_dtype == "fp8_e4m3" else DENSE_BYTES
-
-    @property
     def rows(self) -> int:
         return self.prompts * self.group_size
 
@@ -211,13 +206,6 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
                              norm_channels(shape) * NORM_TRAINED_COPY_BYTES))
     return out
 
-
-
-def largest_group_weights(shape: ModelShape, settings: RunSettings) -> int:
-    """Weights of the largest NVFP4 group of one layer the decoder dequantizes at once (q|k|v, o, gate|up, down)."""
-    targeted = dict(layer_projections(shape, settings.lora_targets)[0])
-    sizes = [sum(math.prod(shape.projection(p)) for p in group if targeted[p]) for group in FUSED_GROUPS]
-    return max(sizes) if settings.engine == "cuda_graph" else largest_layer_weights(shape, settings)
 
 
 def largest_layer_weights(shape: ModelShape, settings: RunSettings) -> int:

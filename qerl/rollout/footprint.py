@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
-from qerl.model.footprint import (DENSE_BYTES, GIB, Component, ModelShape, RunSettings, default_margin,
-                                  largest_group_weights, lora_parameters, nvfp4_weights)
+from qerl.model.footprint import (DENSE_BYTES, GIB, PROJECTIONS, Component, ModelShape, RunSettings, default_margin,
+                                  largest_layer_weights, layer_projections, lora_parameters, nvfp4_weights)
 from qerl.nvfp4.kernels.gemv_plan import MAX_M
 from qerl.rollout.kv_cache import releases_kv_cache, slot_bytes
 
@@ -29,6 +29,8 @@ PREFILL_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 alive in a prefi
 PREFILL_HIDDEN_BUFFERS = 6  # [tokens, hidden] bf16: residual, normed input, attention output, o / down outputs, ...
 PREFILL_DENSE_MIN_TOKENS = 128  # from this many prefill tokens an NVFP4 group is dequantized to bf16 for cuBLAS
 WIDE_BATCH_SPARE_BYTES = 2 * GIB  # the bf16 copy is made (by default) only with this much (or the margin) left
+DECODE_GROUPS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # the fused decoder's q|k|v,
+#                                                                      o, gate|up, down: one stacked weight each
 
 
 def wave_rows_error(wave_rows: int, group_size: int) -> str | None:
@@ -66,6 +68,11 @@ def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None
     return bool(setting) or free >= need + spare
 
 
+def kv_element_bytes(settings: RunSettings) -> int:
+    """Bytes of one KV-cache element (the graph engine's ``fp8_e4m3`` cache: 1)."""
+    return 1 if settings.engine == "cuda_graph" and settings.kv_cache_dtype == "fp8_e4m3" else DENSE_BYTES
+
+
 def kv_cache_length(settings: RunSettings) -> int:
     """Positions per row the engine's cache holds (the cuda_graph engine rounds up to its length bucket)."""
     length = settings.longest_row
@@ -77,7 +84,7 @@ def kv_cache_length(settings: RunSettings) -> int:
 def wave_kv_cache_bytes(shape: ModelShape, settings: RunSettings, rows: int) -> int:
     """The KV cache of ``rows`` rows as the engine allocates it."""
     return slot_bytes(shape.layers, shape.kv_heads, shape.head_dim, rows, kv_cache_length(settings),
-                      settings.kv_element_bytes)
+                      kv_element_bytes(settings))
 
 
 def kv_kept_rows(shape: ModelShape, settings: RunSettings, rows: int, total_bytes: int | None) -> int:
@@ -103,7 +110,7 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
                                               + PREFILL_HIDDEN_BUFFERS * shape.hidden + 2 * q)  # + K/V repeated to q
     out = [
         Component("rollout", f"KV cache, one wave ({wave_rows} rows x {length} positions, "
-                             f"{'e4m3' if settings.kv_element_bytes == 1 else 'bf16'})", kv),
+                             f"{'e4m3' if kv_element_bytes(settings) == 1 else 'bf16'})", kv),
         Component("rollout", f"sampling workspace ({wave_rows} rows x vocab, {SAMPLING_FP32_BUFFERS} fp32 buffers)",
                   wave_rows * shape.vocab * (4 * SAMPLING_FP32_BUFFERS + DENSE_BYTES * SAMPLING_MODEL_DTYPE_BUFFERS)),
         Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x "
@@ -120,6 +127,13 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
         out.append(Component("rollout", f"bf16 copy of the NVFP4 weights (waves above {MAX_M} rows)",
                              bf16_copy_bytes(shape, settings)))
     return out
+
+
+def largest_group_weights(shape: ModelShape, settings: RunSettings) -> int:
+    """Weights of the largest NVFP4 group of one layer the decoder dequantizes at once (q|k|v, o, gate|up, down)."""
+    targeted = dict(layer_projections(shape, settings.lora_targets)[0])
+    sizes = [sum(math.prod(shape.projection(p)) for p in group if targeted[p]) for group in DECODE_GROUPS]
+    return max(sizes) if settings.engine == "cuda_graph" else largest_layer_weights(shape, settings)
 
 
 def bf16_copy_bytes(shape: ModelShape, settings: RunSettings) -> int:

@@ -8,8 +8,6 @@ memory plan counts with (``qerl.rollout.footprint``), so the plan and the engine
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from qerl.nvfp4.kernels.kv_cache_element import cache_bytes, to_cache_element
@@ -86,7 +84,8 @@ class SlotCache:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        _, layers, rows, kv_heads, length, head_dim = self.shape
+        return slot_bytes(layers, kv_heads, head_dim, rows, length, self.dtype.itemsize)
 
     def allocate(self) -> bool:
         """(Re)allocate K/V as one block (refused with what to change where the GPU lacks the room): freed around the
