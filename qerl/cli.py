@@ -28,11 +28,10 @@ from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
-from qerl.hub import load_config
-from qerl.model.footprint import GIB, ModelShape
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_plan import MemoryPlanError
-from qerl.run.resolve import Resolution, device_memory, engine_kind, planning_device, resolve, run_settings
+from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
+                              resolve)
 
 
 class QeRLArgumentParser(LightningArgumentParser):
@@ -192,21 +191,27 @@ class QeRLCLI(LightningCLI):
             parser.error("--print_memory_plan: only for fit (the plan covers the update too).")
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
-        if not trains or not plannable(config):
-            return Resolution()
-        rollout = config.model.get("rollout")
-        if engine_kind(rollout) is None:
+        rollout = config.model.get("rollout") if trains else None
+        if trains and engine_kind(rollout) is None:
             if print_only:
                 name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]
                 print(f"memory plan: made for BuiltinRollout and CUDAGraphRollout only; {name} sizes its own memory.")
                 sys.exit(0)
             return Resolution()
-        settings = run_settings_or_none(config)
-        if settings is None:  # the engine's constructor refuses its arguments
+        settings = plan_settings(config) if trains else None
+        if settings is None:  # not fit, or a value the constructors refuse (naming the option)
             return Resolution()
-        free, total = ((int(device_gb * GIB),) * 2 if device_gb is not None
-                       else device_memory(planning_device(config.trainer)))
-        shape = self._model_shape(config.model.policy.model, print_only) if free is not None or print_only else None
+        free, total = device_memory(config.trainer, device_gb)
+        shape = None
+        if free is not None or print_only:
+            try:
+                shape = model_shape(config.model.policy.model)
+            except UnknownArchitecture as error:  # not a Llama/Qwen2-style config: train without a plan
+                if print_only:
+                    parser.error(str(error))
+                warnings.warn(f"{error} wave_rows and micro_batch_tokens: auto stay unset.")
+            except ValueError as error:
+                parser.error(str(error))
         try:
             resolution = resolve(settings, config, shape, free, total)
         except MemoryPlanError as error:
@@ -217,26 +222,8 @@ class QeRLCLI(LightningCLI):
             print(resolution.plan.table())
             sys.exit(0)
         if resolution.plan is not None and rank_zero_only.rank == 0:
-            print(f"memory plan: peak {resolution.plan.peak_bytes / GIB:.1f} GiB of {free / GIB:.1f} GiB free; "
-                  f"{resolution.summary()} (--print_memory_plan for the table)")
+            print(resolution.report())
         return resolution
-
-    def _model_shape(self, name: str, print_only: bool) -> ModelShape | None:
-        """The planned model's sizes from its config alone (None, with a warning, for an architecture the plan does
-        not know: the run trains without a plan)."""
-        try:
-            config = load_config(name)
-        except (OSError, ValueError) as error:
-            self._parser(self.subcommand).error(f"model.policy.model={name!r}: its config cannot be read for the "
-                                                f"memory plan ({str(error).strip().splitlines()[0]}).")
-        try:
-            return ModelShape.from_config(config)
-        except AttributeError as error:  # not a Llama/Qwen2-style config: train without a plan
-            if print_only:
-                self._parser(self.subcommand).error(
-                    f"model.policy.model={name!r}: no memory plan for this architecture ({error}).")
-            warnings.warn(f"No memory plan for {name} ({error}): wave_rows and micro_batch_tokens: auto stay unset.")
-            return None
 
     def instantiate_trainer(self, **kwargs):
         trainer = self._get(self.config_init, "trainer", default={})
@@ -274,25 +261,6 @@ def default_allocator_settings(rollout_class_path: str) -> None:
         return
     if not torch.cuda.is_initialized():
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-
-
-def plannable(config) -> bool:
-    """Whether the values a plan reads are in range (else the constructors refuse them, naming the option)."""
-    model, data = config.get("model"), config.get("data")
-    try:
-        return (model.group_size >= 2 and model.micro_batch_size >= 1 and data.batch_size >= 1
-                and data.max_prompt_tokens >= 1 and model.logprob_chunk_size >= 1)
-    except (AttributeError, TypeError):
-        return False
-
-
-def run_settings_or_none(config):
-    """The plan's settings of a parsed config, None where its engine's arguments are out of range."""
-    try:
-        settings = run_settings(config)
-    except (KeyError, TypeError):
-        return None
-    return settings if settings.max_new_tokens >= 1 and settings.length_bucket >= 1 else None
 
 
 def reward_format(answer_format: str) -> str:

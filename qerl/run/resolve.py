@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl.model.footprint import ModelShape, RunSettings
+from qerl.hub import load_config
+from qerl.model.footprint import GIB, ModelShape, RunSettings
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.run.memory_plan import MemoryPlan, plan_memory
@@ -64,9 +65,18 @@ class Resolution:
                     args[name] = getattr(self, name)
 
     def summary(self) -> str:
-        """One line of what was decided (the plan's table is ``MemoryPlan.table``)."""
+        """What was decided, in one line (the plan's table is ``MemoryPlan.table``)."""
         return ", ".join(f"{name} {getattr(self, name)}" for name in ("wave_rows", "micro_batch_tokens",
                                                                        "wide_batch_bf16", "keep_kv_cache"))
+
+    def report(self) -> str:
+        """The line ``train.py fit`` prints: the planned peak, the memory assumed and what was decided."""
+        return (f"memory plan: peak {self.plan.peak_bytes / GIB:.1f} GiB of {self.plan.free_bytes / GIB:.1f} GiB "
+                f"free; {self.summary()} (--print_memory_plan for the table)")
+
+
+class UnknownArchitecture(ValueError):
+    """The model's config is not of a Llama/Qwen2-style decoder: no memory plan for it."""
 
 
 def engine_class(rollout) -> type | None:
@@ -123,6 +133,39 @@ def run_settings(config) -> RunSettings:
     )
 
 
+def plan_settings(config) -> RunSettings | None:
+    """The plan's settings of a parsed config; None where a value the plan reads is out of range (the constructors
+    then refuse it, naming the option)."""
+    model, data = config.get("model"), config.get("data")
+    try:
+        if not (model.group_size >= 2 and model.micro_batch_size >= 1 and data.batch_size >= 1
+                and data.max_prompt_tokens >= 1 and model.logprob_chunk_size >= 1):
+            return None
+        settings = run_settings(config)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return settings if settings.max_new_tokens >= 1 and settings.length_bucket >= 1 else None
+
+
+def model_shape(name: str) -> ModelShape:
+    """The sizes of the model ``name`` (a hub id or a directory) from its config alone.
+
+    Raises:
+        UnknownArchitecture: the config is not of a Llama/Qwen2-style decoder.
+        ValueError: the config cannot be read.
+    """
+    try:
+        config = load_config(name)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model.policy.model={name!r}: its config cannot be read for the memory plan "
+                         f"({str(error).strip().splitlines()[0]}).") from error
+    try:
+        return ModelShape.from_config(config)
+    except AttributeError as error:
+        raise UnknownArchitecture(f"model.policy.model={name!r}: no memory plan for this architecture "
+                                  f"({error}).") from error
+
+
 def planning_device(trainer) -> torch.device:
     """The device this process will train on, from the parsed ``trainer`` options (before the Trainer exists): the
     CUDA device of its local rank when the accelerator may be CUDA and one is present, else the CPU."""
@@ -137,8 +180,13 @@ def planning_device(trainer) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:
-    """(free, total) bytes of a CUDA device before the run allocates anything there; (None, None) off CUDA."""
+def device_memory(trainer, device_gb: float | None = None) -> tuple[int, int] | tuple[None, None]:
+    """(free, total) bytes the run is planned for: ``device_gb`` GiB (``--memory_plan_device_gb``), else the CUDA
+    device the ``trainer`` options give this process, before the run allocates anything there; (None, None) off
+    CUDA."""
+    if device_gb is not None:
+        return int(device_gb * GIB), int(device_gb * GIB)
+    device = planning_device(trainer)
     if device.type != "cuda":
         return None, None
     return torch.cuda.mem_get_info(device)
