@@ -220,6 +220,9 @@ class QeRLCLI(LightningCLI):
             parser.error(str(error))
         if print_only:
             print(resolution.plan.table())
+            written = resolution.apply(config.clone())
+            print("resolved (what the run is built with): "
+                  + (", ".join(f"{k}={v}" for k, v in written.items()) or "nothing was left open"))
             sys.exit(0)
         if resolution.plan is not None and rank_zero_only.rank == 0:
             print(resolution.report())

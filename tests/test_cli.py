@@ -144,6 +144,10 @@ def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_
     assert f"update    activations ({tokens} tokens, every layer's saved tensors)" in printed
     assert "free device memory: 79.00 GiB" in printed and "\nwave_rows: " in printed
     assert f"\nmicro_batch_tokens: {tokens} (longest row 2304 tokens" in printed
+    resolved = printed.strip().splitlines()[-1]  # what the resolution writes into the config before building
+    assert resolved.startswith("resolved (what the run is built with): ")
+    assert f"model.micro_batch_tokens={tokens}" in resolved
+    assert "model.rollout.init_args.wave_rows=" in resolved and "model.rollout.init_args.keep_kv_cache=" in resolved
     assert not (tmp_path / "runs").exists()
 
 

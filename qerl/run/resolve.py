@@ -52,17 +52,18 @@ class Resolution:
     keep_kv_cache: bool | None = None
     plan: MemoryPlan | None = None
 
-    def apply(self, config) -> None:
+    def apply(self, config) -> dict:
         """Write the decided values into the parsed ``config`` (a jsonargparse namespace of one subcommand) where it
-        leaves them open; values the user set stay."""
-        model = config.model
+        leaves them open; values the user set stay. Returns what was written, by option."""
+        model, written = config.model, {}
         if model.get("micro_batch_tokens") == "auto":
-            model.micro_batch_tokens = self.micro_batch_tokens
+            model.micro_batch_tokens = written["model.micro_batch_tokens"] = self.micro_batch_tokens
         if engine_kind(model.get("rollout")) == "cuda_graph":
             args = model.rollout.init_args
             for name in ENGINE_OPTIONS:
                 if args.get(name) is None:
-                    args[name] = getattr(self, name)
+                    args[name] = written[f"model.rollout.init_args.{name}"] = getattr(self, name)
+        return written
 
     def summary(self) -> str:
         """What was decided, in one line (the plan's table is ``MemoryPlan.table``)."""
