@@ -44,7 +44,7 @@ import torch
 from qerl.model.aqn import noisy_norms
 from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.ranks import rank_seed
-from qerl.rollout.base import Rollout, RolloutEngine
+from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
@@ -211,12 +211,8 @@ class CUDAGraphRollout(RolloutEngine):
             if releases_kv_cache(self.keep_kv_cache, s.cache.nbytes, total_bytes(device)):
                 s.cache.release()  # for the update (keep_kv_cache)
         self._phase("done", steps - 1)
-        completion = out["tokens_out"][:, :steps]
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
-        is_eos = torch.isin(completion, eos)
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-        completion_mask = (~after_eos).long()
-        completion = completion.masked_fill(after_eos, pad_id)
+        completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
         logprobs = out["logprobs_out"][:, :steps] * completion_mask
         entropy = out["entropy_out"][:, :steps] * completion_mask
         width = int(completion_mask.sum(-1).max()) if N else 0  # the built-in engine stops when the last row ends
@@ -227,7 +223,7 @@ class CUDAGraphRollout(RolloutEngine):
             completion_mask=completion_mask[:, :width],
             logprobs=logprobs[:, :width],
             entropy=entropy[:, :width],
-            truncated=~is_eos.any(-1),
+            truncated=~ended,
         )
 
     def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
