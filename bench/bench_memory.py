@@ -107,26 +107,29 @@ def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
 
 
 def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
-    """The memory plan of the row as ``train.py`` makes it (``qerl.cli.run_settings`` of the configured module, engine
-    and data) and plan / measured."""
+    """The memory plan of the row as ``train.py`` makes it (``qerl.run.resolve.run_settings`` of the parsed config, as
+    the user wrote it) and plan / measured."""
     import dataclasses
 
-    from qerl.cli import run_settings
-    from qerl.model.memory_plan import ModelShape, kv_cache_bytes, plan_memory
+    from qerl.model.footprint import ModelShape
+    from qerl.rollout.footprint import wave_kv_cache_bytes
+    from qerl.run.memory_plan import plan_memory
+    from qerl.run.resolve import engine_args, run_settings
     from qerl.testing.random_models import qwen25_config
 
     cli = configured(row)
-    settings = run_settings(cli.model, cli.datamodule)
+    settings = run_settings(cli.config)
     if "device_gb" in row:  # planned for that much memory, as train.py plans it
         free_bytes = total_bytes = int(row["device_gb"] * 2**30)
     if "kv_cache_kept" in row:  # what the engine of that run did (an earlier release threshold)
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(qwen25_config(row["model"], vocab_size=vocab))
     plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
-                       wave_rows=cli.model.rollout.wave_rows, micro_batch_tokens=cli.model.hparams.micro_batch_tokens)
+                       wave_rows=engine_args(cli.config.model.rollout).get("wave_rows"),
+                       micro_batch_tokens=cli.config.model.micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
-    out["plan_resident_gb"] += kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
+    out["plan_resident_gb"] += wave_kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
     for key in ("resident_gb", "peak_rollout_gb", "peak_update_gb", "peak_gb"):
         if key in row:
             out[f"plan_over_measured_{key.removesuffix('_gb')}"] = out[f"plan_{key}"] / row[key]

@@ -31,7 +31,7 @@ import rollout_hooks
 import torch
 
 from qerl.testing.random_models import build_random_policy, model_config
-from qerl.rollout.cuda_graph import kv_cache_bytes
+from qerl.rollout.kv_cache import kv_cache_bytes
 
 PROMPT = 256
 T0 = time.time()

@@ -17,6 +17,7 @@ import torch
 
 from qerl.ranks import rank_seed
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.decode_state import DecodeState
 
 
 def draw_lengths(rows: int, median: float, sigma: float, generator: torch.Generator) -> torch.Tensor:
@@ -59,9 +60,9 @@ class ForcedLengthRollout(CUDAGraphRollout):
         self._eos_id = eos_ids[0]
         return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids)
 
-    def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
-        target = self._targets.index_select(0, s["first_row"] + s["slot_row"][:b])  # [b] drawn length of each row
-        last = s["step"] + 1 >= target  # the token sampled now is the row's last
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int) -> None:
+        target = self._targets.index_select(0, s.first_row + s.slot_row[:b])  # [b] drawn length of each row
+        last = s.step + 1 >= target  # the token sampled now is the row's last
         logits = logits.clone()
         logits[:, self._eos_id] = torch.where(last, 1e4, -1e4).to(logits.dtype)
         super()._record(s, logits, b)

@@ -1,25 +1,23 @@
 """The benchmarks' handles on ``CUDAGraphRollout``: its comparison switches (eager steps, the plain launch order, the
-mma.sync GEMV, the torch sampling expression) and its timing, through the engine's underscore hooks; users never set
-these."""
+mma.sync GEMV, the torch sampling expression) and its timing, through ``qerl.testing.comparison_rollout``, the
+engine's subclass that takes them when it is built; users never set these."""
 
 from __future__ import annotations
 
 import torch
 
-from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.comparison_rollout import ComparisonRollout
 
 
 def engine(use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
-           fused_sampling: bool = True, **options) -> CUDAGraphRollout:
+           fused_sampling: bool = True, **options) -> ComparisonRollout:
     """A ``CUDAGraphRollout(**options)`` with the comparison switches set (None: the engine's own choice)."""
-    eng = CUDAGraphRollout(**options)
-    eng._use_graphs, eng._pdl, eng._wgmma, eng._fused_sampling = use_graphs, pdl, wgmma, fused_sampling
-    return eng
+    return ComparisonRollout(use_graphs=use_graphs, pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, **options)
 
 
-def stop_after(eng: CUDAGraphRollout, tokens: int | None) -> None:
+def stop_after(eng: ComparisonRollout, tokens: int | None) -> None:
     """Stop decoding after ``tokens`` tokens (warm-ups and profiles; None: the engine's ``max_new_tokens``)."""
-    eng._stop_after = tokens
+    eng.stop_after = tokens
 
 
 class PhaseTimer:
@@ -27,8 +25,8 @@ class PhaseTimer:
     prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps that captured a graph (capture_ms,
     capture_steps: each also decodes its token, eagerly)."""
 
-    def __init__(self, eng: CUDAGraphRollout):
-        eng._phase_hook = self
+    def __init__(self, eng: ComparisonRollout):
+        eng.phase_hook = self
         self.events: dict[str, torch.cuda.Event] = {}
         self.captures: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.decode_steps = 0

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
@@ -27,11 +28,10 @@ from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
-from qerl.hub import load_config
-from qerl.model.memory_plan import GIB, MemoryPlanError, ModelShape, RunSettings, plan_memory
 from qerl.modules.grpo_module import GRPOModule
-from qerl.rollout.builtin import BuiltinRollout
-from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.run.memory_plan import MemoryPlanError
+from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
+                              resolve)
 
 
 class QeRLArgumentParser(LightningArgumentParser):
@@ -158,71 +158,75 @@ class QeRLCLI(LightningCLI):
                 "one GPU in bf16.")
 
     def instantiate_classes(self) -> None:
+        # The classes are built from the resolved copy of the config (concrete values, qerl.run.resolve; the module's
+        # saved hyperparameters are dumped from it), while ``self.config`` stays as the user wrote it (the run's
+        # saved config.yaml says ``auto`` where the user did).
+        written = self.config
+        self.resolution = self._resolve(written[self.subcommand] if self.subcommand else written)
+        self.config = written.clone()
+        self.resolution.apply(self.config[self.subcommand] if self.subcommand else self.config)
         # Constructors check every value; one that raises is a configuration mistake, reported like a parse error.
         try:
-            super().instantiate_classes()
+            self.config_init = self.parser.instantiate_classes(self.config)
         except (ValueError, FileNotFoundError) as error:
             self._parser(self.subcommand).error(str(error))
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
-        if config.get("print_memory_plan") and not trains:
-            self._parser(self.subcommand).error("--print_memory_plan: only for fit (the plan covers the update too).")
-        if trains:
-            self._apply_memory_plan(config.get("memory_plan_device_gb"), bool(config.get("print_memory_plan")))
+        finally:
+            self.config = written
+        self.datamodule = self._get(self.config_init, "data")
+        self.model = self._get(self.config_init, "model")
+        self._add_configure_optimizers_method_to_model(self.subcommand)
+        try:
+            self.trainer = self.instantiate_trainer()
+        except (ValueError, FileNotFoundError) as error:
+            self._parser(self.subcommand).error(str(error))
 
-    def _apply_memory_plan(self, device_gb: float | None, print_only: bool) -> None:
-        """Plan the run's memory before the model loads: print it and exit (``--print_memory_plan``), or give the
-        engine its wave size and the module its micro-batch budget where they are left to the plan; refuse what
-        cannot fit. Made on CUDA (or for ``--memory_plan_device_gb``) with a built-in engine only."""
+    def _resolve(self, config) -> Resolution:
+        """Make the run's open memory and engine settings concrete before anything is built: print the memory plan
+        and exit (``--print_memory_plan``), or decide from it; refuse what cannot fit. The plan is made on CUDA (or
+        for ``--memory_plan_device_gb``) with a built-in engine, for fit only."""
         parser = self._parser(self.subcommand)
+        trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
+        print_only, device_gb = bool(config.get("print_memory_plan")), config.get("memory_plan_device_gb")
+        if print_only and not trains:
+            parser.error("--print_memory_plan: only for fit (the plan covers the update too).")
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
-        device = self.trainer.strategy.root_device
-        free, total = (int(device_gb * GIB),) * 2 if device_gb is not None else device_memory(device)
-        if free is None and not print_only:
-            return
-        engine = self.model.rollout
-        if not isinstance(engine, (BuiltinRollout, CUDAGraphRollout)):
+        rollout = config.model.get("rollout") if trains else None
+        if trains and engine_kind(rollout) is None:
             if print_only:
-                print(f"memory plan: made for BuiltinRollout and CUDAGraphRollout only; {type(engine).__name__} "
-                      "sizes its own memory.")
+                name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]
+                print(f"memory plan: made for BuiltinRollout and CUDAGraphRollout only; {name} sizes its own memory.")
                 sys.exit(0)
-            return
-        name = self.model.policy_config.model
+            return Resolution()
+        settings = plan_settings(config) if trains else None
+        if settings is None:  # not fit, or a value the constructors refuse (naming the option)
+            return Resolution()
+        free, total = device_memory(config.trainer, device_gb)
+        shape = None
+        if free is not None or print_only:
+            try:
+                shape = model_shape(config.model.policy.model)
+            except UnknownArchitecture as error:  # not a Llama/Qwen2-style config: train without a plan
+                if print_only:
+                    parser.error(str(error))
+                warnings.warn(f"{error} wave_rows and micro_batch_tokens: auto stay unset.")
+            except ValueError as error:
+                parser.error(str(error))
         try:
-            config = load_config(name)
-        except (OSError, ValueError) as error:
-            parser.error(f"model.policy.model={name!r}: its config cannot be read for the memory plan "
-                         f"({str(error).strip().splitlines()[0]}).")
-        try:
-            shape = ModelShape.from_config(config)
-        except AttributeError as error:  # not a Llama/Qwen2-style config: train without a plan
-            if print_only:
-                parser.error(f"model.policy.model={name!r}: no memory plan for this architecture ({error}).")
-            warnings.warn(f"No memory plan for {name} ({error}): wave_rows and micro_batch_tokens: auto stay unset.")
-            return
-        settings = run_settings(self.model, self.datamodule)
-        try:
-            plan = plan_memory(shape, settings, free, wave_rows=getattr(engine, "wave_rows", None),
-                               micro_batch_tokens=self.model.hparams.micro_batch_tokens, total_bytes=total)
+            resolution = resolve(settings, config, shape, free, total)
         except MemoryPlanError as error:
             if print_only and error.plan is not None:
                 print(error.plan.table())
             parser.error(str(error))
         if print_only:
-            print(plan.table())
+            print(resolution.plan.table())
+            written = resolution.apply(config.clone())
+            print("resolved (what the run is built with): "
+                  + (", ".join(f"{k}={v}" for k, v in written.items()) or "nothing was left open"))
             sys.exit(0)
-        if settings.waves and engine.wave_rows is None:
-            engine.wave_rows = plan.wave_rows
-        if isinstance(engine, CUDAGraphRollout):  # the engine follows what the plan assumed where it was left open
-            if engine.wide_batch_bf16 is None and not plan.wide_batch_bf16:
-                engine.wide_batch_bf16 = False  # (a copy the plan counts is still checked against the memory then)
-            if engine.keep_kv_cache is None:
-                engine.keep_kv_cache = bool(plan.kv_kept_rows)
-        self.model.planned_micro_batch_tokens = plan.micro_batch_tokens
-        if self.trainer.is_global_zero:
-            print(f"memory plan: peak {plan.peak_bytes / GIB:.1f} GiB of {free / GIB:.1f} GiB free; wave_rows "
-                  f"{plan.wave_rows}, micro_batch_tokens {plan.micro_batch_tokens} (--print_memory_plan for the table)")
+        if resolution.plan is not None and rank_zero_only.rank == 0:
+            print(resolution.report())
+        return resolution
 
     def instantiate_trainer(self, **kwargs):
         trainer = self._get(self.config_init, "trainer", default={})
@@ -260,31 +264,6 @@ def default_allocator_settings(rollout_class_path: str) -> None:
         return
     if not torch.cuda.is_initialized():
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-
-
-def device_memory(device: torch.device) -> tuple[int, int] | tuple[None, None]:
-    """(free, total) bytes of a CUDA device before the run allocates anything there; (None, None) off CUDA."""
-    if device.type != "cuda":
-        return None, None
-    return torch.cuda.mem_get_info(device)
-
-
-def run_settings(model: GRPOModule, datamodule: MathPromptDataModule) -> RunSettings:
-    """What the memory plan needs of the configured module, engine and data."""
-    policy, hparams, engine = model.policy_config, model.hparams, model.rollout
-    graphs = isinstance(engine, CUDAGraphRollout)  # decodes in waves, keeps or frees its static cache
-    return RunSettings(
-        prompts=datamodule.batch_size, group_size=hparams.group_size, max_prompt_tokens=datamodule.max_prompt_tokens,
-        max_new_tokens=engine.max_new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
-        lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
-        micro_batch_size=hparams.micro_batch_size,
-        gradient_checkpointing=policy.gradient_checkpointing, logprob_chunk_size=hparams.logprob_chunk_size,
-        engine="cuda_graph" if graphs else "builtin", waves=graphs,
-        length_bucket=engine.length_bucket if graphs else 1,
-        wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
-        keep_kv_cache=engine.keep_kv_cache if graphs else False,
-        kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto",
-    )
 
 
 def reward_format(answer_format: str) -> str:

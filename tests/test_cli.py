@@ -144,6 +144,10 @@ def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_
     assert f"update    activations ({tokens} tokens, every layer's saved tensors)" in printed
     assert "free device memory: 79.00 GiB" in printed and "\nwave_rows: " in printed
     assert f"\nmicro_batch_tokens: {tokens} (longest row 2304 tokens" in printed
+    resolved = printed.strip().splitlines()[-1]  # what the resolution writes into the config before building
+    assert resolved.startswith("resolved (what the run is built with): ")
+    assert f"model.micro_batch_tokens={tokens}" in resolved
+    assert "model.rollout.init_args.wave_rows=" in resolved and "model.rollout.init_args.keep_kv_cache=" in resolved
     assert not (tmp_path / "runs").exists()
 
 
@@ -199,10 +203,11 @@ def test_micro_batch_tokens_auto_takes_the_plans_budget(no_model_loads, tiny_mod
     args = ["--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.micro_batch_tokens",
             "auto"]
     planned = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_plan_device_gb", "4"])
-    assert planned.model.hparams.micro_batch_tokens == "auto"
-    assert planned.model.planned_micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
+    assert planned.config.model.micro_batch_tokens == "auto"  # the config as the user wrote it (saved with the run)
+    assert planned.model.hparams.micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
+    assert planned.resolution.micro_batch_tokens == 2 * (128 + 4)
     on_cpu = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)  # no plan without a device
-    assert on_cpu.model.planned_micro_batch_tokens is None
+    assert on_cpu.model.hparams.micro_batch_tokens is None
 
 
 def test_the_plan_gives_the_graph_engine_its_waves(no_model_loads, tmp_path, monkeypatch):
@@ -228,7 +233,8 @@ def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_load
     H100) must not make the bf16 decode copy or keep a KV cache the plan left out, whatever the real GPU has free."""
     from qerl.cli import QeRLCLI
     from qerl.data.prompts import MathPromptDataModule
-    from qerl.model.memory_plan import GIB, KV_RELEASE_FRACTION
+    from qerl.model.footprint import GIB
+    from qerl.rollout.kv_cache import KV_RELEASE_FRACTION
     from qerl.modules.grpo_module import GRPOModule
 
     monkeypatch.chdir(tmp_path)
@@ -240,7 +246,7 @@ def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_load
                     args=[*args, "--memory_plan_device_gb", "24", "--model.policy.gradient_checkpointing", "true"])
     assert small.model.rollout.wide_batch_bf16 is False and small.model.rollout.keep_kv_cache is False
     big = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_plan_device_gb", "79"])
-    assert big.model.rollout.wide_batch_bf16 is None  # counted by the plan: the engine checks the memory it finds
+    assert big.model.rollout.wide_batch_bf16 is big.resolution.plan.wide_batch_bf16 is True  # counted by the plan
     assert big.model.rollout.wave_rows == 128
     kv_gib = 128 * (256 + 2048) * 28 * 4 * 128 * 2 * 2 / GIB
     assert big.model.rollout.keep_kv_cache is (kv_gib <= KV_RELEASE_FRACTION * 79)  # freed: 15.75 GiB > 3.95

@@ -88,7 +88,7 @@ def test_recipes_decode_on_the_cuda_graph_engine_in_waves_their_memory_plan_fits
     monkeypatch.chdir(tmp_path)
     args = [*config_args([CONFIGS / "gpu.yaml", recipe]), "--trainer.accelerator", "cpu"]
     cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)
-    assert isinstance(cli.model.rollout, CUDAGraphRollout) and cli.model.rollout.wave_rows is None
+    assert isinstance(cli.model.rollout, CUDAGraphRollout) and cli.model.rollout.wave_rows is None  # no device: one
     size = cli.model.policy_config.model.split("/")[-1].lower().removesuffix("-instruct")  # qwen2.5-7b, qwen3-8b
     model_config(size).save_pretrained(tmp_path / size)  # config.json only: the plan reads nothing else
     with pytest.raises(SystemExit) as stop:

@@ -13,6 +13,7 @@ Layers, lowest first (a module belongs to the layer of its longest matching pref
     rollout                  the engines that sample from the policy
     RL step                  losses, advantages, log-probs, evaluation, the LightningModule
     callbacks                Lightning callbacks around the RL step
+    run                      the memory plan and the resolution of the parsed config, before anything is built
     CLI                      the command lines
     fixtures                 test and benchmark models (nothing in the product imports them)
 """
@@ -36,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rollout", ("qerl.rollout",)),
     ("RL step", ("qerl.modules",)),
     ("callbacks", ("qerl.callbacks",)),
+    ("run", ("qerl.run",)),
     ("CLI", ("qerl.cli", "qerl.quantize", "qerl")),
     ("fixtures", ("qerl.testing",)),
 )

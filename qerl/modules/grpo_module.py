@@ -73,8 +73,8 @@ class GRPOModule(L.LightningModule):
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
         micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
             longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone;
-            ``auto``: the largest budget the memory plan fits in the free GPU memory (``micro_batch_size`` alone
-            where no plan runs: on CPU). A sequence longer than the budget still gets a micro-batch of its own.
+            ``auto``: the largest budget the memory plan fits in the free GPU memory, decided by the CLI before the
+            module is built (``micro_batch_size`` alone where no plan runs: on CPU). A sequence longer than the budget still gets a micro-batch of its own.
         num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
         lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
         weight_decay: AdamW weight decay.
@@ -163,7 +163,6 @@ class GRPOModule(L.LightningModule):
         ])
         policy.validate()
         self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage"])
-        self.planned_micro_batch_tokens: int | None = None  # what ``micro_batch_tokens: auto`` is (the CLI's plan)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
@@ -302,8 +301,8 @@ class GRPOModule(L.LightningModule):
         # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
         # over zero rows fails), every one's inputs on the device before the first forward.
         lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
-        budget = self.hparams.micro_batch_tokens
-        budget = self.planned_micro_batch_tokens if budget == "auto" else budget
+        budget = self.hparams.micro_batch_tokens  # ``auto`` is made concrete before the module is built (qerl.run)
+        budget = None if budget == "auto" else budget  # (a module built without the CLI: rows alone, as on CPU)
         plan = plan_micro_batches(lengths, budget, self.hparams.micro_batch_size)
         row_list = rows.tolist()
         chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,

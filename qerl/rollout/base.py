@@ -42,6 +42,14 @@ class Rollout(NamedTuple):
         return self.completion_mask.sum(-1)
 
 
+def cut_at_eos(completion: Tensor, eos: Tensor, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A token is part of the completion up to and including the first EOS: the completion [N, L] with the pad id
+    after it, its mask [N, L] (long) and whether each row ended with an EOS [N]."""
+    is_eos = torch.isin(completion, eos)
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return completion.masked_fill(after_eos, pad_id), (~after_eos).long(), is_eos.any(-1)
+
+
 class RolloutEngine:
     """Samples completions for a batch of prompts. Subclasses implement ``generate`` and, if they hold their own copy
     of the weights, ``sync``.

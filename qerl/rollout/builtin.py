@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
-from qerl.rollout.base import Rollout, RolloutEngine
+from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +91,7 @@ class BuiltinRollout(RolloutEngine):
                                     past_key_values=cache, use_cache=True).logits[:, -1]
         finally:
             policy.train(was_training)
-        completion = torch.stack(tokens, dim=1)  # [N, L]
-        # A token is part of the completion up to and including the first EOS.
-        is_eos = torch.isin(completion, eos)
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-        completion_mask = (~after_eos).long()
-        completion = completion.masked_fill(after_eos, pad_id)
+        completion, completion_mask, ended = cut_at_eos(torch.stack(tokens, dim=1), eos, pad_id)  # [N, L]
         return Rollout(
             prompt_ids=ids,
             prompt_mask=mask[:, : ids.shape[1]],
@@ -104,5 +99,5 @@ class BuiltinRollout(RolloutEngine):
             completion_mask=completion_mask,
             logprobs=torch.stack(logprobs, 1) * completion_mask,
             entropy=torch.stack(entropies, 1) * completion_mask,
-            truncated=~is_eos.any(-1),
+            truncated=~ended,
         )

@@ -42,180 +42,20 @@ from typing import Literal
 import torch
 
 from qerl.model.aqn import noisy_norms
-from qerl.model.memory_plan import KV_RELEASE_FRACTION, bf16_copy_spare
-from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_bytes, cache_dtype, to_cache_element
+from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.ranks import rank_seed
-from qerl.rollout.base import Rollout, RolloutEngine
+from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
+from qerl.rollout.decode_attention import decode_attention, register_decode_attention
+from qerl.rollout.decode_state import MAX_EOS, DecodeState
+from qerl.rollout.footprint import bf16_copy_spare, wants_bf16_copy
+from qerl.rollout.kernel_choice import Kernels
+from qerl.rollout.footprint import wave_prompts as wave_prompts_of
+from qerl.rollout.kv_cache import SlotCache, free_bytes, head_dim, releases_kv_cache, total_bytes
 from qerl.rollout.sampling import sample_rows
-
-ATTENTION = "qerl_decode"
-MAX_EOS = 8
-
-
-def wave_size(prompts: int, group_size: int, wave_rows: int | None) -> int:
-    """Prompts per decode wave: whole groups of ``group_size`` rows, at most ``wave_rows`` rows (None: all)."""
-    if wave_rows is None or wave_rows >= prompts * group_size:
-        return max(prompts, 1)
-    if wave_rows < group_size:
-        raise ValueError(f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group "
-                         f"(model.group_size={group_size}): a wave decodes whole groups; set it >= {group_size}.")
-    return wave_rows // group_size
-
-
-def gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """One query token per row: softmax(q K^T) V with the KV heads shared by their query heads (no repeat of K/V).
-
-    query [b, Hq, 1, D], key/value [b, Hkv, L, D] (views of the cache), attention_mask bool [b, 1, 1, L].
-    Longer queries (the prefill) go to transformers' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)  # [b, Hkv, G, D]
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d**-0.5)
-    scores = scores.masked_fill(~attention_mask, float("-inf"))  # [b, Hkv, G, L]
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # [b, Hkv, G, D]
-    return out.reshape(b, 1, hq, d), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, gqa_attention)
-
-
-class SlotCache:
-    """Preallocated K/V per layer ``[rows, kv_heads, length, head_dim]``, written in place.
-
-    ``prefill(B, P)``: the layer's keys go to rows 0..B-1, columns 0..P-1 (and are returned as they are).
-    ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
-    columns of those rows are returned as views, so the attention reads nothing else.
-    ``dtype``: the model's, or e4m3 (``qerl.nvfp4.kernels.kv_cache_element``; then what is returned is the rounded
-    values widened back to the model's dtype)."""
-
-    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device,
-                 allocate: bool = True):
-        self.shape, self.dtype, self.device = (2, layers, rows, kv_heads, length, head_dim), dtype, device
-        self.storage: torch.Tensor | None = None
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        if allocate:
-            self.allocate()
-        # lives as long as the cache object (captured graphs read it), whether or not the storage is allocated
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.rows, self.length = rows, length
-        self.mode, self.b, self.L = "prefill", rows, length
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def allocate(self) -> None:
-        """(Re)allocate K/V as one block: freed around the update, it comes back as one block, usually at the same
-        address (which keeps captured graphs valid; the caller compares ``storage.data_ptr()``)."""
-        if self.storage is None:
-            self.storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
-
-    def release(self) -> None:
-        self.storage, self.keys, self.values = None, [], []
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        """transformers' cache call: store ``key``/``value``; return what the attention reads, in their dtype (an
-        e4m3 cache hands back its rounded values, in the prefill too, as the fused step reads them)."""
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        if self.mode == "prefill":
-            k, v = k[: key.shape[0], :, : key.shape[2]], v[: key.shape[0], :, : key.shape[2]]
-            k.copy_(to_cache_element(key, k.dtype))
-            v.copy_(to_cache_element(value, v.dtype))
-        else:
-            k, v = k[: self.b], v[: self.b]
-            cache_bytes(k).index_copy_(2, self.position, cache_bytes(to_cache_element(key, k.dtype)))
-            cache_bytes(v).index_copy_(2, self.position, cache_bytes(to_cache_element(value, v.dtype)))
-            k, v = k[:, :, : self.L], v[:, :, : self.L]
-        if self.dtype == key.dtype:
-            return (key, value) if self.mode == "prefill" else (k, v)
-        return k.to(key.dtype), v.to(value.dtype)
-
-    def repeat_rows(self, prompts: int, group_size: int, length: int) -> None:
-        """Rows 0..B-1 -> rows 0..B*G-1, each prompt's KV copied to the G rows of its group."""
-        for t in (*self.keys, *self.values):
-            t = cache_bytes(t)
-            t[: prompts * group_size, :, :length].copy_(t[:prompts, :, :length].repeat_interleave(group_size, 0))
-
-    def permute_rows(self, order: torch.Tensor, length: int) -> None:
-        for t in (*self.keys, *self.values):
-            view = cache_bytes(t)[: order.numel(), :, :length]
-            view.copy_(view.index_select(0, order))
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of the static K/V cache for ``rows`` slots of ``length`` positions (what :class:`SlotCache` allocates)."""
-    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * _head_dim(config) * dtype.itemsize
-    return per_position * rows * length
-
-
-def _free_bytes(device) -> int:
-    """Free GPU memory, counting what the caching allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def wants_bf16_copy(setting: bool | None, rows: int, need: int, free: int | None, spare: int = 2 << 30) -> bool:
-    """Whether a rollout of ``rows`` rows makes the bf16 copy of ``need`` bytes (``CUDAGraphRollout.wide_batch_bf16``
-    = ``setting``; ``free``: free GPU memory, None off CUDA): only above the mma GEMV's 64 rows, and by default only
-    with ``spare`` bytes left over."""
-    from qerl.nvfp4.kernels import gemv_plan
-
-    if setting is False or rows <= gemv_plan.MAX_M or not need or free is None:
-        return False
-    return bool(setting) or free >= need + spare
-
-
-def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: str) -> None:
-    """Refuse a static KV cache larger than the free memory with what to change, instead of an opaque OOM."""
-    if nbytes > free:
-        raise torch.cuda.OutOfMemoryError(
-            f"CUDAGraphRollout: the static KV cache for {rows} rows x {length} positions needs {nbytes / 2**30:.1f} "
-            f"GiB, {free / 2**30:.1f} GiB are free on {where}. Lower data.batch_size, model.group_size or "
-            "model.rollout.init_args.max_new_tokens (or data.max_prompt_tokens), or use "
-            "qerl.rollout.builtin.BuiltinRollout, whose cache grows with the longest live sequence.")
-
-
-def _as_cache(slot_cache: SlotCache):
-    """A transformers ``Cache`` whose ``update`` is the slot cache's (models only call ``update`` when the masks and
-    position ids are given)."""
-    from transformers.cache_utils import Cache
-
-    class _Cache(Cache):
-        def __init__(self):
-            super().__init__(layers=[])
-
-        def update(self, key, value, layer_idx, *args, **kwargs):
-            return slot_cache.update(key, value, layer_idx)
-
-    return _Cache()
-
 
 def _base_model(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-
-
-@contextmanager
-def _attention(config, name: str):
-    old = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
 
 
 class CUDAGraphRollout(RolloutEngine):
@@ -244,16 +84,20 @@ class CUDAGraphRollout(RolloutEngine):
             rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
             (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
-            None: when the rollout has more than 64 rows and the copy fits in free GPU memory with the memory plan's
-            margin to spare (6% of the GPU, at least 2 GiB; the KV cache already allocated). Fused step only; bf16
-            models are unaffected.
+            None: what the memory plan counted (``train.py`` decides it before the engine is built); an engine built
+            without a plan makes it when the rollout has more than 64 rows and the copy fits in free GPU memory with
+            the plan's margin to spare (``qerl.rollout.footprint.wants_bf16_copy``). Fused step only; bf16 models are
+            unaffected.
         wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
-            one wave instead of the whole batch (the memory plan sets it when left None: all rows in one wave). Each
+            one wave instead of the whole batch (None: the memory plan's, decided before the engine is built; all
+            rows in one wave where no plan is made). Each
             row's sampling noise is a function of its output row and step, so the samples are the same whatever the
             wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
-            update can use the memory (False; the next rollout allocates it again). None: free it on CUDA when it
-            holds more than a twentieth of the GPU's memory.
+            update can use the memory (False; the next rollout allocates it again). None: what the memory plan
+            assumed (decided before the engine is built); without a plan the engine's rule
+            (``qerl.rollout.kv_cache.releases_kv_cache``: free it on CUDA when it holds more than a twentieth of the
+            GPU's memory).
         kv_cache_dtype: ``auto``: the KV cache in the model's dtype; ``fp8_e4m3``: one byte per element (vLLM's
             option of the same name, scale 1): half the cache memory (twice the rows per wave) and half the bytes
             each decode step's attention reads. K and V are rounded to e4m3, so the sampling policy moves a little
@@ -292,24 +136,13 @@ class CUDAGraphRollout(RolloutEngine):
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
-        self._shadows: dict[int, tuple] = {}  # id(LoRA parameter) -> (its module, attribute, copy in the model dtype)
+        self._shadows: dict[int, tuple] = {}  # id(LoRA parameter) -> (its module, attribute, its model-dtype copy)
         self._state = None  # buffers of the current size, see _ensure_state
         # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
         # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graphs_captured = 0
-        # Benchmark hooks (bench/bench_rollout.py), never set by a user: eager steps on CUDA (``_use_graphs``), the
-        # plain launch order or the mma.sync GEMV (``_pdl``, ``_wgmma`` False; None = where supported), the torch
-        # sampling expression instead of the fused kernels (``_fused_sampling`` False), a callable
-        # told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
-        # "captured" around each captured step), and a token count to stop decoding at.
-        self._use_graphs: bool | None = None
-        self._pdl: bool | None = None
-        self._wgmma: bool | None = None
-        self._fused_sampling = True
-        self._phase_hook = None
-        self._stop_after: int | None = None
-        self._decoder = None  # (model id, fast, pdl, wgmma) -> FusedDecoder, built on first use
+        self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -321,17 +154,17 @@ class CUDAGraphRollout(RolloutEngine):
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
         base = _base_model(policy)
         device = next(policy.parameters()).device
-        graphs = device.type == "cuda" if self._use_graphs is None else self._use_graphs
+        graphs = self._captures(device)
         self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
-        _register_attention()
+        register_decode_attention()
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
         key = torch.randint(0, 2**32, (2,), generator=self._generator, device=device)
-        wave_prompts = wave_size(B, group_size, self.wave_rows)
+        wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
                 and torch.cuda.get_device_capability(device) < (8, 9):
@@ -340,8 +173,7 @@ class CUDAGraphRollout(RolloutEngine):
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
         s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, device)
-        out = {name: torch.zeros(N, new, dtype=s[name].dtype, device=device)
-               for name in ("tokens_out", "logprobs_out", "entropy_out")}
+        out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
         out["tokens_out"].fill_(pad_id)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
         # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
@@ -351,17 +183,17 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 0
         try:
             # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
-            with noisy_norms(policy, self.noise_std, self.noise_generator), _attention(base.config, ATTENTION), \
+            with noisy_norms(policy, self.noise_std, self.noise_generator), decode_attention(base.config), \
                     self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
-                    pending = s["cache"].nbytes if s["cache"].storage is None else 0  # allocated after the copy
+                    pending = s.cache.nbytes if s.cache.storage is None else 0  # allocated after the copy
                     rows = wave_prompts * group_size
                     decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device, pending),
                                     rows=rows)
                     self._drop_stale_graphs(decoder)
-                s["decoder"] = decoder
-                s["noise_key"].copy_(key)
+                s.decoder = decoder
+                s.noise_key.copy_(key)
                 for first in range(0, B, wave_prompts):
                     prompts = slice(first, min(B, first + wave_prompts))
                     rows = slice(prompts.start * group_size, prompts.stop * group_size)
@@ -369,26 +201,18 @@ class CUDAGraphRollout(RolloutEngine):
                                                    eos_ids, rows.start, graphs)
                     n = rows.stop - rows.start
                     for name, buffer in out.items():
-                        buffer[rows, :wave_steps] = s[name][:n, :wave_steps]
+                        buffer[rows, :wave_steps] = getattr(s, name)[:n, :wave_steps]
                     steps = max(steps, wave_steps)
         finally:
             if was_training:
                 policy.train()
             if decoder is not None:
                 decoder.release()
-            if self._release_kv_cache(s, device):
-                s["cache"].release()
-                if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < s["cache"].nbytes:
-                    # Too little memory outside the allocator for the cache to come back as a fresh block: give its
-                    # block back now, before the update's long-lived tensors (AdamW states) land in it and pin it.
-                    torch.cuda.empty_cache()
+            if releases_kv_cache(self.keep_kv_cache, s.cache.nbytes, total_bytes(device)):
+                s.cache.release()  # for the update (keep_kv_cache)
         self._phase("done", steps - 1)
-        completion = out["tokens_out"][:, :steps]
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
-        is_eos = torch.isin(completion, eos)
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-        completion_mask = (~after_eos).long()
-        completion = completion.masked_fill(after_eos, pad_id)
+        completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
         logprobs = out["logprobs_out"][:, :steps] * completion_mask
         entropy = out["entropy_out"][:, :steps] * completion_mask
         width = int(completion_mask.sum(-1).max()) if N else 0  # the built-in engine stops when the last row ends
@@ -399,22 +223,23 @@ class CUDAGraphRollout(RolloutEngine):
             completion_mask=completion_mask[:, :width],
             logprobs=logprobs[:, :width],
             entropy=entropy[:, :width],
-            truncated=~is_eos.any(-1),
+            truncated=~ended,
         )
 
-    def _decode_wave(self, s: dict, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
+    def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
                      first_row: int, graphs: bool) -> int:
         """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
-        the decode steps run (the columns of ``s["tokens_out"]`` written)."""
+        the decode steps run (the columns of ``s.tokens_out`` written)."""
         B, P = ids.shape
         N, new = B * group_size, self.max_new_tokens
         device = ids.device
-        self._ensure_cache(s, device)
-        self._reset_state(s, mask, group_size, pad_id, eos_ids)
-        s["first_row"].fill_(first_row)
+        if s.cache.allocate():  # again, after the last rollout released it, at another address
+            self._clear_graphs()
+        s.reset(mask, group_size, pad_id, eos_ids, self.max_new_tokens)
+        s.first_row.fill_(first_row)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
-        decoder, cache = s["decoder"], s["cache"]
+        decoder, cache = s.decoder, s.cache
         cache.mode = "prefill"
         m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
         m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
@@ -422,51 +247,64 @@ class CUDAGraphRollout(RolloutEngine):
             logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
         else:
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
-                            past_key_values=s["hf_cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
+                            past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
         self._record(s, logits.repeat_interleave(group_size, 0), N)
         del logits
         self._phase("decode")
         b, steps = N, 1
-        while steps < min(new, self._stop_after or new):
+        while steps < min(new, self._decode_limit()):
             if steps % self.check_every == 0:
-                alive = int((~s["finished"][:b]).sum())  # host sync, once every check_every steps
+                alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
                     break
                 smaller = next(x for x in buckets if x >= alive)
                 if smaller < b:
-                    self._compact(s, b, P + steps - 1)
+                    s.compact(b, P + steps - 1)
                     b = smaller
-            length = min(s["length"], -(-(P + steps) // self.length_bucket) * self.length_bucket)
+            length = min(s.length, -(-(P + steps) // self.length_bucket) * self.length_bucket)
             self._run_step(s, policy, b, length, graphs)
             steps += 1
         return steps
 
     # ------------------------------------------------------------------------------------------------------------
+    # The engine's seams: what it picks by itself, one method each (a benchmark's subclass compares the alternatives,
+    # ``qerl.testing.comparison_rollout``).
+    def _captures(self, device) -> bool:
+        """Whether the decode steps run from captured CUDA graphs (on CUDA; eagerly elsewhere)."""
+        return device.type == "cuda"
+
+    def _kernels(self, device) -> Kernels:
+        """The fused step's kernels on ``device``, picked once (PDL and the wgmma GEMV where supported)."""
+        return Kernels.pick(device)
+
+    def _sample(self, logits, key, rows, step):
+        """The draw of one step (the fused sampling kernels where they apply)."""
+        return sample_rows(logits, self.temperature, self.top_p, key, rows, step)
+
+    def _decode_limit(self) -> int:
+        """Tokens to decode at most (``max_new_tokens``)."""
+        return self.max_new_tokens
+
+    def _phase(self, name: str, decode_steps: int = 0) -> None:
+        """Told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
+        "captured" around each captured step): nothing to do here."""
+
     def _fused_decoder(self, base, device):
-        from qerl.nvfp4.kernels import gemv_plan
-        from qerl.nvfp4.kernels import pdl as P
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
 
         if not (device.type == "cuda" if self.fused is None else self.fused):
             return None
-        fast = device.type == "cuda"
-        pdl = fast and P.supported(device) if self._pdl is None else self._pdl
-        if pdl and not P.supported(device):
-            raise ValueError(f"PDL launches need a CUDA device of compute capability >= 9.0 and Triton >= 3.4, "
-                             f"got {device}.")
-        if self._wgmma and not (fast and gemv_plan.wgmma_supported(device)):
-            raise ValueError(f"The wgmma GEMV needs an sm_90 GPU (H100/H200), got {device}.")
-        wgmma = None if self._wgmma is None else (fast and self._wgmma)
-        if self._decoder is not None and self._decoder[0] == (id(base), fast, pdl, wgmma):
+        kernels = self._kernels(device)
+        if self._decoder is not None and self._decoder[0] == (id(base), kernels):
             return self._decoder[1]
         try:
-            decoder = FusedDecoder(base, fast, pdl, wgmma)
+            decoder = FusedDecoder(base, kernels)
         except Unsupported as e:
             warnings.warn(f"CUDAGraphRollout: fused decoding off for this model ({e}); decoding with the transformers "
                           f"step, many times slower per token (it launches thousands of kernels a token).")
             decoder = None
-        self._decoder = ((id(base), fast, pdl, wgmma), decoder)
+        self._decoder = ((id(base), kernels), decoder)
         return decoder
 
     def _drop_stale_graphs(self, decoder) -> None:
@@ -490,8 +328,8 @@ class CUDAGraphRollout(RolloutEngine):
         the copy (a KV cache released for the last update), which the copy must leave room for."""
         if device.type != "cuda":
             return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), None)
-        free = _free_bytes(device) - pending
-        spare = bf16_copy_spare(torch.cuda.mem_get_info(device)[1])  # the memory plan's margin, as it assumes
+        free = free_bytes(device) - pending
+        spare = bf16_copy_spare(total_bytes(device))  # the memory plan's margin, as it assumes
         return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), free, spare)
 
     @contextmanager
@@ -524,7 +362,7 @@ class CUDAGraphRollout(RolloutEngine):
             for module, attr, p in swapped:
                 module._parameters[attr] = p
 
-    def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> dict:
+    def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> DecodeState:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
@@ -533,121 +371,59 @@ class CUDAGraphRollout(RolloutEngine):
         kv_dtype = cache_dtype(self.kv_cache_dtype, dtype)
         key = (pointers, self.top_p, id(policy), kv_dtype)
         s = self._state
-        if s is not None and s["key"] == key and s["rows"] >= rows and s["length"] >= length:
+        if s is not None and s.key == key and s.rows >= rows and s.length >= length:
             return s
         self._clear_graphs()
         self._state = None
         if s is not None:  # keep the larger of the old and new sizes so alternating requests do not thrash
-            if s["key"] == key:
-                rows, length = max(rows, s["rows"]), max(length, s["length"])
+            if s.key == key:
+                rows, length = max(rows, s.rows), max(length, s.length)
             del s
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, _head_dim(config))
-        cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated (again) by _ensure_cache
-        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        s = dict(
-            key=key, rows=rows, length=length, cache=cache, hf_cache=_as_cache(cache), cache_at=None,
-            mask=zeros(rows, 1, 1, length, dtype=torch.bool),  # columns each row attends to
-            last=zeros(rows),  # last sampled token of each slot
-            pos=zeros(rows),  # its position id
-            slot_row=zeros(rows),  # which output row each slot holds (slots move when the batch is compacted)
-            finished=zeros(rows, dtype=torch.bool),
-            step=zeros(1),
-            noise_key=zeros(2),  # this rollout's sampling-noise key (row_noise)
-            first_row=zeros(1),  # output row of slot 0 in the current wave
-            pad=zeros(1),
-            eos=zeros(MAX_EOS),
-            tokens_out=zeros(rows, self.max_new_tokens),
-            logprobs_out=zeros(rows, self.max_new_tokens, dtype=torch.float32),
-            entropy_out=zeros(rows, self.max_new_tokens, dtype=torch.float32),
-        )
+        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim(config))
+        cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated by each wave (see _decode_wave)
+        s = DecodeState.empty(key, cache, self.max_new_tokens, device)
         self._state = s
         if device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         return s
 
-    def _ensure_cache(self, s: dict, device) -> None:
-        """Allocate the KV cache again if the last rollout released it; graphs captured over a cache at another
-        address are dropped (recaptured on first use)."""
-        cache = s["cache"]
-        if cache.storage is not None:
-            return
-        if device.type == "cuda":
-            if torch.cuda.mem_get_info(device)[0] < cache.nbytes:
-                torch.cuda.empty_cache()  # the update's cached blocks back to the device: the cache is one block
-            check_kv_cache_fits(cache.nbytes, _free_bytes(device), cache.rows, cache.length, str(device))
-        cache.allocate()
-        if s["cache_at"] is not None and s["cache_at"] != cache.storage.data_ptr():
-            self._clear_graphs()
-        s["cache_at"] = cache.storage.data_ptr()
-
-    def _release_kv_cache(self, s: dict, device) -> bool:
-        """Whether to free the KV cache when the rollout ends (``keep_kv_cache``; None: on CUDA when it holds more
-        than ``KV_RELEASE_FRACTION`` of the GPU's memory, as the memory plan assumes)."""
-        if s["cache"].storage is None or self.keep_kv_cache:
-            return False
-        if self.keep_kv_cache is False:
-            return True
-        return device.type == "cuda" and (
-            s["cache"].nbytes > KV_RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
-
-    def _reset_state(self, s: dict, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
-        if s["tokens_out"].shape[1] < self.max_new_tokens:  # max_new_tokens grew since the buffers were made
-            raise RuntimeError("max_new_tokens changed after the first rollout; create a new engine.")
-        N, P = mask.shape[0] * group_size, mask.shape[1]
-        s["mask"].zero_()
-        s["mask"][:N, 0, 0, :P] = mask.bool().repeat_interleave(group_size, 0)
-        s["pos"][:N] = mask.sum(-1).repeat_interleave(group_size, 0)
-        s["finished"].fill_(True)
-        s["finished"][:N] = False
-        s["slot_row"].copy_(torch.arange(s["rows"], device=mask.device))
-        s["step"].zero_()
-        s["pad"].fill_(pad_id)
-        s["eos"].fill_(-1)
-        if eos_ids:
-            s["eos"][: len(eos_ids)] = torch.tensor(eos_ids, device=mask.device)
-        s["tokens_out"].fill_(pad_id)
-        s["logprobs_out"].zero_()
-        s["entropy_out"].zero_()
-        s["cache"].position.fill_(P)
-
-    def _record(self, s: dict, logits: torch.Tensor, b: int) -> None:
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
-        rows = s["first_row"] + s["slot_row"][:b]  # output rows: the noise follows the row, not its slot or wave
-        key = None if self.greedy else s["noise_key"]
-        token, logprob, entropy = sample_rows(logits, self.temperature, self.top_p, key, rows, s["step"],
-                                              self._fused_sampling)
-        done = s["finished"][:b]
-        token = torch.where(done, s["pad"], token)
-        index = (s["slot_row"][:b], s["step"].expand(b))
-        s["tokens_out"].index_put_(index, token)
-        s["logprobs_out"].index_put_(index, logprob.masked_fill(done, 0.0))
-        s["entropy_out"].index_put_(index, entropy.masked_fill(done, 0.0))
-        done |= torch.isin(token, s["eos"])
-        s["last"][:b] = token
-        s["step"] += 1
+        rows = s.first_row + s.slot_row[:b]  # output rows: the noise follows the row, not its slot or wave
+        key = None if self.greedy else s.noise_key
+        token, logprob, entropy = self._sample(logits, key, rows, s.step)
+        done = s.finished[:b]
+        token = torch.where(done, s.pad, token)
+        index = (s.slot_row[:b], s.step.expand(b))
+        s.tokens_out.index_put_(index, token)
+        s.logprobs_out.index_put_(index, logprob.masked_fill(done, 0.0))
+        s.entropy_out.index_put_(index, entropy.masked_fill(done, 0.0))
+        done |= torch.isin(token, s.eos)
+        s.last[:b] = token
+        s.step += 1
 
-    def _step(self, s: dict, policy, b: int, length: int) -> None:
+    def _step(self, s: DecodeState, policy, b: int, length: int) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
-        cache = s["cache"]
+        cache = s.cache
         cache.mode, cache.b, cache.L = "decode", b, length
-        mask = s["mask"][:b]
+        mask = s.mask[:b]
         mask.index_fill_(3, cache.position, True)
-        if s["decoder"] is not None:
-            logits = s["decoder"].step(s["last"][:b], s["pos"][:b], cache.keys, cache.values, cache.position,
+        if s.decoder is not None:
+            logits = s.decoder.step(s.last[:b], s.pos[:b], cache.keys, cache.values, cache.position,
                                        mask[:, 0, 0], length)
         else:
-            out = policy(input_ids=s["last"][:b, None], attention_mask=mask[:, :, :, :length],
-                         position_ids=s["pos"][:b, None], past_key_values=s["hf_cache"], use_cache=True,
+            out = policy(input_ids=s.last[:b, None], attention_mask=mask[:, :, :, :length],
+                         position_ids=s.pos[:b, None], past_key_values=s.hf_cache, use_cache=True,
                          logits_to_keep=1)
             logits = out.logits[:, -1]
         self._record(s, logits, b)
-        s["pos"][:b] += 1
+        s.pos[:b] += 1
         cache.position += 1
 
-    def _run_step(self, s: dict, policy, b: int, length: int, graphs: bool) -> None:
-        decoder = s["decoder"]
+    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool) -> None:
+        decoder = s.decoder
         graph_key = (b, length, self.temperature, self.greedy, decoder.key(b) if decoder is not None else None)
         graph = self._graphs.get(graph_key) if graphs else None
         if graph is not None:
@@ -663,15 +439,3 @@ class CUDAGraphRollout(RolloutEngine):
             self._graphs[graph_key] = graph
             self.graphs_captured += 1
             self._phase("captured")
-
-    def _phase(self, name: str, decode_steps: int = 0) -> None:
-        if self._phase_hook is not None:
-            self._phase_hook(name, decode_steps)
-
-    def _compact(self, s: dict, b: int, written: int) -> None:
-        """Move the running slots of 0..b-1 to the front (stable), with their cache rows and bookkeeping."""
-        order = torch.argsort(s["finished"][:b].to(torch.int8), stable=True)
-        s["cache"].permute_rows(order, written)
-        for name in ("mask", "last", "pos", "slot_row", "finished"):
-            view = s[name][:b]
-            view.copy_(view.index_select(0, order))

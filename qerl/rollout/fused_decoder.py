@@ -50,6 +50,7 @@ from qerl.nvfp4.kernels import fused_decode as K
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.split_k import counters
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.kernel_choice import Kernels
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # Qwen3: a per-head RMSNorm of q and k inside the q/k/v epilogue
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
@@ -103,9 +104,9 @@ class BaseGEMM:
     bf16 speed, 2 bytes per weight while it lives), else the group dequantized per call. Frozen ``nn.Linear``
     weights are moved into one buffer (views handed back to the modules)."""
 
-    def __init__(self, layers: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
+    def __init__(self, layers: list[nn.Module], kernels: Kernels):
         self.layers = layers
-        self.pdl, self.wgmma = pdl, wgmma
+        fast, self.pdl, self.wgmma = kernels
         self.sizes = [m.out_features for m in layers]
         self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
             "dense" if all(type(m) is nn.Linear for m in layers) else None
@@ -274,9 +275,9 @@ class BaseGEMM:
 class _Group:
     """The modules of one group (q/k/v, o, gate/up, down): base GEMM, biases, LoRA-A stacked, LoRA-B scaled."""
 
-    def __init__(self, modules: list[nn.Module], fast: bool, pdl: bool = False, wgmma: bool | None = None):
+    def __init__(self, modules: list[nn.Module], kernels: Kernels):
         self.modules = modules
-        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], fast, pdl, wgmma)
+        self.gemm = BaseGEMM([_lora(m)[0] for m in modules], kernels)
         self.a = self.b = self.a_frags = None  # buffers (views of the decoder's stacks), kept while LoRA is off
         self.adapter = False  # whether this rollout adds the LoRA terms
 
@@ -332,14 +333,11 @@ class _Group:
 
 class FusedDecoder:
     """The decode step described in the module docstring, for a transformers Llama/Qwen2/Qwen3 causal LM
-    (peft-injected or not). ``fast``: Triton kernels and stacked weights (CUDA); otherwise the torch twins (CPU, tests). ``pdl``:
-    launch the Triton kernels with programmatic dependent launch (the caller checks ``qerl.nvfp4.kernels.pdl.supported``).
-    ``wgmma``: the NVFP4 GEMV's loop (``gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the
-    mma.sync loop).
+    (peft-injected or not), with the ``kernels`` picked for its device (:class:`Kernels`).
 
     Raises :class:`Unsupported` for models it does not cover (the engine then keeps the transformers forward)."""
 
-    def __init__(self, model: nn.Module, fast: bool, pdl: bool = False, wgmma: bool | None = None):
+    def __init__(self, model: nn.Module, kernels: Kernels):
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
@@ -354,7 +352,9 @@ class FusedDecoder:
         rotary = inner.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
-        self.model, self.fast, self.pdl, self.wgmma = model, fast, fast and pdl, wgmma
+        kernels = kernels._replace(pdl=kernels.fast and kernels.pdl)
+        self.model, self.kernels = model, kernels
+        fast, self.fast, self.pdl, self.wgmma = kernels.fast, *kernels
         # the step's glue kernels (their torch twins on CPU)
         self._ops = tuple(functools.partial(op, pdl=self.pdl) for op in (
             K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue)) if fast else (
@@ -372,10 +372,8 @@ class FusedDecoder:
             self.layers.append(dict(
                 ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling), attn=att,
                 qk_norms=qk_norms,
-                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], fast, self.pdl, wgmma),
-                o=_Group([att.o_proj], fast, self.pdl, wgmma),
-                gu=_Group([mlp.gate_proj, mlp.up_proj], fast, self.pdl, wgmma),
-                down=_Group([mlp.down_proj], fast, self.pdl, wgmma)))
+                qkv=_Group([att.q_proj, att.k_proj, att.v_proj], kernels), o=_Group([att.o_proj], kernels),
+                gu=_Group([mlp.gate_proj, mlp.up_proj], kernels), down=_Group([mlp.down_proj], kernels)))
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._key = None

@@ -30,13 +30,13 @@ def recompute(policy, rollout: Rollout, temperature: float = 1.0, kv_cache_dtype
 
 
 def _through_cache(policy, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from qerl.rollout.cuda_graph import SlotCache, _as_cache, _head_dim
+    from qerl.rollout.kv_cache import SlotCache, as_cache, head_dim
 
     config = (policy.get_base_model() if hasattr(policy, "get_base_model") else policy).config
     n, length = ids.shape
-    cache = SlotCache(config.num_hidden_layers, n, config.num_key_value_heads, length, _head_dim(config), dtype,
+    cache = SlotCache(config.num_hidden_layers, n, config.num_key_value_heads, length, head_dim(config), dtype,
                       ids.device)
     causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()[None] & mask.bool()[:, None, :]
     m4 = (causal | torch.eye(length, dtype=torch.bool, device=ids.device)[None])[:, None]  # [N, 1, T, T]
-    return policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask), past_key_values=_as_cache(cache),
+    return policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask), past_key_values=as_cache(cache),
                   use_cache=True).logits.float()

@@ -12,6 +12,7 @@ import torch
 from qerl.model.aqn import rms_norms
 from qerl.nvfp4.kernels import pdl
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.testing.random_models import build_random_policy, qwen25_config
 from qerl.testing.rollouts import recompute
 
@@ -40,9 +41,7 @@ def prompts():
 
 
 def eager_engine(**options) -> CUDAGraphRollout:
-    engine = CUDAGraphRollout(**options)
-    engine._use_graphs = False  # the engine's comparison hook: the same steps, not captured
-    return engine
+    return ComparisonRollout(use_graphs=False, **options)  # the same steps, not captured
 
 
 def max_logprob_error(policy, rollout) -> float:
@@ -63,8 +62,7 @@ def test_graph_replay_samples_the_eager_tokens(policy, prompts):
 
 @pytest.mark.parametrize("wgmma", [None, False], ids=["default-gemv", "mma-sync-gemv"])
 def test_logprobs_equal_a_full_recomputation(policy, prompts, wgmma):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
-    engine._wgmma = wgmma  # False: the GEMV loop of GPUs other than sm_90
+    engine = ComparisonRollout(max_new_tokens=24, seed=0, check_every=4, wgmma=wgmma)  # False: other GPUs' loop
     assert max_logprob_error(policy, engine.generate(policy, prompts, 4, 0, [])) < LOGPROB_ATOL
     # prompts of 175 tokens in all: the fused prefill's GEMMs above 128 rows (each group dequantized into one stack)
     gen = torch.Generator().manual_seed(1)
@@ -79,7 +77,7 @@ def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
     for group in (4, 32):
         engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, kv_cache_dtype="fp8_e4m3")
         r = engine.generate(policy, prompts, group, 0, [])
-        assert engine._state["cache"].dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
+        assert engine._state.cache.dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
         m = r.completion_mask.bool()
         err = (r.logprobs - recompute(policy, r, kv_cache_dtype=torch.float8_e4m3fn)[0]).abs()[m]
         gap = (r.logprobs - recompute(policy, r)[0]).abs()[m]
@@ -140,8 +138,7 @@ def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
 def test_pdl_changes_when_kernels_start_never_what_they_compute(policy, prompts):
     runs = {}
     for on in (False, True):
-        engine = CUDAGraphRollout(max_new_tokens=40, seed=2, check_every=4)
-        engine._pdl = on  # the engine's comparison hook
+        engine = ComparisonRollout(max_new_tokens=40, seed=2, check_every=4, pdl=on)  # the comparison switch
         runs[on] = engine.generate(policy, prompts, 8, 0, list(range(100, 104)))
     assert torch.equal(runs[True].completion_ids, runs[False].completion_ids)
     assert torch.equal(runs[True].logprobs, runs[False].logprobs)
@@ -167,7 +164,7 @@ def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompt
     waves = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=2, wave_rows=8, keep_kv_cache=False)
     eos = list(range(100, 108))
     a, b = one.generate(policy, prompts, 4, 0, eos), waves.generate(policy, prompts, 4, 0, eos)
-    assert waves._state["cache"].storage is None and waves._state["rows"] == 8
+    assert waves._state.cache.storage is None and waves._state.rows == 8
     first = (a.completion_ids[:, :8] == b.completion_ids[:, :8]).all(-1)
     assert int(first.sum()) >= 9, first  # 12 rows; keyed by slot instead of row, about none would agree
     assert max_logprob_error(policy, b) < LOGPROB_ATOL

@@ -8,7 +8,9 @@ from qerl.model.policy import build_policy
 from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
-from qerl.rollout.cuda_graph import CUDAGraphRollout, check_kv_cache_fits, kv_cache_bytes
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.testing.comparison_rollout import ComparisonRollout
+from qerl.rollout.kv_cache import check_kv_cache_fits, kv_cache_bytes
 
 PAD, EOS = 0, 7
 
@@ -34,7 +36,7 @@ def fused(request):
 
 
 def used_decoder(engine) -> bool:
-    return engine._decoder is not None and engine._decoder[1] is not None and engine._state["decoder"] is not None
+    return engine._decoder is not None and engine._decoder[1] is not None and engine._state.decoder is not None
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
@@ -60,13 +62,15 @@ def test_logprobs_equal_full_forward_recomputation(policy, top_p, fused):
         assert (r.completion_ids[row, n:] == PAD).all() and (r.logprobs[row, n:] == 0).all()
 
 
-def test_compaction_and_early_stop_keep_rows_exact(policy, fused):
+def test_compaction_and_early_stop_keep_rows_exact(policy, fused, monkeypatch):
     """Many EOS ids finish rows early: the batch shrinks into smaller buckets and stops before max_new_tokens."""
+    from qerl.rollout.decode_state import DecodeState
+
     eos = list(range(40, 48))
     engine = CUDAGraphRollout(max_new_tokens=40, temperature=1.0, seed=3, check_every=2, fused=fused)
     calls = []
-    original = engine._compact
-    engine._compact = lambda s, b, written: (calls.append(b), original(s, b, written))[1]
+    original = DecodeState.compact
+    monkeypatch.setattr(DecodeState, "compact", lambda s, b, written: (calls.append(b), original(s, b, written))[1])
     r = engine.generate(policy, PROMPTS, group_size=5, pad_id=PAD, eos_ids=eos)
     assert calls, "no compaction happened"
     assert r.completion_ids.shape[1] == int(r.lengths.max())
@@ -100,11 +104,11 @@ def test_kv_cache_size_is_known_before_allocation_and_refused_when_too_big(polic
     engine = CUDAGraphRollout(max_new_tokens=6, seed=0)
     engine.generate(policy, PROMPTS, 2, PAD, [])
     s, base = engine._state, policy.get_base_model()
-    cache = s["cache"]
+    cache = s.cache
     allocated = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
     dtype = base.get_input_embeddings().weight.dtype
-    assert kv_cache_bytes(base.config, s["rows"], s["length"], dtype) == allocated
-    check_kv_cache_fits(allocated, allocated, s["rows"], s["length"], "cuda:0")  # exactly fits
+    assert kv_cache_bytes(base.config, s.rows, s.length, dtype) == allocated
+    check_kv_cache_fits(allocated, allocated, s.rows, s.length, "cuda:0")  # exactly fits
     with pytest.raises(torch.cuda.OutOfMemoryError, match=r"max_new_tokens.*BuiltinRollout"):
         check_kv_cache_fits(80 * 2**30, 17 * 2**30, 256, 1280, "cuda:0")
 
@@ -173,12 +177,12 @@ def test_fused_step_follows_the_adapter_state(policy):
     """With the adapter disabled (peft's context) the fused step samples the base model: LoRA off, original norms."""
     engine = CUDAGraphRollout(max_new_tokens=8, temperature=0.7, seed=3, fused=True)
     with_adapter = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
-    key = engine._state["decoder"].key()
+    key = engine._state.decoder.key()
     engine.reset_generator()
     with policy.disable_adapter():
         r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
         lp, entropy = recompute(policy, r, 0.7)
-    assert used_decoder(engine) and engine._state["decoder"].key() != key
+    assert used_decoder(engine) and engine._state.decoder.key() != key
     torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
     torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
     assert not torch.allclose(with_adapter.logprobs, r.logprobs)
@@ -190,8 +194,7 @@ def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
     assert not pdl.supported("cpu") and pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
     base = policy.get_base_model()
     assert CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu")).pdl is False  # auto: off on CPU
-    forced = CUDAGraphRollout(fused=True)
-    forced._pdl = True  # the benchmarks' comparison hook
+    forced = ComparisonRollout(fused=True, pdl=True)  # the benchmarks' comparison switch
     with pytest.raises(ValueError, match="compute capability >= 9.0"):
         forced._fused_decoder(base, torch.device("cpu"))
 
@@ -201,8 +204,7 @@ def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
 
     assert not gemv_plan.wgmma_supported(torch.device("cpu"))
     base = policy.get_base_model()
-    forced, off_engine = CUDAGraphRollout(fused=True), CUDAGraphRollout(fused=True)
-    forced._wgmma, off_engine._wgmma = True, False  # the benchmarks' comparison hook
+    forced, off_engine = ComparisonRollout(fused=True, wgmma=True), ComparisonRollout(fused=True, wgmma=False)
     with pytest.raises(ValueError, match="sm_90 GPU"):
         forced._fused_decoder(base, torch.device("cpu"))
     auto = CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu"))
@@ -218,7 +220,7 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     """The bf16 copy is for rollouts of more than 64 rows on CUDA (never on CPU or when turned off); graphs keyed on
     an older layout of what their step reads are dropped, the wide steps' keys carry the copy, the others not."""
     from qerl.nvfp4.kernels import gemv_layout, gemv_plan
-    from qerl.rollout.cuda_graph import wants_bf16_copy
+    from qerl.rollout.footprint import wants_bf16_copy
 
     gib = 1 << 30
     assert wants_bf16_copy(None, 65, 13 * gib, 16 * gib) and not wants_bf16_copy(None, 64, 13 * gib, 80 * gib)
@@ -227,7 +229,7 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     assert not wants_bf16_copy(True, 128, 0, 80 * gib) and not wants_bf16_copy(True, 128, 13 * gib, None)  # bf16 / CPU
     engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
     engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
-    decoder = engine._state["decoder"]
+    decoder = engine._state.decoder
     assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, torch.device("cpu"))
     narrow = decoder.key(1)
     assert decoder.key(gemv_plan.MAX_M) == narrow and decoder.key(gemv_plan.MAX_M + 1)[: len(narrow)] == narrow
@@ -240,14 +242,14 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
 
 
 def test_unsupported_model_falls_back_with_a_warning(policy):
-    from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels, Unsupported
 
     base = policy.get_base_model()
     old = base.config.hidden_act
     base.config.hidden_act = "gelu"
     try:
         with pytest.raises(Unsupported, match="hidden_act"):
-            FusedDecoder(base, fast=False)
+            FusedDecoder(base, Kernels(fast=False))
         engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
         with pytest.warns(UserWarning, match="fused decoding off"):
             engine._fused_decoder(base, torch.device("cpu"))
@@ -258,7 +260,7 @@ def test_unsupported_model_falls_back_with_a_warning(policy):
 def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     """Frozen bf16 q|k|v and gate|up weights move into one buffer each (modules keep views: no extra memory); the
     model's outputs are unchanged and a second decoder on the same model finds them already stacked."""
-    from qerl.rollout.fused_decoder import FusedDecoder
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="float32")
@@ -268,7 +270,7 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     base = policy.get_base_model()
     att = base.model.layers[0].self_attn
     params = sum(p.numel() for p in policy.parameters())
-    decoder = FusedDecoder(base, fast=True)
+    decoder = FusedDecoder(base, Kernels(fast=True))
     w = [att.q_proj.base_layer.weight, att.k_proj.base_layer.weight, att.v_proj.base_layer.weight]
     assert len({t.untyped_storage().data_ptr() for t in w}) == 1
     stacked = decoder.layers[0]["qkv"].gemm.dense
@@ -276,7 +278,7 @@ def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
     assert sum(p.numel() for p in policy.parameters()) == params
     with torch.no_grad():
         torch.testing.assert_close(policy(input_ids=ids).logits, before, rtol=0, atol=0)
-    again = FusedDecoder(base, fast=True).layers[0]["qkv"].gemm.dense
+    again = FusedDecoder(base, Kernels(fast=True)).layers[0]["qkv"].gemm.dense
     assert again.data_ptr() == stacked.data_ptr() and torch.equal(again, stacked)
     x = torch.randn(3, 64)
     ys = decoder.layers[0]["qkv"].gemm(x)
@@ -291,8 +293,8 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
     """The prompts through the fused step's kernels (all B * P tokens at once): the same KV cache and next-token
     logits as transformers' forward (+ peft), left padding included."""
     from qerl.rollout.builtin import left_pad
-    from qerl.rollout.cuda_graph import SlotCache, _as_cache, _head_dim
-    from qerl.rollout.fused_decoder import FusedDecoder
+    from qerl.rollout.kv_cache import SlotCache, as_cache, head_dim
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", model_type, vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype=dtype)
@@ -308,11 +310,11 @@ def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dt
     m4 = torch.ones(P, P, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
     m4 = (m4 | torch.eye(P, dtype=torch.bool)[None])[:, None]
     caches = [SlotCache(config.num_hidden_layers, B + 1, config.num_key_value_heads, P + 3,
-                        _head_dim(config), dt, "cpu") for _ in range(2)]
+                        head_dim(config), dt, "cpu") for _ in range(2)]
     with torch.no_grad():
         ref = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
-                     past_key_values=_as_cache(caches[0]), use_cache=True, logits_to_keep=1).logits[:, -1]
-        decoder = FusedDecoder(base, fast=False)
+                     past_key_values=as_cache(caches[0]), use_cache=True, logits_to_keep=1).logits[:, -1]
+        decoder = FusedDecoder(base, Kernels(fast=False))
         decoder.prepare(dt)
         got = decoder.prefill(ids, position_ids(mask), caches[1].keys, caches[1].values, m4)
     # bf16: the LoRA-B product is summed in another order than peft's (one rounding step of the outputs)
@@ -328,7 +330,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     """The LoRA-A rows of every layer's group of a kind share one 16-row-aligned buffer and its GEMV fragments; a
     new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
     from qerl.nvfp4.kernels import gemv_layout, gemv_plan
-    from qerl.rollout.fused_decoder import GROUPS, FusedDecoder
+    from qerl.rollout.fused_decoder import GROUPS, FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="bfloat16")  # q|k|v: 12 rows -> 16
@@ -336,7 +338,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     with torch.no_grad():
         for i, p in enumerate(lora.values()):
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
-    decoder = FusedDecoder(policy.get_base_model(), fast=True)  # fast on CPU: the fragments are plain torch
+    decoder = FusedDecoder(policy.get_base_model(), Kernels(fast=True))  # fast on CPU: the fragments are plain torch
 
     def check():
         for layer in decoder.layers:
@@ -416,8 +418,8 @@ def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
     for _ in range(2):  # the second rollout allocates the released cache again
         a, b = kept.generate(policy, PROMPTS, 2, PAD, []), freed.generate(policy, PROMPTS, 2, PAD, [])
         assert torch.equal(a.completion_ids, b.completion_ids)
-        assert kept._state["cache"].storage is not None and freed._state["cache"].storage is None
-    assert kept._state["rows"] == 4  # the cache holds one wave (two groups of 2), not the 6 rows
+        assert kept._state.cache.storage is not None and freed._state.cache.storage is None
+    assert kept._state.rows == 4  # the cache holds one wave (two groups of 2), not the 6 rows
 
 
 def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
@@ -427,7 +429,7 @@ def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
                               kv_cache_dtype="fp8_e4m3")
     r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS])
     assert used_decoder(engine) == fused
-    cache = engine._state["cache"]
+    cache = engine._state.cache
     assert cache.storage.dtype == torch.float8_e4m3fn and cache.storage.element_size() == 1
     lp, entropy = recompute(policy, r, 0.8, kv_cache_dtype=torch.float8_e4m3fn)
     exact, _ = recompute(policy, r, 0.8)
@@ -441,7 +443,8 @@ def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
 
 
 def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
-    from qerl.model.memory_plan import ModelShape, RunSettings, kv_cache_bytes as planned_kv_bytes
+    from qerl.model.footprint import ModelShape, RunSettings
+    from qerl.rollout.footprint import wave_kv_cache_bytes as planned_kv_bytes
 
     config = policy.get_base_model().config
     assert kv_cache_bytes(config, 8, 64, torch.float8_e4m3fn) * 2 == kv_cache_bytes(config, 8, 64, torch.bfloat16)

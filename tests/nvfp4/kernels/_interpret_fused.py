@@ -133,14 +133,14 @@ for dtype in (torch.float32, torch.float16):
 # (fp32: the interpreter's numpy cannot do the kernel's bf16 bit tricks; the GPU benchmarks check bf16)
 from qerl.nvfp4.format import dequantize
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.fused_decoder import BaseGEMM
+from qerl.rollout.fused_decoder import BaseGEMM, Kernels
 
 lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 48)]
 mods = []
 for lin in lins:
     torch.nn.init.normal_(lin.weight, generator=g)
     mods.append(NVFP4Linear.from_linear(lin))
-gemm = BaseGEMM(mods, fast=True)
+gemm = BaseGEMM(mods, Kernels(fast=True))
 before = gemm.key(), gemm.wide_key()
 res["wide-bytes"] = float(gemm.dequantized_bytes(torch.float32) == 144 * 128 * 4)
 gemm.dequantize(torch.float32)

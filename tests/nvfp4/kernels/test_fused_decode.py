@@ -76,7 +76,7 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     from qerl.nvfp4.kernels import gemv_layout
     from qerl.nvfp4.format import dequantize
     from qerl.nvfp4.linear import NVFP4Linear
-    from qerl.rollout.fused_decoder import BaseGEMM
+    from qerl.rollout.fused_decoder import BaseGEMM, Kernels
 
     g = torch.Generator().manual_seed(0)
     lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 32)]
@@ -88,7 +88,7 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
         m = NVFP4Linear.from_linear(lin, gscale=gscale)
         gscale = m.weight_global_scale
         mods.append(m)
-    gemm = BaseGEMM(mods, fast=True)
+    gemm = BaseGEMM(mods, Kernels(fast=True))
     words, factors, gs = gemm._mma_weight()
     assert words.shape[0] * 16 == 128 and gs is mods[0].weight_global_scale
     assert torch.equal(torch.cat([gemv_layout.repack(m.weight_packed, m.weight_scale)[0] for m in mods]), words)

@@ -10,12 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from qerl.model.memory_plan import (GIB, NVFP4_BYTES_PER_WEIGHT, MemoryPlanError, ModelShape, RunSettings,
-                                    bf16_copy_spare, micro_batch_span, plan_memory)
+from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape, RunSettings
+from qerl.modules.footprint import micro_batch_span
+from qerl.rollout.footprint import bf16_copy_spare
+from qerl.run.memory_plan import MemoryPlanError, plan_memory
 from qerl.model.policy import build_policy, trainable_parameters
 from qerl.nvfp4.kernels.gemv_layout import repack, supported
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.cuda_graph import SlotCache
+from qerl.rollout.kv_cache import SlotCache
 from qerl.testing.random_models import qwen25_config
 from qerl.testing.tiny_models import tiny_config
 
@@ -203,7 +205,7 @@ def test_a_wave_size_or_micro_batch_the_user_set_too_large_is_refused_with_what_
     rows = int(str(error.value).split("<= ")[1].split(" ")[0])
     assert fits(shape, checkpointed, 20 * GIB, wave_rows=rows, micro_batch_tokens=2304)
     assert not fits(shape, checkpointed, 20 * GIB, wave_rows=rows + 8, micro_batch_tokens=2304)
-    with pytest.raises(MemoryPlanError, match=r"wave_rows=4: must be at least one group \(model.group_size=8\)"):
+    with pytest.raises(MemoryPlanError, match=r"wave_rows=4 is smaller than one group \(model.group_size=8\)"):
         plan_memory(shape, settings, 20 * GIB, wave_rows=4)
     assert plan_memory(shape, settings, wave_rows=20).wave_rows == 16  # whole groups, as the engine decodes them
     with pytest.raises(MemoryPlanError) as error:

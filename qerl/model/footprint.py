@@ -1,0 +1,230 @@
+"""What the policy keeps on the GPU for the whole run, counted from its config before any weight loads: the frozen
+weights (NVFP4 storage, the decode GEMV's repacked copy, bf16 embeddings / LM head / norms / biases), the LoRA
+matrices (fp32) and their AdamW states; and the shapes and settings every footprint of a run is counted from.
+
+The rollout's footprint lives with the engine (``qerl.rollout.footprint``), the update's with the update
+(``qerl.modules.footprint``); ``qerl.run.memory_plan`` sums them and chooses. Every coefficient is a named constant:
+counted from what the code allocates, not measured. Layers are assumed to be Llama/Qwen2-shaped (q, k, v, o, gate,
+up, down; SiLU-gated MLP; RMSNorm).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target
+
+GIB = 2**30
+
+NVFP4_BYTES_PER_WEIGHT = 0.5625  # compressed-tensors: a packed E2M1 code (0.5) + one E4M3 block scale per 16 (1/16)
+NVFP4_GLOBAL_SCALE_BYTES = 4  # one fp32 global scale per NVFP4 tensor
+GEMV_BYTES_PER_WEIGHT = 0.625  # the decode GEMV's repack: int32 code words (0.5) + bf16 scale-factor pairs (0.125)
+GEMV_ROW_MULTIPLE = 16  # the repack needs out_features % 16 == 0 ...
+GEMV_COL_MULTIPLE = 64  # ... and in_features % 64 == 0 (else the layer keeps no copy)
+DENSE_BYTES = 2  # a bf16 element (dense weights, activations, KV cache)
+LORA_PARAM_BYTES = 4  # peft keeps the LoRA matrices in fp32
+ADAM_STATE_BYTES = 2 * 4  # AdamW's exp_avg and exp_avg_sq, in the parameter's dtype (fp32 for LoRA)
+NORM_TRAINED_COPY_BYTES = DENSE_BYTES + 2 * DENSE_BYTES  # a trained norm: peft's bf16 copy + its two AdamW states
+
+SAFETY_MARGIN_FRACTION = 0.06  # of the free memory, left unplanned: allocator fragmentation, cuBLAS / Triton
+#                                workspaces, CUDA graph pools and whatever else the plan does not count
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama/Qwen2-family decoder that decide its memory."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers ``PretrainedConfig`` (Qwen2 has q/k/v biases; Llama has them when ``attention_bias``)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
+            heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
+            or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        )
+
+    def projection(self, name: str) -> tuple[int, int]:
+        """(out_features, in_features) of one projection of a decoder layer."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (q, self.hidden), "k_proj": (kv, self.hidden), "v_proj": (kv, self.hidden),
+                "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
+                "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate)}[name]
+
+    def kv_bytes_per_token(self, element_bytes: int = DENSE_BYTES) -> int:
+        """K and V of every layer for one position of one row (bf16; e4m3: 1 byte per element)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a footprint needs of a run's configuration (``qerl.run.resolve.run_settings`` reads it off the config).
+
+    Args:
+        prompts: prompts per batch (``data.batch_size``).
+        group_size: completions per prompt.
+        max_prompt_tokens: the longest prompt.
+        max_new_tokens: the completion budget.
+        quantization: ``nvfp4`` or ``bf16`` base weights.
+        lora_rank: LoRA rank.
+        lora_targets: module names (leaf names or regexes) that get NVFP4 storage and LoRA.
+        train_norms: the RMSNorm weights are trained too.
+        micro_batch_size: at most this many rows per micro-batch.
+        gradient_checkpointing: decoder layers are recomputed in the backward.
+        logprob_chunk_size: tokens per LM-head chunk in the loss.
+        engine: ``cuda_graph`` (static slot cache, rounded up to ``length_bucket``) or ``builtin`` (transformers'
+            growing cache).
+        waves: the engine decodes the rows in waves of whole groups (else all rows at once).
+        length_bucket: the cuda_graph engine's cache length is a multiple of this.
+        gemv_copy: the decode GEMV's repacked copy of each NVFP4 weight it serves is the copy on the GPU (the
+            compressed-tensors one then lives in host memory); False: the compressed-tensors copy alone.
+        wide_batch_bf16: the engine's setting for the bf16 weight copy of wide decode steps (None: when it fits).
+        keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
+            it (False), or by the engine's rule (None, ``qerl.rollout.kv_cache.releases_kv_cache``).
+        kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte).
+    """
+
+    prompts: int
+    group_size: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    quantization: str = "nvfp4"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    train_norms: bool = True
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int = 1024
+    engine: str = "cuda_graph"
+    waves: bool = True
+    length_bucket: int = 256
+    gemv_copy: bool = True
+    wide_batch_bf16: bool | None = None
+    keep_kv_cache: bool | None = None
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group_size
+
+    @property
+    def longest_row(self) -> int:
+        """Prompt + completion tokens of the longest row the update may see."""
+        return self.max_prompt_tokens + self.max_new_tokens
+
+
+class Component(NamedTuple):
+    """One line of the plan."""
+
+    phase: str  # resident, rollout or update
+    name: str
+    nbytes: float
+
+
+PHASES = ("resident", "rollout", "update")
+
+
+
+def layer_projections(shape: ModelShape, targets: Sequence[str]) -> tuple[tuple[tuple[str, bool], ...], ...]:
+    """Per layer, each projection and whether ``targets`` picks it (NVFP4 storage and LoRA)."""
+    return _targeted(shape.layers, tuple(targets))
+
+
+@functools.lru_cache(maxsize=64)
+def _targeted(layers: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[str, bool], ...], ...]:
+    def name(i: int, p: str) -> str:
+        return f"model.layers.{i}.{'mlp' if p in PROJECTIONS[4:] else 'self_attn'}.{p}"
+
+    return tuple(tuple((p, matches_target(name(i, p), targets)) for p in PROJECTIONS) for i in range(layers))
+
+
+def lora_parameters(shape: ModelShape, settings: RunSettings) -> int:
+    """LoRA parameters: r x (in + out) per targeted projection."""
+    layers = layer_projections(shape, settings.lora_targets)
+    return sum(settings.lora_rank * sum(shape.projection(p)) for layer in layers for p, targeted in layer if targeted)
+
+
+def norm_channels(shape: ModelShape) -> int:
+    """RMSNorm weights: two per layer and the final one."""
+    return (2 * shape.layers + 1) * shape.hidden
+
+
+def resident_components(shape: ModelShape, settings: RunSettings) -> list[Component]:
+    nvfp4 = settings.quantization == "nvfp4"
+    quantized = dense = gemv = tensors = 0
+    for layer in layer_projections(shape, settings.lora_targets):
+        for p, targeted in layer:
+            out, inp = shape.projection(p)
+            if nvfp4 and targeted:
+                quantized += out * inp
+                tensors += 1
+                if out % GEMV_ROW_MULTIPLE == 0 and inp % GEMV_COL_MULTIPLE == 0:
+                    gemv += out * inp
+            else:
+                dense += out * inp
+    embeddings = shape.vocab * shape.hidden
+    bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.layers if shape.qkv_bias else 0
+    lora = lora_parameters(shape, settings)
+    out = []
+    repacked = gemv if settings.gemv_copy else 0  # those weights' compressed-tensors tensors are in host memory
+    if quantized:
+        out.append(Component("resident", "NVFP4 linears (compressed-tensors, 0.5625 B/weight; global scales)",
+                             (quantized - repacked) * NVFP4_BYTES_PER_WEIGHT + tensors * NVFP4_GLOBAL_SCALE_BYTES))
+    if repacked:
+        out.append(Component("resident", "NVFP4 linears in the decode GEMV's layout (0.625 B/weight)",
+                             repacked * GEMV_BYTES_PER_WEIGHT))
+    if dense:
+        out.append(Component("resident", "bf16 linears", dense * DENSE_BYTES))
+    out.append(Component("resident", "embeddings (bf16)" + (", tied LM head" if shape.tied_embeddings else ""),
+                         embeddings * DENSE_BYTES))
+    if not shape.tied_embeddings:
+        out.append(Component("resident", "LM head (bf16)", embeddings * DENSE_BYTES))
+    out.append(Component("resident", "norms and biases (bf16)", (norm_channels(shape) + bias) * DENSE_BYTES))
+    out.append(Component("resident", f"LoRA r={settings.lora_rank} (fp32, {lora / 1e6:.1f}M parameters)",
+                         lora * LORA_PARAM_BYTES))
+    out.append(Component("resident", "AdamW states of LoRA (2 x fp32)", lora * ADAM_STATE_BYTES))
+    if settings.train_norms:
+        out.append(Component("resident", "trained norms (bf16 copy + AdamW states)",
+                             norm_channels(shape) * NORM_TRAINED_COPY_BYTES))
+    return out
+
+
+
+def largest_layer_weights(shape: ModelShape, settings: RunSettings) -> int:
+    targeted = dict(layer_projections(shape, settings.lora_targets)[0])
+    return max((math.prod(shape.projection(p)) for p in PROJECTIONS if targeted[p]), default=0)
+
+
+def nvfp4_weights(shape: ModelShape, settings: RunSettings) -> int:
+    if settings.quantization != "nvfp4":
+        return 0
+    return sum(math.prod(shape.projection(p)) for layer in layer_projections(shape, settings.lora_targets)
+               for p, targeted in layer if targeted)
+
+
+
+def total(components: list[Component]) -> float:
+    return sum(c.nbytes for c in components)
+
+
+def default_margin(free_bytes: int) -> int:
+    """What a plan of a device with ``free_bytes`` free leaves unplanned (the engine's optional copies leave it too)."""
+    return int(free_bytes * SAFETY_MARGIN_FRACTION)

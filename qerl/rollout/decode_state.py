@@ -1,0 +1,85 @@
+"""The CUDA-graph engine's decode state: every buffer a captured step reads or writes, as one typed object.
+
+The buffers are made once per size (``DecodeState.empty``) and written in place from then on (``reset`` for each
+wave, ``compact`` when finished rows leave the front), so captured graphs keep reading the same storage. Shapes:
+``rows`` slots (one wave), ``length`` cache positions, ``new`` = ``max_new_tokens`` output columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qerl.rollout.kv_cache import SlotCache, as_cache
+
+MAX_EOS = 8
+
+
+@dataclass(eq=False)
+class DecodeState:
+    """The buffers of one size of decode (see the module docstring); ``key`` names what they were made for (the
+    parameters' storage, ``top_p``, the policy, the KV element type): another key makes a new state."""
+
+    key: tuple
+    rows: int
+    length: int
+    cache: SlotCache
+    hf_cache: Any  # the cache as transformers' ``Cache`` (the unfused step)
+    mask: torch.Tensor  # [rows, 1, 1, length] bool: the columns each slot attends to
+    last: torch.Tensor  # [rows] the last sampled token of each slot
+    pos: torch.Tensor  # [rows] its position id
+    slot_row: torch.Tensor  # [rows] the output row each slot holds (slots move when the batch is compacted)
+    finished: torch.Tensor  # [rows] bool
+    step: torch.Tensor  # [1] the output column written next
+    noise_key: torch.Tensor  # [2] this rollout's sampling-noise key (row_noise)
+    first_row: torch.Tensor  # [1] the output row of slot 0 in the current wave
+    pad: torch.Tensor  # [1]
+    eos: torch.Tensor  # [MAX_EOS] the EOS ids, -1 padded
+    tokens_out: torch.Tensor  # [rows, new] long
+    logprobs_out: torch.Tensor  # [rows, new] fp32
+    entropy_out: torch.Tensor  # [rows, new] fp32
+    decoder: Any = None  # the FusedDecoder of this rollout (None: the transformers step)
+
+    OUTPUTS = ("tokens_out", "logprobs_out", "entropy_out")
+
+    @classmethod
+    def empty(cls, key: tuple, cache: SlotCache, max_new_tokens: int, device) -> DecodeState:
+        """The buffers for ``cache.rows`` slots of ``cache.length`` positions (the cache itself is not allocated)."""
+        rows, length = cache.rows, cache.length
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(key=key, rows=rows, length=length, cache=cache, hf_cache=as_cache(cache),
+                   mask=zeros(rows, 1, 1, length, dtype=torch.bool), last=zeros(rows), pos=zeros(rows),
+                   slot_row=zeros(rows), finished=zeros(rows, dtype=torch.bool), step=zeros(1), noise_key=zeros(2),
+                   first_row=zeros(1), pad=zeros(1), eos=zeros(MAX_EOS), tokens_out=zeros(rows, max_new_tokens),
+                   logprobs_out=zeros(rows, max_new_tokens, dtype=torch.float32),
+                   entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32))
+
+    def reset(self, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int], max_new_tokens: int) -> None:
+        """Start a wave of the prompts whose padding ``mask`` [B, P] is given, G rows each."""
+        if self.tokens_out.shape[1] < max_new_tokens:  # max_new_tokens grew since the buffers were made
+            raise RuntimeError("max_new_tokens changed after the first rollout; create a new engine.")
+        N, P = mask.shape[0] * group_size, mask.shape[1]
+        self.mask.zero_()
+        self.mask[:N, 0, 0, :P] = mask.bool().repeat_interleave(group_size, 0)
+        self.pos[:N] = mask.sum(-1).repeat_interleave(group_size, 0)
+        self.finished.fill_(True)
+        self.finished[:N] = False
+        self.slot_row.copy_(torch.arange(self.rows, device=mask.device))
+        self.step.zero_()
+        self.pad.fill_(pad_id)
+        self.eos.fill_(-1)
+        if eos_ids:
+            self.eos[: len(eos_ids)] = torch.tensor(eos_ids, device=mask.device)
+        self.tokens_out.fill_(pad_id)
+        self.logprobs_out.zero_()
+        self.entropy_out.zero_()
+        self.cache.position.fill_(P)
+
+    def compact(self, b: int, written: int) -> None:
+        """Move the running slots of 0..b-1 to the front (stable), with their cache rows and bookkeeping."""
+        order = torch.argsort(self.finished[:b].to(torch.int8), stable=True)
+        self.cache.permute_rows(order, written)
+        for view in (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b]):
+            view.copy_(view.index_select(0, order))

@@ -1,0 +1,217 @@
+"""The resolution step, between parsing and building: every ``auto`` or unset memory and engine setting of a run is
+made concrete on the parsed config, once, before any class is built. The built module and engine receive plain
+values and nobody writes into them afterwards.
+
+    parsed config --(run_settings)--> RunSettings --(plan_memory, on the device's free memory)--> MemoryPlan
+        --(resolve)--> Resolution: the values decided --(Resolution.apply)--> the config that is built
+
+What is decided (each only where the config leaves it open):
+
+    model.micro_batch_tokens                      ``auto``: the plan's budget (no device: None, rows alone)
+    model.rollout.init_args.wave_rows             None: the plan's wave (no device: None, every row at once)
+    model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
+    model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
+
+Only the built-in engines (``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) are planned; another engine
+(vLLM) sizes its own memory and its config is left as it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+
+from qerl.hub import load_config
+from qerl.model.footprint import GIB, ModelShape, RunSettings
+from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.run.memory_plan import MemoryPlan, plan_memory
+
+ENGINE_OPTIONS = ("wave_rows", "wide_batch_bf16", "keep_kv_cache")  # what the resolution gives a graph engine
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The values the resolution decided for one run (None where the config's value stays as it is).
+
+    Args:
+        micro_batch_tokens: the update's token budget for ``micro_batch_tokens: auto`` (None: rows alone).
+        wave_rows: the graph engine's rows per wave (None: every row in one wave).
+        wide_batch_bf16: whether the graph engine decodes wide steps on a bf16 weight copy.
+        keep_kv_cache: whether the graph engine keeps its KV cache through the update.
+        plan: the memory plan the values come from (None: no device to plan for).
+    """
+
+    micro_batch_tokens: int | None = None
+    wave_rows: int | None = None
+    wide_batch_bf16: bool | None = None
+    keep_kv_cache: bool | None = None
+    plan: MemoryPlan | None = None
+
+    def apply(self, config) -> dict:
+        """Write the decided values into the parsed ``config`` (a jsonargparse namespace of one subcommand) where it
+        leaves them open; values the user set stay. Returns what was written, by option."""
+        model, written = config.model, {}
+        if model.get("micro_batch_tokens") == "auto":
+            model.micro_batch_tokens = written["model.micro_batch_tokens"] = self.micro_batch_tokens
+        if engine_kind(model.get("rollout")) == "cuda_graph":
+            args = model.rollout.init_args
+            for name in ENGINE_OPTIONS:
+                if args.get(name) is None:
+                    args[name] = written[f"model.rollout.init_args.{name}"] = getattr(self, name)
+        return written
+
+    def summary(self) -> str:
+        """What was decided, in one line (the plan's table is ``MemoryPlan.table``)."""
+        return ", ".join(f"{name} {getattr(self, name)}" for name in ("wave_rows", "micro_batch_tokens",
+                                                                       "wide_batch_bf16", "keep_kv_cache"))
+
+    def report(self) -> str:
+        """The line ``train.py fit`` prints: the planned peak, the memory assumed and what was decided."""
+        return (f"memory plan: peak {self.plan.peak_bytes / GIB:.1f} GiB of {self.plan.free_bytes / GIB:.1f} GiB "
+                f"free; {self.summary()} (--print_memory_plan for the table)")
+
+
+class UnknownArchitecture(ValueError):
+    """The model's config is not of a Llama/Qwen2-style decoder: no memory plan for it."""
+
+
+def engine_class(rollout) -> type | None:
+    """The class a parsed ``model.rollout`` (``class_path`` / ``init_args``, or None: ``BuiltinRollout``) builds."""
+    if rollout is None:
+        return BuiltinRollout
+    class_path = rollout if isinstance(rollout, str) else rollout.get("class_path")
+    if not class_path:
+        return None
+    module, _, name = str(class_path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def engine_kind(rollout) -> str | None:
+    """``cuda_graph``, ``builtin`` or None (an engine the plan does not cover, such as vLLM's)."""
+    cls = engine_class(rollout)
+    if isinstance(cls, type) and issubclass(cls, CUDAGraphRollout):
+        return "cuda_graph"
+    if isinstance(cls, type) and issubclass(cls, BuiltinRollout):
+        return "builtin"
+    return None
+
+
+def engine_args(rollout) -> dict:
+    """The engine's init arguments as it will be built: the config's, over its signature's defaults."""
+    args = {}
+    for cls in reversed(engine_class(rollout).__mro__):  # a subclass passes its base's arguments on as **kwargs
+        if "__init__" in vars(cls) and cls is not object:
+            args.update({name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                         if p.default is not inspect.Parameter.empty})
+    given = rollout.get("init_args") if rollout is not None and not isinstance(rollout, str) else None
+    args.update(dict(given.items()) if given is not None else {})
+    return args
+
+
+def run_settings(config) -> RunSettings:
+    """What the memory plan needs of a parsed config (one subcommand's namespace) with a built-in engine."""
+    model, data, policy = config.model, config.data, config.model.policy
+    graphs = engine_kind(model.get("rollout")) == "cuda_graph"  # decodes in waves, keeps or frees its static cache
+    engine = engine_args(model.get("rollout"))
+    return RunSettings(
+        prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
+        max_new_tokens=engine["max_new_tokens"], quantization=policy.quantization, lora_rank=policy.lora_rank,
+        lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
+        micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
+        logprob_chunk_size=model.logprob_chunk_size, engine="cuda_graph" if graphs else "builtin", waves=graphs,
+        length_bucket=engine["length_bucket"] if graphs else 1,
+        wide_batch_bf16=engine["wide_batch_bf16"] if graphs else False,
+        keep_kv_cache=engine["keep_kv_cache"] if graphs else False,
+        kv_cache_dtype=engine["kv_cache_dtype"] if graphs else "auto",
+    )
+
+
+def plan_settings(config) -> RunSettings | None:
+    """The plan's settings of a parsed config; None where a value the plan reads is out of range (the constructors
+    then refuse it, naming the option)."""
+    model, data = config.get("model"), config.get("data")
+    try:
+        if not (model.group_size >= 2 and model.micro_batch_size >= 1 and data.batch_size >= 1
+                and data.max_prompt_tokens >= 1 and model.logprob_chunk_size >= 1):
+            return None
+        settings = run_settings(config)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return settings if settings.max_new_tokens >= 1 and settings.length_bucket >= 1 else None
+
+
+def model_shape(name: str) -> ModelShape:
+    """The sizes of the model ``name`` (a hub id or a directory) from its config alone.
+
+    Raises:
+        UnknownArchitecture: the config is not of a Llama/Qwen2-style decoder.
+        ValueError: the config cannot be read.
+    """
+    try:
+        config = load_config(name)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model.policy.model={name!r}: its config cannot be read for the memory plan "
+                         f"({str(error).strip().splitlines()[0]}).") from error
+    try:
+        return ModelShape.from_config(config)
+    except AttributeError as error:
+        raise UnknownArchitecture(f"model.policy.model={name!r}: no memory plan for this architecture "
+                                  f"({error}).") from error
+
+
+def planning_device(trainer) -> torch.device:
+    """The device this process will train on, from the parsed ``trainer`` options (before the Trainer exists): the
+    CUDA device of its local rank when the accelerator may be CUDA and one is present, else the CPU."""
+    accelerator = str(trainer.get("accelerator") or "auto").lower()
+    if accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    devices = trainer.get("devices")
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    if isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
+        ids = [int(d) for d in (devices.split(",") if isinstance(devices, str) else devices) if str(d).strip()]
+        return torch.device("cuda", ids[rank] if rank < len(ids) else ids[0])
+    return torch.device("cuda", rank)
+
+
+def device_memory(trainer, device_gb: float | None = None) -> tuple[int, int] | tuple[None, None]:
+    """(free, total) bytes the run is planned for: ``device_gb`` GiB (``--memory_plan_device_gb``), else the CUDA
+    device the ``trainer`` options give this process, before the run allocates anything there; (None, None) off
+    CUDA."""
+    if device_gb is not None:
+        return int(device_gb * GIB), int(device_gb * GIB)
+    device = planning_device(trainer)
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.mem_get_info(device)
+
+
+def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes: int | None,
+            total_bytes: int | None) -> Resolution:
+    """The values of a run (``settings`` and the parsed ``config`` it came from) on a device with ``free_bytes`` free
+    of ``total_bytes`` (None: no device), planned for a model of ``shape`` (None: none is planned).
+
+    Raises:
+        MemoryPlanError: the settings cannot fit the device (the message names the option to lower).
+    """
+    engine = engine_args(config.model.get("rollout"))
+    graphs = settings.engine == "cuda_graph"
+    micro_batch_tokens = config.model.get("micro_batch_tokens")
+    if shape is None:  # no device (or no plan for this model): nothing chosen for memory; the engines' own rules
+        if free_bytes is None and graphs:  # without a GPU a graph engine keeps its cache and makes no bf16 copy
+            return Resolution(wide_batch_bf16=False, keep_kv_cache=True)
+        return Resolution()
+    plan = plan_memory(shape, settings, free_bytes, wave_rows=engine.get("wave_rows") if graphs else None,
+                       micro_batch_tokens=micro_batch_tokens, total_bytes=total_bytes)
+    if not graphs:
+        return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan)
+    return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan,
+                      wave_rows=plan.wave_rows if free_bytes is not None else None,
+                      wide_batch_bf16=plan.wide_batch_bf16, keep_kv_cache=bool(plan.kv_kept_rows))

@@ -1,0 +1,52 @@
+"""``CUDAGraphRollout`` with the benchmarks' comparison switches, set when it is built: eager steps on CUDA, the plain
+launch order or the mma.sync GEMV, the torch sampling expression instead of the fused kernels, a token count to stop
+decoding at, and a callable told each phase of a call. The engine itself has none of these options (a user never
+sets them); it picks each of them in one method (its seams), which this subclass answers from its switches.
+
+    engine = ComparisonRollout(use_graphs=False, pdl=False, max_new_tokens=64)   # bench/bench_rollout.py, tests/gpu
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.kernel_choice import Kernels
+from qerl.rollout.sampling import sample_rows
+
+
+class ComparisonRollout(CUDAGraphRollout):
+    """A ``CUDAGraphRollout`` whose own choices are forced where a switch is set (None: the engine's choice).
+
+    Args:
+        use_graphs: capture the decode steps into CUDA graphs (False: the same steps, eagerly).
+        pdl: launch the fused step's kernels with programmatic dependent launch (refused where unsupported).
+        wgmma: the NVFP4 GEMV's warpgroup-MMA loop (False: the mma.sync loop of GPUs other than sm_90).
+        fused_sampling: the fused sampling kernels (False: the torch expression with the same noise).
+        stop_after: decode at most this many tokens (warm-ups and profiles).
+        phase_hook: called with each phase of a call and the decode steps run so far (a timer).
+        **options: ``CUDAGraphRollout``'s arguments.
+    """
+
+    def __init__(self, use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
+                 fused_sampling: bool = True, stop_after: int | None = None,
+                 phase_hook: Callable[[str, int], None] | None = None, **options):
+        super().__init__(**options)
+        self.use_graphs, self.pdl, self.wgmma, self.fused_sampling = use_graphs, pdl, wgmma, fused_sampling
+        self.stop_after, self.phase_hook = stop_after, phase_hook
+
+    def _captures(self, device) -> bool:
+        return super()._captures(device) if self.use_graphs is None else self.use_graphs
+
+    def _kernels(self, device) -> Kernels:
+        return Kernels.pick(device, self.pdl, self.wgmma)
+
+    def _sample(self, logits, key, rows, step):
+        return sample_rows(logits, self.temperature, self.top_p, key, rows, step, self.fused_sampling)
+
+    def _decode_limit(self) -> int:
+        return min(self.max_new_tokens, self.stop_after or self.max_new_tokens)
+
+    def _phase(self, name: str, decode_steps: int = 0) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name, decode_steps)

@@ -1,0 +1,108 @@
+"""A setting travels one way: config -> resolution -> constructor. Every shipped recipe, built through the real CLI
+(parse, resolution, instantiation) for a planned device, gets its planned values as constructor arguments, and
+nothing is assigned to the built module or engine afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qerl.cli import QeRLCLI
+from qerl.data.prompts import MathPromptDataModule
+from qerl.modules.grpo_module import GRPOModule
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.run.resolve import ENGINE_OPTIONS, engine_args, planning_device, run_settings
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
+CASES = [[CONFIGS / "debug.yaml"], [CONFIGS / "smoke.yaml"]] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [
+    [CONFIGS / "gpu.yaml", r, CONFIGS / "recipes" / "bf16.yaml"] for r in RECIPES]
+IDS = [" + ".join(p.relative_to(CONFIGS).as_posix() for p in c) for c in CASES]
+
+
+def attributes(obj) -> dict:
+    """Every attribute of ``obj`` by identity and value (what an assignment from outside would change)."""
+    return {name: (id(value), repr(value)) for name, value in vars(obj).items()}
+
+
+@pytest.mark.parametrize("paths", CASES, ids=IDS)
+def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths, tmp_path, monkeypatch,
+                                                                         no_model_loads, tiny_model_dirs):
+    from qerl.testing.random_models import model_config
+
+    monkeypatch.chdir(tmp_path)
+    args = [arg for p in paths for arg in ("--config", str(p))] + ["--trainer.accelerator", "cpu",
+                                                                   "--memory_plan_device_gb", "79"]
+    if paths[-1].parent.name == "recipes" or paths[-1].name == "bf16.yaml":  # a config.json of the recipe's size
+        size = next(p.stem.split("_")[0] for p in paths if p.stem.startswith("qwen"))
+        model_config(size).save_pretrained(tmp_path / size)
+        args += ["--model.policy.model", str(tmp_path / size)]
+    else:
+        args += ["--model.policy.model", str(tiny_model_dirs["qwen2"])]
+
+    built, assigned = {}, []  # what the module and engine hold the moment they are built; what is set after that
+
+    def snapshot(cli, **kwargs):
+        built["module"], built["engine"] = attributes(cli.model), attributes(cli.model.rollout)
+        for obj in (cli.model, cli.model.rollout):  # from now on, any assignment to them is recorded
+            setter = type(obj).__setattr__
+
+            def guard(self, name, value, obj=obj, setter=setter):
+                if self is obj:
+                    assigned.append((type(obj).__name__, name))
+                setter(self, name, value)
+
+            monkeypatch.setattr(type(obj), "__setattr__", guard)
+        return original(cli, **kwargs)
+
+    original = QeRLCLI.instantiate_trainer
+    monkeypatch.setattr(QeRLCLI, "instantiate_trainer", snapshot)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)
+    module, engine, resolution = cli.model, cli.model.rollout, cli.resolution
+
+    # the plan ran and decided every open value; the constructors received them
+    assert resolution.plan is not None
+    assert module.hparams.micro_batch_tokens == (resolution.micro_batch_tokens
+                                                 if cli.config.model.micro_batch_tokens == "auto"
+                                                 else cli.config.model.micro_batch_tokens)
+    assert module.hparams.micro_batch_tokens != "auto"
+    if isinstance(engine, CUDAGraphRollout):
+        written = engine_args(cli.config.model.rollout)  # the config as the user wrote it
+        for name in ENGINE_OPTIONS:
+            expected = getattr(resolution, name) if written[name] is None else written[name]
+            assert getattr(engine, name) == expected is not None, name
+        assert engine.wave_rows == resolution.plan.wave_rows and engine.wave_rows % module.hparams.group_size == 0
+    # nothing was assigned to the built objects after construction
+    assert assigned == []
+    assert attributes(module) == built["module"]
+    assert attributes(engine) == built["engine"]
+    assert not hasattr(module, "planned_micro_batch_tokens")
+    # and the settings the plan read are the config's, which stays as the user wrote it
+    assert run_settings(cli.config).max_new_tokens == engine.max_new_tokens
+
+
+def test_nothing_is_decided_for_memory_without_a_device(no_model_loads, tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+        "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+        "--model.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout"])
+    assert cli.resolution.plan is None and cli.model.hparams.micro_batch_tokens is None  # rows alone
+    engine = cli.model.rollout
+    # a CPU engine keeps its cache and makes no bf16 copy (its own rule off CUDA), now said on the config
+    assert (engine.wave_rows, engine.wide_batch_bf16, engine.keep_kv_cache) == (None, False, True)
+    assert cli.config.model.micro_batch_tokens == "auto"
+
+
+def test_the_planning_device_follows_the_trainers_options(monkeypatch):
+    from jsonargparse import Namespace
+
+    import torch
+
+    assert planning_device(Namespace(accelerator="cpu", devices="auto")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert planning_device(Namespace(accelerator="gpu", devices=[2, 3])) == torch.device("cuda", 3)
+    assert planning_device(Namespace(accelerator="auto", devices="0,2")) == torch.device("cuda", 2)
+    assert planning_device(Namespace(accelerator="cuda", devices=2)) == torch.device("cuda", 1)
+    assert planning_device(Namespace(accelerator="cpu", devices=2)) == torch.device("cpu")
