@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ def _exit_with_parent(parent: int) -> None:
 def _serve(read_fd: int, write_fd: int) -> None:
     """A worker's main loop: receive ``(sys.path, module, name)``, then argument tuples until ``None`` or EOF."""
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the whole group: the parent decides
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     path, module, name = inbox.recv()
     sys.path[:] = path

@@ -3,7 +3,7 @@
 One ``training_step`` = one batch of B prompts:
 
     (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
-    (2) rewards     answer checking (+ DAPO overlong shaping)
+    (2) rewards     answer checking and the user's reward functions, weighted (+ DAPO overlong shaping)
     (3) advantages  group-normalized; DAPO dynamic sampling drops groups whose rewards are all equal
     (4) loss        clipped surrogate with truncated IS, in micro-batches of rows of similar length within a token
                     budget (no padding work), log-probs from hidden states in chunks
@@ -39,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl.data.rewards import MathReward, overlong_penalty
+from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.modules.advantages import group_advantages, informative_groups
 from qerl.modules.evaluation import Evaluator
@@ -63,7 +63,13 @@ class GRPOModule(L.LightningModule):
     Args:
         policy: the model and its LoRA (see ``PolicyConfig``).
         loss: the policy loss; its class picks the aggregation (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``).
-        reward: scores completions against reference answers.
+        reward: scores completions against reference answers (the ``math`` reward; evaluation's accuracy).
+        reward_funcs: your own reward functions, added to ``reward``: each ``module:function`` or
+            ``path/to/file.py:function``, TRL's ``(prompts, completions, **columns) -> list[float | None]`` or verl's
+            ``compute_score(data_source, solution_str, ground_truth, extra_info)``; every column of the data reaches
+            them. Each call runs under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
+        reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
+        reward_timeout_s: wall-clock limit of one reward function call (one completion).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
@@ -97,6 +103,9 @@ class GRPOModule(L.LightningModule):
         policy: PolicyConfig = PolicyConfig(),
         loss: PolicyLoss | None = None,
         reward: MathReward | None = None,
+        reward_funcs: list[str] | None = None,
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float = 10.0,
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
@@ -150,6 +159,7 @@ class GRPOModule(L.LightningModule):
         self.policy_config = policy
         self.loss = loss if loss is not None else DAPOLoss()
         self.reward = reward if reward is not None else MathReward()
+        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         if overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
@@ -183,10 +193,10 @@ class GRPOModule(L.LightningModule):
         rollout_s = time.perf_counter() - start
         memory["rollout"] = self._peak_memory_gb()
 
-        # (2) rewards: answer checking, then DAPO's soft overlong punishment
+        # (2) rewards: answer checking and the user's functions, weighted, then DAPO's soft overlong punishment
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        answers = [a for a in batch["answers"] for _ in range(G)]
-        rewards = self.reward(completions, answers).to(self.device)  # [N]
+        rewards, per_reward = self.rewards(completions, batch, G)  # [N] weighted total, {name: [N]}
+        rewards = rewards.to(self.device)  # [N]
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(
@@ -211,6 +221,7 @@ class GRPOModule(L.LightningModule):
 
         self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
                        memory)
+        self._log_rewards(per_reward, informative.numel())
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
@@ -350,6 +361,15 @@ class GRPOModule(L.LightningModule):
         # The progress bar shows the two numbers a user watches.
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
         self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
+
+    def _log_rewards(self, per_reward: dict[str, Tensor], batch_size: int) -> None:
+        """Each reward's mean as ``train/rewards/<name>`` (beside the weighted total, ``train/reward``), and how many
+        completions each user function failed to score so far."""
+        means = {f"train/rewards/{name}": scores.mean().to(self.device) for name, scores in per_reward.items()}
+        self.log_dict(means, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
+        failures = {f"train/rewards/{name}_failures": torch.tensor(float(n), device=self.device)
+                    for name, n in self.rewards.failure_counts().items()}
+        self.log_dict(failures, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx="sum")
 
     def _log_skipped(self, skipped: dict[str, int] | None) -> None:
         """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
