@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from qerl.callbacks.entropy_logging import EntropyLogger
+from qerl.callbacks.interrupt import GracefulInterrupt
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
@@ -228,8 +229,10 @@ class QeRLCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        callbacks.append(GracefulInterrupt())  # Ctrl-C / SIGTERM: a checkpoint and the resume command
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            callbacks.append(StepProgressBar())
+        kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -240,8 +243,10 @@ class QeRLCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except BaseException:
             # A run that failed before its first step leaves no version directory behind (only a config copy and an
-            # empty event file would be in it), so `runs/<name>` lists real runs only.
-            first_step = self.trainer.global_step == 0 and not (Path(log_dir or ".") / "checkpoints").exists()
+            # empty event file would be in it), so `runs/<name>` lists real runs only; one that checkpointed or
+            # scored something (an interrupted evaluation) stays.
+            kept = [Path(log_dir or ".") / name for name in ("checkpoints", "eval")]
+            first_step = self.trainer.global_step == 0 and not any(path.exists() for path in kept)
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
