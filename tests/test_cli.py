@@ -37,6 +37,8 @@ def fails(args: list[str], capsys) -> str:
     (["--aqn.num_stages", "1"], "aqn.num_stages (K) must be >= 2"),
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
+    (["--model.policy.model", "qerl-test/no-such-model"],  # no network here, or a 404 where there is one
+     "model.policy.model='qerl-test/no-such-model': "),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),
 ])
 def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
@@ -44,6 +46,13 @@ def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, ca
     monkeypatch.chdir(tmp_path)
     assert fails(args, capsys).startswith(f"error: {expected}")
     assert not (tmp_path / "runs").exists()  # nothing was written either
+
+
+def test_a_hub_id_that_is_not_cached_with_the_hub_offline_is_one_line_with_the_fix(capsys, no_model_loads,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = fails(["--model.policy.model", "Qwen/Qwen2.5-0.5B-Instruct-not-cached"], capsys)
+    assert "HF_HUB_OFFLINE is set" in line and "huggingface-cli download" in line
 
 
 @pytest.mark.parametrize(("typo", "suggestion"), [
