@@ -233,6 +233,7 @@ class QeRLCLI(LightningCLI):
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())
         kwargs["callbacks"] = callbacks
+        kwargs.update(whole_counts(trainer))
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -250,6 +251,19 @@ class QeRLCLI(LightningCLI):
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
+
+
+COUNT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "val_check_interval")
+
+
+def whole_counts(trainer) -> dict[str, int]:
+    """``--trainer.limit_val_batches 1`` means one batch: Lightning reads an int as a count and a float as a fraction,
+    but the parser reads these ``int | float`` options as floats first (``typing`` caches ``Union[int, float]`` as the
+    equal ``Union[float, int]``), so ``1`` would arrive as 1.0, "all of them". A whole number >= 1 is a count: the
+    options of the trainer's configuration to pass as ints."""
+    return {key: int(value) for key in COUNT_OPTIONS
+            if isinstance(value := trainer.get(key), float) and value >= 1 and value.is_integer()}
 
 
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")

@@ -258,3 +258,14 @@ def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_load
                            "--model.rollout.init_args.wide_batch_bf16", "true",
                            "--model.rollout.init_args.keep_kv_cache", "true", "--model.rollout.init_args.wave_rows", "16"])
     assert chosen.model.rollout.wide_batch_bf16 is True and chosen.model.rollout.keep_kv_cache is True  # the user's
+
+
+@pytest.mark.slow
+def test_an_integer_limit_val_batches_is_a_count_of_batches(tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 6}}]'
+    cli = cli_main(["validate", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+                    "--data.val_sources", val, "--data.val_batch_size", "2", "--trainer.limit_val_batches", "1"])
+    assert cli.trainer.limit_val_batches == 1 and isinstance(cli.trainer.limit_val_batches, int)  # not 1.0: all
+    records = (Path(cli.trainer.log_dir) / "eval" / "val_step0.jsonl").read_text().splitlines()
+    assert len(records) == 2  # one batch of 2 questions, greedy
