@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Literal
@@ -401,7 +402,7 @@ class GRPOModule(L.LightningModule):
             for j in range(min(G, 2)):
                 k = i * G + j
                 lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
-                             f"    {prompt[-300:]}\n\n    {completions[k][:1000]}")
+                             f"{textwrap.indent(prompt, '    ')}\n\n{textwrap.indent(completions[k][:1000], '    ')}")
         experiment.add_text("samples", "\n\n---\n\n".join(lines), logged_step(self.trainer))
 
     # ------------------------------------------------------------------------------------------------------------
