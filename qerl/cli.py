@@ -28,7 +28,7 @@ from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
-from qerl.hub import load_config
+from qerl.hub import EMBEDDED_MODEL, hub_unavailable, load_config
 from qerl.model.memory_plan import GIB, MemoryPlanError, ModelShape, RunSettings, plan_memory
 from qerl.modules.grpo_module import GRPOModule
 from qerl.rollout.builtin import BuiltinRollout
@@ -127,6 +127,7 @@ class QeRLCLI(LightningCLI):
         parser.link_arguments("model.policy.model", "data.tokenizer")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
+        parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it
         parser.link_arguments("data.answer_format", "model.reward.init_args.answer_format", compute_fn=reward_format)
 
     def before_instantiate_classes(self) -> None:
@@ -166,6 +167,10 @@ class QeRLCLI(LightningCLI):
             self._parser(self.subcommand).error(str(error))
         config = self.config[self.subcommand] if self.subcommand else self.config
         trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
+        name = self.model.policy_config.model
+        if self.subcommand is not None and not Path(name).expanduser().exists() and name != EMBEDDED_MODEL:
+            if reason := hub_unavailable(name):  # one quick request, not transformers' minute of retries
+                self._parser(self.subcommand).error(f"model.policy.model={name!r}: {reason}")
         if config.get("print_memory_plan") and not trains:
             self._parser(self.subcommand).error("--print_memory_plan: only for fit (the plan covers the update too).")
         if trains:

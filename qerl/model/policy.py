@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qerl.hub import EMBEDDED_MODEL, hub_unavailable
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
 from qerl.model.lora_linear import LoraLinear
 from qerl.nvfp4.linear import NVFP4Linear
@@ -182,8 +181,6 @@ class PolicyConfig:
             )
         if looks_local:  # config.json only; hub ids and the embedded model are checked by build_policy, still
             check_targets(str(local.expanduser()), self.lora_targets)  # before their weights are read
-        elif self.model != EMBEDDED_MODEL and (reason := hub_unavailable(self.model)):
-            raise FileNotFoundError(f"model.policy.model={self.model!r}: {reason}")
 
     def build(self, device: str | torch.device = "cpu"):
         self.validate()
