@@ -440,9 +440,10 @@ class GRPOModule(L.LightningModule):
         if self.trainer.sanity_checking:  # the pre-fit check of a few batches: neither logged nor written
             self.evaluator.reset()
             return
-        values = self.evaluator.compute()  # synced across ranks
-        self.log_dict({f"{stage}/{k}": v for k, v in values.items()}, on_step=False, on_epoch=True,
-                      add_dataloader_idx=False, sync_dist=False)
+        values = {f"{stage}/{k}": v for k, v in self.evaluator.compute().items()}  # synced across ranks
+        self.log_dict(values, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False, logger=False)
+        for logger in self.loggers:  # at the step the JSONL is named after (Lightning's would be one less during fit)
+            logger.log_metrics({k: float(v) for k, v in values.items()}, step=self.global_step)
         if self.hparams.eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
             path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",

@@ -29,6 +29,9 @@ def test_the_csv_logger_receives_every_scalar(tiny_model_dirs, tmp_path, monkeyp
     columns = set(rows[0])
     assert set(EXPECTED) <= columns, set(EXPECTED) - columns
     assert {r["step"] for r in rows if r["train/reward"]} == {"0", "1"}  # one row of training scalars per step
+    # validation after 2 optimizer steps: logged at step 2, as its file is named
+    assert [r["step"] for r in rows if r["val/arithmetic_acc"]] == ["2"]
+    assert (Path(cli.trainer.log_dir) / "eval" / "val_step2.jsonl").exists()
 
 
 def test_wandb_offline_receives_the_scalars(tiny_model_dirs, tmp_path, monkeypatch):
