@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -335,8 +336,20 @@ def resume_version(ckpt_path: str | None, logger) -> str | None:
     return run_dir.name
 
 
+class DropThirdPartyTips(logging.Filter):
+    """Drops Lightning's advertisements (``💡 Tip: ... try installing litlogger``): nothing a qerl user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
 def cli_main(args: list[str] | None = None) -> QeRLCLI:
+    tips = DropThirdPartyTips()
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    lightning_log.addFilter(tips)
     with warnings.catch_warnings():
+        # Lightning 2.6 calls a torch pytree API that torch deprecated; nothing in qerl or the user's config does.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         # GRPOModule does all of a step's optimizer updates inside training_step, so the state after them is the
         # one a resume needs; Lightning's advice to save a pre-optimization copy for manual optimization does not
         # apply, and ModelCheckpoint has no setting that turns it off.
@@ -344,4 +357,7 @@ def cli_main(args: list[str] | None = None) -> QeRLCLI:
             "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps",
             category=UserWarning,
         )
-        return QeRLCLI(GRPOModule, MathPromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+        try:
+            return QeRLCLI(GRPOModule, MathPromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+        finally:
+            lightning_log.removeFilter(tips)

@@ -129,6 +129,8 @@ def load_tokenizer(name_or_path: str):
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
     tokenizer.padding_side = "left"
+    # transformers ignores (and warns about) this WordPiece cleanup on BPE tokenizers such as the embedded model's
+    tokenizer.clean_up_tokenization_spaces = False
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -269,3 +269,23 @@ def test_an_integer_limit_val_batches_is_a_count_of_batches(tiny_model_dirs, tmp
     assert cli.trainer.limit_val_batches == 1 and isinstance(cli.trainer.limit_val_batches, int)  # not 1.0: all
     records = (Path(cli.trainer.log_dir) / "eval" / "val_step0.jsonl").read_text().splitlines()
     assert len(records) == 2  # one batch of 2 questions, greedy
+
+
+@pytest.mark.slow
+def test_the_console_shows_one_bar_and_no_third_party_tips_or_deprecations(tiny_model_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(DEBUG).parents[1]
+    val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 2}}]'
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "train.py"), "fit", "--config", DEBUG, "--model.policy.model",
+         str(tiny_model_dirs["qwen2"]), "--trainer.enable_progress_bar", "true", "--data.val_sources", val,
+         "--trainer.val_check_interval", "1", "--trainer.check_val_every_n_epoch", "null"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "step 2/2" in out
+    for noise in ("Tip:", "litlogger", "LeafSpec", "clean_up_tokenization_spaces", "Validation", "Training:"):
+        assert noise not in out, noise
