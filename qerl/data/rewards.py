@@ -61,7 +61,7 @@ class MathReward:
         self.num_workers = num_workers
         self.stats: Counter[str] = Counter()
         self.last_stats: Counter[str] = Counter()
-        self._pool: TimeoutPool | None = None  # started on first use, so building from YAML costs nothing
+        self._pool = TimeoutPool(grade, num_workers=num_workers, timeout_s=timeout_s)  # processes start on first use
 
     def __call__(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         correct, formatted = self.check(completions, answers)
@@ -77,8 +77,6 @@ class MathReward:
                 f"MathReward got {len(completions)} completions but {len(answers)} answers: "
                 "repeat each prompt's answer once per sampled completion."
             )
-        if self._pool is None:
-            self._pool = TimeoutPool(grade, num_workers=self.num_workers, timeout_s=self.timeout_s)
         fallback = self.fallback_last_number if fallback_last_number is None else fallback_last_number
         items = [(c, a, self.answer_format, fallback) for c, a in zip(completions, answers)]
         stats: Counter[str] = Counter(checked=len(items))
@@ -94,14 +92,8 @@ class MathReward:
         return torch.tensor(correct, dtype=torch.float32), torch.tensor(formatted, dtype=torch.float32)
 
     def close(self) -> None:
-        """Stop the worker processes (they also stop with the main process)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-    def __getstate__(self) -> dict:
-        # Checkpoints / deepcopies carry the settings and counters, never the processes.
-        return {**self.__dict__, "_pool": None}
+        """Stop the worker processes (they also stop with the main process; a later call starts them again)."""
+        self._pool.close()
 
 
 class RewardSum:
@@ -135,7 +127,7 @@ class RewardSum:
             raise ValueError("model.reward_timeout_s must be > 0.")
         self.timeout_s, self.num_workers = timeout_s, num_workers
         self.failures: Counter[str] = Counter()  # "<name>/timeout" or "<name>/error" -> completions scored 0
-        self._pool: TimeoutPool | None = None
+        self._pool = TimeoutPool(score_one, num_workers=num_workers, timeout_s=timeout_s)  # processes start on use
 
     def __call__(self, completions: list[str], batch: dict, group_size: int
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -150,8 +142,6 @@ class RewardSum:
             sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n
             items = [(spec, style, prompts[i], completions[j], answers[j], sources[i], columns[i])
                      for spec, style in zip(self.specs, self.styles) for j, i in enumerate(rows)]
-            if self._pool is None:
-                self._pool = TimeoutPool(score_one, num_workers=self.num_workers, timeout_s=self.timeout_s)
             results = self._pool.map(items)
             for k, name in enumerate(self.names[1:]):
                 values = [self._value(name, *result) for result in results[k * len(rows) : (k + 1) * len(rows)]]
@@ -175,12 +165,7 @@ class RewardSum:
         return {name: self.failures[f"{name}/timeout"] + self.failures[f"{name}/error"] for name in self.names[1:]}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pool": None}
+        self._pool.close()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -149,6 +149,10 @@ class TimeoutPool:
             w.kill()
         self._workers = []
 
+    def __getstate__(self) -> dict:
+        # Copies and checkpoints carry the settings, never the processes: a copy starts its own on its first map.
+        return {**self.__dict__, "_workers": []}
+
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter shutdown; the workers exit on EOF anyway
             self.close()
