@@ -441,9 +441,12 @@ class GRPOModule(L.LightningModule):
             self.evaluator.reset()
             return
         values = {f"{stage}/{k}": v for k, v in self.evaluator.compute().items()}  # synced across ranks
-        self.log_dict(values, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False, logger=False)
-        for logger in self.loggers:  # at the step the JSONL is named after (Lightning's would be one less during fit)
-            logger.log_metrics({k: float(v) for k, v in values.items()}, step=self.global_step)
+        in_fit = self.trainer.state.fn == "fit"
+        self.log_dict(values, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False,
+                      logger=not in_fit)
+        if in_fit:  # at the batches trained, as the JSONL's step (Lightning's step here is one less: the last batch's)
+            for logger in self.loggers:
+                logger.log_metrics({k: float(v) for k, v in values.items()}, step=logged_step(self.trainer) + 1)
         if self.hparams.eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
             path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",
