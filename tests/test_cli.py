@@ -37,6 +37,7 @@ def fails(args: list[str], capsys) -> str:
     (["--aqn.num_stages", "1"], "aqn.num_stages (K) must be >= 2"),
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
+    (["--model.reward_funcs", "[no_such_module:fn]"], "reward function 'no_such_module:fn' cannot be loaded"),
     (["--model.policy.model", "qerl-test/no-such-model"],  # no network here, or a 404 where there is one
      "model.policy.model='qerl-test/no-such-model': "),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),

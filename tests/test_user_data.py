@@ -37,6 +37,13 @@ def bonus(prompts, completions, bonus, **kwargs):
 def hang(prompts, completions, **kwargs):
     time.sleep(3600)
 
+class Constant:
+    def __init__(self, value: float = 0.0):
+        self.value = value
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [self.value for _ in completions]
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if data_source == "mine" and ground_truth == "5" and extra_info["index"] == 7 else 0.0
 '''
@@ -87,7 +94,9 @@ def test_verl_parquet_with_its_compute_score_trains(user_dir):
                                  "reward_model": {"style": "rule", "ground_truth": "5"},
                                  "extra_info": {"index": 7}}] * 4).to_parquet(str(data))
     sources = [{"class_path": "qerl.data.sources.VerlParquet", "init_args": {"data_files": str(data)}}]
-    cli, acc = fit(user_dir, "--data.sources", json.dumps(sources),
-                   "--model.reward_funcs", f"[{user_dir / 'my_rewards.py'}:compute_score]")
+    constant = {"class_path": "my_rewards.Constant", "init_args": {"value": 0.5}}  # a class_path with settings
+    cli, acc = fit(user_dir, "--data.sources", json.dumps(sources), "--model.reward_funcs",
+                   json.dumps([f"{user_dir / 'my_rewards.py'}:compute_score", constant]))
     assert cli.trainer.global_step == 2
     assert scalars(acc, "train/rewards/compute_score") == {0: 1.0, 1: 1.0}
+    assert scalars(acc, "train/rewards/Constant") == {0: 0.5, 1: 0.5}

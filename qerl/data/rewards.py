@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.data.answers import ANSWER_FORMATS, grade
 from qerl.data.timeout_pool import TimeoutPool
-from qerl.data.user_rewards import load_function, reward_style, score_one
+from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, score_one
 
 
 class MathReward:
@@ -105,19 +105,19 @@ class RewardSum:
 
     Args:
         math: The math reward (``model.reward``), named ``math``.
-        functions: ``module:function`` names of the user's reward functions (TRL or verl style, see ``user_rewards``).
+        functions: The user's reward functions (TRL or verl style, see ``user_rewards``): ``module:function`` names,
+            or ``{"class_path": ..., "init_args": ...}`` of callable classes.
         weights: One weight per reward: the math reward's first, then each function's (default: 1 each; a math
             weight of 0 keeps ``train/accuracy`` but takes the math reward out of the total).
         timeout_s: Wall-clock limit of one user function call on one completion.
         num_workers: Processes that run the user functions.
     """
 
-    def __init__(self, math: MathReward, functions: list[str] | None = None, weights: list[float] | None = None,
-                 timeout_s: float = 10.0, num_workers: int = 2):
-        functions = list(functions or [])
-        self.math, self.specs = math, functions
-        self.styles = [reward_style(load_function(spec), spec) for spec in functions]  # imported here: errors early
-        names = [load_function(spec).__name__ for spec in functions]
+    def __init__(self, math: MathReward, functions: list[str | dict] | None = None,
+                 weights: list[float] | None = None, timeout_s: float = 10.0, num_workers: int = 2):
+        self.math, self.specs = math, [reward_key(entry) for entry in functions or []]
+        self.styles = [reward_style(load_function(spec), spec) for spec in self.specs]  # imported here: errors early
+        names = [reward_name(load_function(spec)) for spec in self.specs]
         self.names = ["math"] + [n if names.count(n) == 1 and n != "math" else f"{n}_{i}" for i, n in enumerate(names)]
         self.weights = [1.0] * len(self.names) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.names):

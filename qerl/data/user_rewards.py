@@ -11,7 +11,9 @@ Two styles, told apart by the function's parameters:
   returning a number or a dict with ``score``. ``extra_info`` is the row's ``extra_info`` column, or all its columns
   when it has none.
 
-A function is named ``package.module:function``, ``package.module.function`` or ``path/to/file.py:function``.
+A function is named ``package.module:function``, ``package.module.function`` or ``path/to/file.py:function``; a
+callable class with settings as ``{"class_path": "package.module.Class", "init_args": {...}}`` (built once per
+worker process; its ``__call__`` takes either style's arguments).
 """
 
 from __future__ import annotations
@@ -20,15 +22,32 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 RESERVED = ("prompt", "prompts", "completion", "completions")  # never passed as a TRL column
 
 
+def reward_key(entry: str | dict) -> str:
+    """One string for a ``reward_funcs`` entry (a name, or a ``class_path`` / ``init_args`` dict): what workers get."""
+    if isinstance(entry, str):
+        return entry
+    if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str) or set(entry) - {"class_path",
+                                                                                                  "init_args"}:
+        raise ValueError(f"reward function {entry!r}: give 'module:function' or {{class_path: module.Class, "
+                         "init_args: {...}}.")
+    return json.dumps({"class_path": entry["class_path"], "init_args": entry.get("init_args") or {}}, sort_keys=True)
+
+
 @functools.lru_cache(maxsize=None)
 def load_function(spec: str) -> Callable:
-    """The function ``spec`` names; a ``ValueError`` that says what is wrong and how to name it otherwise."""
+    """The function (or the built callable class) ``spec`` names (see ``reward_key``); a ``ValueError`` that says
+    what is wrong and how to name it otherwise."""
+    init_args = None
+    if spec.startswith("{"):
+        entry = json.loads(spec)
+        spec, init_args = entry["class_path"], entry["init_args"]
     module_name, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not module_name or not name:
         raise ValueError(f"reward function {spec!r}: name it as 'module:function' (or 'path/to/file.py:function').")
@@ -46,9 +65,19 @@ def load_function(spec: str) -> Callable:
     except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as error:
         raise ValueError(f"reward function {spec!r} cannot be loaded ({type(error).__name__}: {error}). Fix: a module "
                          "on PYTHONPATH ('my_rewards:fn') or a file ('path/to/my_rewards.py:fn').") from None
+    if inspect.isclass(fn):
+        try:
+            fn = fn(**(init_args or {}))
+        except TypeError as error:
+            raise ValueError(f"reward class {spec!r}: {error}") from None
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable.")
     return fn
+
+
+def reward_name(fn: Callable) -> str:
+    """A function's name, or a callable object's class name."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def reward_style(fn: Callable, spec: str = "") -> str:

@@ -67,8 +67,8 @@ class GRPOModule(L.LightningModule):
         reward: scores completions against reference answers (the ``math`` reward; evaluation's accuracy).
         reward_funcs: your own reward functions, added to ``reward``: each ``module:function`` or
             ``path/to/file.py:function``, TRL's ``(prompts, completions, **columns) -> list[float | None]`` or verl's
-            ``compute_score(data_source, solution_str, ground_truth, extra_info)``; every column of the data reaches
-            them. Each call runs under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
+            ``compute_score(data_source, solution_str, ground_truth, extra_info)``, or a callable class as
+            ``{class_path: module.Class, init_args: {...}}``; every column of the data reaches them. Each call runs under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
         reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
         reward_timeout_s: wall-clock limit of one reward function call (one completion).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
@@ -104,7 +104,7 @@ class GRPOModule(L.LightningModule):
         policy: PolicyConfig = PolicyConfig(),
         loss: PolicyLoss | None = None,
         reward: MathReward | None = None,
-        reward_funcs: list[str] | None = None,
+        reward_funcs: list[str | dict] | None = None,
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 10.0,
         rollout: RolloutEngine | None = None,

@@ -30,6 +30,14 @@ def hang(prompts, completions, **kwargs):
 
 def broken(prompts, completions, **kwargs):
     raise RuntimeError("my bug")
+
+class LengthPenalty:
+    """A callable class with settings, as a class_path."""
+    def __init__(self, per_char: float = 0.01):
+        self.per_char = per_char
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [-self.per_char * len(c[0]["content"] if isinstance(c, list) else c) for c in completions]
 '''
 
 
@@ -59,6 +67,17 @@ def test_trl_and_verl_functions_are_scored_weighted_and_named(user_module):
     torch.testing.assert_close(scores["compute_score"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(scores["no_score"], torch.tensor([0.0, 0.0]))
     torch.testing.assert_close(total, torch.tensor([2.0 + 0.25 + 0.5, 0.25]))
+    rewards.close()
+
+
+def test_a_callable_class_with_settings_is_a_reward(user_module):
+    entry = {"class_path": "my_rewards.LengthPenalty", "init_args": {"per_char": 0.5}}
+    rewards = RewardSum(MathReward(num_workers=1), [entry], weights=[0.0, 1.0])
+    assert rewards.names == ["math", "LengthPenalty"]
+    total, scores = rewards(["abcd", "ab"], batch({}), group_size=2)
+    torch.testing.assert_close(total, torch.tensor([-2.0, -1.0]))
+    with pytest.raises(ValueError, match="per_chars"):
+        RewardSum(MathReward(), [{"class_path": "my_rewards.LengthPenalty", "init_args": {"per_chars": 1}}])
     rewards.close()
 
 
