@@ -51,8 +51,9 @@ class GracefulInterrupt(L.Callback):
         rank_zero_info("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once, without one)")
 
     def on_train_batch_end(self, trainer: L.Trainer, *_) -> None:
-        if self.requested:
-            trainer.should_stop = True
+        # Under DDP the ranks see the signal at different moments: all stop after the step in which any saw it.
+        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+            self.requested = trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.requested:
