@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -23,11 +24,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
 from qerl.callbacks.entropy_logging import EntropyLogger
+from qerl.callbacks.interrupt import GracefulInterrupt
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
+from qerl.hub import hub_unavailable
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
@@ -126,6 +129,7 @@ class QeRLCLI(LightningCLI):
         parser.link_arguments("model.policy.model", "data.tokenizer")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
+        parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it
         parser.link_arguments("data.answer_format", "model.reward.init_args.answer_format", compute_fn=reward_format)
 
     def before_instantiate_classes(self) -> None:
@@ -162,6 +166,7 @@ class QeRLCLI(LightningCLI):
         # saved hyperparameters are dumped from it), while ``self.config`` stays as the user wrote it (the run's
         # saved config.yaml says ``auto`` where the user did).
         written = self.config
+        self._check_hub(written[self.subcommand] if self.subcommand else written)
         self.resolution = self._resolve(written[self.subcommand] if self.subcommand else written)
         self.config = written.clone()
         self.resolution.apply(self.config[self.subcommand] if self.subcommand else self.config)
@@ -179,6 +184,15 @@ class QeRLCLI(LightningCLI):
             self.trainer = self.instantiate_trainer()
         except (ValueError, FileNotFoundError) as error:
             self._parser(self.subcommand).error(str(error))
+
+    def _check_hub(self, config) -> None:
+        """A hub id that is neither a local path, cached nor reachable: one error line now (one quick request), not
+        transformers' minute of retries and a traceback when the model loads."""
+        name = str(config.model.policy.model)
+        hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None  # owner/name (a path: the policy's check)
+        if self.subcommand is not None and hub_id and not Path(name).expanduser().exists():
+            if reason := hub_unavailable(name):
+                self._parser(self.subcommand).error(f"model.policy.model={name!r}: {reason}")
 
     def _resolve(self, config) -> Resolution:
         """Make the run's open memory and engine settings concrete before anything is built: print the memory plan
@@ -232,8 +246,11 @@ class QeRLCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        callbacks.append(GracefulInterrupt())  # Ctrl-C / SIGTERM: a checkpoint and the resume command
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            callbacks.append(StepProgressBar())
+        kwargs["callbacks"] = callbacks
+        kwargs.update(whole_counts(trainer))
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -244,11 +261,26 @@ class QeRLCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except BaseException:
             # A run that failed before its first step leaves no version directory behind (only a config copy and an
-            # empty event file would be in it), so `runs/<name>` lists real runs only.
-            first_step = self.trainer.global_step == 0 and not (Path(log_dir or ".") / "checkpoints").exists()
+            # empty event file would be in it), so `runs/<name>` lists real runs only; one that checkpointed or
+            # scored something (an interrupted evaluation) stays.
+            kept = [Path(log_dir or ".") / name for name in ("checkpoints", "eval")]
+            first_step = self.trainer.global_step == 0 and not any(path.exists() for path in kept)
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
+
+
+COUNT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "val_check_interval")
+
+
+def whole_counts(trainer) -> dict[str, int]:
+    """``--trainer.limit_val_batches 1`` means one batch: Lightning reads an int as a count and a float as a fraction,
+    but the parser reads these ``int | float`` options as floats first (``typing`` caches ``Union[int, float]`` as the
+    equal ``Union[float, int]``), so ``1`` would arrive as 1.0, "all of them". A whole number >= 1 is a count: the
+    options of the trainer's configuration to pass as ints."""
+    return {key: int(value) for key in COUNT_OPTIONS
+            if isinstance(value := trainer.get(key), float) and value >= 1 and value.is_integer()}
 
 
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -290,8 +322,20 @@ def resume_version(ckpt_path: str | None, logger) -> str | None:
     return run_dir.name
 
 
+class DropThirdPartyTips(logging.Filter):
+    """Drops Lightning's advertisements (``💡 Tip: ... try installing litlogger``): nothing a qerl user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
 def cli_main(args: list[str] | None = None) -> QeRLCLI:
+    tips = DropThirdPartyTips()
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    lightning_log.addFilter(tips)
     with warnings.catch_warnings():
+        # Lightning 2.6 calls a torch pytree API that torch deprecated; nothing in qerl or the user's config does.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         # GRPOModule does all of a step's optimizer updates inside training_step, so the state after them is the
         # one a resume needs; Lightning's advice to save a pre-optimization copy for manual optimization does not
         # apply, and ModelCheckpoint has no setting that turns it off.
@@ -299,4 +343,7 @@ def cli_main(args: list[str] | None = None) -> QeRLCLI:
             "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps",
             category=UserWarning,
         )
-        return QeRLCLI(GRPOModule, MathPromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+        try:
+            return QeRLCLI(GRPOModule, MathPromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+        finally:
+            lightning_log.removeFilter(tips)

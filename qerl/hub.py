@@ -49,6 +49,34 @@ def write_once(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
+def hub_unavailable(name: str) -> str | None:
+    """Why the hub id ``name`` cannot be loaded, found with one quick request instead of transformers' minute of
+    retries: ``None`` when it is in the local Hugging Face cache or the hub knows it, else a sentence with the fix.
+    Call it for names that are neither the embedded model nor a local directory."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError:
+        return f"not a local directory, nor a hub id (owner/name), nor '{EMBEDDED_MODEL}'."
+    fix = (f"Fix: download it once where there is network (huggingface-cli download {name}) or point at a local "
+           "model directory.")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return f"not in the local Hugging Face cache, and HF_HUB_OFFLINE is set. {fix}"
+    try:
+        model_info(name, timeout=10)
+    except GatedRepoError:  # it exists; transformers reports the missing access with its own message
+        return None
+    except RepositoryNotFoundError:
+        return "no such model on the Hugging Face hub (a private one needs huggingface-cli login)."
+    except Exception as error:  # noqa: BLE001 - any failure to connect: no network, DNS, proxy, timeout
+        reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+        return f"not in the local Hugging Face cache, and the hub cannot be reached ({reason}). {fix}"
+    return None
+
+
 def load_config(name_or_path: str):
     """The transformers config of a model (embedded name, HF id or directory) without reading any weight: the embedded
     model's from its converted directory, or from the GGUF's metadata when it was never converted."""
@@ -101,6 +129,8 @@ def load_tokenizer(name_or_path: str):
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
     tokenizer.padding_side = "left"
+    # transformers ignores (and warns about) this WordPiece cleanup on BPE tokenizers such as the embedded model's
+    tokenizer.clean_up_tokenization_spaces = False
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

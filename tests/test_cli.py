@@ -37,6 +37,9 @@ def fails(args: list[str], capsys) -> str:
     (["--aqn.num_stages", "1"], "aqn.num_stages (K) must be >= 2"),
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
+    (["--model.reward_funcs", "[no_such_module:fn]"], "reward function 'no_such_module:fn' cannot be loaded"),
+    (["--model.policy.model", "qerl-test/no-such-model"],  # no network here, or a 404 where there is one
+     "model.policy.model='qerl-test/no-such-model': "),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),
 ])
 def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
@@ -44,6 +47,13 @@ def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, ca
     monkeypatch.chdir(tmp_path)
     assert fails(args, capsys).startswith(f"error: {expected}")
     assert not (tmp_path / "runs").exists()  # nothing was written either
+
+
+def test_a_hub_id_that_is_not_cached_with_the_hub_offline_is_one_line_with_the_fix(capsys, no_model_loads,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = fails(["--model.policy.model", "Qwen/Qwen2.5-0.5B-Instruct-not-cached"], capsys)
+    assert "HF_HUB_OFFLINE is set" in line and "huggingface-cli download" in line
 
 
 @pytest.mark.parametrize(("typo", "suggestion"), [
@@ -255,3 +265,34 @@ def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_load
                            "--model.rollout.init_args.wide_batch_bf16", "true",
                            "--model.rollout.init_args.keep_kv_cache", "true", "--model.rollout.init_args.wave_rows", "16"])
     assert chosen.model.rollout.wide_batch_bf16 is True and chosen.model.rollout.keep_kv_cache is True  # the user's
+
+
+@pytest.mark.slow
+def test_an_integer_limit_val_batches_is_a_count_of_batches(tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 6}}]'
+    cli = cli_main(["validate", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+                    "--data.val_sources", val, "--data.val_batch_size", "2", "--trainer.limit_val_batches", "1"])
+    assert cli.trainer.limit_val_batches == 1 and isinstance(cli.trainer.limit_val_batches, int)  # not 1.0: all
+    records = (Path(cli.trainer.log_dir) / "eval" / "val_step0.jsonl").read_text().splitlines()
+    assert len(records) == 2  # one batch of 2 questions, greedy
+
+
+@pytest.mark.slow
+def test_the_console_shows_one_bar_and_no_third_party_tips_or_deprecations(tiny_model_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(DEBUG).parents[1]
+    val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 2}}]'
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "train.py"), "fit", "--config", DEBUG, "--model.policy.model",
+         str(tiny_model_dirs["qwen2"]), "--trainer.enable_progress_bar", "true", "--data.val_sources", val,
+         "--trainer.val_check_interval", "1", "--trainer.check_val_every_n_epoch", "null"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "step 2/2" in out
+    for noise in ("Tip:", "litlogger", "LeafSpec", "clean_up_tokenization_spaces", "Validation", "Training:"):
+        assert noise not in out, noise

@@ -60,6 +60,7 @@ def test_config_parses(paths, capsys, no_model_loads):
     assert exit_info.value.code in (None, 0)
     printed = capsys.readouterr().out
     assert "model:" in printed and "aqn:" in printed and "max_steps:" in printed
+    assert "loss: null" not in printed and "class_path: qerl.modules.loss." in printed  # the loss actually used
 
 
 @pytest.mark.parametrize("paths", CASES, ids=IDS)

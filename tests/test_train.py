@@ -104,6 +104,17 @@ def test_all_scalar_tags_are_logged_every_step_with_finite_values(runs):
     assert sorted(e.step for e in acc.Histograms("train/entropy_hist")) == [0, 1]
 
 
+def test_no_placeholder_tags_and_the_samples_text_holds_whole_prompts_and_every_reward(runs):
+    acc = runs["A"]["events"]
+    tags = set(acc.Tags()["scalars"])
+    assert "hp_metric" not in tags  # TensorBoardLogger's placeholder
+    assert {"train/rewards/math", "train/ratio_mean", "perf/update_tokens"} <= tags
+    text = "".join(e.tensor_proto.string_val[0].decode() for e in acc.Tensors("samples/text_summary"))
+    prompt = runs["A"]["steps"][0][1][0]  # the first batch's first prompt, whole (it starts <|im_start|>system)
+    assert prompt.startswith("<|im_start|>system")
+    assert "\n".join("    " + line for line in prompt.rstrip("\n").split("\n")) in text
+
+
 def test_the_custom_scalars_layout_is_in_the_event_file_and_its_charts_find_their_tags(runs):
     import re
 

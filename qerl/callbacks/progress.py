@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 # progress-bar label -> logged metric
 SHOWN = {"reward": "train/reward", "acc": "train/accuracy", "entropy": "train/entropy"}
@@ -21,11 +24,16 @@ class StepProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1):
         super().__init__(refresh_rate=refresh_rate)
 
-    def init_train_tqdm(self):
-        bar = super().init_train_tqdm()
-        bar.bar_format = "step {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
-        bar.unit = "step"
-        return bar
+    def init_train_tqdm(self) -> Tqdm:
+        # built with its format: a bar changed after construction has already drawn Lightning's "Training: 0/?"
+        return Tqdm(position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
+                    file=sys.stdout, smoothing=0, unit="step",
+                    bar_format="step {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}, {rate_fmt}]{postfix}")
+
+    def init_validation_tqdm(self) -> Tqdm:
+        if self.trainer.state.fn == "fit":  # one bar during training: the step bar
+            return Tqdm(disable=True)
+        return super().init_validation_tqdm()
 
     def on_train_start(self, trainer: L.Trainer, *_) -> None:
         super().on_train_start(trainer)

@@ -53,14 +53,19 @@ SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training neve
 
 
 def format_prompt(
-    tokenizer, question: str, answer_format: str = "none", system_prompt: str | None = None,
+    tokenizer, question: str | list[dict], answer_format: str = "none", system_prompt: str | None = None,
     instruction: str | None = None,
 ) -> str:
     """The chat-formatted prompt text, ending with the assistant turn's opening (``add_generation_prompt``);
-    ``instruction`` replaces the answer format's standard one."""
+    ``instruction`` replaces the answer format's standard one. A conversation (a list of ``{"role", "content"}``
+    messages) goes through the chat template as it is, the instruction appended to its last user message and
+    ``system_prompt`` put first unless it opens with a system message of its own."""
     instruction = FORMAT_INSTRUCTIONS[answer_format] if instruction is None else instruction
-    messages = [{"role": "user", "content": f"{question}\n{instruction}" if instruction else question}]
-    if system_prompt is not None:
+    messages = [dict(m) for m in question] if isinstance(question, list) else [{"role": "user", "content": question}]
+    users = [m for m in messages if m["role"] == "user"]
+    if instruction and users:
+        users[-1]["content"] = f"{users[-1]['content']}\n{instruction}"
+    if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -85,8 +90,9 @@ def shuffled(rows: Iterator, buffer: int, rng: random.Random) -> Iterator:
 class PromptStream(IterableDataset):
     """Chat-formatted, tokenized prompts from a source, sharded by rank and DataLoader worker, resumable.
 
-    Items are dicts with ``prompt``, ``prompt_ids``, ``answer``, ``source``, ``question`` (the raw text), ``level`` and
-    ``subject`` (``None`` when the source has none) and ``stream_state``.
+    Items are dicts with ``prompt``, ``prompt_ids``, ``answer``, ``source``, ``question`` (the raw text or messages),
+    ``level`` and ``subject`` (``None`` when the source has none), ``columns`` (the record's own columns, for the
+    reward functions) and ``stream_state``.
 
     Args:
         source: Where rows come from.
@@ -208,6 +214,7 @@ class PromptStream(IterableDataset):
                 "question": row["question"],
                 "level": row.get("level"),
                 "subject": row.get("subject"),
+                "columns": row.get("columns") or {k: v for k, v in row.items() if k != "question"},
                 "stream_state": state,
             }
 
@@ -285,7 +292,8 @@ def _chain(first: list[dict], rest: Iterator[dict]) -> Iterator[dict]:
 
 def collate(items: list[dict], with_state: bool = True) -> dict:
     """Items -> a batch: ``prompts`` (chat text), ``prompt_ids`` (ragged lists, unpadded), ``answers``, ``sources``,
-    and for evaluation breakdowns ``questions`` (raw text), ``levels`` and ``subjects`` (``None`` entries if absent)."""
+    for evaluation breakdowns ``questions`` (raw text or messages), ``levels`` and ``subjects`` (``None`` entries if
+    absent), and ``columns`` (each row's own columns, for the reward functions)."""
     batch = {
         "prompts": [x["prompt"] for x in items],
         "prompt_ids": [x["prompt_ids"] for x in items],
@@ -294,6 +302,7 @@ def collate(items: list[dict], with_state: bool = True) -> dict:
         "questions": [x.get("question") for x in items],
         "levels": [x.get("level") for x in items],
         "subjects": [x.get("subject") for x in items],
+        "columns": [x.get("columns") or {} for x in items],
     }
     if with_state:
         batch["stream_state"] = items[-1]["stream_state"]  # one worker builds a whole batch: its last position
@@ -306,7 +315,7 @@ class MathPromptDataModule(L.LightningDataModule):
     validation needs an integer ``val_check_interval`` with ``check_val_every_n_epoch: null``.
 
     Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``
-    plus ``questions``, ``levels`` and ``subjects`` (lists, ``None`` where a source has no level or subject); training
+    plus ``questions``, ``levels``, ``subjects`` and ``columns`` (each row's own columns) (lists, ``None`` where a source has no level or subject); training
     batches also carry ``skipped``, the stream's counts of rows and prompts skipped so far per reason.
     The stream position is part of ``state_dict`` (saved in checkpoints), so ``fit --ckpt_path`` continues the stream.
 

@@ -2,7 +2,9 @@
 
 ``MathReward`` scores 1 for a correct final answer (plus an optional weighted format bonus), checking every completion
 in a worker process under a hard time limit (``timeout_pool``): a pathological completion scores 0 and is counted
-in ``reward.stats``, it never hangs or crashes training. ``overlong_penalty`` is DAPO's soft length shaping.
+in ``reward.stats``, it never hangs or crashes training. ``RewardSum`` adds the user's own reward functions (TRL's or
+verl's, ``user_rewards``), weighted, each completion under the same kind of limit. ``overlong_penalty`` is DAPO's
+soft length shaping.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from typing import Literal
 
 import torch
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from qerl.data.answers import ANSWER_FORMATS, grade
 from qerl.data.timeout_pool import TimeoutPool
+from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, score_one
 
 
 class MathReward:
@@ -56,7 +61,7 @@ class MathReward:
         self.num_workers = num_workers
         self.stats: Counter[str] = Counter()
         self.last_stats: Counter[str] = Counter()
-        self._pool: TimeoutPool | None = None  # started on first use, so building from YAML costs nothing
+        self._pool = TimeoutPool(grade, num_workers=num_workers, timeout_s=timeout_s)  # processes start on first use
 
     def __call__(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         correct, formatted = self.check(completions, answers)
@@ -72,8 +77,6 @@ class MathReward:
                 f"MathReward got {len(completions)} completions but {len(answers)} answers: "
                 "repeat each prompt's answer once per sampled completion."
             )
-        if self._pool is None:
-            self._pool = TimeoutPool(grade, num_workers=self.num_workers, timeout_s=self.timeout_s)
         fallback = self.fallback_last_number if fallback_last_number is None else fallback_last_number
         items = [(c, a, self.answer_format, fallback) for c, a in zip(completions, answers)]
         stats: Counter[str] = Counter(checked=len(items))
@@ -89,14 +92,80 @@ class MathReward:
         return torch.tensor(correct, dtype=torch.float32), torch.tensor(formatted, dtype=torch.float32)
 
     def close(self) -> None:
-        """Stop the worker processes (they also stop with the main process)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop the worker processes (they also stop with the main process; a later call starts them again)."""
+        self._pool.close()
 
-    def __getstate__(self) -> dict:
-        # Checkpoints / deepcopies carry the settings and counters, never the processes.
-        return {**self.__dict__, "_pool": None}
+
+class RewardSum:
+    """The weighted sum of the math reward and the user's reward functions, each scored per completion.
+
+    A user function runs in worker processes, each call under ``timeout_s``: one that hangs, raises or returns
+    something that is not a number scores 0 for that completion, is counted in ``failures`` and reported once (the
+    first time each function fails), and never stops training. ``None`` (TRL: "no score here") scores 0 too.
+
+    Args:
+        math: The math reward (``model.reward``), named ``math``.
+        functions: The user's reward functions (TRL or verl style, see ``user_rewards``): ``module:function`` names,
+            or ``{"class_path": ..., "init_args": ...}`` of callable classes.
+        weights: One weight per reward: the math reward's first, then each function's (default: 1 each; a math
+            weight of 0 keeps ``train/accuracy`` but takes the math reward out of the total).
+        timeout_s: Wall-clock limit of one user function call on one completion.
+        num_workers: Processes that run the user functions.
+    """
+
+    def __init__(self, math: MathReward, functions: list[str | dict] | None = None,
+                 weights: list[float] | None = None, timeout_s: float = 10.0, num_workers: int = 2):
+        self.math, self.specs = math, [reward_key(entry) for entry in functions or []]
+        self.styles = [reward_style(load_function(spec), spec) for spec in self.specs]  # imported here: errors early
+        names = [reward_name(load_function(spec)) for spec in self.specs]
+        self.names = ["math"] + [n if names.count(n) == 1 and n != "math" else f"{n}_{i}" for i, n in enumerate(names)]
+        self.weights = [1.0] * len(self.names) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.names):
+            raise ValueError(f"model.reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
+                             f"({', '.join(self.names)}): give one per reward, the math reward's first.")
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError("model.reward_timeout_s must be > 0.")
+        self.timeout_s, self.num_workers = timeout_s, num_workers
+        self.failures: Counter[str] = Counter()  # "<name>/timeout" or "<name>/error" -> completions scored 0
+        self._pool = TimeoutPool(score_one, num_workers=num_workers, timeout_s=timeout_s)  # processes start on use
+
+    def __call__(self, completions: list[str], batch: dict, group_size: int
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(total [N], {name: scores [N]})`` for the N = B x G completions of a batch of B prompts (``answers``;
+        ``questions``, ``sources`` and ``columns``, the row's own columns, where the batch has them)."""
+        n = len(batch["answers"])
+        rows = [i for i in range(n) for _ in range(group_size)]  # the prompt of each completion
+        answers = [batch["answers"][i] for i in rows]
+        scores = {"math": self.math(completions, answers)}  # [N]
+        if self.specs:
+            prompts = batch.get("questions") or batch["prompts"]
+            sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n
+            items = [(spec, style, prompts[i], completions[j], answers[j], sources[i], columns[i])
+                     for spec, style in zip(self.specs, self.styles) for j, i in enumerate(rows)]
+            results = self._pool.map(items)
+            for k, name in enumerate(self.names[1:]):
+                values = [self._value(name, *result) for result in results[k * len(rows) : (k + 1) * len(rows)]]
+                scores[name] = torch.tensor(values, dtype=torch.float32)
+        total = sum(w * scores[name] for name, w in zip(self.names, self.weights))
+        return total, scores
+
+    def _value(self, name: str, status: str, result) -> float:
+        if status == "ok" and (result is None or result == result):  # a number, or None: "no score"; NaN fails
+            return 0.0 if result is None else result
+        reason = "timeout" if status == "timeout" else "error"
+        if not any(key.startswith(f"{name}/") for key in self.failures):
+            detail = f"it took longer than {self.timeout_s} s" if status == "timeout" else (result or "returned NaN")
+            rank_zero_warn(f"Reward function {name}: {detail}. That completion scores 0, as does every later failing "
+                           f"call (counted in train/rewards/{name}_failures); training goes on.")
+        self.failures[f"{name}/{reason}"] += 1
+        return 0.0
+
+    def failure_counts(self) -> dict[str, int]:
+        """Completions each user function failed to score so far (timeouts and errors)."""
+        return {name: self.failures[f"{name}/timeout"] + self.failures[f"{name}/error"] for name in self.names[1:]}
+
+    def close(self) -> None:
+        self._pool.close()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 - ``HubSource``: any hub dataset through ``datasets.load_dataset(..., streaming=True)``, or local jsonl / parquet files
   in the same schema (``data_files=``), with mappable field names and the filters of the reference recipes (solve-rate
-  range, level). Presets: ``GSM8K``, ``MATH500``, ``MATH`` (MATH-lighteval), ``BigMath``, ``BigMathProcessed``.
+  range, level). Presets: ``GSM8K``, ``MATH500``, ``MATH`` (MATH-lighteval), ``BigMath``, ``BigMathProcessed``, and
+  the formats of other trainers: ``TRLPrompts`` (TRL's ``prompt`` column) and ``VerlParquet`` (verl's RL parquet).
 - ``ArithmeticSource``: an embedded, seeded, endless generator that needs no network (the CPU default).
 - ``ArithmeticExpressions``: harder embedded questions (two-digit operands, several operations, parentheses) with a
   held-out part that training never draws from.
@@ -32,7 +33,10 @@ from qerl.data.answers import extract_boxed
 from qerl.data.local_files import SUFFIXES, expand, read_records
 from qerl.data.skips import SKIP_REASONS, SkipReport
 
-Row = dict  # {"question": str, "answer": str, "source": str, "subject"?: str, "level"?: int}
+# {"question": str | list[message], "answer": str, "source": str, "subject"?: str, "level"?: int, "columns"?: dict}
+# A question is plain text or a conversation (a list of {"role", "content"} messages, formatted by the chat template);
+# "columns" holds the record's own columns, which reach the reward functions.
+Row = dict
 
 _MARKERS = {"gsm8k": "('####')", "boxed": "('\\boxed{}')", "raw": ""}  # what a usable answer must contain
 
@@ -70,8 +74,11 @@ class HubSource(PromptSource):
         data_files: Local files (globs allowed: ``.jsonl`` one JSON object per line, ``.json`` the same or one
             array of objects, ``.parquet``), read line by line so a bad line costs one row; or remote files (``://``)
             for ``datasets``. Overrides the hub files of ``path``.
-        question_field: Column holding the question.
-        answer_field: Column holding the answer (or a solution, see ``answer_parser``).
+        question_field: Column holding the question: text, or a conversation (a list of ``{"role", "content"}``
+            messages, as TRL's and verl's ``prompt`` column) that the tokenizer's chat template formats. A dotted
+            name reads a nested field (``reward_model.ground_truth``).
+        answer_field: Column holding the answer (or a solution, see ``answer_parser``); ``None``: the rows have no
+            reference answer (only reward functions that need none can score them).
         answer_parser: How to get the answer from ``answer_field``: ``raw``; ``gsm8k`` (text after ``####``, commas
             dropped); ``boxed`` (last ``\\boxed{}`` of a worked solution). A solution without its marker is skipped
             (``no_final_answer``): the whole text can never match a completion's answer.
@@ -83,7 +90,9 @@ class HubSource(PromptSource):
         max_solve_rate: Keep rows with solve rate <= this (needs ``solve_rate_field``).
         streaming: Stream rows instead of downloading and preparing the whole dataset first.
         label: Value of each row's ``source`` (defaults to ``path``).
+        source_field: Column whose value is each row's ``source`` instead of ``label`` (verl's ``data_source``).
 
+    Every column of a record reaches the reward functions (``GRPOModule.reward_funcs``) as it is in the data.
     Local files are scanned once when the source is built; ``report`` (a ``SkipReport``) holds what that pass found.
     """
 
@@ -94,7 +103,7 @@ class HubSource(PromptSource):
         split: str = "train",
         data_files: str | list[str] | None = None,
         question_field: str = "question",
-        answer_field: str = "answer",
+        answer_field: str | None = "answer",
         answer_parser: Literal["raw", "gsm8k", "boxed"] = "raw",
         subject_field: str | None = None,
         level_field: str | None = None,
@@ -104,6 +113,7 @@ class HubSource(PromptSource):
         max_solve_rate: float | None = None,
         streaming: bool = True,
         label: str | None = None,
+        source_field: str | None = None,
     ):
         if answer_parser not in ("raw", "gsm8k", "boxed"):
             raise ValueError(f"HubSource(answer_parser={answer_parser!r}): use 'raw', 'gsm8k' or 'boxed'.")
@@ -131,7 +141,7 @@ class HubSource(PromptSource):
             min_solve_rate,
             max_solve_rate,
         )
-        self.streaming = streaming
+        self.streaming, self.source_field = streaming, source_field
         self.label = label or path
         self.stats = Counter()
         self._dataset = None
@@ -186,18 +196,21 @@ class HubSource(PromptSource):
         or ``filtered`` out."""
         if raw is None:
             return None, "unreadable_line"
-        question, answer = raw.get(self.question_field), raw.get(self.answer_field)
-        if not question or not str(question).strip():
+        question = conversation(field(raw, self.question_field))
+        answer = field(raw, self.answer_field) if self.answer_field is not None else ""
+        if not question or isinstance(question, str) and not question.strip():
             return None, "missing_question"
-        if answer is None or not str(answer).strip():
+        if self.answer_field is not None and (answer is None or not str(answer).strip()):
             return None, "missing_answer"
         if self.answer_parser == "gsm8k":
             answer = str(answer).split("####")[-1].replace(",", "") if "####" in str(answer) else None
         elif self.answer_parser == "boxed":
             answer = extract_boxed(str(answer))
-        if answer is None or not str(answer).strip():
+        if answer is None or self.answer_field is not None and not str(answer).strip():
             return None, "no_final_answer"
-        row = {"question": str(question), "answer": str(answer).strip(), "source": self.label}
+        source = field(raw, self.source_field) if self.source_field is not None else None
+        row = {"question": question, "answer": str(answer).strip(), "source": self.label if source is None else
+               str(source), "columns": raw}
         if self.level_field is not None:
             row["level"] = _level(raw.get(self.level_field))
             if self.levels is not None and row["level"] not in self.levels:
@@ -213,6 +226,30 @@ class HubSource(PromptSource):
         if self.subject_field is not None and raw.get(self.subject_field) is not None:
             row["subject"] = str(raw[self.subject_field])
         return row, None
+
+
+def field(record: dict, name: str):
+    """``record[name]``, or a nested value by a dotted name (``reward_model.ground_truth``); ``None`` if absent."""
+    if name in record:
+        return record[name]
+    value = record
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def conversation(value):
+    """A question as text, or as a conversation: a list of ``{"role", "content"}`` messages stays a list (the chat
+    template formats it); anything else becomes its text (``None`` stays ``None``)."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                          for m in value):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"A question is a list but not a conversation of {{'role', 'content'}} messages: "
+                         f"{str(value)[:80]}. Fix: point question_field at a text column or a list of messages.")
+    return None if value is None else str(value)
 
 
 def _level(value) -> int | None:
@@ -369,6 +406,53 @@ class BigMathProcessed(HubSource):
             streaming=streaming,
             label="bigmath",
         )
+
+
+class TRLPrompts(HubSource):
+    """A dataset in TRL's prompt-only format (what ``GRPOTrainer`` reads): a ``prompt`` column of text or of chat
+    messages (``[{"role": "user", "content": ...}]``), a reference answer column, and any other columns, which reach
+    the reward functions as TRL passes them (``**kwargs``).
+
+    Args:
+        path: Hub dataset id, or a local ``.jsonl`` / ``.json`` / ``.parquet`` file.
+        name: Dataset config.
+        split: Split to read.
+        data_files: Local files instead of the hub files of ``path``.
+        answer_field: Column with the reference answer (``None``: none; your reward functions score without one).
+        answer_parser: How to get the answer from ``answer_field``: ``raw``, ``gsm8k`` or ``boxed``.
+        streaming: Stream rows.
+        label: Value of each row's ``source`` (defaults to ``path``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        split: str = "train",
+        data_files: str | list[str] | None = None,
+        answer_field: str | None = "solution",
+        answer_parser: Literal["raw", "gsm8k", "boxed"] = "raw",
+        streaming: bool = True,
+        label: str | None = None,
+    ):
+        super().__init__(path, name=name, split=split, data_files=data_files, question_field="prompt",
+                         answer_field=answer_field, answer_parser=answer_parser, streaming=streaming, label=label)
+
+
+class VerlParquet(HubSource):
+    """verl's RL parquet schema (what its ``examples/data_preprocess`` scripts write): ``prompt`` (chat messages),
+    ``reward_model.ground_truth`` (the answer), ``data_source`` (each row's ``source``: evaluation reports per data
+    source), ``extra_info``; every column reaches the reward functions (a verl ``compute_score`` gets them as its
+    four arguments).
+
+    Args:
+        data_files: The parquet files (globs allowed), e.g. ``~/data/gsm8k/train.parquet``.
+        label: ``source`` of rows without a ``data_source``.
+    """
+
+    def __init__(self, data_files: str | list[str], label: str = "verl"):
+        super().__init__("parquet", data_files=data_files, question_field="prompt",
+                         answer_field="reward_model.ground_truth", source_field="data_source", label=label)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ def _exit_with_parent(parent: int) -> None:
 def _serve(read_fd: int, write_fd: int) -> None:
     """A worker's main loop: receive ``(sys.path, module, name)``, then argument tuples until ``None`` or EOF."""
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the whole group: the parent decides
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     path, module, name = inbox.recv()
     sys.path[:] = path
@@ -146,6 +148,10 @@ class TimeoutPool:
         for w in self._workers:
             w.kill()
         self._workers = []
+
+    def __getstate__(self) -> dict:
+        # Copies and checkpoints carry the settings, never the processes: a copy starts its own on its first map.
+        return {**self.__dict__, "_workers": []}
 
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter shutdown; the workers exit on EOF anyway

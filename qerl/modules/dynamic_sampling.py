@@ -33,7 +33,8 @@ class Sample(NamedTuple):
 
     rollout: Rollout
     completions: list[str]  # [N] decoded completion texts
-    rewards: Tensor  # [N] float
+    rewards: Tensor  # [N] float, the weighted total
+    per_reward: dict[str, Tensor]  # {reward name: [N] float}, each reward before weighting
     correct: int  # completions whose answer checked out
     rollout_s: float  # seconds the rollout engine took (refills included)
 
@@ -115,6 +116,7 @@ def cat_samples(samples: list[Sample], pad_id: int) -> Sample:
         rollout=cat_rollouts([s.rollout for s in samples], pad_id),
         completions=[c for s in samples for c in s.completions],
         rewards=torch.cat([s.rewards for s in samples]),
+        per_reward={name: torch.cat([s.per_reward[name] for s in samples]) for name in samples[0].per_reward},
         correct=sum(s.correct for s in samples),
         rollout_s=sum(s.rollout_s for s in samples),
     )

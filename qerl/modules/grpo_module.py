@@ -3,7 +3,7 @@
 One ``training_step`` = one batch of B prompts:
 
     (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
-    (2) rewards     answer checking (+ DAPO overlong shaping)
+    (2) rewards     answer checking and the user's reward functions, weighted (+ DAPO overlong shaping)
     (3) advantages  group-relative (``model.advantage``: GRPO's mean/std or RLOO's leave-one-out); DAPO dynamic
                     sampling drops groups whose rewards are all equal and, with ``max_refill_rounds``, rolls out more
                     prompts of the stream until the batch holds ``data.batch_size`` groups with signal
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Literal
@@ -41,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl.data.rewards import MathReward, overlong_penalty
+from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
 from qerl.modules.dynamic_sampling import InformativeFraction, Sample, cat_samples, kept_groups, refill_size
@@ -67,7 +68,13 @@ class GRPOModule(L.LightningModule):
         policy: the model and its LoRA (see ``PolicyConfig``).
         loss: the policy loss; its class picks the variant (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``, ``GSPOLoss``,
             ``CISPOLoss``).
-        reward: scores completions against reference answers.
+        reward: scores completions against reference answers (the ``math`` reward; evaluation's accuracy).
+        reward_funcs: your own reward functions, added to ``reward``: each ``module:function`` or
+            ``path/to/file.py:function``, TRL's ``(prompts, completions, **columns) -> list[float | None]`` or verl's
+            ``compute_score(data_source, solution_str, ground_truth, extra_info)``, or a callable class as
+            ``{class_path: module.Class, init_args: {...}}``; every column of the data reaches them. Each call runs under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
+        reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
+        reward_timeout_s: wall-clock limit of one reward function call (one completion).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
@@ -108,6 +115,9 @@ class GRPOModule(L.LightningModule):
         policy: PolicyConfig = PolicyConfig(),
         loss: PolicyLoss | None = None,
         reward: MathReward | None = None,
+        reward_funcs: list[str | dict] | None = None,
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float = 10.0,
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
@@ -168,6 +178,7 @@ class GRPOModule(L.LightningModule):
         self.policy_config = policy
         self.loss = loss if loss is not None else DAPOLoss()
         self.reward = reward if reward is not None else MathReward()
+        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
         self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
@@ -205,13 +216,13 @@ class GRPOModule(L.LightningModule):
         self._peak_memory_gb()  # the rollout's peak starts here
 
         # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs;
-        # (2) rewards: answer checking, then DAPO's soft overlong punishment
+        # (2) rewards: answer checking and the user's functions, weighted, then DAPO's soft overlong punishment
         sample = self._rollout_and_rewards(batch)
         # DAPO's dynamic sampling as published: more prompts of the stream until B groups carry signal
         batch_size, refill_rounds = len(batch["prompt_ids"]), 0
         if self.hparams.max_refill_rounds:
             sample, refill_rounds = self._refill(sample, batch_size)
-        rollout, completions, rewards, correct, rollout_s = sample
+        rollout, completions, rewards, _, correct, rollout_s = sample
         memory["rollout"] = self._peak_memory_gb()
 
         # (3) advantages within each group; uninformative groups (and those past the batch) and truncated completions
@@ -234,6 +245,7 @@ class GRPOModule(L.LightningModule):
 
         self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
                        memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
+        self._log_rewards(sample.per_reward, informative.numel())
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
@@ -250,14 +262,14 @@ class GRPOModule(L.LightningModule):
         rollout_s = time.perf_counter() - start
 
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        answers = [a for a in batch["answers"] for _ in range(G)]
-        rewards = self.reward(completions, answers).to(self.device)  # [N]
+        rewards, per_reward = self.rewards(completions, batch, G)  # [N] weighted total, {name: [N]}
+        rewards = rewards.to(self.device)  # [N]
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(
                 rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
             ).to(rewards)
-        return Sample(rollout, completions, rewards, correct, rollout_s)
+        return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
 
     def _refill(self, sample: Sample, batch_size: int) -> tuple[Sample, int]:
         """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
@@ -410,6 +422,15 @@ class GRPOModule(L.LightningModule):
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
         self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
 
+    def _log_rewards(self, per_reward: dict[str, Tensor], batch_size: int) -> None:
+        """Each reward's mean as ``train/rewards/<name>`` (beside the weighted total, ``train/reward``), and how many
+        completions each user function failed to score so far."""
+        means = {f"train/rewards/{name}": scores.mean().to(self.device) for name, scores in per_reward.items()}
+        self.log_dict(means, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
+        failures = {f"train/rewards/{name}_failures": torch.tensor(float(n), device=self.device)
+                    for name, n in self.rewards.failure_counts().items()}
+        self.log_dict(failures, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx="sum")
+
     def _log_skipped(self, skipped: dict[str, int] | None) -> None:
         """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
         if skipped:
@@ -440,7 +461,7 @@ class GRPOModule(L.LightningModule):
             for j in range(min(G, 2)):
                 k = i * G + j
                 lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
-                             f"    {prompt[-300:]}\n\n    {completions[k][:1000]}")
+                             f"{textwrap.indent(prompt, '    ')}\n\n{textwrap.indent(completions[k][:1000], '    ')}")
         experiment.add_text("samples", "\n\n---\n\n".join(lines), logged_step(self.trainer))
 
     # ------------------------------------------------------------------------------------------------------------
@@ -478,9 +499,13 @@ class GRPOModule(L.LightningModule):
         if self.trainer.sanity_checking:  # the pre-fit check of a few batches: neither logged nor written
             self.evaluator.reset()
             return
-        values = self.evaluator.compute()  # synced across ranks
-        self.log_dict({f"{stage}/{k}": v for k, v in values.items()}, on_step=False, on_epoch=True,
-                      add_dataloader_idx=False, sync_dist=False)
+        values = {f"{stage}/{k}": v for k, v in self.evaluator.compute().items()}  # synced across ranks
+        in_fit = self.trainer.state.fn == "fit"
+        self.log_dict(values, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False,
+                      logger=not in_fit)
+        if in_fit:  # at the batches trained, as the JSONL's step (Lightning's step here is one less: the last batch's)
+            for logger in self.loggers:
+                logger.log_metrics({k: float(v) for k, v in values.items()}, step=logged_step(self.trainer) + 1)
         if self.hparams.eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
             path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",

@@ -27,7 +27,8 @@ def take(stream: PromptStream, batches: int, num_workers: int = 0) -> list[list[
 def test_chat_template_and_instructions(tokenizer):
     stream = PromptStream(ArithmeticSource(), tokenizer, answer_format="boxed", system_prompt="Be brief.")
     batch = next(iter(loader(stream)))
-    assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects", "stream_state"}
+    assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects", "columns",
+                          "stream_state"}
     prompt = batch["prompts"][0]
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is ")
     assert "\\boxed{}" in prompt and prompt.endswith("<|im_start|>assistant\n")
@@ -38,6 +39,22 @@ def test_chat_template_and_instructions(tokenizer):
         PromptStream(ArithmeticSource(), tokenizer, endless=False)
     default = next(iter(loader(PromptStream(ArithmeticSource(num_rows=3), tokenizer, endless=False))))["prompts"][0]
     assert "SmolLM" in default and "boxed" not in default  # the template's own system prompt, no instruction
+
+
+def test_chat_rows_go_through_the_chat_template_and_their_columns_reach_the_batch(tokenizer, tmp_path):
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages, "answer": "5", "topic": "sums"}] * 2)
+    source = HubSource(str(data), question_field="messages")
+    stream = PromptStream(source, tokenizer, answer_format="boxed", system_prompt="ignored: the row has its own")
+    batch = next(iter(loader(stream, batch_size=2)))
+    prompt = batch["prompts"][0]
+    assert "{'role'" not in prompt and "[{" not in prompt  # defect: the Python text of the list became the prompt
+    assert prompt.startswith("<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?\n")
+    assert "\\boxed{}" in prompt and prompt.endswith("<|im_start|>assistant\n") and "ignored" not in prompt
+    assert batch["columns"][0]["topic"] == "sums" and batch["questions"][0] == messages
+    user_only = write_jsonl(tmp_path / "user.jsonl", [{"messages": messages[1:], "answer": "5"}])
+    stream = PromptStream(HubSource(str(user_only), question_field="messages"), tokenizer, system_prompt="Be brief.")
+    assert next(iter(stream))["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat")
 
 
 def test_length_filter_counts_skipped_prompts(tokenizer, tmp_path):
@@ -119,7 +136,7 @@ class _Recorder(L.LightningModule):
         self.trained, self.validated, self.skipped = [], [], []
 
     def training_step(self, batch, batch_idx):
-        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects",
+        assert set(batch) == {"prompts", "prompt_ids", "answers", "sources", "questions", "levels", "subjects", "columns",
                               "skipped"}
         self.trained.append(batch["prompts"])
         self.skipped.append(batch["skipped"])

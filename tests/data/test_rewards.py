@@ -95,7 +95,7 @@ def test_bad_input_is_explained(reward):
     with pytest.raises(ValueError, match="answer_format"):
         MathReward(answer_format="latex")
     clone = copy.deepcopy(reward)  # checkpoints and deepcopies carry settings and counters, not processes
-    assert clone._pool is None and clone.stats == reward.stats
+    assert clone._pool._workers == [] and clone.stats == reward.stats
 
 
 def test_overlong_penalty_hand_computed():

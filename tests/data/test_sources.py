@@ -16,6 +16,8 @@ from qerl.data.sources import (
     BigMathProcessed,
     HubSource,
     Mixture,
+    TRLPrompts,
+    VerlParquet,
     endless,
 )
 
@@ -135,17 +137,17 @@ def test_bigmath_solve_rate_filters(tmp_path):
     processed = [{"prompt": "Q", "solution": "7", "source": "s", "domain": [], "llama8b_solve_rate": 0.3}]
     path = str(write_jsonl(tmp_path / "processed.jsonl", processed))
     assert list(BigMathProcessed(data_files=path)) == [
-        {"question": "Q", "answer": "7", "source": "bigmath", "subject": "s"}
+        {"question": "Q", "answer": "7", "source": "bigmath", "subject": "s", "columns": processed[0]}
     ]
 
 
 def test_hub_source_mapped_fields_and_file_path(tmp_path):
     path = str(write_jsonl(tmp_path / "mine.jsonl", [{"q": "What?", "a": 3}]))
     assert list(HubSource(path, question_field="q", answer_field="a")) == [
-        {"question": "What?", "answer": "3", "source": path}
+        {"question": "What?", "answer": "3", "source": path, "columns": {"q": "What?", "a": 3}}
     ]
     assert list(HubSource("json", data_files=[path], question_field="q", answer_field="a", label="mine")) == [
-        {"question": "What?", "answer": "3", "source": "mine"}
+        {"question": "What?", "answer": "3", "source": "mine", "columns": {"q": "What?", "a": 3}}
     ]
     assert next(iter(HubSource(path, question_field="q", answer_field="a", streaming=False)))["answer"] == "3"
 
@@ -294,3 +296,24 @@ def test_heldout_set_larger_than_its_part_of_a_small_space_is_refused():
                                    operations=["+"])
     with pytest.raises(ValueError, match="lower num_rows"):
         list(source)
+
+
+def test_trl_prompt_column_and_verl_parquet_presets_keep_conversations_and_columns(tmp_path):
+    import datasets
+
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    trl = write_jsonl(tmp_path / "trl.jsonl", [{"prompt": "What is 1 + 1?", "solution": "2", "hint": "a"},
+                                               {"prompt": chat, "solution": "5", "hint": "b"}])
+    rows = list(TRLPrompts(str(trl)))
+    assert [r["question"] for r in rows] == ["What is 1 + 1?", chat] and [r["answer"] for r in rows] == ["2", "5"]
+    assert rows[1]["columns"]["hint"] == "b"
+    verl = tmp_path / "train.parquet"
+    datasets.Dataset.from_list([
+        {"data_source": "openai/gsm8k", "prompt": chat, "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"index": 7, "split": "train"}},
+    ]).to_parquet(str(verl))
+    (row,) = list(VerlParquet(str(verl)))
+    assert row["question"] == chat and row["answer"] == "5" and row["source"] == "openai/gsm8k"
+    assert row["columns"]["extra_info"] == {"index": 7, "split": "train"}
+    with pytest.raises(ValueError, match="not a conversation"):
+        HubSource(str(write_jsonl(tmp_path / "bad.jsonl", [{"q": [1, 2], "answer": "3"}])), question_field="q")

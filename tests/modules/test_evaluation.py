@@ -287,6 +287,10 @@ def test_validate_then_fit_with_periodic_validation(tiny_model_dirs, tmp_path):
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     log_dir = tmp_path / "eval" / "version_0"
     assert len(scalars(log_dir)["val/arithmetic_acc"]) == 3  # before training, after step 1 and after step 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = [e.step for e in EventAccumulator(str(log_dir)).Reload().Scalars("val/arithmetic_acc")]
+    assert steps == [0, 1, 2]  # the steps the JSONL files are named after
     assert sorted(p.name for p in (log_dir / "eval").iterdir()) == ["val_step0.jsonl", "val_step1.jsonl",
                                                                    "val_step2.jsonl"]
 

@@ -1,0 +1,110 @@
+"""Reward functions as TRL and verl users write them, found by a ``module:function`` string and called one completion
+at a time (in ``TimeoutPool`` workers: this module imports nothing heavy).
+
+Two styles, told apart by the function's parameters:
+
+- TRL (``GRPOTrainer(reward_funcs=...)``): ``reward(prompts, completions, **columns) -> list[float | None]``. ``prompts``
+  and ``completions`` are lists (here of one item); a conversational prompt (a list of ``{"role", "content"}``
+  messages) comes with its completion as ``[{"role": "assistant", "content": text}]``, a text prompt with the text.
+  Every other column of the row is a keyword argument (a list of one value). ``None`` means "no score" (0).
+- verl (``custom_reward_function``): ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
+  returning a number or a dict with ``score``. ``extra_info`` is the row's ``extra_info`` column, or all its columns
+  when it has none.
+
+A function is named ``package.module:function``, ``package.module.function`` or ``path/to/file.py:function``; a
+callable class with settings as ``{"class_path": "package.module.Class", "init_args": {...}}`` (built once per
+worker process; its ``__call__`` takes either style's arguments).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+RESERVED = ("prompt", "prompts", "completion", "completions")  # never passed as a TRL column
+
+
+def reward_key(entry: str | dict) -> str:
+    """One string for a ``reward_funcs`` entry (a name, or a ``class_path`` / ``init_args`` dict): what workers get."""
+    if isinstance(entry, str):
+        return entry
+    if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str) or set(entry) - {"class_path",
+                                                                                                  "init_args"}:
+        raise ValueError(f"reward function {entry!r}: give 'module:function' or {{class_path: module.Class, "
+                         "init_args: {...}}.")
+    return json.dumps({"class_path": entry["class_path"], "init_args": entry.get("init_args") or {}}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def load_function(spec: str) -> Callable:
+    """The function (or the built callable class) ``spec`` names (see ``reward_key``); a ``ValueError`` that says
+    what is wrong and how to name it otherwise."""
+    init_args = None
+    if spec.startswith("{"):
+        entry = json.loads(spec)
+        spec, init_args = entry["class_path"], entry["init_args"]
+    module_name, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    if not sep or not module_name or not name:
+        raise ValueError(f"reward function {spec!r}: name it as 'module:function' (or 'path/to/file.py:function').")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser().resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"no file {path}")
+            loader = importlib.util.spec_from_file_location(f"qerl_user_rewards_{path.stem}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as error:
+        raise ValueError(f"reward function {spec!r} cannot be loaded ({type(error).__name__}: {error}). Fix: a module "
+                         "on PYTHONPATH ('my_rewards:fn') or a file ('path/to/my_rewards.py:fn').") from None
+    if inspect.isclass(fn):
+        try:
+            fn = fn(**(init_args or {}))
+        except TypeError as error:
+            raise ValueError(f"reward class {spec!r}: {error}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable.")
+    return fn
+
+
+def reward_name(fn: Callable) -> str:
+    """A function's name, or a callable object's class name."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reward_style(fn: Callable, spec: str = "") -> str:
+    """``"verl"`` for a ``compute_score(data_source, solution_str, ground_truth, extra_info)``, ``"trl"`` for a
+    ``reward(prompts, completions, **kwargs)``."""
+    parameters = inspect.signature(fn).parameters
+    if "solution_str" in parameters:
+        return "verl"
+    if "completions" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return "trl"
+    raise ValueError(f"reward function {spec or fn!r}: takes neither TRL's (prompts, completions, **kwargs) nor verl's "
+                     "(data_source, solution_str, ground_truth, extra_info) arguments.")
+
+
+def score_one(spec: str, style: str, prompt, completion: str, answer: str, source: str, columns: dict
+              ) -> float | None:
+    """One completion's score by the function ``spec`` names (``None``: the function gave none)."""
+    fn = load_function(spec)
+    if style == "verl":
+        extra_info = columns["extra_info"] if "extra_info" in columns else columns
+        score = fn(data_source=columns.get("data_source", source), solution_str=completion, ground_truth=answer,
+                   extra_info=extra_info)
+        score = score["score"] if isinstance(score, dict) else score
+    else:
+        if isinstance(prompt, list):  # a conversation: TRL passes completions as messages too
+            completion = [{"role": "assistant", "content": completion}]
+        kwargs = {k: [v] for k, v in columns.items() if k not in RESERVED}
+        kwargs.setdefault("answer", [answer])
+        (score,) = fn(prompts=[prompt], completions=[completion], **kwargs)
+    return None if score is None else float(score)
