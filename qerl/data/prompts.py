@@ -54,12 +54,13 @@ SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training neve
 
 def format_prompt(
     tokenizer, question: str | list[dict], answer_format: str = "none", system_prompt: str | None = None,
-    instruction: str | None = None,
+    instruction: str | None = None, chat_template_kwargs: dict | None = None,
 ) -> str:
     """The chat-formatted prompt text, ending with the assistant turn's opening (``add_generation_prompt``);
     ``instruction`` replaces the answer format's standard one. A conversation (a list of ``{"role", "content"}``
     messages) goes through the chat template as it is, the instruction appended to its last user message and
-    ``system_prompt`` put first unless it opens with a system message of its own."""
+    ``system_prompt`` put first unless it opens with a system message of its own. ``chat_template_kwargs`` go to the
+    template (Qwen3's ``enable_thinking``)."""
     instruction = FORMAT_INSTRUCTIONS[answer_format] if instruction is None else instruction
     messages = [dict(m) for m in question] if isinstance(question, list) else [{"role": "user", "content": question}]
     users = [m for m in messages if m["role"] == "user"]
@@ -67,7 +68,8 @@ def format_prompt(
         users[-1]["content"] = f"{users[-1]['content']}\n{instruction}"
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
 
 
 def shuffled(rows: Iterator, buffer: int, rng: random.Random) -> Iterator:
@@ -106,6 +108,7 @@ class PromptStream(IterableDataset):
         rank: Global rank of this process.
         world_size: Number of processes.
         instruction: Text appended to each question instead of ``answer_format``'s standard instruction.
+        chat_template_kwargs: Extra variables of the chat template (e.g. ``{"enable_thinking": False}``).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class PromptStream(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         instruction: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         if answer_format not in FORMAT_INSTRUCTIONS:
             raise ValueError(f"answer_format={answer_format!r}: use one of {list(FORMAT_INSTRUCTIONS)}.")
@@ -135,6 +139,7 @@ class PromptStream(IterableDataset):
         self.answer_format, self.system_prompt, self.max_prompt_tokens = answer_format, system_prompt, max_prompt_tokens
         self.shuffle_buffer, self.seed, self.endless = shuffle_buffer, seed, endless
         self.rank, self.world_size, self.instruction = rank, world_size, instruction
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._rounds: dict[int, int] = {}  # local worker -> rounds of its share passed (committed by `update`)
         self._counters: dict[int, dict] = {}  # local worker -> its last counters
         self._layout: tuple[int, int] | None = None  # (world_size, workers) the rounds were counted with
@@ -199,7 +204,7 @@ class PromptStream(IterableDataset):
             if i % k != me or i // k < start:  # another consumer's row, or one this consumer already passed
                 continue
             prompt = format_prompt(self.tokenizer, row["question"], self.answer_format, self.system_prompt,
-                                   self.instruction)
+                                   self.instruction, self.chat_template_kwargs)
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has the specials
             if len(ids) > self.max_prompt_tokens:
                 counts["too_long"] += 1
@@ -337,6 +342,8 @@ class MathPromptDataModule(L.LightningDataModule):
         val_batch_size: Prompts per validation batch (default: ``batch_size``).
         instruction: Text appended to each question instead of ``answer_format``'s standard instruction (e.g. one
             with an example, for a small model that does not follow the standard one yet).
+        chat_template_kwargs: Extra variables of the tokenizer's chat template, as TRL's option of that name: Qwen3's
+            thinking mode is ``{enable_thinking: false}`` (off, as the Qwen3 recipes set it) or ``true``.
     """
 
     def __init__(
@@ -354,6 +361,7 @@ class MathPromptDataModule(L.LightningDataModule):
         val_sources: list[PromptSource] | None = None,
         val_batch_size: int | None = None,
         instruction: str | None = None,
+        chat_template_kwargs: dict[str, bool | int | float | str] | None = None,
     ):
         super().__init__()
         if answer_format not in FORMAT_INSTRUCTIONS:
@@ -381,7 +389,7 @@ class MathPromptDataModule(L.LightningDataModule):
         self.tokenizer_name, self.batch_size, self.val_batch_size = tokenizer, batch_size, val_batch_size or batch_size
         self.system_prompt, self.answer_format, self.max_prompt_tokens = system_prompt, answer_format, max_prompt_tokens
         self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
-        self.instruction = instruction
+        self.instruction, self.chat_template_kwargs = instruction, dict(chat_template_kwargs or {})
         self.tokenizer = None
         self.train_stream: PromptStream | None = None
         self._pending_state: dict | None = None
@@ -412,6 +420,7 @@ class MathPromptDataModule(L.LightningDataModule):
             rank,
             world,
             self.instruction,
+            self.chat_template_kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:

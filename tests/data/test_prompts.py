@@ -1,3 +1,4 @@
+import copy
 import itertools
 
 import lightning as L
@@ -55,6 +56,22 @@ def test_chat_rows_go_through_the_chat_template_and_their_columns_reach_the_batc
     user_only = write_jsonl(tmp_path / "user.jsonl", [{"messages": messages[1:], "answer": "5"}])
     stream = PromptStream(HubSource(str(user_only), question_field="messages"), tokenizer, system_prompt="Be brief.")
     assert next(iter(stream))["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat")
+
+
+def test_chat_template_kwargs_reach_the_template_as_qwen3s_thinking_switch(tokenizer):
+    """``data.chat_template_kwargs`` are variables of the chat template: Qwen3's template opens an empty think block
+    when ``enable_thinking`` is false (the Qwen3 recipes' setting); without them the template's default holds."""
+    qwen3_like = copy.deepcopy(tokenizer)
+    qwen3_like.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% endif %}")
+    off = next(iter(PromptStream(ArithmeticSource(), qwen3_like, chat_template_kwargs={"enable_thinking": False})))
+    default = next(iter(PromptStream(ArithmeticSource(), qwen3_like)))
+    assert off["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert default["prompt"].endswith("<|im_start|>assistant\n") and "<think>" not in default["prompt"]
+    module = MathPromptDataModule(tokenizer="smollm2-135m-instruct", chat_template_kwargs={"enable_thinking": False})
+    assert module._stream(module.source, 0, True, 0, 1).chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_length_filter_counts_skipped_prompts(tokenizer, tmp_path):
