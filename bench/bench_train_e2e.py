@@ -208,12 +208,14 @@ def main() -> None:
 
 
 def linear_params(size: str, vocab: int) -> tuple[int, int]:
-    """(parameters of the linears the tokens go through, incl. the LM head; hidden size x layers for attention)."""
-    shapes = {"qwen2.5-3b": (2048, 11008, 36, 16, 2, 151936), "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
-              "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064), "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064)}
-    h, i, n, heads, kv_heads, _ = shapes[size]
-    kv = kv_heads * h // heads
-    return n * (2 * h * h + 2 * h * kv + 3 * h * i) + h * vocab, n * h
+    """(parameters of the linears the tokens go through, incl. the LM head; query width x layers for attention)."""
+    from qerl.testing.random_models import model_config
+
+    config = model_config(size)
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return n * (2 * h * q + 2 * h * kv + 3 * h * i) + h * vocab, n * q
 
 
 if __name__ == "__main__":
