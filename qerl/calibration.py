@@ -131,6 +131,9 @@ def calibrate_checkpoint(model: str, output: str | Path, method: str, prompts: l
     tokenizer = load_tokenizer(model)
     dataset = Dataset.from_dict({"input_ids": prompts, "attention_mask": [[1] * len(p) for p in prompts]})
     log(f"{method}: calibrating on {len(prompts)} prompts ({sum(map(len, prompts))} tokens)")
+    # Shards of an earlier model in the same directory (--force) would be read back with this one.
+    for stale in [*Path(output).glob("*.safetensors"), *Path(output).glob("*.safetensors.index.json")]:
+        stale.unlink()
     oneshot(
         model=AutoModelForCausalLM.from_pretrained(path, dtype="auto"),
         tokenizer=tokenizer,
