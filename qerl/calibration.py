@@ -76,9 +76,9 @@ def calibration_prompts(data: dict, tokenizer, num_samples: int) -> list[list[in
     parser.add_class_arguments(MathPromptDataModule, "data")
     module = parser.instantiate(parser.parse_object({"data": {**data, "num_workers": 0}})).data
     # An endless source streams on; a finite one is read once, not cycled into repeats.
-    stream = PromptStream(module.source, tokenizer, module.answer_format, module.system_prompt, module.max_prompt_tokens,
-                          module.shuffle_buffer, module.seed, endless=module.source.infinite,
-                          instruction=module.instruction)
+    stream = PromptStream(module.source, tokenizer, module.answer_format, module.system_prompt,
+                          module.max_prompt_tokens, module.shuffle_buffer, module.seed,
+                          endless=module.source.infinite, instruction=module.instruction)
     prompts = [item["prompt_ids"] for item in itertools.islice(stream, num_samples)]
     if not prompts:
         raise ValueError("--calibration: its data section yields no prompt: check its sources and max_prompt_tokens.")

@@ -8,9 +8,10 @@
 ``--method rtn`` (the default) rounds to nearest without data; ``gptq`` and ``awq`` calibrate through llmcompressor
 on prompts of a ``train.py`` config's data (``qerl/calibration.py``; llmcompressor in its own environment).
 With ``rtn`` the bytes equal llmcompressor's data-free ``NVFP4A16`` scheme (weights only, lm_head/embeddings/norms stay
-bf16, q/k/v and gate/up share one global scale; ``.ci/llmcompressor_tests.sh`` checks it); the model is quantized layer by layer as it is read. A local directory's tokenizer
-files are copied as they are; a directory without any (``save_pretrained`` of the model alone) gives a checkpoint
-without a tokenizer (add the files before training: the tokenizer is read from the model directory).
+bf16, q/k/v and gate/up share one global scale; ``.ci/llmcompressor_tests.sh`` checks it); the model is quantized
+layer by layer as it is read. A local directory's tokenizer files are copied as they are; a directory without any
+(``save_pretrained`` of the model alone) gives a checkpoint without a tokenizer (add the files before training: the
+tokenizer is read from the model directory).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--method {args.method} calibrates on prompts: pass --calibration <the train.py config you train "
                      "with> (its data section gives them), e.g. --calibration configs/smoke.yaml.")
     if args.targets != list(DEFAULT_TARGETS):
-        parser.error(f"--targets: --method {args.method} quantizes every Linear but lm_head (llmcompressor's NVFP4A16).")
+        parser.error(f"--targets: --method {args.method} quantizes every Linear but lm_head "
+                     "(llmcompressor's NVFP4A16).")
     return exit_status(lambda: calibrate(args))
 
 
@@ -96,9 +98,7 @@ def calibrate(args: argparse.Namespace) -> None:
     """The calibrated path: every check before the model loads, then llmcompressor."""
     require_llmcompressor(args.method)
     check_output(args.output, args.force)
-    data = read_data_section(args.calibration)
-    data["tokenizer"] = args.model
-    prompts = calibration_prompts(data, load_tokenizer(args.model), args.num_samples)
+    prompts = calibration_prompts(read_data_section(args.calibration), load_tokenizer(args.model), args.num_samples)
     calibrate_checkpoint(args.model, args.output, args.method, prompts)
 
 
