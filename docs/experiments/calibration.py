@@ -93,9 +93,31 @@ def rollout_entropy(model, tokenizer, prompt_ids, samples: int, new_tokens: int,
     return per_row.mean(-1).tolist()  # one value per prompt
 
 
+def markdown_table(results: dict) -> str:
+    """The table of docs/quantization.md: mean [95% interval] per model and measure."""
+    def cell(value: dict | None, scale: float = 1.0, digits: int = 3) -> str:
+        if value is None:
+            return "-"
+        return (f"{value['mean'] * scale:.{digits}f} [{value['low'] * scale:.{digits}f}, "
+                f"{value['high'] * scale:.{digits}f}]")
+
+    rows = ["| model | KL to bf16, arithmetic (nats/token) | KL to bf16, word problems | greedy accuracy strict "
+            "(%) | flexible (%) | rollout entropy (nats) |", "|---|---|---|---|---|---|"]
+    for name, s in results["summary"].items():
+        kl = s.get("kl", {})
+        rows.append(f"| {name} | {cell(kl.get('arithmetic'), digits=4)} | {cell(kl.get('word_problems'), digits=4)} | "
+                    f"{cell(s['accuracy']['strict'], 100, 1)} | {cell(s['accuracy']['flexible'], 100, 1)} | "
+                    f"{cell(s['entropy'])} |")
+    for name, s in results["paired"].items():
+        rows.append(f"| {name} (paired) | {cell(s['kl']['arithmetic'], digits=4)} | "
+                    f"{cell(s['kl']['word_problems'], digits=4)} | {cell(s['accuracy']['strict'], 100, 1)} | "
+                    f"{cell(s['accuracy']['flexible'], 100, 1)} | {cell(s['entropy'])} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoints", nargs="+", required=True, metavar="NAME=DIR",
+    parser.add_argument("--checkpoints", nargs="+", metavar="NAME=DIR",
                         help="NVFP4 checkpoints to compare; the first is the baseline of the paired differences")
     parser.add_argument("--out", default="docs/results/calibration", help="output path without extension")
     parser.add_argument("--prompts", type=int, default=64)
@@ -103,7 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--table", default=None, metavar="JSON", help="only print the markdown table of a results file")
     args = parser.parse_args(argv)
+    if args.table:
+        results = json.loads(Path(args.table).read_text())
+        print(markdown_table(results))
+        return results
+    if not args.checkpoints:
+        parser.error("--checkpoints NAME=DIR ... is required (or --table JSON).")
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
@@ -152,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(json.dumps({"summary": results["summary"], "paired": results["paired"]}, indent=1))
+    print(markdown_table(results))
     return results
 
 
