@@ -2,11 +2,16 @@
 
     python -m qerl.quantize --model Qwen/Qwen2.5-7B-Instruct --output qwen2.5-7b-nvfp4
     python -m qerl.quantize --model smollm2-135m-instruct --output smollm2-nvfp4
+    python -m qerl.quantize --model smollm2-135m-instruct --output smollm2-nvfp4-gptq --method gptq \
+        --calibration configs/smoke.yaml
 
-The bytes equal llmcompressor's ``NVFP4A16`` scheme (weights only, lm_head/embeddings/norms stay bf16, q/k/v and
-gate/up share one global scale); the model is quantized layer by layer as it is read. A local directory's tokenizer
-files are copied as they are; a directory without any (``save_pretrained`` of the model alone) gives a checkpoint
-without a tokenizer (add the files before training: the tokenizer is read from the model directory).
+``--method rtn`` (the default) rounds to nearest without data; ``gptq`` and ``awq`` calibrate through llmcompressor
+on prompts of a ``train.py`` config's data (``qerl/calibration.py``; llmcompressor in its own environment).
+With ``rtn`` the bytes equal llmcompressor's data-free ``NVFP4A16`` scheme (weights only, lm_head/embeddings/norms stay
+bf16, q/k/v and gate/up share one global scale; ``.ci/llmcompressor_tests.sh`` checks it); the model is quantized
+layer by layer as it is read. A local directory's tokenizer files are copied as they are; a directory without any
+(``save_pretrained`` of the model alone) gives a checkpoint without a tokenizer (add the files before training: the
+tokenizer is read from the model directory).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from qerl.calibration import (
+    METHODS, calibrate_checkpoint, calibration_prompts, read_data_section, require_llmcompressor,
+)
 from qerl.hub import load_tokenizer
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, load_model
 from qerl.nvfp4.checkpoint import save_nvfp4
@@ -31,9 +39,7 @@ TOKENIZER_FILES = (
 
 def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS, force: bool = False, log=print) -> Path:
     """Read ``model``, quantize its ``targets`` to NVFP4 and write the checkpoint directory ``output``."""
-    output = Path(output)
-    if output.exists() and any(output.iterdir()) and not force:
-        raise FileExistsError(f"{output} is not empty; pass --force to overwrite it or choose another --output.")
+    output = check_output(output, force)
     count = 0
 
     def progress(group: str) -> None:
@@ -56,14 +62,44 @@ def quantize_checkpoint(model: str, output: str | Path, targets=DEFAULT_TARGETS,
     return output
 
 
+def check_output(output: str | Path, force: bool) -> Path:
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not force:
+        raise FileExistsError(f"{output} is not empty; pass --force to overwrite it or choose another --output.")
+    return output
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qerl.quantize", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="bf16 HF model directory, hub id, or 'smollm2-135m-instruct'")
     parser.add_argument("--output", required=True, help="directory for the NVFP4A16 checkpoint")
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), help="Linear layers to quantize")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+    parser.add_argument("--method", choices=("rtn", *METHODS), default="rtn",
+                        help="rtn: data-free round-to-nearest; gptq / awq: calibrated through llmcompressor")
+    parser.add_argument("--calibration", nargs="+", metavar="CONFIG",
+                        help="gptq / awq: the train.py config(s) you train with; their data section gives the prompts")
+    parser.add_argument("--num-samples", type=int, default=256, help="gptq / awq: calibration prompts")
     args = parser.parse_args(argv)
-    return exit_status(lambda: quantize_checkpoint(args.model, args.output, args.targets, args.force))
+    if args.method == "rtn":
+        if args.calibration:
+            parser.error("--calibration is for --method gptq or awq (rtn needs no data).")
+        return exit_status(lambda: quantize_checkpoint(args.model, args.output, args.targets, args.force))
+    if not args.calibration:
+        parser.error(f"--method {args.method} calibrates on prompts: pass --calibration <the train.py config you train "
+                     "with> (its data section gives them), e.g. --calibration configs/smoke.yaml.")
+    if args.targets != list(DEFAULT_TARGETS):
+        parser.error(f"--targets: --method {args.method} quantizes every Linear but lm_head "
+                     "(llmcompressor's NVFP4A16).")
+    return exit_status(lambda: calibrate(args))
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    """The calibrated path: every check before the model loads, then llmcompressor."""
+    require_llmcompressor(args.method)
+    check_output(args.output, args.force)
+    prompts = calibration_prompts(read_data_section(args.calibration), load_tokenizer(args.model), args.num_samples)
+    calibrate_checkpoint(args.model, args.output, args.method, prompts)
 
 
 def exit_status(command: Callable[[], object]) -> int:
@@ -71,7 +107,7 @@ def exit_status(command: Callable[[], object]) -> int:
     ``error: ...`` line on stderr and status 2, without a traceback."""
     try:
         command()
-    except (FileExistsError, FileNotFoundError, ValueError) as error:
+    except (FileExistsError, FileNotFoundError, ValueError, ModuleNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

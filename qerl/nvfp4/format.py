@@ -10,8 +10,8 @@ Layout (what llmcompressor's ``NVFP4A16`` scheme writes and vLLM reads), for a w
     W = E2M1[code] * float(weight_scale) / gs
 
 Quantization calls compressed-tensors' own scale and packing functions in the order llmcompressor does
-(observer min/max per block -> ``calculate_qparams`` with the global scale -> ``quantize_and_pack_fp4``), so the
-bytes match. Dequantization is ours (it runs on every forward of the torch reference) and is tested against
+(observer min/max per block -> ``calculate_qparams`` with the global scale -> ``quantize`` -> ``pack_fp4_to_uint8``),
+so the bytes match. Dequantization is ours (it runs on every forward of the torch reference) and is tested against
 compressed-tensors' ``NVFP4PackedCompressor.decompress``.
 """
 
@@ -60,7 +60,8 @@ def global_scale(*weights: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str = "weight") -> dict[str, torch.Tensor]:
     """Quantize a float weight ``[out, in]`` to NVFP4; returns ``weight_packed``, ``weight_scale``, ``weight_global_scale``."""
-    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.lifecycle.forward import quantize as fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     check_quantizable(weight, name)
@@ -69,7 +70,9 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, name: str
     blocks = w.reshape(w.shape[0], -1, BLOCK)
     args = _nvfp4_args()
     scale, _ = calculate_qparams(blocks.amin(dim=-1), blocks.amax(dim=-1), args, global_scale=gs)
-    packed = quantize_and_pack_fp4(w, scale, global_scale=gs, group_size=BLOCK)
+    # quantize + pack as two calls, as NVFP4PackedCompressor.compress does in every compressed-tensors release qerl
+    # supports (0.20's fused quantize_and_pack_fp4 is the same two steps on the CPU, and 0.17 / 0.19 lack it).
+    packed = pack_fp4_to_uint8(fake_quantize(x=w, scale=scale, zero_point=None, args=args, global_scale=gs))
     return {"weight_packed": packed, "weight_scale": scale.to(torch.float8_e4m3fn), "weight_global_scale": gs}
 
 
