@@ -181,10 +181,11 @@ def run_result(job: Job, max_steps: int) -> dict | None:
 
 def heldout_curves(scalars: dict[str, dict[int, float]]) -> dict[str, list]:
     """``{"steps": [...], "<metric>": [...]}`` for every ``val/<metric>`` tag (``expressions_acc``,
-    ``expressions_acc_flexible``, ``expressions_level2_acc``, ...), steps counted as optimizer steps done."""
+    ``expressions_acc_flexible``, ``expressions_level2_acc``, ...), steps counted as optimizer steps done (the
+    validation tags are logged at that step, the step their ``eval/val_step<N>.jsonl`` is named after)."""
     tags = sorted(t for t in scalars if t.startswith("val/"))
     steps = sorted({s for t in tags for s in scalars[t]})
-    curves: dict[str, list] = {"steps": [s + 1 for s in steps]}
+    curves: dict[str, list] = {"steps": steps}
     for tag in tags:
         curves[tag.removeprefix("val/")] = [scalars[tag].get(s) for s in steps]
     return curves
