@@ -384,5 +384,6 @@ def _refuse_vllm_share(plan: MemoryPlan, budget: float, have: str, resident: flo
             fixed_bytes(shape, t) + row_kv_bytes(shape, t), total_bytes) * total_bytes) <= budget)
         raise MemoryPlanError(f"memory plan: {need}, beside the policy's {resident / GIB:.1f} GiB, need "
                               f"{rollout / GIB:.1f} GiB in the rollout, {have}: "
-                              + (f"lower {fix}" if fix else "use a larger GPU")
+                              + (f"lower {fix}" if fix else f"set {OPT_QUANTIZATION} nvfp4" if s.quantization != "nvfp4"
+                                 else "use a larger GPU")
                               + " (or CUDAGraphRollout: it decodes with the policy's own weights).")
