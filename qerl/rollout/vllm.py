@@ -209,7 +209,6 @@ class VLLMRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
@@ -228,21 +227,7 @@ class VLLMRollout(RolloutEngine):
         try:
             if noisy:
                 self._write_norms(self._noisy_norms())
-            params = [
-                SamplingParams(
-                    n=group_size,
-                    temperature=0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
-                    top_p=1.0 if self.greedy else self.top_p,
-                    max_tokens=self.max_new_tokens,
-                    stop_token_ids=list(eos_ids),
-                    ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
-                    logprobs=0,
-                    seed=self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
-                    skip_special_tokens=False,
-                    detokenize=False,
-                )
-                for _ in prompt_ids
-            ]
+            params = [self._sampling_params(group_size, eos_ids) for _ in prompt_ids]
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
                 params,
@@ -257,6 +242,25 @@ class VLLMRollout(RolloutEngine):
             self._asleep = True
         device = next(policy.parameters()).device
         return self._to_rollout(outputs, prompt_ids, group_size, pad_id, eos_ids, device)
+
+    def _sampling_params(self, group_size: int, eos_ids: list[int], **overrides):
+        """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples (``overrides``: other values, e.g. a
+        benchmark's forced lengths)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(**{
+            "n": group_size,
+            "temperature": 0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
+            "top_p": 1.0 if self.greedy else self.top_p,
+            "max_tokens": self.max_new_tokens,
+            "stop_token_ids": list(eos_ids),
+            "ignore_eos": True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
+            "logprobs": 0,
+            "seed": self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
+            "skip_special_tokens": False,
+            "detokenize": False,
+            **overrides,
+        })
 
     # ------------------------------------------------------------------------------------------------------------
     def _start(self, policy, rank: int) -> None:
