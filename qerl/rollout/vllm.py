@@ -304,6 +304,8 @@ class VLLMRollout(RolloutEngine):
             os.environ.setdefault("LOCAL_RANK", str(process_rank))
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
         kwargs.update(self.engine_kwargs)
+        if self._on_cuda():  # vLLM checks its share against the GPU's free memory: blocks PyTorch caches count as used
+            torch.cuda.empty_cache()
         self.llm = LLM(**kwargs)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])

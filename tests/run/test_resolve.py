@@ -129,3 +129,17 @@ def test_the_planning_device_follows_the_trainers_options(monkeypatch):
     assert planning_device(Namespace(accelerator="auto", devices="0,2")) == torch.device("cuda", 2)
     assert planning_device(Namespace(accelerator="cuda", devices=2)) == torch.device("cuda", 1)
     assert planning_device(Namespace(accelerator="cpu", devices=2)) == torch.device("cpu")
+
+
+def test_without_a_device_the_vllm_engine_gets_the_runs_length_and_no_share(no_model_loads, tiny_model_dirs, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pretend_vllm_is_installed(monkeypatch)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+        "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+        "--model.rollout.class_path", VLLM])
+    engine = cli.model.rollout
+    assert cli.resolution.plan is None
+    assert engine.max_model_len == cli.config.data.max_prompt_tokens + engine.max_new_tokens  # no device needed
+    assert engine.gpu_memory_utilization is None  # vLLM's CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE
+    assert cli.config.model.rollout.init_args.max_model_len is None  # the config stays as the user wrote it
