@@ -34,14 +34,15 @@ def draw_lengths(rows: int, median: float, sigma: float, generator: torch.Genera
     return torch.exp(math.log(median) + sigma * normal).ceil().long().clamp(min=1)
 
 
-class ForcedLengthRollout(CUDAGraphRollout):
-    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring).
+class DrawnLengths:
+    """Lengths drawn per row from a lognormal, one draw per row and call (see the module docstring); the first base of
+    a forced-length engine.
 
     Args:
         length_median: median completion length in tokens.
         length_sigma: standard deviation of the log length.
         length_seed: seed of the length draws.
-        **kwargs: ``CUDAGraphRollout``'s arguments.
+        **kwargs: the engine's arguments.
     """
 
     def __init__(self, length_median: float = 400.0, length_sigma: float = 0.8, length_seed: int = 0, **kwargs):
@@ -49,15 +50,26 @@ class ForcedLengthRollout(CUDAGraphRollout):
         self.length_median, self.length_sigma = length_median, length_sigma
         self.length_seed = length_seed
         self._lengths_generator: torch.Generator | None = None  # made on first use, when the rank is known
+
+    def draw(self, rows: int) -> torch.Tensor:
+        """The lengths of the next call's ``rows`` rows (from this rank's own stream)."""
+        if self._lengths_generator is None:
+            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
+        return draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
+
+
+class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
+    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self._targets: torch.Tensor | None = None  # per output row; one storage, read inside captured graphs
         self._eos_id = 0
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
         rows = len(prompt_ids) * group_size
-        if self._lengths_generator is None:
-            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
-        lengths = draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
+        lengths = self.draw(rows)
         lengths[lengths > self.max_new_tokens] = self.max_new_tokens + 1  # never reached: truncated
         device = next(policy.parameters()).device
         if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
@@ -76,29 +88,16 @@ class ForcedLengthRollout(CUDAGraphRollout):
         super()._record(s, logits, b)
 
 
-class ForcedLengthVLLMRollout(VLLMRollout):
-    """``VLLMRollout`` whose completions end at drawn lengths (see the module docstring).
+class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):
+    """``VLLMRollout`` whose completions end at drawn lengths (see the module docstring)."""
 
-    Args:
-        length_median: median completion length in tokens.
-        length_sigma: standard deviation of the log length.
-        length_seed: seed of the length draws.
-        **kwargs: ``VLLMRollout``'s arguments.
-    """
-
-    def __init__(self, length_median: float = 400.0, length_sigma: float = 0.8, length_seed: int = 0, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.length_median, self.length_sigma = length_median, length_sigma
-        self.length_seed = length_seed
-        self._lengths_generator: torch.Generator | None = None  # made on first use, when the rank is known
         self._row_lengths = iter(())
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
-        if self._lengths_generator is None:
-            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
-        lengths = draw_lengths(len(prompt_ids) * group_size, self.length_median, self.length_sigma,
-                               self._lengths_generator).clamp(max=self.max_new_tokens)
+        lengths = self.draw(len(prompt_ids) * group_size).clamp(max=self.max_new_tokens)
         self._row_lengths = iter(lengths.tolist())
         # one request per row (a group's rows one after another: the layout of group_size samples per prompt)
         rows = [list(p) for p in prompt_ids for _ in range(group_size)]
