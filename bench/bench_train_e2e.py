@@ -86,8 +86,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     kv = ["--model.rollout.init_args.kv_cache_dtype", kv_cache_dtype(args, quantization)]
     if args.engine == "vllm":  # its KV cache's dtype goes through engine_kwargs
-        kv = [] if kv_cache_dtype(args, quantization) == "auto" else [
-            "--model.rollout.init_args.engine_kwargs", json.dumps({"kv_cache_dtype": kv_cache_dtype(args, quantization)})]
+        dtype = kv_cache_dtype(args, quantization)
+        kv = [] if dtype == "auto" else ["--model.rollout.init_args.engine_kwargs", json.dumps({"kv_cache_dtype": dtype})]
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # (shared/DESIGN.md: as seen on the H100)
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
@@ -134,7 +134,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
 
 
 ENGINES = {  # --engine -> --lengths -> the rollout class
-    "cuda_graph": {"fixed": "qerl.rollout.cuda_graph.CUDAGraphRollout", "lognormal": "forced_lengths.ForcedLengthRollout"},
+    "cuda_graph": {"fixed": "qerl.rollout.cuda_graph.CUDAGraphRollout",
+                   "lognormal": "forced_lengths.ForcedLengthRollout"},
     "vllm": {"fixed": "qerl.rollout.vllm.VLLMRollout", "lognormal": "forced_lengths.ForcedLengthVLLMRollout"},
 }
 
@@ -180,7 +181,8 @@ def main() -> None:
         results[quantization] = in_own_process(fit, dirs[quantization], quantization, args, work / "runs")
         print(quantization, results[quantization], flush=True)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
-           "lengths": args.lengths, "engine": args.engine, "label": args.label, "micro_batch_tokens": args.micro_batch_tokens,
+           "lengths": args.lengths, "engine": args.engine, "label": args.label,
+           "micro_batch_tokens": args.micro_batch_tokens,
            "checkpointing": args.checkpointing, "overrides": args.overrides}
     floor_params = linear_params(args.size, vocab)
     for q, r in results.items():
@@ -206,7 +208,8 @@ def main() -> None:
                 row[f"step_s_{q}_{before['label']}"] = before[f"step_s_{q}"]
                 row[f"speedup_{q}_vs_{before['label']}"] = before[f"step_s_{q}"] / row[f"step_s_{q}"]
     device = torch.cuda.get_device_name()
-    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}, {args.engine} engine),"
+    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}, "
+          f"{args.engine} engine),"
           f" {args.label}, {device}")
     print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'peak GB':>10}{'len':>8}{'upd/floor':>10}")
     for q, r in results.items():
