@@ -2,7 +2,11 @@
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
         [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--kv-cache-dtypes nvfp4=fp8_e4m3] \
-        [--compare earlier.json]
+        [--engine cuda_graph|vllm] [--compare earlier.json]
+
+``--engine vllm``: the same runs with the colocated vLLM engine (``qerl.rollout.vllm.VLLMRollout``; lognormal lengths:
+``forced_lengths.ForcedLengthVLLMRollout``), its ``gpu_memory_utilization`` and ``max_model_len`` left to the memory
+plan; needs vLLM installed (``shared/device/vllm-install.sh`` on the GPU machine).
 
 ``--lengths fixed``: every completion runs to ``--new-tokens`` (random weights never sample EOS). ``lognormal``: each
 completion ends at a length drawn from a lognormal of median 400 tokens and sigma 0.8 (``bench/forced_lengths.py``;
@@ -30,6 +34,7 @@ import gc
 import glob
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -76,11 +81,14 @@ def in_own_process(fn, *args):
 def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
-    name = f"{quantization}_{args.lengths}_{args.label}"
-    engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
-              else "qerl.rollout.cuda_graph.CUDAGraphRollout")
+    name = f"{quantization}_{args.lengths}_{args.label}" + ("_vllm" if args.engine == "vllm" else "")
+    engine = ENGINES[args.engine][args.lengths]
     budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     kv = ["--model.rollout.init_args.kv_cache_dtype", kv_cache_dtype(args, quantization)]
+    if args.engine == "vllm":  # its KV cache's dtype goes through engine_kwargs
+        dtype = kv_cache_dtype(args, quantization)
+        kv = [] if dtype == "auto" else ["--model.rollout.init_args.engine_kwargs", json.dumps({"kv_cache_dtype": dtype})]
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # (shared/DESIGN.md: as seen on the H100)
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
     cli = cli_main([  # (a fresh process: no CUDA call before it, so that the CLI's allocator settings apply)
@@ -120,7 +128,16 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "graphs_captured": getattr(cli.model.rollout, "graphs_captured", None),  # over all steps (recaptures count)
         "expandable_segments": any(s.get("is_expandable") for s in torch.cuda.memory._snapshot()["segments"]),
         "steps": len(series["perf/rollout_s"]),
+        "engine": args.engine,
+        "gpu_memory_utilization": getattr(cli.model.rollout, "gpu_memory_utilization", None),  # the plan's (vLLM)
     }
+
+
+ENGINES = {  # --engine -> --lengths -> the rollout class
+    "cuda_graph": {"fixed": "qerl.rollout.cuda_graph.CUDAGraphRollout",
+                   "lognormal": "forced_lengths.ForcedLengthRollout"},
+    "vllm": {"fixed": "qerl.rollout.vllm.VLLMRollout", "lognormal": "forced_lengths.ForcedLengthVLLMRollout"},
+}
 
 
 def kv_cache_dtype(args, quantization: str) -> str:
@@ -141,6 +158,7 @@ def main() -> None:
                         help="0: rows alone (older builds); auto: the memory plan's budget (the 3B / 7B recipes')")
     parser.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=False)
     parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default="cuda_graph", help="the rollout engine")
     parser.add_argument("--quantizations", default="nvfp4,bf16")
     parser.add_argument("--kv-cache-dtypes", default="", help="format=kv_cache_dtype,... (default auto)")
     parser.add_argument("--label", default="current", help="names this build in the JSON (e.g. main-fb9bbcc)")
@@ -163,7 +181,8 @@ def main() -> None:
         results[quantization] = in_own_process(fit, dirs[quantization], quantization, args, work / "runs")
         print(quantization, results[quantization], flush=True)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
-           "lengths": args.lengths, "label": args.label, "micro_batch_tokens": args.micro_batch_tokens,
+           "lengths": args.lengths, "engine": args.engine, "label": args.label,
+           "micro_batch_tokens": args.micro_batch_tokens,
            "checkpointing": args.checkpointing, "overrides": args.overrides}
     floor_params = linear_params(args.size, vocab)
     for q, r in results.items():
@@ -189,7 +208,8 @@ def main() -> None:
                 row[f"step_s_{q}_{before['label']}"] = before[f"step_s_{q}"]
                 row[f"speedup_{q}_vs_{before['label']}"] = before[f"step_s_{q}"] / row[f"step_s_{q}"]
     device = torch.cuda.get_device_name()
-    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}),"
+    print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}, "
+          f"{args.engine} engine),"
           f" {args.label}, {device}")
     print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'peak GB':>10}{'len':>8}{'upd/floor':>10}")
     for q, r in results.items():
@@ -204,6 +224,7 @@ def main() -> None:
     report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": [row],
               "runs": results, "command": " ".join(sys.argv)}
     suffix = ("" if args.lengths == "fixed" else f"_{args.lengths}") + ("" if args.label == "current" else f"_{args.label}")
+    suffix += "_vllm" if args.engine == "vllm" else ""
     (out / f"train_e2e_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))
 
 

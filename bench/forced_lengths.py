@@ -7,6 +7,13 @@ shape ``length_sigma``), one draw per row and call from its own seeded generator
 truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
 
     --model.rollout.class_path forced_lengths.ForcedLengthRollout   (bench/ on the Python path)
+
+``ForcedLengthVLLMRollout`` does the same with the vLLM engine: each row is a request of its own whose
+``min_tokens`` = ``max_tokens`` = its drawn length (capped at ``max_new_tokens``). vLLM cannot be made to sample EOS
+there, so its rows end at their length without EOS and count as truncated (the benchmark keeps truncated rows in the
+loss: the update sees the same tokens as with the CUDA-graph engine).
+
+    --model.rollout.class_path forced_lengths.ForcedLengthVLLMRollout
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from qerl.ranks import rank_seed
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.decode_state import DecodeState
+from qerl.rollout.vllm import VLLMRollout
 
 
 def draw_lengths(rows: int, median: float, sigma: float, generator: torch.Generator) -> torch.Tensor:
@@ -26,14 +34,15 @@ def draw_lengths(rows: int, median: float, sigma: float, generator: torch.Genera
     return torch.exp(math.log(median) + sigma * normal).ceil().long().clamp(min=1)
 
 
-class ForcedLengthRollout(CUDAGraphRollout):
-    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring).
+class DrawnLengths:
+    """Lengths drawn per row from a lognormal, one draw per row and call (see the module docstring); the first base of
+    a forced-length engine.
 
     Args:
         length_median: median completion length in tokens.
         length_sigma: standard deviation of the log length.
         length_seed: seed of the length draws.
-        **kwargs: ``CUDAGraphRollout``'s arguments.
+        **kwargs: the engine's arguments.
     """
 
     def __init__(self, length_median: float = 400.0, length_sigma: float = 0.8, length_seed: int = 0, **kwargs):
@@ -41,15 +50,26 @@ class ForcedLengthRollout(CUDAGraphRollout):
         self.length_median, self.length_sigma = length_median, length_sigma
         self.length_seed = length_seed
         self._lengths_generator: torch.Generator | None = None  # made on first use, when the rank is known
+
+    def draw(self, rows: int) -> torch.Tensor:
+        """The lengths of the next call's ``rows`` rows (from this rank's own stream)."""
+        if self._lengths_generator is None:
+            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
+        return draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
+
+
+class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
+    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self._targets: torch.Tensor | None = None  # per output row; one storage, read inside captured graphs
         self._eos_id = 0
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
         rows = len(prompt_ids) * group_size
-        if self._lengths_generator is None:
-            self._lengths_generator = torch.Generator().manual_seed(rank_seed(self.length_seed))
-        lengths = draw_lengths(rows, self.length_median, self.length_sigma, self._lengths_generator)
+        lengths = self.draw(rows)
         lengths[lengths > self.max_new_tokens] = self.max_new_tokens + 1  # never reached: truncated
         device = next(policy.parameters()).device
         if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
@@ -66,3 +86,24 @@ class ForcedLengthRollout(CUDAGraphRollout):
         logits = logits.clone()
         logits[:, self._eos_id] = torch.where(last, 1e4, -1e4).to(logits.dtype)
         super()._record(s, logits, b)
+
+
+class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):
+    """``VLLMRollout`` whose completions end at drawn lengths (see the module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._row_lengths = iter(())
+
+    @torch.no_grad()
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
+        lengths = self.draw(len(prompt_ids) * group_size).clamp(max=self.max_new_tokens)
+        self._row_lengths = iter(lengths.tolist())
+        # one request per row (a group's rows one after another: the layout of group_size samples per prompt)
+        rows = [list(p) for p in prompt_ids for _ in range(group_size)]
+        return super().generate(policy, rows, 1, pad_id, eos_ids)
+
+    def _sampling_params(self, group_size, eos_ids, **overrides):
+        length = next(self._row_lengths)
+        return super()._sampling_params(group_size, eos_ids, **{**overrides, "min_tokens": length,
+                                                                "max_tokens": length})

@@ -197,7 +197,7 @@ class QeRLCLI(LightningCLI):
     def _resolve(self, config) -> Resolution:
         """Make the run's open memory and engine settings concrete before anything is built: print the memory plan
         and exit (``--print_memory_plan``), or decide from it; refuse what cannot fit. The plan is made on CUDA (or
-        for ``--memory_plan_device_gb``) with a built-in engine, for fit only."""
+        for ``--memory_plan_device_gb``) with a built-in or the vLLM engine, for fit only."""
         parser = self._parser(self.subcommand)
         trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
         print_only, device_gb = bool(config.get("print_memory_plan")), config.get("memory_plan_device_gb")
@@ -209,7 +209,8 @@ class QeRLCLI(LightningCLI):
         if trains and engine_kind(rollout) is None:
             if print_only:
                 name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]
-                print(f"memory plan: made for BuiltinRollout and CUDAGraphRollout only; {name} sizes its own memory.")
+                print(f"memory plan: made for BuiltinRollout, CUDAGraphRollout and VLLMRollout only; {name} sizes "
+                      "its own memory.")
                 sys.exit(0)
             return Resolution()
         settings = plan_settings(config) if trains else None

@@ -161,6 +161,30 @@ def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_vllm_engines_share_is_planned_and_a_share_too_large_refused_before_anything_loads(
+        capsys, no_model_loads, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = config_only_model(tmp_path / "qwen2.5-7b", "qwen2.5-7b")
+    args = ["fit", "--config", GPU, "--config", RECIPE_7B, "--model.policy.model", str(model), "--trainer.accelerator",
+            "cpu", "--memory_plan_device_gb", "79", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout"]
+    with pytest.raises(SystemExit) as exit_info:  # (vLLM is not installed here: the plan does not need it)
+        cli_main([*args, "--print_memory_plan", "true"])
+    assert exit_info.value.code in (None, 0)
+    printed = capsys.readouterr().out
+    assert "rollout   vLLM weights (NVFP4 checkpoint)" in printed and "vLLM KV cache (128 of 128 rows" in printed
+    assert "update    vLLM asleep (level 1)" in printed
+    resolved = printed.strip().splitlines()[-1]
+    assert "model.rollout.init_args.gpu_memory_utilization=0." in resolved
+    assert "model.rollout.init_args.max_model_len=2304" in resolved
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([*args, "--model.rollout.init_args.gpu_memory_utilization", "0.95"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: memory plan: model.rollout.init_args.gpu_memory_utilization=0.95 gives vLLM ")
+    assert "lower it to <= 0." in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_built_in_engines_get_expandable_segments_unless_the_allocator_is_configured(
         capsys, no_model_loads, tmp_path, monkeypatch):
     from qerl.cli import ALLOCATOR_SETTINGS, default_allocator_settings

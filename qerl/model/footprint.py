@@ -90,8 +90,8 @@ class RunSettings:
         micro_batch_size: at most this many rows per micro-batch.
         gradient_checkpointing: decoder layers are recomputed in the backward.
         logprob_chunk_size: tokens per LM-head chunk in the loss.
-        engine: ``cuda_graph`` (static slot cache, rounded up to ``length_bucket``) or ``builtin`` (transformers'
-            growing cache).
+        engine: ``cuda_graph`` (static slot cache, rounded up to ``length_bucket``), ``builtin`` (transformers'
+            growing cache) or ``vllm`` (the colocated vLLM engine: ``qerl.rollout.vllm_footprint``).
         waves: the engine decodes the rows in waves of whole groups (else all rows at once).
         length_bucket: the cuda_graph engine's cache length is a multiple of this.
         gemv_copy: the decode GEMV's repacked copy of each NVFP4 weight it serves is the copy on the GPU (the
@@ -99,7 +99,12 @@ class RunSettings:
         wide_batch_bf16: the engine's setting for the bf16 weight copy of wide decode steps (None: when it fits).
         keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
             it (False), or by the engine's rule (None, ``qerl.rollout.kv_cache.releases_kv_cache``).
-        kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte).
+        kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte); vLLM's
+            (``engine_kwargs``' ``kv_cache_dtype``): ``auto`` or ``fp8...``.
+        gpu_memory_utilization: the vLLM engine's share of the GPU the user set (None: the plan chooses it).
+        max_model_len: the vLLM engine's longest prompt + completion the user set (None: ``longest_row``).
+        lora_slot_rank: the vLLM engine's LoRA slot rank (None: ``lora_rank``).
+        sleep: the vLLM engine sleeps through the update (level 1).
     """
 
     prompts: int
@@ -120,6 +125,10 @@ class RunSettings:
     wide_batch_bf16: bool | None = None
     keep_kv_cache: bool | None = None
     kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    lora_slot_rank: int | None = None
+    sleep: bool = True
 
     @property
     def rows(self) -> int:

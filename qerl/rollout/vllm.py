@@ -55,6 +55,7 @@ INSTALL_HINT = (
     "qerl.rollout.builtin.BuiltinRollout."
 )
 _ADAPTER_NAME, _ADAPTER_ID = "qerl", 1
+UNPLANNED_UTILIZATION = 0.4  # vLLM's share when no memory plan chose one (an engine built outside train.py fit)
 
 
 def vllm_lora_rank(rank: int, max_lora_rank: int | None = None) -> int:
@@ -122,8 +123,11 @@ class VLLMRollout(RolloutEngine):
             policy point it at the NVFP4 checkpoint written by ``python -m qerl.quantize`` (vLLM would otherwise
             sample the unquantized weights).
         dtype: vLLM's compute dtype; ``auto`` takes the policy's.
-        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); training shares the GPU.
-        max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None`` takes the model's limit.
+        gpu_memory_utilization: fraction of the GPU's memory vLLM takes (its weights, LoRA slot, workspace and KV
+            cache); training shares the GPU. ``None``: the memory plan's choice (``train.py fit`` on a GPU: the share
+            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``UNPLANNED_UTILIZATION``.
+        max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None``: ``train.py fit`` sets
+            ``data.max_prompt_tokens + max_new_tokens``; unplanned, the model's limit.
         max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
         sleep: on CUDA, put vLLM to sleep (level 1: weights to CPU, KV cache freed) after each rollout so the training
             phase has the GPU memory; woken before the next rollout.
@@ -140,7 +144,7 @@ class VLLMRollout(RolloutEngine):
         seed: int = 0,
         model: str | None = None,
         dtype: str = "auto",
-        gpu_memory_utilization: float = 0.4,
+        gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
         max_lora_rank: int | None = None,
         sleep: bool = True,
@@ -153,8 +157,9 @@ class VLLMRollout(RolloutEngine):
             raise ImportError(INSTALL_HINT)
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"model.rollout.init_args.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}.")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"model.rollout.init_args.gpu_memory_utilization must be in (0, 1] (or null: the memory "
+                             f"plan chooses), got {gpu_memory_utilization}.")
         if max_model_len is not None and max_model_len <= max_new_tokens:
             raise ValueError(f"max_model_len ({max_model_len}) must exceed max_new_tokens ({max_new_tokens}).")
         if max_lora_rank is not None:
@@ -204,7 +209,6 @@ class VLLMRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
@@ -212,6 +216,9 @@ class VLLMRollout(RolloutEngine):
             self.sync(policy)
         self._check_lengths(prompt_ids)
         if self._asleep:
+            # vLLM wakes by mapping its pool back with its own allocator (cumem), outside PyTorch's: the blocks the
+            # update freed but PyTorch's caching allocator still reserves would leave it short. Hand them back first.
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self._asleep = False
             self._pending_lora = True  # reload the adapter from RAM (cheap) rather than trust slots restored by wake
@@ -220,21 +227,7 @@ class VLLMRollout(RolloutEngine):
         try:
             if noisy:
                 self._write_norms(self._noisy_norms())
-            params = [
-                SamplingParams(
-                    n=group_size,
-                    temperature=0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
-                    top_p=1.0 if self.greedy else self.top_p,
-                    max_tokens=self.max_new_tokens,
-                    stop_token_ids=list(eos_ids),
-                    ignore_eos=True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
-                    logprobs=0,
-                    seed=self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
-                    skip_special_tokens=False,
-                    detokenize=False,
-                )
-                for _ in prompt_ids
-            ]
+            params = [self._sampling_params(group_size, eos_ids) for _ in prompt_ids]
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
                 params,
@@ -249,6 +242,25 @@ class VLLMRollout(RolloutEngine):
             self._asleep = True
         device = next(policy.parameters()).device
         return self._to_rollout(outputs, prompt_ids, group_size, pad_id, eos_ids, device)
+
+    def _sampling_params(self, group_size: int, eos_ids: list[int], **overrides):
+        """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples (``overrides``: other values, e.g. a
+        benchmark's forced lengths)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(**{
+            "n": group_size,
+            "temperature": 0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
+            "top_p": 1.0 if self.greedy else self.top_p,
+            "max_tokens": self.max_new_tokens,
+            "stop_token_ids": list(eos_ids),
+            "ignore_eos": True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
+            "logprobs": 0,
+            "seed": self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
+            "skip_special_tokens": False,
+            "detokenize": False,
+            **overrides,
+        })
 
     # ------------------------------------------------------------------------------------------------------------
     def _start(self, policy, rank: int) -> None:
@@ -276,7 +288,7 @@ class VLLMRollout(RolloutEngine):
             max_lora_rank=self._lora_rank,
             max_loras=1,
             max_model_len=self.max_model_len,
-            gpu_memory_utilization=self.gpu_memory_utilization,
+            gpu_memory_utilization=self.gpu_memory_utilization or UNPLANNED_UTILIZATION,
             enforce_eager=self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             logprobs_mode="processed_logprobs",  # log-probs after temperature / top-p: those of the sampling policy
@@ -292,6 +304,8 @@ class VLLMRollout(RolloutEngine):
             os.environ.setdefault("LOCAL_RANK", str(process_rank))
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
         kwargs.update(self.engine_kwargs)
+        if self._on_cuda():  # vLLM checks its share against the GPU's free memory: blocks PyTorch caches count as used
+            torch.cuda.empty_cache()
         self.llm = LLM(**kwargs)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])

@@ -5,7 +5,9 @@ Phases (each peak = what is resident + what the phase adds; the phases do not ov
 
     resident  the policy's weights, LoRA and AdamW states        (``qerl.model.footprint``)
     rollout   one wave's KV cache, workspaces, the bf16 copy     (``qerl.rollout.footprint``)
+              or vLLM's share: its weights, LoRA slot, KV cache  (``qerl.rollout.vllm_footprint``)
     update    one micro-batch's activations, logits, gradients   (``qerl.modules.footprint``)
+              and what vLLM keeps while asleep
 
 The KV cache, weights and optimizer states are exact; activations and workspaces are estimates checked against GPU
 runs (``bench/bench_memory.py``). A setting that cannot fit is refused naming the option to lower and to what.
@@ -24,6 +26,8 @@ from qerl.nvfp4.kernels.gemv_plan import MAX_M
 from qerl.rollout.footprint import (WIDE_BATCH_SPARE_BYTES, bf16_copy_bytes, bf16_copy_spare, kv_kept_rows,
                                     rollout_components, wants_bf16_copy, wave_kv_cache_bytes, wave_rows_error)
 from qerl.rollout.kv_cache import KV_RELEASE_FRACTION
+from qerl.rollout.vllm_footprint import (UTILIZATION_STEP, fixed_bytes, kv_rows_of, max_model_len, row_kv_bytes,
+                                         share_bytes, utilization, vllm_rollout_components, vllm_update_components)
 
 MICRO_BATCH_TOKENS_MULTIPLE = 256  # a chosen micro-batch budget is rounded down to this (never below the longest row)
 
@@ -37,6 +41,7 @@ OPT_MB_SIZE = "model.micro_batch_size"
 OPT_CHECKPOINTING = "model.policy.gradient_checkpointing"
 OPT_QUANTIZATION = "model.policy.quantization"
 OPT_WAVE_ROWS = "model.rollout.init_args.wave_rows"
+OPT_UTILIZATION = "model.rollout.init_args.gpu_memory_utilization"
 
 class MemoryPlanError(ValueError):
     """The settings cannot fit the device's free memory; the message names the option to lower and to what, ``plan``
@@ -61,6 +66,11 @@ class MemoryPlan:
     wide_batch_bf16: bool  # the engine makes its bf16 weight copy for the waves
     kv_kept_rows: int  # rows of KV cache the engine keeps through the update (0: freed)
     notes: list[str] = field(default_factory=list)
+    total_bytes: int | None = None  # the device's memory (vLLM's share is a fraction of it)
+    gpu_memory_utilization: float | None = None  # the vLLM engine's share (None: not vLLM, or no device)
+    max_model_len: int | None = None  # the vLLM engine's longest prompt + completion
+    vllm_share: float = 0.0  # bytes of vLLM's share (0: not vLLM)
+    vllm_kv_rows: int = 0  # rows of max_model_len vLLM's KV cache holds at once
 
     def phase_bytes(self, phase: str) -> float:
         return sum(c.nbytes for c in self.components if c.phase == phase)
@@ -95,12 +105,20 @@ class MemoryPlan:
             f"peak: {self.peak_bytes / GIB:.2f} GiB; free device memory: {budget}",
             f"wave_rows: {self.wave_rows} ({waves} wave{'s' if waves > 1 else ''} of at most {self.wave_rows} rows; "
             f"{s.rows} rows = {s.prompts} prompts x {s.group_size})" if s.waves else
+            f"wave_rows: none (vLLM schedules its {s.rows} rows itself)" if s.engine == "vllm" else
             f"wave_rows: none (this engine decodes all {s.rows} rows at once)",
             f"micro_batch_tokens: {self.micro_batch_tokens if self.micro_batch_tokens is not None else 'none'} "
             f"(longest row {s.longest_row} tokens, at most {s.micro_batch_size} rows per micro-batch; "
             f"{'with' if s.gradient_checkpointing else 'without'} gradient checkpointing)",
             *self.notes,
         ]
+        if s.engine == "vllm":
+            share = (f"{self.gpu_memory_utilization} ({self.vllm_share / GIB:.2f} GiB of the "
+                     f"{self.total_bytes / GIB:.2f} GiB GPU)" if self.gpu_memory_utilization is not None
+                     else "none (no device)")
+            lines.insert(-len(self.notes) or len(lines),
+                         f"gpu_memory_utilization: {share}; max_model_len: {self.max_model_len} "
+                         f"(KV cache of {min(self.vllm_kv_rows, s.rows)} of {s.rows} rows at once)")
         return "\n".join(lines)
 
 
@@ -114,9 +132,35 @@ def rollout_peak(shape: ModelShape, settings: RunSettings, wave_rows: int, wide_
         rollout_components(shape, settings, wave_rows, wide_batch_bf16))
 
 
-def update_peak(shape: ModelShape, settings: RunSettings, tokens: int, kept_kv_rows: int = 0) -> float:
+def update_peak(shape: ModelShape, settings: RunSettings, tokens: int, kept_kv_rows: int = 0,
+                vllm_share: float = 0.0) -> float:
+    vllm = vllm_update_components(shape, settings, vllm_share) if settings.engine == "vllm" else []
     return total(resident_components(shape, settings)) + total(
-        update_components(shape, settings, tokens, kept_kv_rows))
+        update_components(shape, settings, tokens, kept_kv_rows)) + total(vllm)
+
+
+def vllm_rollout_peak(shape: ModelShape, settings: RunSettings, share: float) -> float:
+    """The rollout's peak with vLLM's share of ``share`` bytes (its KV cache's rows don't change the total)."""
+    return total(resident_components(shape, settings)) + total(vllm_rollout_components(shape, settings, share, 0))
+
+
+def _vllm_share(shape: ModelShape, settings: RunSettings, budget: float | None,
+                total_bytes: int | None) -> tuple[float, int, float | None]:
+    """(share bytes, KV rows, gpu_memory_utilization) of the vLLM engine: the user's share, else the smallest that
+    holds every row's KV cache, else the largest that fits (fewer rows at once; 0 rows: nothing fits, refused)."""
+    rows = settings.rows
+    if settings.gpu_memory_utilization is not None and total_bytes is not None:
+        share = settings.gpu_memory_utilization * total_bytes
+        return share, kv_rows_of(shape, settings, share), settings.gpu_memory_utilization
+    if budget is None or total_bytes is None:
+        return share_bytes(shape, settings, rows), rows, None
+
+    def shared(r: int) -> float:
+        return utilization(share_bytes(shape, settings, r), total_bytes) * total_bytes
+
+    kv_rows = _largest(lambda r: vllm_rollout_peak(shape, settings, shared(r)) <= budget, 1, rows) or 0
+    share = shared(max(kv_rows, 1))
+    return share, kv_rows, utilization(share_bytes(shape, settings, max(kv_rows, 1)), total_bytes)
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -189,13 +233,21 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
                         f"{WIDE_BATCH_SPARE_BYTES // GIB} GiB spare)" if free_bytes is not None else
                         f"not counted (+{extra:.1f} GiB when it fits)"))
 
+    vllm = settings.engine == "vllm"
+    share, vllm_kv_rows, vllm_utilization = _vllm_share(shape, settings, budget, total_bytes) if vllm else (0.0, 0,
+                                                                                                       None)
+    if vllm and 0 < vllm_kv_rows < N:
+        notes.append(f"vLLM's KV cache holds {vllm_kv_rows} of the {N} rows at full length: vLLM runs the others as "
+                     "blocks free up (it preempts and recomputes rows it cannot hold: more decode steps)")
+
     # micro-batches
     if micro_batch_tokens == "auto":
         if budget is None:
             tokens_budget = None
         else:
             most = micro_batch_span(settings, None)
-            span = _largest(lambda t: update_peak(shape, settings, t, kept) <= budget, settings.longest_row, most)
+            span = _largest(lambda t: update_peak(shape, settings, t, kept, share) <= budget, settings.longest_row,
+                            most)
             tokens_budget = None if span is None else max(
                 settings.longest_row, span // MICRO_BATCH_TOKENS_MULTIPLE * MICRO_BATCH_TOKENS_MULTIPLE)
             if span == most:
@@ -204,9 +256,14 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
         tokens_budget = micro_batch_tokens
     tokens = micro_batch_span(settings, tokens_budget)
 
+    engine = vllm_rollout_components(shape, settings, share, min(vllm_kv_rows, N)) if vllm else \
+        rollout_components(shape, settings, rows, copy)
     plan = MemoryPlan(settings, shape, rows, tokens_budget, free_bytes, margin,
-                      resident_components(shape, settings) + rollout_components(shape, settings, rows, copy)
-                      + update_components(shape, settings, tokens, kept), copy, kept, notes)
+                      resident_components(shape, settings) + engine + update_components(shape, settings, tokens, kept)
+                      + (vllm_update_components(shape, settings, share) if vllm else []), copy, kept, notes,
+                      total_bytes=total_bytes, gpu_memory_utilization=vllm_utilization,
+                      max_model_len=max_model_len(settings) if vllm else None, vllm_share=share,
+                      vllm_kv_rows=vllm_kv_rows)
     if budget is not None:
         try:
             _refuse_what_does_not_fit(plan, budget, micro_batch_tokens)
@@ -246,6 +303,8 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
             fixes.append(f"{OPT_PROMPT} to <= {prompt} (now {s.max_prompt_tokens})")
         return " or ".join(fixes)
 
+    if s.engine == "vllm":
+        _refuse_vllm_share(plan, budget, have, resident, lengths_fix)
     rollout = plan.peak("rollout")
     if rollout > budget:
         rows, G = plan.wave_rows, s.group_size
@@ -273,16 +332,17 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
     if update > budget:
         tokens = micro_batch_span(s, plan.micro_batch_tokens)
         kept = plan.kv_kept_rows
-        one_row = update_peak(shape, s, s.longest_row, kept)
+        share = plan.vllm_share
+        one_row = update_peak(shape, s, s.longest_row, kept, share)
         if one_row > budget:
             fixes = [] if s.gradient_checkpointing else [f"set {OPT_CHECKPOINTING} true"]
-            by_length = lengths_fix(lambda t: update_peak(shape, t, t.longest_row, kept) <= budget)
+            by_length = lengths_fix(lambda t: update_peak(shape, t, t.longest_row, kept, share) <= budget)
             if by_length:
                 fixes.append("lower " + by_length)
             raise MemoryPlanError(f"memory plan: the update of the longest row alone ({s.longest_row} tokens: "
                                   f"{OPT_PROMPT} + {OPT_NEW}) needs {one_row / GIB:.1f} GiB, {have}: "
                                   + (" or ".join(fixes) or "use a larger GPU") + ".")
-        span = _largest(lambda t: update_peak(shape, s, t, kept) <= budget, s.longest_row, tokens)
+        span = _largest(lambda t: update_peak(shape, s, t, kept, share) <= budget, s.longest_row, tokens)
         if micro_batch_tokens is None:
             rows = max(1, span // s.longest_row)
             fix = (f"set {OPT_MB_TOKENS} to <= {span} (or auto), or lower {OPT_MB_SIZE} to <= {rows} "
@@ -291,3 +351,39 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
             fix = f"lower {OPT_MB_TOKENS} to <= {span} (or set it to auto)"
         raise MemoryPlanError(f"memory plan: micro-batches of {tokens} tokens need {update / GIB:.1f} GiB in the "
                               f"update, {have}: {fix}.")
+
+
+def _refuse_vllm_share(plan: MemoryPlan, budget: float, have: str, resident: float,
+                       lengths_fix: Callable[[Callable[[RunSettings], bool]], str]) -> None:
+    """vLLM's share: the user's ``gpu_memory_utilization`` must fit beside the policy and hold vLLM's weights,
+    workspace and one row; a chosen one must hold one row at least."""
+    shape, s, total_bytes = plan.shape, plan.settings, plan.total_bytes
+    one_row = row_kv_bytes(shape, s)
+    least = fixed_bytes(shape, s) + one_row  # vLLM refuses to start with less: not one max_model_len row in its cache
+    rollout = plan.peak("rollout")
+    outputs = rollout - resident - plan.vllm_share
+    most = math.floor((budget - resident - outputs) / total_bytes / UTILIZATION_STEP) * UTILIZATION_STEP
+    need = (f"vLLM's weights, LoRA slot and workspace ({fixed_bytes(shape, s) / GIB:.1f} GiB) and the KV cache of "
+            f"one row of max_model_len={max_model_len(s)} ({one_row / GIB:.2f} GiB)")
+    if s.gpu_memory_utilization is not None:
+        util = s.gpu_memory_utilization
+        if rollout > budget:
+            fix = (f"lower it to <= {most:.2f} (or null: the plan chooses)" if most * total_bytes >= least else
+                   "vLLM's least share does not fit beside the policy either: " + (lengths_fix(
+                       lambda t: vllm_rollout_peak(shape, t, fixed_bytes(shape, t) + row_kv_bytes(shape, t))
+                       <= budget) or "use a larger GPU or CUDAGraphRollout (no second copy of the weights)"))
+            raise MemoryPlanError(f"memory plan: {OPT_UTILIZATION}={util} gives vLLM {plan.vllm_share / GIB:.1f} GiB "
+                                  f"of the {total_bytes / GIB:.1f} GiB GPU; beside the policy's {resident / GIB:.1f} "
+                                  f"GiB the rollout needs {rollout / GIB:.1f} GiB, {have}: {fix}.")
+        if plan.vllm_share < least:
+            raise MemoryPlanError(f"memory plan: {OPT_UTILIZATION}={util} gives vLLM {plan.vllm_share / GIB:.1f} "
+                                  f"GiB, less than {need}: raise it to >= {utilization(least, total_bytes):.2f} "
+                                  "(or null: the plan chooses).")
+    elif plan.vllm_kv_rows == 0:
+        fix = lengths_fix(lambda t: vllm_rollout_peak(shape, t, utilization(
+            fixed_bytes(shape, t) + row_kv_bytes(shape, t), total_bytes) * total_bytes) <= budget)
+        raise MemoryPlanError(f"memory plan: {need}, beside the policy's {resident / GIB:.1f} GiB, need "
+                              f"{rollout / GIB:.1f} GiB in the rollout, {have}: "
+                              + (f"lower {fix}" if fix else f"set {OPT_QUANTIZATION} nvfp4" if s.quantization != "nvfp4"
+                                 else "use a larger GPU")
+                              + " (or CUDAGraphRollout: it decodes with the policy's own weights).")

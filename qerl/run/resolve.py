@@ -11,9 +11,11 @@ What is decided (each only where the config leaves it open):
     model.rollout.init_args.wave_rows             None: the plan's wave (no device: None, every row at once)
     model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
     model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
+    model.rollout.init_args.max_model_len         None (vLLM): data.max_prompt_tokens + max_new_tokens
+    model.rollout.init_args.gpu_memory_utilization  None (vLLM): the plan's share for vLLM (no device: None)
 
-Only the built-in engines (``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) are planned; another engine
-(vLLM) sizes its own memory and its config is left as it is.
+The built-in engines (``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) and the vLLM engine
+(``VLLMRollout``) are planned; another engine's config is left as it is.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from qerl.hub import load_config
 from qerl.model.footprint import GIB, ModelShape, RunSettings
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
-from qerl.run.memory_plan import MemoryPlan, plan_memory
+from qerl.rollout.vllm import VLLMRollout, vllm_lora_rank
+from qerl.rollout.vllm_footprint import max_model_len_error
+from qerl.run.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 
 ENGINE_OPTIONS = ("wave_rows", "wide_batch_bf16", "keep_kv_cache")  # what the resolution gives a graph engine
+VLLM_OPTIONS = ("gpu_memory_utilization", "max_model_len")  # what it gives the vLLM engine
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class Resolution:
         wave_rows: the graph engine's rows per wave (None: every row in one wave).
         wide_batch_bf16: whether the graph engine decodes wide steps on a bf16 weight copy.
         keep_kv_cache: whether the graph engine keeps its KV cache through the update.
+        gpu_memory_utilization: the vLLM engine's share of the GPU.
+        max_model_len: the vLLM engine's longest prompt + completion.
         plan: the memory plan the values come from (None: no device to plan for).
     """
 
@@ -50,6 +57,8 @@ class Resolution:
     wave_rows: int | None = None
     wide_batch_bf16: bool | None = None
     keep_kv_cache: bool | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
     plan: MemoryPlan | None = None
 
     def apply(self, config) -> dict:
@@ -58,17 +67,19 @@ class Resolution:
         model, written = config.model, {}
         if model.get("micro_batch_tokens") == "auto":
             model.micro_batch_tokens = written["model.micro_batch_tokens"] = self.micro_batch_tokens
-        if engine_kind(model.get("rollout")) == "cuda_graph":
+        kind = engine_kind(model.get("rollout"))
+        if kind in ("cuda_graph", "vllm"):
             args = model.rollout.init_args
-            for name in ENGINE_OPTIONS:
-                if args.get(name) is None:
+            for name in ENGINE_OPTIONS if kind == "cuda_graph" else VLLM_OPTIONS:
+                if args.get(name) is None and getattr(self, name) is not None:
                     args[name] = written[f"model.rollout.init_args.{name}"] = getattr(self, name)
         return written
 
     def summary(self) -> str:
         """What was decided, in one line (the plan's table is ``MemoryPlan.table``)."""
-        return ", ".join(f"{name} {getattr(self, name)}" for name in ("wave_rows", "micro_batch_tokens",
-                                                                       "wide_batch_bf16", "keep_kv_cache"))
+        names = ("micro_batch_tokens", *VLLM_OPTIONS) if self.max_model_len is not None else (
+            "wave_rows", "micro_batch_tokens", "wide_batch_bf16", "keep_kv_cache")
+        return ", ".join(f"{name} {getattr(self, name)}" for name in names)
 
     def report(self) -> str:
         """The line ``train.py fit`` prints: the planned peak, the memory assumed and what was decided."""
@@ -95,8 +106,10 @@ def engine_class(rollout) -> type | None:
 
 
 def engine_kind(rollout) -> str | None:
-    """``cuda_graph``, ``builtin`` or None (an engine the plan does not cover, such as vLLM's)."""
+    """``cuda_graph``, ``builtin``, ``vllm`` or None (an engine the plan does not cover)."""
     cls = engine_class(rollout)
+    if isinstance(cls, type) and issubclass(cls, VLLMRollout):
+        return "vllm"
     if isinstance(cls, type) and issubclass(cls, CUDAGraphRollout):
         return "cuda_graph"
     if isinstance(cls, type) and issubclass(cls, BuiltinRollout):
@@ -117,10 +130,22 @@ def engine_args(rollout) -> dict:
 
 
 def run_settings(config) -> RunSettings:
-    """What the memory plan needs of a parsed config (one subcommand's namespace) with a built-in engine."""
+    """What the memory plan needs of a parsed config (one subcommand's namespace) with a planned engine."""
     model, data, policy = config.model, config.data, config.model.policy
-    graphs = engine_kind(model.get("rollout")) == "cuda_graph"  # decodes in waves, keeps or frees its static cache
+    kind = engine_kind(model.get("rollout"))
+    graphs = kind == "cuda_graph"  # decodes in waves, keeps or frees its static cache
     engine = engine_args(model.get("rollout"))
+    if kind == "vllm":
+        return RunSettings(
+            prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
+            max_new_tokens=engine["max_new_tokens"], quantization=policy.quantization, lora_rank=policy.lora_rank,
+            lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
+            micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
+            logprob_chunk_size=model.logprob_chunk_size, engine="vllm", waves=False, length_bucket=1,
+            wide_batch_bf16=False, keep_kv_cache=False,
+            kv_cache_dtype=str((engine.get("engine_kwargs") or {}).get("kv_cache_dtype", "auto")),
+            gpu_memory_utilization=engine["gpu_memory_utilization"], max_model_len=engine["max_model_len"],
+            lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine["max_lora_rank"]), sleep=bool(engine["sleep"]))
     return RunSettings(
         prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
         max_new_tokens=engine["max_new_tokens"], quantization=policy.quantization, lora_rank=policy.lora_rank,
@@ -143,7 +168,7 @@ def plan_settings(config) -> RunSettings | None:
                 and data.max_prompt_tokens >= 1 and model.logprob_chunk_size >= 1):
             return None
         settings = run_settings(config)
-    except (AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return None
     return settings if settings.max_new_tokens >= 1 and settings.length_bucket >= 1 else None
 
@@ -202,14 +227,19 @@ def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes:
         MemoryPlanError: the settings cannot fit the device (the message names the option to lower).
     """
     engine = engine_args(config.model.get("rollout"))
-    graphs = settings.engine == "cuda_graph"
+    graphs, vllm = settings.engine == "cuda_graph", settings.engine == "vllm"
     micro_batch_tokens = config.model.get("micro_batch_tokens")
+    if vllm and max_model_len_error(settings):
+        raise MemoryPlanError(max_model_len_error(settings))
     if shape is None:  # no device (or no plan for this model): nothing chosen for memory; the engines' own rules
         if free_bytes is None and graphs:  # without a GPU a graph engine keeps its cache and makes no bf16 copy
             return Resolution(wide_batch_bf16=False, keep_kv_cache=True)
-        return Resolution()
+        return Resolution(max_model_len=settings.longest_row if vllm else None)  # lengths need no device
     plan = plan_memory(shape, settings, free_bytes, wave_rows=engine.get("wave_rows") if graphs else None,
                        micro_batch_tokens=micro_batch_tokens, total_bytes=total_bytes)
+    if vllm:
+        return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan, max_model_len=plan.max_model_len,
+                          gpu_memory_utilization=plan.gpu_memory_utilization)
     if not graphs:
         return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan)
     return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan,

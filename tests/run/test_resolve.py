@@ -1,6 +1,7 @@
 """A setting travels one way: config -> resolution -> constructor. Every shipped recipe, built through the real CLI
 (parse, resolution, instantiation) for a planned device, gets its planned values as constructor arguments, and
-nothing is assigned to the built module or engine afterwards."""
+nothing is assigned to the built module or engine afterwards; with the vLLM engine too (built without vLLM: its
+constructor imports nothing of vLLM, only its install check is answered)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,27 @@ import pytest
 from qerl.cli import QeRLCLI
 from qerl.data.prompts import MathPromptDataModule
 from qerl.modules.grpo_module import GRPOModule
+from qerl.rollout import vllm as vllm_rollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
-from qerl.run.resolve import ENGINE_OPTIONS, engine_args, planning_device, run_settings
+from qerl.rollout.vllm import VLLMRollout
+from qerl.run.resolve import ENGINE_OPTIONS, VLLM_OPTIONS, engine_args, planning_device, run_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
 CASES = [[CONFIGS / "debug.yaml"], [CONFIGS / "smoke.yaml"]] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [
     [CONFIGS / "gpu.yaml", r, CONFIGS / "recipes" / "bf16.yaml"] for r in RECIPES]
-IDS = [" + ".join(p.relative_to(CONFIGS).as_posix() for p in c) for c in CASES]
+VLLM = "qerl.rollout.vllm.VLLMRollout"
+CASES = [(c, None) for c in CASES] + [([CONFIGS / "gpu.yaml", CONFIGS / "recipes" / f"{size}_gsm8k.yaml"], VLLM)
+                                      for size in ("qwen2.5-7b", "qwen2.5-32b", "qwen3-8b")]
+IDS = [" + ".join(p.relative_to(CONFIGS).as_posix() for p in c) + (" + vLLM" if e else "") for c, e in CASES]
+
+
+def pretend_vllm_is_installed(monkeypatch):
+    """VLLMRollout's constructor checks that vLLM is installed and imports nothing of it (vLLM starts at the first
+    rollout): the check is answered, nothing of vLLM is imitated."""
+    real = vllm_rollout.importlib.util.find_spec
+    monkeypatch.setattr(vllm_rollout.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
 
 
 def attributes(obj) -> dict:
@@ -26,14 +40,17 @@ def attributes(obj) -> dict:
     return {name: (id(value), repr(value)) for name, value in vars(obj).items()}
 
 
-@pytest.mark.parametrize("paths", CASES, ids=IDS)
-def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths, tmp_path, monkeypatch,
+@pytest.mark.parametrize(("paths", "engine"), CASES, ids=IDS)
+def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths, engine, tmp_path, monkeypatch,
                                                                          no_model_loads, tiny_model_dirs):
     from qerl.testing.random_models import model_config
 
     monkeypatch.chdir(tmp_path)
     args = [arg for p in paths for arg in ("--config", str(p))] + ["--trainer.accelerator", "cpu",
                                                                    "--memory_plan_device_gb", "79"]
+    if engine is not None:
+        pretend_vllm_is_installed(monkeypatch)
+        args += ["--model.rollout.class_path", engine]
     if paths[-1].parent.name == "recipes" or paths[-1].name == "bf16.yaml":  # a config.json of the recipe's size
         size = next(p.stem.split("_")[0] for p in paths if p.stem.startswith("qwen"))
         model_config(size).save_pretrained(tmp_path / size)
@@ -73,6 +90,12 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
             expected = getattr(resolution, name) if written[name] is None else written[name]
             assert getattr(engine, name) == expected is not None, name
         assert engine.wave_rows == resolution.plan.wave_rows and engine.wave_rows % module.hparams.group_size == 0
+    if isinstance(engine, VLLMRollout):  # the plan's share and length, within (0, 1] and the recipe's longest row
+        for name in VLLM_OPTIONS:
+            assert getattr(engine, name) == getattr(resolution, name) == getattr(resolution.plan, name) is not None
+        assert 0 < engine.gpu_memory_utilization < 1
+        assert engine.max_model_len == cli.config.data.max_prompt_tokens + engine.max_new_tokens
+        assert resolution.plan.vllm_kv_rows >= 1 and resolution.plan.peak_bytes <= 79 * 2**30
     # nothing was assigned to the built objects after construction
     assert assigned == []
     assert attributes(module) == built["module"]
@@ -106,3 +129,17 @@ def test_the_planning_device_follows_the_trainers_options(monkeypatch):
     assert planning_device(Namespace(accelerator="auto", devices="0,2")) == torch.device("cuda", 2)
     assert planning_device(Namespace(accelerator="cuda", devices=2)) == torch.device("cuda", 1)
     assert planning_device(Namespace(accelerator="cpu", devices=2)) == torch.device("cpu")
+
+
+def test_without_a_device_the_vllm_engine_gets_the_runs_length_and_no_share(no_model_loads, tiny_model_dirs, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pretend_vllm_is_installed(monkeypatch)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+        "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+        "--model.rollout.class_path", VLLM])
+    engine = cli.model.rollout
+    assert cli.resolution.plan is None
+    assert engine.max_model_len == cli.config.data.max_prompt_tokens + engine.max_new_tokens  # no device needed
+    assert engine.gpu_memory_utilization is None  # vLLM's CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE
+    assert cli.config.model.rollout.init_args.max_model_len is None  # the config stays as the user wrote it

@@ -1,0 +1,127 @@
+"""The vLLM engine on a GPU (``pytest -m gpu`` with vLLM installed; skipped without CUDA or vLLM): an NVFP4 checkpoint
+written by qerl, loaded by vLLM (its NVFP4 kernels), sampled with the policy's LoRA hot-swapped each step; the
+log-probs vLLM returns against the training policy's recomputation (the gap the IS weights see at sigma 0, printed);
+AQN noise moves them and they return exactly when it is off; sleep and wake keep weights, adapter and norms; many steps
+in a row do not leak GPU memory.
+
+    bash ../shared/device/vllm-install.sh      # on the GPU machine, then:
+    PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 python3 -m pytest -q -s -m gpu \
+        tests/gpu/test_vllm_on_gpu.py
+
+The model is random-init and Qwen2.5-shaped, small enough for seconds per step (vLLM's start-up compiles for about
+two minutes once). Written without a GPU: not yet run.
+"""
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
+
+VOCAB, MAX_NEW, G = 1024, 32, 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from qerl.nvfp4.checkpoint import save_nvfp4
+    from qerl.testing.random_models import build_random_model, qwen25_config
+
+    config = qwen25_config("qwen2.5-7b", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
+    directory = tmp_path_factory.mktemp("nvfp4")
+    save_nvfp4(build_random_model(config, "nvfp4", device="cuda"), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint):
+    from qerl.model.policy import build_policy
+
+    policy = build_policy(str(checkpoint), "nvfp4", lora_rank=16, dtype="bfloat16", device="cuda")
+    randomize_adapter(policy, 0)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    from qerl.rollout.vllm import VLLMRollout
+
+    # tokens in and out only: the random checkpoint has no tokenizer
+    engine = VLLMRollout(max_new_tokens=MAX_NEW, seed=0, max_model_len=128, gpu_memory_utilization=0.3,
+                         engine_kwargs={"skip_tokenizer_init": True})
+    engine.sync(policy)
+    return engine
+
+
+@torch.no_grad()
+def randomize_adapter(policy, seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.float32).to(p.dtype) * 0.05)
+
+
+PROMPTS = [[int(t) for t in torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
+           for n in (7, 30, 12, 64)]
+
+
+def sample(engine, policy, seed: int = 123):
+    engine._seeds = random.Random(seed)  # the same request seeds: the same draws
+    return engine.generate(policy, PROMPTS, G, 0, [])
+
+
+def gap(policy, rollout) -> float:
+    from qerl.testing.rollouts import recompute
+
+    expected = recompute(policy, rollout, 1.0)[0]
+    mask = rollout.completion_mask.bool()
+    return float((rollout.logprobs - expected)[mask].abs().mean())
+
+
+def test_vllm_samples_the_nvfp4_policy_with_its_adapter(engine, policy):
+    first = sample(engine, policy)
+    assert first.completion_ids.shape == (len(PROMPTS) * G, MAX_NEW) and bool(first.truncated.all())
+    clean_gap = gap(policy, first)
+    print(f"mean |vLLM log-prob - policy log-prob| at sigma 0 (NVFP4 + LoRA r16): {clean_gap:.3e}")
+    assert clean_gap < 0.05
+    randomize_adapter(policy, 1)  # an optimizer step's new adapter, synced as RolloutSync does
+    engine.sync(policy)
+    second = sample(engine, policy)
+    assert not torch.equal(first.logprobs, second.logprobs)
+    assert gap(policy, second) < 0.05  # the new adapter, not just another one
+    randomize_adapter(policy, 0)
+    engine.sync(policy)
+    again = sample(engine, policy)  # slept and woke in between: weights, adapter and norms as they were
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    torch.testing.assert_close(first.logprobs, again.logprobs, atol=1e-3, rtol=0)
+
+
+def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
+    clean = sample(engine, policy)
+    for sigma in (1e-2, 1e-1):
+        engine.set_noise(sigma, torch.Generator().manual_seed(3))
+        noisy = sample(engine, policy)
+        moved = float((noisy.logprobs - clean.logprobs).abs().mean())
+        print(f"sigma {sigma:g}: mean |log-prob change| {moved:.3e}")
+        assert moved > 0
+    engine.set_noise(0.0)
+    off = sample(engine, policy)
+    assert torch.equal(off.completion_ids, clean.completion_ids)
+    torch.testing.assert_close(off.logprobs, clean.logprobs, atol=1e-3, rtol=0)
+
+
+def test_many_steps_do_not_leak_gpu_memory(engine, policy):
+    free = []
+    for step in range(12):
+        randomize_adapter(policy, step)
+        engine.sync(policy)
+        engine.set_noise(1e-2, torch.Generator().manual_seed(step))
+        sample(engine, policy, seed=step)
+        torch.cuda.empty_cache()
+        free.append(torch.cuda.mem_get_info()[0])
+    engine.set_noise(0.0)
+    print("free GiB after each step:", [round(f / 2**30, 2) for f in free])
+    assert min(free[4:]) >= free[2] - 2**28  # steady after the first steps (within 256 MiB)
