@@ -223,7 +223,9 @@ def main() -> None:
     tag = device.split()[1].lower() if len(device.split()) > 1 else "gpu"
     report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": [row],
               "runs": results, "command": " ".join(sys.argv)}
-    suffix = ("" if args.lengths == "fixed" else f"_{args.lengths}") + ("" if args.label == "current" else f"_{args.label}")
+    suffix = ("" if args.size == "qwen2.5-7b" else f"_{args.size}") + ("" if args.lengths == "fixed" else
+                                                                      f"_{args.lengths}")
+    suffix += "" if args.label == "current" else f"_{args.label}"
     suffix += "_vllm" if args.engine == "vllm" else ""
     (out / f"train_e2e_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))
 
