@@ -139,6 +139,7 @@ class QeRLCLI(LightningCLI):
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
         self._check_strategy(config)
+        self._check_refill(config)
         rollout = (config.get("model") or {}).get("rollout") or {}
         default_allocator_settings(str(rollout.get("class_path", "") if hasattr(rollout, "get") else rollout))
         if self.subcommand == "fit":
@@ -160,6 +161,14 @@ class QeRLCLI(LightningCLI):
                 f"trainer.strategy={name}: not supported: every GPU decodes rollouts from the whole model, which "
                 "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
                 "one GPU in bf16.")
+
+    def _check_refill(self, config) -> None:
+        """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
+        model, data = config.get("model") or {}, config.get("data") or {}
+        if self.subcommand == "fit" and model.get("max_refill_rounds") and data.get("num_workers"):
+            self._parser(self.subcommand).error(
+                f"data.num_workers={data.get('num_workers')}: refilling a batch (model.max_refill_rounds) draws "
+                "prompts from the training stream in the main process: set data.num_workers: 0.")
 
     def instantiate_classes(self) -> None:
         # The classes are built from the resolved copy of the config (concrete values, qerl.run.resolve; the module's

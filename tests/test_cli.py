@@ -41,6 +41,8 @@ def fails(args: list[str], capsys) -> str:
     (["--model.policy.model", "qerl-test/no-such-model"],  # no network here, or a 404 where there is one
      "model.policy.model='qerl-test/no-such-model': "),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),
+    (["--model.dynamic_sampling", "true", "--model.max_refill_rounds", "2", "--data.num_workers", "1"],
+     "data.num_workers=1: refilling a batch (model.max_refill_rounds) draws prompts"),
 ])
 def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
                                                               monkeypatch):
