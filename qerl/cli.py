@@ -198,7 +198,8 @@ class QeRLCLI(LightningCLI):
         """A hub id that is neither a local path, cached nor reachable: one error line now (one quick request), not
         transformers' minute of retries and a traceback when the model loads."""
         name = str(config.model.policy.model)
-        hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None  # owner/name (a path: the policy's check)
+        # owner/name; a path is the policy's own check (no config.json there)
+        hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
         if self.subcommand is not None and hub_id and not Path(name).expanduser().exists():
             if reason := hub_unavailable(name):
                 self._parser(self.subcommand).error(f"model.policy.model={name!r}: {reason}")

@@ -320,8 +320,9 @@ class MathPromptDataModule(L.LightningDataModule):
     validation needs an integer ``val_check_interval`` with ``check_val_every_n_epoch: null``.
 
     Each batch is ``{"prompts": list[str], "prompt_ids": list[list[int]], "answers": list[str], "sources": list[str]}``
-    plus ``questions``, ``levels``, ``subjects`` and ``columns`` (each row's own columns) (lists, ``None`` where a source has no level or subject); training
-    batches also carry ``skipped``, the stream's counts of rows and prompts skipped so far per reason.
+    plus ``questions``, ``levels``, ``subjects`` and ``columns`` (each row's own columns) (lists, ``None`` where a
+    source has no level or subject); training batches also carry ``skipped``, the stream's counts of rows and prompts
+    skipped so far per reason.
     The stream position is part of ``state_dict`` (saved in checkpoints), so ``fit --ckpt_path`` continues the stream.
 
     Args:

@@ -3,9 +3,10 @@ at a time (in ``TimeoutPool`` workers: this module imports nothing heavy).
 
 Two styles, told apart by the function's parameters:
 
-- TRL (``GRPOTrainer(reward_funcs=...)``): ``reward(prompts, completions, **columns) -> list[float | None]``. ``prompts``
-  and ``completions`` are lists (here of one item); a conversational prompt (a list of ``{"role", "content"}``
-  messages) comes with its completion as ``[{"role": "assistant", "content": text}]``, a text prompt with the text.
+- TRL (``GRPOTrainer(reward_funcs=...)``): ``reward(prompts, completions, **columns) -> list[float | None]``.
+  ``prompts`` and ``completions`` are lists (here of one item); a conversational prompt (a list of
+  ``{"role", "content"}`` messages) comes with its completion as ``[{"role": "assistant", "content": text}]``, a text
+  prompt with the text.
   Every other column of the row is a keyword argument (a list of one value). ``None`` means "no score" (0).
 - verl (``custom_reward_function``): ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
   returning a number or a dict with ``score``. ``extra_info`` is the row's ``extra_info`` column, or all its columns

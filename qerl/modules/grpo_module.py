@@ -72,7 +72,8 @@ class GRPOModule(L.LightningModule):
         reward_funcs: your own reward functions, added to ``reward``: each ``module:function`` or
             ``path/to/file.py:function``, TRL's ``(prompts, completions, **columns) -> list[float | None]`` or verl's
             ``compute_score(data_source, solution_str, ground_truth, extra_info)``, or a callable class as
-            ``{class_path: module.Class, init_args: {...}}``; every column of the data reaches them. Each call runs under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
+            ``{class_path: module.Class, init_args: {...}}``; every column of the data reaches them. Each call runs
+            under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
         reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
         reward_timeout_s: wall-clock limit of one reward function call (one completion).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
@@ -80,8 +81,9 @@ class GRPOModule(L.LightningModule):
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
         micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
             longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone;
-            ``auto``: the largest budget the memory plan fits in the free GPU memory, decided by the CLI before the
-            module is built (``micro_batch_size`` alone where no plan runs: on CPU). A sequence longer than the budget still gets a micro-batch of its own.
+            ``auto``: the largest budget the memory plan fits in the free GPU memory, decided before the module is
+            built (``qerl.run``; ``micro_batch_size`` alone where no plan runs: on CPU). A sequence longer than the
+            budget still gets a micro-batch of its own.
         num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
         lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
         weight_decay: AdamW weight decay.
@@ -266,9 +268,8 @@ class GRPOModule(L.LightningModule):
         rewards = rewards.to(self.device)  # [N]
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
-            rewards += overlong_penalty(
-                rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer, self.hparams.overlong_penalty
-            ).to(rewards)
+            rewards += overlong_penalty(rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer,
+                                        self.hparams.overlong_penalty).to(rewards)
         return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
 
     def _refill(self, sample: Sample, batch_size: int) -> tuple[Sample, int]:

@@ -314,9 +314,10 @@ class GSPOLoss(GRPOLoss):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the importance ratio and its clip per sequence.
 
     ``s_i = exp(mean_t(logp - logp_old))`` replaces the per-token ratio and is clipped to
-    ``[1 - eps_low, 1 + eps_high]`` as a whole, so one noisy token cannot blow up or zero a sequence's update; GRPO's aggregation (each sequence
-    weighs ``1 / N``). The truncated IS correction is per sequence too: ``min(exp(mean_t(logp_old - logp_rollout)),
-    is_cap)``. As TRL's ``importance_sampling_level="sequence"`` and verl's ``gspo`` loss mode.
+    ``[1 - eps_low, 1 + eps_high]`` as a whole, so one noisy token cannot blow up or zero a sequence's update; GRPO's
+    aggregation (each sequence weighs ``1 / N``). The truncated IS correction is per sequence too:
+    ``min(exp(mean_t(logp_old - logp_rollout)), is_cap)``. As TRL's ``importance_sampling_level="sequence"`` and
+    verl's ``gspo`` loss mode.
 
     Args:
         eps_low: lower clip of the sequence ratio (the paper: 3e-4; sequence ratios stay much closer to 1 than token

@@ -1,5 +1,5 @@
-"""Random-init models with the real shapes of Qwen2.5, Qwen3 and Llama 3.x, built directly on the device (speed and memory
-benchmarks: with fixed generation lengths, throughput does not depend on weight values).
+"""Random-init models with the real shapes of Qwen2.5, Qwen3 and Llama 3.x, built directly on the device (speed and
+memory benchmarks: with fixed generation lengths, throughput does not depend on weight values).
 
 The model is made on the meta device; targeted Linears become ``NVFP4Linear`` filled with random packed codes and
 block scales on the device (a bf16 copy of the big layers never exists), the dense rest (embeddings, LM head, norms,
