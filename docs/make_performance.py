@@ -4,8 +4,8 @@
     python docs/make_performance.py --check    # exit 1 when the page is not what the results give
 
 Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
-the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``*memory*``,
-``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
+the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``trl_peer_*``,
+``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
 table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
 default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
 the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
@@ -333,6 +333,47 @@ def e2e_glance(result: dict) -> list[str]:
     return lines
 
 
+def trl_peer_section(result: dict) -> list[str]:
+    s = result["settings"]
+    header = ["arm", "system", "weights", "rollout s", "of which sampling s", "train s", "step s", "peak GB",
+              "device peak GB", "completion length", "step / qerl NVFP4 step", "failed with"]
+    body = [[r["arm"], r["system"], r["weights"], num(r.get("rollout_s")), num(r.get("generate_s")),
+             num(r.get("train_s")), num(r.get("step_s")), num(r.get("peak_gb"), 1), num(r.get("device_peak_gb"), 1),
+             num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")),
+             cell(r.get("error", "-"))[:160]] for r in result["rows"]]
+    out = table(header, body)
+    out += ["", f"{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens "
+            f"({s['lengths']} lengths, EOS ignored), LoRA r{s['lora_rank']} on q,k,v,o,gate,up,down, {s['steps']} "
+            "optimizer steps per arm, medians after the first, the arms one after the other on one machine. TRL: "
+            "rollout = `_generate_and_score_completions` (weight sync into vLLM, wake-up, sampling, sleep, rewards and "
+            "the policy's log-probs of the samples for TRL's importance-sampling correction), of which sampling = "
+            "`_generate`; train = the rest of the optimizer step. qerl: `perf/rollout_s` and `perf/train_s`. Peak GB: "
+            "PyTorch's peak allocated in the arm's process; device peak GB: the device's used memory over the arm "
+            "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster."]
+    return out
+
+
+def trl_peer_glance(result: dict) -> list[str]:
+    rows = {r["arm"]: r for r in result["rows"]}
+    ours, trl = rows.get("qerl_nvfp4", {}), rows.get("trl", {})
+    if "step_s" not in ours or "step_s" not in trl:
+        return []
+    s = result["settings"]
+    return [f"{s['model']} GRPO step, {s['prompts']} prompts x {s['group_size']}, {s['new_tokens']} new tokens: qerl "
+            f"NVFP4 {num(ours['step_s'], 1)} s vs TRL GRPOTrainer + vLLM {num(trl['step_s'], 1)} s "
+            f"({num(trl['step_s'] / ours['step_s'])}x)"]
+
+
+def trl_peer_plot(result: dict) -> dict:
+    rows = [r for r in result["rows"] if "step_s" in r]
+    phases = ("rollout_s", "train_s", "step_s")
+    s = result["settings"]
+    return {"kind": "bar", "title": f"GRPO step vs TRL, {s['model']}, {s['prompts']}x{s['group_size']}, "
+            f"{s['new_tokens']} tok", "ylabel": "seconds", "categories": [label(p)[:-2] for p in phases],
+            "series": [{"label": f"{r['system'].replace('GRPOTrainer + ', '')} {r['weights']}",
+                        "y": [r.get(p) for p in phases]} for r in rows]}
+
+
 # ---------------------------------------------------------------------------------------------------- plots
 # A plot is plain data (what the *_plot functions return), drawn by matplotlib where it is installed. Each PNG carries
 # the digest of its data, so a plot that no longer shows the results is found without matplotlib.
@@ -485,6 +526,12 @@ SECTIONS = (
             "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
             "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
             e2e_section, e2e_glance, e2e_plot),
+    Section("Against TRL: GRPOTrainer with a colocated vLLM", "trl_peer_*.json",
+            "python bench/bench_trl_peer.py --tokenizer DIR --out bench/results",
+            "TRL's `GRPOTrainer` (peft LoRA, bf16 base, vLLM in the same process with sleep mode, DAPO loss, beta 0, "
+            "gradient checkpointing) against qerl's CUDA-graph engine and qerl's vLLM engine, NVFP4 and bf16, at the "
+            "same settings on the same random-init checkpoint and prompts, measured one after the other on one "
+            "machine (`bench/bench_trl_peer.py`).", trl_peer_section, trl_peer_glance, trl_peer_plot),
     Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Several GPUs: DDP scaling", "multi_gpu_*.json",

@@ -153,3 +153,43 @@ def test_check_mode_reports_a_stale_page(results, tmp_path_factory, capsys):
     page.write_text(page.read_text() + "\nedited by hand\n")
     assert make_performance.main(["--results", str(results), "--page", str(page), "--check"]) == 1
     assert "out of date" in capsys.readouterr().err
+
+
+def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(results, tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("bench_trl_peer", ROOT / "bench" / "bench_trl_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    parts = tmp_path_factory.mktemp("parts")
+    settings = {"model": "qwen2.5-7b", "prompts": 16, "group_size": 8, "new_tokens": 2048, "lengths": "fixed",
+                "steps": 3, "lora_rank": 16, "trl_micro_batch": 8, "qerl_micro_batch_tokens": "auto"}
+    common = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27T01:00:00", "settings": settings}
+    arms = {"trl": {"rollout_s": 40.0, "generate_s": 32.0, "train_s": 35.0, "step_s": 75.0, "peak_gb": 50.5,
+                    "config": {"use_vllm": True}},
+            "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25},
+            "trl_qlora": {"error": "ValueError: vLLM cannot load 4-bit | merged weights"},
+            "qerl_bf16": {"rollout_s": 21.0, "train_s": 14.0, "step_s": 35.0, "settings": {**settings, "steps": 2}}}
+    for arm, result in arms.items():
+        (parts / f"{arm}.json").write_text(json.dumps({**common, **result}))
+    report = peer.merge(parts, settings)
+    assert [r["arm"] for r in report["rows"]] == ["trl", "trl_qlora", "qerl_nvfp4"]  # qerl_bf16: other settings
+    report["command"] = peer.command_for(report["runs"], ["--tokenizer", ".tok", "--arms", "trl"])
+    assert report["command"] == "python bench/bench_trl_peer.py --tokenizer .tok --arms trl,trl_qlora,qerl_nvfp4"
+    (results / "trl_peer_h100.json").write_text(json.dumps(report))
+    page = make_performance.render(results)
+
+    text = section(page, "Against TRL: GRPOTrainer with a colocated vLLM")
+    assert f"`trl_peer_h100.json`: NVIDIA H100 80GB HBM3, 2026-11-27. Reproduce: `{report['command']}`" in text
+    header = next(line for line in text.splitlines() if line.startswith("| arm |"))
+    cells = {row[0]: dict(zip(cells_of(header), row)) for row in
+             (cells_of(line) for line in text.splitlines() if line.startswith("| trl") or line.startswith("| qerl"))}
+    assert cells["trl"]["step s"] == "75.00" and cells["trl"]["of which sampling s"] == "32.00"
+    assert cells["trl"]["step / qerl NVFP4 step"] == "2.14" and cells["qerl_nvfp4"]["step / qerl NVFP4 step"] == "1.00"
+    assert cells["trl_qlora"]["failed with"] == "ValueError: vLLM cannot load 4-bit / merged weights"
+    assert cells["trl_qlora"]["step s"] == "-"
+    assert ("qwen2.5-7b GRPO step, 16 prompts x 8, 2048 new tokens: qerl NVFP4 35.0 s vs TRL GRPOTrainer + vLLM 75.0 s "
+            "(2.14x) (`trl_peer_h100.json`)") in section(page, "At a glance")
+    plot = make_performance.plot_specs(results)["performance/trl_peer_h100.png"]
+    assert plot["categories"] == ["rollout", "train", "step"]
+    assert {s["label"]: s["y"] for s in plot["series"]} == {
+        "TRL vLLM colocate bf16": [40.0, 35.0, 75.0], "qerl CUDA-graph engine nvfp4": [20.0, 15.0, 35.0]}
+    assert "](performance/trl_peer_h100.png)" in text
