@@ -175,14 +175,13 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, opts["prompts"] * opts["steps"],
                                                         opts["max_prompt_tokens"])})
-    load = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    load = {"dtype": torch.bfloat16 if cuda else torch.float32, **({"device_map": {"": 0}} if cuda else {})}
     if opts["qlora"]:
         from transformers import BitsAndBytesConfig
 
         load["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                          bnb_4bit_use_double_quant=True,
                                                          bnb_4bit_compute_dtype=torch.bfloat16)
-        load["device_map"] = {"": 0}
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, **load)
     load_s = time.perf_counter() - start
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", help="a directory with the embedded model's tokenizer (not with --tiny)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--arms", default="trl,qerl_nvfp4,qerl_bf16,qerl_vllm_nvfp4,qerl_vllm_bf16",
-                        help=f"comma-separated, run in this order: {', '.join(ARMS)}")
+                        help=f"comma-separated, run in this order: {', '.join(ARMS)}; none: write the models only")
     parser.add_argument("--size", default="qwen2.5-7b")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
@@ -409,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default=None, help="where each arm's result is kept (default: WORK/trl_peer_<n>tok)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for qerl's arms (after --)")
     args = parser.parse_args(argv)
-    arms = [a for a in args.arms.split(",") if a]
+    arms = [a for a in args.arms.split(",") if a and a != "none"]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"--arms: unknown {unknown}; use some of {list(ARMS)}")
@@ -437,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
         dirs = {q: work / f"{args.size}-{q}" for q in ("nvfp4", "bf16")}
         if not all((d / "config.json").exists() for d in dirs.values()):  # an earlier call on this machine wrote them
             dirs = write_models(args.size, args.tokenizer, work, vocab)
+    if not arms:  # --arms none: only the checkpoints (a call of its own ahead of the arms)
+        print(f"models in {work}; no arm run")
+        return
     import torch
 
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
