@@ -32,4 +32,5 @@ import datasets, pandas, pyarrow, trl, peft
 print("trl", trl.__version__, "datasets", datasets.__version__, "peft", peft.__version__, "pandas", pandas.__version__,
       "pyarrow", pyarrow.__version__)
 PY
-python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || echo "vLLM is not installed"
+python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+  || echo "vLLM is not installed"

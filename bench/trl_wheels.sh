@@ -24,8 +24,9 @@ rm -rf .trlwhl .trlwhl-arrow && mkdir -p .trlwhl .trlwhl-arrow
 get .trlwhl trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 peft==0.21.2 pandas==3.1.1 bitsandbytes==0.50.2
 # bitsandbytes ships a library per CUDA / ROCm / XPU version; the image's torch is CUDA 13.0
 (cd .trlwhl && zip -q -d bitsandbytes-0.50.2-*.whl 'bitsandbytes/libbitsandbytes_cuda1[12]*.so' \
-  'bitsandbytes/libbitsandbytes_cuda132.so' 'bitsandbytes/libbitsandbytes_rocm*.so' 'bitsandbytes/libbitsandbytes_xpu*.so' \
-  >/dev/null)
+  'bitsandbytes/libbitsandbytes_cuda132.so' 'bitsandbytes/libbitsandbytes_rocm*.so' \
+  'bitsandbytes/libbitsandbytes_xpu*.so' >/dev/null)
 get .trlwhl-arrow pyarrow==26.0.1
 ls -la .trlwhl .trlwhl-arrow
-du -sm .trlwhl .trlwhl-arrow | awk '{print $2": "$1" MiB"} END {print "each call carries one folder: keep it under 60 MiB"}'
+du -sm .trlwhl .trlwhl-arrow | awk '{print $2": "$1" MiB"}'
+echo "each GPU call carries one of the two folders (under 60 MiB each)"

@@ -5,8 +5,8 @@
 
 Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
 the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``trl_peer_*``,
-``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain table of its ``rows``. Every
-table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
+``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain
+table of its ``rows``. Every table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
 default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
 the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
 is current, so the figures cannot drift: after a benchmark run, run this script and commit the page and plots with
