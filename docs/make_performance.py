@@ -448,7 +448,7 @@ def draw(data: dict, path: Path) -> None:
             ax.minorticks_off()
         ax.set_xlabel(data["xlabel"])
     else:
-        width = 0.8 / len(data["series"])
+        width = 0.8 / max(1, len(data["series"]))  # (no series: every arm failed)
         for i, s in enumerate(data["series"]):
             ax.bar([j + (i - (len(data["series"]) - 1) / 2) * width for j in range(len(s["y"]))],
                    [0 if v is None else v for v in s["y"]], width, label=s["label"])
