@@ -298,15 +298,16 @@ ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_
 
 
 def default_allocator_settings(rollout_class_path: str) -> None:
-    """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator, CUDA already
-    started, or the engine is vLLM's (its sleep mode's memory pool refuses them). The rollout frees a KV cache and a
-    bf16 weight copy of tens of GiB that the update's activations then take over: in fixed-size segments those end up
-    in pieces too small for a [tokens, intermediate] tensor, and a plan near the GPU's size runs out of memory with
-    much of it held free (bench/README); expandable segments map what a tensor needs, wherever it lies."""
-    if any(name in os.environ for name in ALLOCATOR_SETTINGS) or "vllm" in rollout_class_path.lower():
+    """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator or CUDA already
+    started. The rollout frees a KV cache and a bf16 weight copy of tens of GiB that the update's activations then take
+    over: in fixed-size segments those end up in pieces too small for a [tokens, intermediate] tensor, and a plan near
+    the GPU's size runs out of memory with much of it held free (bench/README); expandable segments map what a tensor
+    needs, wherever it lies. vLLM's sleep-mode pool cannot use them: vLLM (>= 0.26) turns them off around its own
+    allocations when it finds them in ``PYTORCH_CUDA_ALLOC_CONF``, the name it reads, and back on after."""
+    if any(name in os.environ for name in ALLOCATOR_SETTINGS) or torch.cuda.is_initialized():
         return
-    if not torch.cuda.is_initialized():
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    name = "PYTORCH_CUDA_ALLOC_CONF" if "vllm" in rollout_class_path.lower() else "PYTORCH_ALLOC_CONF"
+    os.environ[name] = "expandable_segments:True"
 
 
 def reward_format(answer_format: str) -> str:

@@ -187,7 +187,7 @@ def test_the_vllm_engines_share_is_planned_and_a_share_too_large_refused_before_
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_built_in_engines_get_expandable_segments_unless_the_allocator_is_configured(
+def test_engines_get_expandable_segments_unless_the_allocator_is_configured(
         capsys, no_model_loads, tmp_path, monkeypatch):
     from qerl.cli import ALLOCATOR_SETTINGS, default_allocator_settings
 
@@ -201,8 +201,10 @@ def test_the_built_in_engines_get_expandable_segments_unless_the_allocator_is_co
     assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"  # the recipe's CUDA-graph engine
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF")
-    default_allocator_settings("qerl.rollout.vllm.VLLMRollout")  # vLLM's sleep mode refuses them
-    assert not any(name in os.environ for name in ALLOCATOR_SETTINGS)
+    default_allocator_settings("qerl.rollout.vllm.VLLMRollout")  # the name vLLM's sleep-mode pool reads
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's setting stays the only one
     default_allocator_settings("qerl.rollout.cuda_graph.CUDAGraphRollout")
     assert "PYTORCH_ALLOC_CONF" not in os.environ and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -214,8 +214,8 @@ class GRPOModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         G = self.hparams.group_size
         # GPU memory held between steps (weights, optimizer), then each phase's peak
-        memory = {"resident": torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0}
-        self._peak_memory_gb()  # the rollout's peak starts here
+        memory = {"resident": self._allocated_gb(torch.cuda.memory_allocated)}
+        self._allocated_gb(torch.cuda.max_memory_allocated)  # the rollout's peak starts here
 
         # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs;
         # (2) rewards: answer checking and the user's functions, weighted, then DAPO's soft overlong punishment
@@ -225,7 +225,7 @@ class GRPOModule(L.LightningModule):
         if self.hparams.max_refill_rounds:
             sample, refill_rounds = self._refill(sample, batch_size)
         rollout, completions, rewards, _, correct, rollout_s = sample
-        memory["rollout"] = self._peak_memory_gb()
+        memory["rollout"] = self._allocated_gb(torch.cuda.max_memory_allocated, engine_asleep=False)  # peak: awake
 
         # (3) advantages within each group; uninformative groups (and those past the batch) and truncated completions
         # get no loss
@@ -243,7 +243,7 @@ class GRPOModule(L.LightningModule):
         start = time.perf_counter()
         stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
-        memory["update"] = self._peak_memory_gb()
+        memory["update"] = self._allocated_gb(torch.cuda.max_memory_allocated)
 
         self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
                        memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
@@ -292,13 +292,14 @@ class GRPOModule(L.LightningModule):
         """``tensor`` summed over the ranks (a collective: every rank calls it)."""
         return self.trainer.strategy.reduce(tensor, reduce_op="sum")
 
-    def _peak_memory_gb(self) -> float:
-        """The GPU's peak allocated memory since the last call (GiB), then a new peak starts; 0 off CUDA."""
+    def _allocated_gb(self, counter, engine_asleep: bool = True) -> float:
+        """``counter`` (PyTorch's allocated or peak allocated memory, GiB), without what the rollout engine's sleep
+        handed back to the GPU where it slept throughout; a new peak starts. 0 off CUDA."""
         if self.device.type != "cuda":
             return 0.0
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        allocated = (counter(self.device) - (self.rollout.sleeping_bytes() if engine_asleep else 0)) / 2**30
         torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
+        return allocated
 
     # ------------------------------------------------------------------------------------------------------------
     def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor

@@ -139,5 +139,10 @@ class RolloutEngine:
         elif saved is not None and saved[0] == self._generator.device.type:
             self._generator.set_state(saved[1])  # in place: captured CUDA graphs keep the generator they registered
 
+    def sleeping_bytes(self) -> int:
+        """GPU memory PyTorch's counters hold as allocated to this engine that is not on the GPU now: vLLM's sleep
+        unmaps its pool, which lives inside PyTorch's allocator, behind those counters. 0 where the engine is awake."""
+        return 0
+
     def sync(self, policy) -> None:
         """Push the current adapter (and trained norms) to the engine; nothing to do when it samples the policy itself."""

@@ -171,6 +171,7 @@ class VLLMRollout(RolloutEngine):
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
         self._asleep = False
+        self._sleeping_bytes = 0  # what the last sleep handed back to the GPU (PyTorch still counts it)
         self._adapter_dir: Path | None = None
         self._lora_rank: int | None = None
         self._pending_lora = False  # a new adapter file waits to be loaded into vLLM
@@ -220,7 +221,7 @@ class VLLMRollout(RolloutEngine):
             # update freed but PyTorch's caching allocator still reserves would leave it short. Hand them back first.
             torch.cuda.empty_cache()
             self.llm.wake_up()
-            self._asleep = False
+            self._asleep, self._sleeping_bytes = False, 0
             self._pending_lora = True  # reload the adapter from RAM (cheap) rather than trust slots restored by wake
         self._push_pending()
         noisy = self.noise_std > 0 and bool(self._clean_norms)
@@ -238,10 +239,14 @@ class VLLMRollout(RolloutEngine):
             if noisy:
                 self._write_norms(self._clean_norms)
         if self.sleep and self._on_cuda():
+            free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep, self._sleeping_bytes = True, max(torch.cuda.mem_get_info()[0] - free, 0)
         device = next(policy.parameters()).device
         return self._to_rollout(outputs, prompt_ids, group_size, pad_id, eos_ids, device)
+
+    def sleeping_bytes(self) -> int:
+        return self._sleeping_bytes
 
     def _sampling_params(self, group_size: int, eos_ids: list[int], **overrides):
         """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples (``overrides``: other values, e.g. a

@@ -122,6 +122,10 @@ def test_many_steps_do_not_leak_gpu_memory(engine, policy):
         sample(engine, policy, seed=step)
         torch.cuda.empty_cache()
         free.append(torch.cuda.mem_get_info()[0])
+        # asleep: PyTorch still counts vLLM's unmapped pool; without it, what it counts is on the GPU
+        in_use = torch.cuda.mem_get_info()[1] - free[-1]
+        assert 0 < engine.sleeping_bytes() <= torch.cuda.memory_allocated()
+        assert torch.cuda.memory_allocated() - engine.sleeping_bytes() <= in_use
     engine.set_noise(0.0)
     print("free GiB after each step:", [round(f / 2**30, 2) for f in free])
     assert min(free[4:]) >= free[2] - 2**28  # steady after the first steps (within 256 MiB)
