@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine (see bench/trl_wheels.sh): installs the carried TRL wheels into /tmp/trlsite, each one only where
-# the image (and vLLM's /tmp/vsite) lacks that package at a version TRL 1.16 accepts; pyarrow from .trlwhl-arrow when
-# carried. Then run with
-#   export PYTHONPATH=/tmp/vsite:/tmp/trlsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+# On the GPU machine (see bench/trl_wheels.sh): installs the carried TRL wheels into $TRLSITE (/tmp/trlsite), each one
+# only where the image (and vLLM's $VSITE, /tmp/vsite) lacks that package at a version TRL 1.16 accepts; pyarrow from
+# .trlwhl-arrow when carried. VSITE / TRLSITE may name folders under /root, which a warm machine keeps between calls.
+# Then run with
+#   export PYTHONPATH=$VSITE:$TRLSITE:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 set -eu
-export PYTHONPATH=/tmp/vsite:/tmp/trlsite:$PWD
-mkdir -p /tmp/trlsite
+export PYTHONPATH=${VSITE:-/tmp/vsite}:${TRLSITE:-/tmp/trlsite}:$PWD
+mkdir -p ${TRLSITE:-/tmp/trlsite}
 wheels=$(ls .trlwhl/*.whl .trlwhl-arrow/*.whl 2>/dev/null || true)
 [ -n "$wheels" ] || { echo "no wheels: carry .trlwhl (bench/trl_wheels.sh writes it)"; exit 1; }
 # pandas >= 2.1.1 (TRL), pyarrow >= 24 (datasets): an image that has them keeps its own
@@ -26,7 +27,7 @@ for wheel in sys.argv[1:]:
     print(wheel)
 PY
 )
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trlsite $need
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ${TRLSITE:-/tmp/trlsite} $need
 python3 - <<'PY' || echo "pyarrow is missing or older than 24: run once more carrying [\".trlwhl-arrow\"]"
 import datasets, pandas, pyarrow, trl, peft
 print("trl", trl.__version__, "datasets", datasets.__version__, "peft", peft.__version__, "pandas", pandas.__version__,
