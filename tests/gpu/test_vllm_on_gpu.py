@@ -9,7 +9,7 @@ in a row do not leak GPU memory.
         tests/gpu/test_vllm_on_gpu.py
 
 The model is random-init and Qwen2.5-shaped, small enough for seconds per step (vLLM's start-up compiles for about
-two minutes once). Written without a GPU: not yet run.
+a minute once). Run on an H100 with vLLM 0.26.0 (docs/vllm.md, "Versions").
 """
 
 import importlib.util
@@ -81,6 +81,12 @@ def gap(policy, rollout) -> float:
     return float((rollout.logprobs - expected)[mask].abs().mean())
 
 
+def mean_change(a, b) -> float:
+    """Mean |log-prob difference| of two rollouts over their completion tokens."""
+    mask = a.completion_mask.bool() & b.completion_mask.bool()
+    return float((a.logprobs - b.logprobs)[mask].abs().mean())
+
+
 def test_vllm_samples_the_nvfp4_policy_with_its_adapter(engine, policy):
     first = sample(engine, policy)
     assert first.completion_ids.shape == (len(PROMPTS) * G, MAX_NEW) and bool(first.truncated.all())
@@ -96,7 +102,7 @@ def test_vllm_samples_the_nvfp4_policy_with_its_adapter(engine, policy):
     engine.sync(policy)
     again = sample(engine, policy)  # slept and woke in between: weights, adapter and norms as they were
     assert torch.equal(first.completion_ids, again.completion_ids)
-    torch.testing.assert_close(first.logprobs, again.logprobs, atol=1e-3, rtol=0)
+    assert mean_change(first, again) < 1e-3  # bf16 kernels of other batch shapes move single values by ~1e-2
 
 
 def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
@@ -106,11 +112,11 @@ def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
         noisy = sample(engine, policy)
         moved = float((noisy.logprobs - clean.logprobs).abs().mean())
         print(f"sigma {sigma:g}: mean |log-prob change| {moved:.3e}")
-        assert moved > 0
+        assert moved > 5e-3  # ten times the round trip's bound below
     engine.set_noise(0.0)
     off = sample(engine, policy)
     assert torch.equal(off.completion_ids, clean.completion_ids)
-    torch.testing.assert_close(off.logprobs, clean.logprobs, atol=1e-3, rtol=0)
+    assert mean_change(off, clean) < 1e-3  # sigma 1e-2 moves them by ~1e-2
 
 
 def test_many_steps_do_not_leak_gpu_memory(engine, policy):
