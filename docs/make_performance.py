@@ -327,8 +327,9 @@ def e2e_glance(result: dict) -> list[str]:
                     if "peak_gb_nvfp4" in r and "peak_gb_bf16" in r else "")
             kv = "".join(f" ({q} with an {r[f'kv_cache_dtype_{q}']} KV cache)" for q in ("nvfp4", "bf16")
                          if r.get(f"kv_cache_dtype_{q}", "auto") != "auto")
-            lines.append(f"{r['model']} GRPO step, {r['prompts']} prompts x {r['group_size']}, {r['new_tokens']} new "
-                         f"tokens ({r.get('lengths', 'fixed')} lengths){kv}: NVFP4 {num(r['step_s_nvfp4'], 1)} s vs bf16 "
+            engine = " with the vLLM engine" if r.get("engine") == "vllm" else ""
+            lines.append(f"{r['model']} GRPO step{engine}, {r['prompts']} prompts x {r['group_size']}, {r['new_tokens']} "
+                         f"new tokens ({r.get('lengths', 'fixed')} lengths){kv}: NVFP4 {num(r['step_s_nvfp4'], 1)} s vs bf16 "
                          f"{num(r['step_s_bf16'], 1)} s{peak}")
     return lines
 
