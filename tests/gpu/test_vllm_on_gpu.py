@@ -102,7 +102,7 @@ def test_vllm_samples_the_nvfp4_policy_with_its_adapter(engine, policy):
     engine.sync(policy)
     again = sample(engine, policy)  # slept and woke in between: weights, adapter and norms as they were
     assert torch.equal(first.completion_ids, again.completion_ids)
-    assert mean_change(first, again) < 1e-3  # bf16 kernels of other batch shapes move single values by ~1e-2
+    assert mean_change(first, again) < 2e-3  # bf16 kernels of other batch shapes move single values by ~1e-2
 
 
 def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
@@ -112,11 +112,11 @@ def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
         noisy = sample(engine, policy)
         moved = float((noisy.logprobs - clean.logprobs).abs().mean())
         print(f"sigma {sigma:g}: mean |log-prob change| {moved:.3e}")
-        assert moved > 5e-3  # ten times the round trip's bound below
+        assert moved > 5e-3  # over twice the round trip's bound below
     engine.set_noise(0.0)
     off = sample(engine, policy)
     assert torch.equal(off.completion_ids, clean.completion_ids)
-    assert mean_change(off, clean) < 1e-3  # sigma 1e-2 moves them by ~1e-2
+    assert mean_change(off, clean) < 2e-3  # sigma 1e-2 moves them by ~1e-2
 
 
 def test_many_steps_do_not_leak_gpu_memory(engine, policy):
