@@ -1,17 +1,26 @@
 """Arms x seeds of the AQN experiment (issue 22) through the real ``train.py``, resumable, into one JSON.
 
-    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 --parallel 8 --threads 1 \\
-        --out docs/results/aqn_seeds.json
+    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 3 4 --parallel 8 --threads 1 --steps 100 \\
+        --time-limit 500 --out docs/results/aqn_seeds.json      # again until it prints "complete"
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 
 Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
 ``model.lr`` is the recipe rate; ``bf16_lr_low`` scales it by the recipes' rule, ``configs/recipes/bf16.yaml``'s rate
 over ``configs/gpu.yaml``'s):
 
-    nvfp4_aqn     NVFP4 base weights + LoRA + AQN          (the QeRL method)
-    nvfp4         NVFP4 + LoRA, no AQN                     (AQN's share: against nvfp4_aqn)
-    bf16_lr_high  bf16 + LoRA, no AQN, the NVFP4 rate      (quantization's share at one rate: against nvfp4)
-    bf16_lr_low   bf16 + LoRA, no AQN, the bf16 rate       (the baseline as the recipes run it)
+    nvfp4_aqn         NVFP4 base weights + LoRA + AQN          (the QeRL method)
+    nvfp4             NVFP4 + LoRA, no AQN                     (AQN's share: against nvfp4_aqn)
+    bf16_lr_high      bf16 + LoRA, no AQN, the NVFP4 rate      (quantization's share at one rate: against nvfp4)
+    bf16_lr_low       bf16 + LoRA, no AQN, the bf16 rate       (the baseline as the recipes run it)
+    bf16_aqn          bf16 + LoRA + AQN, the bf16 rate         (noise without quantization: against bf16_lr_low)
+    bf16_aqn_lr_high  bf16 + LoRA + AQN, the NVFP4 rate        (the same against bf16_lr_high: noise's share in both
+                                                                formats at one rate, beside nvfp4_aqn - nvfp4)
+    nvfp4_aqn_lr_low  NVFP4 + LoRA + AQN, the bf16 rate        (quantization's share with noise at the bf16 rate:
+                                                                against bf16_aqn; the rate's: against nvfp4_aqn)
+
+With a bf16 policy the AQN callback's noise goes into the bf16 model's RMSNorm weights during the rollout exactly as
+into the NVFP4 model's (every engine perturbs the norms of the policy it samples; ``configs/recipes/bf16.yaml`` keeps
+AQN on too), so each noise contrast differs in that one setting, at one rate.
 
 Seed S sets ``seed_everything``, the AQN noise seed, the rollout's sampling seed, the data shuffle and the training
 questions (the ``seed`` of every training source): arms run with the same S see the same questions in the same order
@@ -64,6 +73,9 @@ ARMS = {  # name -> (quantization, AQN on, the rate: "high" = the config's, "low
     "nvfp4": ("nvfp4", False, "high"),
     "bf16_lr_high": ("bf16", False, "high"),
     "bf16_lr_low": ("bf16", False, "low"),
+    "bf16_aqn": ("bf16", True, "low"),
+    "bf16_aqn_lr_high": ("bf16", True, "high"),
+    "nvfp4_aqn_lr_low": ("nvfp4", True, "low"),
 }
 DEVICES = {  # --device -> train.py options: fp32 is the faster dtype on a CPU, bf16 on a GPU
     "cuda": ["--trainer.accelerator", "gpu", "--model.policy.dtype", "bfloat16"],
@@ -192,10 +204,21 @@ def heldout_curves(scalars: dict[str, dict[int, float]]) -> dict[str, list]:
 
 
 def base_result(job: Job) -> dict | None:
-    """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run."""
+    """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run, and its verdict
+    on every greedy question (``questions``: question, source, correct, correct_flexible, from the run's
+    ``eval/validate_step0.jsonl``), so that the formats' scores can be compared question by question."""
     scalars = merged_scalars(job.version_dir) if job.version_dir.exists() else {}
     values = {t.removeprefix("val/"): points[max(points)] for t, points in scalars.items() if t.startswith("val/")}
-    return {**job.meta, "heldout": values} if values else None
+    if not values:
+        return None
+    records = job.version_dir / "eval" / "validate_step0.jsonl"
+    questions = []
+    if records.exists():
+        for line in records.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("mode") == "greedy":
+                questions.append({k: row.get(k) for k in ("question", "source", "correct", "correct_flexible")})
+    return {**job.meta, "heldout": values, "questions": questions}
 
 
 def with_base(result: dict, base: dict | None) -> dict:
@@ -234,12 +257,23 @@ def prepare(job: Job) -> list[str]:
     return list(job.args)
 
 
+def record_attempt(job: Job, seconds: float) -> None:
+    """Add one attempt's wall time to the job's ``run.json`` (the attempts of a resumed run add up)."""
+    record = job.directory / "run.json"
+    data = json.loads(record.read_text())
+    data["attempt_seconds"] = [*data.get("attempt_seconds", []), round(seconds, 1)]
+    record.write_text(json.dumps(data, indent=1))
+
+
 def finish(job: Job, max_steps: int) -> bool:
-    """Write the job's ``result.json`` if it has finished; True if it has."""
+    """Write the job's ``result.json`` if it has finished; True if it has. It holds ``wall_seconds``: the wall time of
+    the job's attempts (while ``--parallel`` runs shared the machine: the experiment's GPU time is about the sum over
+    runs divided by ``--parallel``)."""
     result = run_result(job, max_steps) if job.seed is not None else base_result(job)
     if result is None:
         return False
-    job.result_path.write_text(json.dumps(result))
+    attempts = json.loads((job.directory / "run.json").read_text()).get("attempt_seconds", [])
+    job.result_path.write_text(json.dumps({**result, "wall_seconds": round(sum(attempts), 1)}))
     return True
 
 
@@ -286,6 +320,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -
         "arms": arms,
         "base": base,
         "steps": max_steps,
+        "parallel": args.parallel,
         "complete": not missing,
         "missing": missing,
         "config": {"path": args.config, "settings": config},
@@ -303,6 +338,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     pending = [j for j in jobs if not j.result_path.exists()]
     running: list[tuple[Job, subprocess.Popen, object]] = []
+    started: dict[str, float] = {}  # job name -> time.monotonic() of its attempt's start
     failed: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
@@ -332,6 +368,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
                 running.append((job, process, log))
+                started[job.name] = time.monotonic()
             time.sleep(args.poll)
             for item in list(running):
                 job, process, log = item
@@ -339,6 +376,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                     continue
                 running.remove(item)
                 log.close()
+                record_attempt(job, time.monotonic() - started[job.name])
                 if process.returncode == 0 and finish(job, max_steps):
                     print(f"done  {job.name}", flush=True)
                     on_finish()
@@ -355,6 +393,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 signal_group(process, signal.SIGKILL)
                 process.wait()
             log.close()
+            record_attempt(job, time.monotonic() - started[job.name])
         for s, handler in previous.items():
             signal.signal(s, handler)
     return failed
@@ -374,7 +413,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Options after -- go to every train.py call.")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--device", choices=list(DEVICES), default="cuda")
     parser.add_argument("--config", default=CONFIG, help="the train.py config every run starts from")
