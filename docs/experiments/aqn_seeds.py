@@ -206,12 +206,12 @@ def heldout_curves(scalars: dict[str, dict[int, float]]) -> dict[str, list]:
 def base_result(job: Job) -> dict | None:
     """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run, and its verdict
     on every greedy question (``questions``: question, source, correct, correct_flexible, from the run's
-    ``eval/validate_step0.jsonl``), so that the formats' scores can be compared question by question."""
+    ``eval/val_step0.jsonl``), so that the formats' scores can be compared question by question."""
     scalars = merged_scalars(job.version_dir) if job.version_dir.exists() else {}
     values = {t.removeprefix("val/"): points[max(points)] for t, points in scalars.items() if t.startswith("val/")}
     if not values:
         return None
-    records = job.version_dir / "eval" / "validate_step0.jsonl"
+    records = job.version_dir / "eval" / "val_step0.jsonl"
     questions = []
     if records.exists():
         for line in records.read_text().splitlines():
