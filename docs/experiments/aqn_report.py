@@ -237,6 +237,10 @@ def verdict(difference: Interval, better: str, pattern: str = "{:.3f}") -> str:
     return f"no different within the 95% interval ({numbers})"
 
 
+def span(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def fmt_r(c: Correlation) -> str:
     if math.isnan(c.r):
         return f"not computable from {c.n} runs"
@@ -314,11 +318,12 @@ def finding(summary: dict) -> str:
     so = ("so runs whose entropy rose more than their arm's did learned more" if signs == {True} else
           "so runs whose entropy rose more than their arm's did learned less" if signs == {False} else
           "so the two measures disagree" if signs else
+          "so not answered: too few runs for an interval within arms" if all(math.isnan(c.low) for c in within) else
           "so within an arm the early rise does not predict the later reward at this number of runs (the pooled r "
           "mixes the arms' differences)")
     parts.append(f"(c) Does the early entropy rise predict the later reward? Per run ({runs} runs; rise = mean "
-                 f"rollout entropy over steps {baseline + 1}-{window} minus steps 1-{baseline}, the noise-free first "
-                 f"AQN stage; late reward = mean train reward over the last {summary['early_steps']} steps): "
+                 f"rollout entropy over {span(baseline + 1, window)} minus {span(1, baseline)}, the noise-free "
+                 f"first AQN stage; late reward = mean train reward over the last {summary['early_steps']} steps): "
                  + "; ".join(lines) + f"; {so}.")
     return " ".join(parts)
 
@@ -494,8 +499,8 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
         f"reach it count as {summary['steps']}, so such a mean is a lower bound: marked >= and censored); early "
         f"entropy = mean over the first {summary['early_steps']} steps of `rollout/entropy` (the sampling policy, "
         "with its noise, on its own samples) and `train/entropy` (the clean training policy on the same tokens: "
-        f"teacher-forced); early rollout-entropy rise = its mean over steps {summary['rise'][0] + 1}-"
-        f"{summary['rise'][1]} minus steps 1-{summary['rise'][0]}; late train reward = the mean reward of the last "
+        f"teacher-forced); early rollout-entropy rise = its mean over {span(summary['rise'][0] + 1, summary['rise'][1])}"
+        f" minus {span(1, summary['rise'][0])}; late train reward = the mean reward of the last "
         f"{summary['early_steps']} steps.",
         "",
         "## Per arm (mean [95% interval] over seeds)",
@@ -510,10 +515,8 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
         "",
         contrast_table(summary),
         "",
-        f"## Paired by seed: {label(REFERENCE)} minus each arm",
-        "",
-        paired_table(summary),
-        "",
+        *([f"## Paired by seed: {label(REFERENCE)} minus each arm", "", paired_table(summary), ""]
+          if summary["paired"] else []),
         "## Early entropy rise and later reward, per run (Pearson r, Fisher-z 95% interval)",
         "",
         correlation_table(summary),
