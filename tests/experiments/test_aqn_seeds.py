@@ -87,6 +87,10 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     assert len(seed["heldout"]["expressions_acc_flexible"]) == 4
     assert seed["final_heldout_expressions_acc"] == seed["heldout"]["expressions_acc"][-1]
     assert seed["heldout"]["expressions_acc"][0] == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
+    questions = data["base"]["nvfp4"]["questions"]  # the untrained verdict per held-out question (greedy)
+    assert len(questions) == 4 and {q["source"] for q in questions} == {"expressions"}
+    assert sum(q["correct"] for q in questions) / 4 == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
+    assert seed["wall_seconds"] > 0 and data["base"]["nvfp4"]["wall_seconds"] > 0 and data["parallel"] == 1
     train_args = data["train_args"]["nvfp4_aqn/seed_0"]
     for option, value in [("--seed_everything", "0"), ("--aqn.seed", "0"), ("--aqn.enabled", "true"),
                           ("--model.policy.quantization", "nvfp4"), ("--trainer.max_steps", str(STEPS))]:
@@ -122,3 +126,26 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     for key in ("reward", "rollout_entropy", "train_entropy", "learning_rate"):
         assert again_seed[key] == pytest.approx(seed[key], rel=1e-5), key  # steps 2-3 again, the later values win
     assert again_seed["heldout"] == seed["heldout"]
+
+
+def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
+    """Issue 40's arms: bf16 + AQN at the bf16 rate (against bf16_lr_low) and at the NVFP4 rate (against bf16_lr_high),
+    NVFP4 + AQN at the bf16 rate (against bf16_aqn and nvfp4_aqn); 5 seeds by default, base scores first."""
+    args = seeds_script.parse_args(["--device", "cpu", "--work", str(tmp_path)])
+    assert args.seeds == [0, 1, 2, 3, 4] and set(args.arms) == set(seeds_script.ARMS)
+    jobs = seeds_script.plan(args, yaml.safe_load(CONFIG.read_text()))
+    assert [j.name for j in jobs[:2]] == ["base_bf16", "base_nvfp4"] and len(jobs) == 2 + 5 * 7
+
+    def settings(name: str) -> tuple[str, str, float]:
+        a = next(j for j in jobs if j.name == name).args
+        return a[a.index("--model.policy.quantization") + 1], a[a.index("--aqn.enabled") + 1], \
+            float(a[a.index("--model.lr") + 1])
+
+    high, low = 2e-4, 2e-4 * seeds_script.bf16_lr_ratio()
+    expected = {"bf16_aqn": ("bf16", "true", low), "bf16_lr_low": ("bf16", "false", low),
+                "bf16_aqn_lr_high": ("bf16", "true", high), "bf16_lr_high": ("bf16", "false", high),
+                "nvfp4_aqn_lr_low": ("nvfp4", "true", low), "nvfp4_aqn": ("nvfp4", "true", high),
+                "nvfp4": ("nvfp4", "false", high)}
+    for arm, (quantization, aqn, lr) in expected.items():
+        got = settings(f"{arm}/seed_3")
+        assert got[:2] == (quantization, aqn) and got[2] == pytest.approx(lr), arm
