@@ -41,7 +41,10 @@ cleared first). A run directory made with other arguments is refused, not mixed.
 run that finishes, with the runs complete so far (``complete`` says whether all are).
 
 ``--time-limit SECONDS`` stops the runs still going at that time (the checkpoints stay) and writes the JSON, so a
-long experiment goes through in calls of bounded length: the same command again continues it. Options after ``--``
+long experiment goes through in calls of bounded length: the same command again continues it. ``--archive FILE``
+keeps the finished runs (``run.json`` + ``result.json`` of each, a few kB) in one tar.gz, rewritten with the JSON, and
+restores from it the ones missing under ``--work`` at the start: a call on a fresh machine, with the archive carried
+over, runs only what was not finished (a run stopped mid-way there starts again from step 0). Options after ``--``
 go to every ``train.py`` call (e.g. ``-- --trainer.val_check_interval 10``).
 """
 
@@ -56,6 +59,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -301,6 +305,39 @@ def device_info(device: str) -> dict:
     return info
 
 
+def archive_finished(jobs: list[Job], path: Path) -> int:
+    """Write ``run.json`` and ``result.json`` of every finished job into the tar.gz ``path`` (named ``<job>/...``),
+    through a temporary file renamed into place; returns how many jobs it holds."""
+    finished = [j for j in jobs if j.result_path.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for job in finished:
+            for name in ("run.json", "result.json"):
+                tar.add(job.directory / name, arcname=f"{job.name}/{name}")
+    partial.replace(path)
+    return len(finished)
+
+
+def restore_finished(jobs: list[Job], path: Path) -> list[str]:
+    """Put back, from the archive ``path``, every job finished there and not here, if it ran with the same arguments
+    (another run under that name is left to ``prepare`` to refuse); returns the names restored."""
+    restored = []
+    with tarfile.open(path, "r:gz") as tar:
+        names = set(tar.getnames())
+        for job in jobs:
+            if job.result_path.exists() or f"{job.name}/result.json" not in names:
+                continue
+            record = json.loads(tar.extractfile(f"{job.name}/run.json").read())
+            if record.get("args") != job.args:
+                continue
+            job.directory.mkdir(parents=True, exist_ok=True)
+            (job.directory / "run.json").write_text(json.dumps(record, indent=1))
+            job.result_path.write_bytes(tar.extractfile(f"{job.name}/result.json").read())
+            restored.append(job.name)
+    return restored
+
+
 def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -> dict:
     """The experiment's JSON from the ``result.json`` of every finished job."""
     results = {j.name: json.loads(j.result_path.read_text()) for j in jobs if j.result_path.exists()}
@@ -424,6 +461,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--out", default="docs/results/aqn_seeds.json", help="the experiment's JSON")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds after which running runs are stopped (they resume on the next call)")
+    parser.add_argument("--archive", default=None,
+                        help="tar.gz of the finished runs: restored from at the start, rewritten with the JSON")
     parser.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
     if args.parallel < 1 or (args.steps is not None and args.steps < 1) or len(set(args.seeds)) != len(args.seeds):
@@ -445,7 +484,14 @@ def main(argv: list[str] | None = None) -> dict:
     def write() -> dict:
         data = collect(args, config, jobs, max_steps, started)
         out.write_text(json.dumps(data, indent=1))
+        if args.archive:
+            archive_finished(jobs, Path(args.archive))
         return data
+
+    if args.archive and Path(args.archive).exists():
+        restored = restore_finished(jobs, Path(args.archive))
+        if restored:
+            print(f"restored {len(restored)} finished runs from {args.archive}", flush=True)
 
     todo = [j.name for j in jobs if not j.result_path.exists()]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {args.parallel} at a time, "
