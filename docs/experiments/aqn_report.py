@@ -555,6 +555,10 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
         "- Other rates and schedules: one rate per arm (the recipes' rule for bf16 at both), the QeRL AQN schedule "
         "(K = 10, 1e-2 -> 1e-4); another held-out level (`--level`) or early window (`--early-steps`) changes those "
         "two columns only.",
+        "- Noise below the weights' resolution: on the GPU the norm weights are bf16 in every arm (the policy's "
+        "dtype), so a draw smaller than half a bf16 step of its weight rounds away, which in the last stages is most "
+        "of them; the same in every AQN arm, bf16 or NVFP4, so no contrast is tilted by it, but the late stages add "
+        "less noise than the schedule says.",
         "",
         "Earlier (one seed per arm, 16 steps of a + b within 1..9, 81 distinct questions) the arms could not be told "
         "apart; that page is in the git history of docs/learning.md.",
