@@ -114,8 +114,9 @@ def seed_statistics(seed: dict, metric: str, level: float, early_steps: int,
     """The statistics of one run (``rise``: the entropy rise's baseline and window, see ``rise_steps``)."""
     heldout = seed["heldout"]
     baseline, window = rise or (1, max(2, early_steps))
-    return {
-        "entropy_rise": entropy_rise(seed["rollout_entropy"], baseline, min(window, len(seed["rollout_entropy"]))),
+    window = min(window, len(seed["rollout_entropy"]))
+    return {  # (a run of one step has no rise: nan)
+        "entropy_rise": entropy_rise(seed["rollout_entropy"], baseline, window) if 1 <= baseline < window else math.nan,
         "late_reward": early_mean(seed["reward"][::-1], early_steps),
         "seed": seed["seed"],
         "reward_auc": area_under_curve(seed["steps"], seed["reward"]),
