@@ -3,10 +3,16 @@
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json --level 0.4 --early-steps 20 --page /tmp/x.md
 
-The page's first paragraph is generated from the numbers: whether NVFP4 + AQN learned faster than bf16 LoRA (reward
-area, steps to a held-out accuracy level, final held-out accuracy; paired by seed, 95% Student-t intervals) and
-whether it explored more early (rollout and teacher-forced entropy over the first steps). Then the per-arm table, the
-paired differences, the commands that reproduce it and what would change the answer. The statistics are the pure
+The page's first paragraph is generated from the numbers (paired by seed, 95% Student-t intervals), from contrasts
+whose two arms differ in one setting: (a) does the noise help without quantization (bf16 + AQN minus bf16 at one
+rate), (b) how much of NVFP4's gap to bf16 is the quantization (NVFP4 minus bf16 without noise at one rate, beside
+NVFP4 + AQN's whole gap and the untrained model's score per format, paired by held-out question), (c) does a run's
+early rollout-entropy rise predict its later reward (Pearson r over all runs and within arms, Fisher-z intervals).
+The second paragraph is issue 22's question: whether NVFP4 + AQN learned faster than bf16 LoRA (reward area, steps to
+a held-out accuracy level, final held-out accuracy) and explored more early (rollout and teacher-forced entropy). Then
+the per-arm table, the untrained scores, the contrasts, the paired differences, the correlations, the plots (curves
+with 95% bands, the per-run scatter), the commands that reproduce it, the runs' time, what would change the recipes'
+defaults and what would change the answer. The statistics are the pure
 functions of ``aqn_stats.py``; plots need matplotlib (``pip install -e ".[docs]"``) and are skipped without it.
 """
 

@@ -1,7 +1,7 @@
-"""Arms x seeds of the AQN experiment (issue 22) through the real ``train.py``, resumable, into one JSON.
+"""Arms x seeds of the AQN experiment (issues 22, 40) through the real ``train.py``, resumable, into one JSON.
 
     python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 3 4 --parallel 8 --threads 1 --steps 100 \\
-        --time-limit 500 --out docs/results/aqn_seeds.json      # again until it prints "complete"
+        --time-limit 520 --out docs/results/aqn_seeds.json --archive runs/aqn_seeds.tar.gz   # again until "complete"
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 
 Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
