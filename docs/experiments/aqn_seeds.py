@@ -1,17 +1,26 @@
-"""Arms x seeds of the AQN experiment (issue 22) through the real ``train.py``, resumable, into one JSON.
+"""Arms x seeds of the AQN experiment (issues 22, 40) through the real ``train.py``, resumable, into one JSON.
 
-    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 --parallel 8 --threads 1 \\
-        --out docs/results/aqn_seeds.json
+    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 3 4 --parallel 8 --threads 1 --steps 100 \\
+        --time-limit 520 --out docs/results/aqn_seeds.json --archive runs/aqn_seeds.tar.gz   # again until "complete"
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 
 Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
 ``model.lr`` is the recipe rate; ``bf16_lr_low`` scales it by the recipes' rule, ``configs/recipes/bf16.yaml``'s rate
 over ``configs/gpu.yaml``'s):
 
-    nvfp4_aqn     NVFP4 base weights + LoRA + AQN          (the QeRL method)
-    nvfp4         NVFP4 + LoRA, no AQN                     (AQN's share: against nvfp4_aqn)
-    bf16_lr_high  bf16 + LoRA, no AQN, the NVFP4 rate      (quantization's share at one rate: against nvfp4)
-    bf16_lr_low   bf16 + LoRA, no AQN, the bf16 rate       (the baseline as the recipes run it)
+    nvfp4_aqn         NVFP4 base weights + LoRA + AQN          (the QeRL method)
+    nvfp4             NVFP4 + LoRA, no AQN                     (AQN's share: against nvfp4_aqn)
+    bf16_lr_high      bf16 + LoRA, no AQN, the NVFP4 rate      (quantization's share at one rate: against nvfp4)
+    bf16_lr_low       bf16 + LoRA, no AQN, the bf16 rate       (the baseline as the recipes run it)
+    bf16_aqn          bf16 + LoRA + AQN, the bf16 rate         (noise without quantization: against bf16_lr_low)
+    bf16_aqn_lr_high  bf16 + LoRA + AQN, the NVFP4 rate        (the same against bf16_lr_high: noise's share in both
+                                                                formats at one rate, beside nvfp4_aqn - nvfp4)
+    nvfp4_aqn_lr_low  NVFP4 + LoRA + AQN, the bf16 rate        (quantization's share with noise at the bf16 rate:
+                                                                against bf16_aqn; the rate's: against nvfp4_aqn)
+
+With a bf16 policy the AQN callback's noise goes into the bf16 model's RMSNorm weights during the rollout exactly as
+into the NVFP4 model's (every engine perturbs the norms of the policy it samples; ``configs/recipes/bf16.yaml`` keeps
+AQN on too), so each noise contrast differs in that one setting, at one rate.
 
 Seed S sets ``seed_everything``, the AQN noise seed, the rollout's sampling seed, the data shuffle and the training
 questions (the ``seed`` of every training source): arms run with the same S see the same questions in the same order
@@ -32,7 +41,10 @@ cleared first). A run directory made with other arguments is refused, not mixed.
 run that finishes, with the runs complete so far (``complete`` says whether all are).
 
 ``--time-limit SECONDS`` stops the runs still going at that time (the checkpoints stay) and writes the JSON, so a
-long experiment goes through in calls of bounded length: the same command again continues it. Options after ``--``
+long experiment goes through in calls of bounded length: the same command again continues it. ``--archive FILE``
+keeps the finished runs (``run.json`` + ``result.json`` of each, a few kB) in one tar.gz, rewritten with the JSON, and
+restores from it the ones missing under ``--work`` at the start: a call on a fresh machine, with the archive carried
+over, runs only what was not finished (a run stopped mid-way there starts again from step 0). Options after ``--``
 go to every ``train.py`` call (e.g. ``-- --trainer.val_check_interval 10``).
 """
 
@@ -47,6 +59,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -64,6 +77,9 @@ ARMS = {  # name -> (quantization, AQN on, the rate: "high" = the config's, "low
     "nvfp4": ("nvfp4", False, "high"),
     "bf16_lr_high": ("bf16", False, "high"),
     "bf16_lr_low": ("bf16", False, "low"),
+    "bf16_aqn": ("bf16", True, "low"),
+    "bf16_aqn_lr_high": ("bf16", True, "high"),
+    "nvfp4_aqn_lr_low": ("nvfp4", True, "low"),
 }
 DEVICES = {  # --device -> train.py options: fp32 is the faster dtype on a CPU, bf16 on a GPU
     "cuda": ["--trainer.accelerator", "gpu", "--model.policy.dtype", "bfloat16"],
@@ -192,10 +208,21 @@ def heldout_curves(scalars: dict[str, dict[int, float]]) -> dict[str, list]:
 
 
 def base_result(job: Job) -> dict | None:
-    """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run."""
+    """The untrained model's held-out scores ``{"<metric>": value}`` from a finished ``validate`` run, and its verdict
+    on every greedy question (``questions``: question, source, correct, correct_flexible, from the run's
+    ``eval/val_step0.jsonl``), so that the formats' scores can be compared question by question."""
     scalars = merged_scalars(job.version_dir) if job.version_dir.exists() else {}
     values = {t.removeprefix("val/"): points[max(points)] for t, points in scalars.items() if t.startswith("val/")}
-    return {**job.meta, "heldout": values} if values else None
+    if not values:
+        return None
+    records = job.version_dir / "eval" / "val_step0.jsonl"
+    questions = []
+    if records.exists():
+        for line in records.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("mode") == "greedy":
+                questions.append({k: row.get(k) for k in ("question", "source", "correct", "correct_flexible")})
+    return {**job.meta, "heldout": values, "questions": questions}
 
 
 def with_base(result: dict, base: dict | None) -> dict:
@@ -234,12 +261,23 @@ def prepare(job: Job) -> list[str]:
     return list(job.args)
 
 
+def record_attempt(job: Job, seconds: float) -> None:
+    """Add one attempt's wall time to the job's ``run.json`` (the attempts of a resumed run add up)."""
+    record = job.directory / "run.json"
+    data = json.loads(record.read_text())
+    data["attempt_seconds"] = [*data.get("attempt_seconds", []), round(seconds, 1)]
+    record.write_text(json.dumps(data, indent=1))
+
+
 def finish(job: Job, max_steps: int) -> bool:
-    """Write the job's ``result.json`` if it has finished; True if it has."""
+    """Write the job's ``result.json`` if it has finished; True if it has. It holds ``wall_seconds``: the wall time of
+    the job's attempts (while ``--parallel`` runs shared the machine: the experiment's GPU time is about the sum over
+    runs divided by ``--parallel``)."""
     result = run_result(job, max_steps) if job.seed is not None else base_result(job)
     if result is None:
         return False
-    job.result_path.write_text(json.dumps(result))
+    attempts = json.loads((job.directory / "run.json").read_text()).get("attempt_seconds", [])
+    job.result_path.write_text(json.dumps({**result, "wall_seconds": round(sum(attempts), 1)}))
     return True
 
 
@@ -267,6 +305,39 @@ def device_info(device: str) -> dict:
     return info
 
 
+def archive_finished(jobs: list[Job], path: Path) -> int:
+    """Write ``run.json`` and ``result.json`` of every finished job into the tar.gz ``path`` (named ``<job>/...``),
+    through a temporary file renamed into place; returns how many jobs it holds."""
+    finished = [j for j in jobs if j.result_path.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for job in finished:
+            for name in ("run.json", "result.json"):
+                tar.add(job.directory / name, arcname=f"{job.name}/{name}")
+    partial.replace(path)
+    return len(finished)
+
+
+def restore_finished(jobs: list[Job], path: Path) -> list[str]:
+    """Put back, from the archive ``path``, every job finished there and not here, if it ran with the same arguments
+    (another run under that name is left to ``prepare`` to refuse); returns the names restored."""
+    restored = []
+    with tarfile.open(path, "r:gz") as tar:
+        names = set(tar.getnames())
+        for job in jobs:
+            if job.result_path.exists() or f"{job.name}/result.json" not in names:
+                continue
+            record = json.loads(tar.extractfile(f"{job.name}/run.json").read())
+            if record.get("args") != job.args:
+                continue
+            job.directory.mkdir(parents=True, exist_ok=True)
+            (job.directory / "run.json").write_text(json.dumps(record, indent=1))
+            job.result_path.write_bytes(tar.extractfile(f"{job.name}/result.json").read())
+            restored.append(job.name)
+    return restored
+
+
 def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -> dict:
     """The experiment's JSON from the ``result.json`` of every finished job."""
     results = {j.name: json.loads(j.result_path.read_text()) for j in jobs if j.result_path.exists()}
@@ -286,6 +357,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -
         "arms": arms,
         "base": base,
         "steps": max_steps,
+        "parallel": args.parallel,
         "complete": not missing,
         "missing": missing,
         "config": {"path": args.config, "settings": config},
@@ -303,6 +375,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     pending = [j for j in jobs if not j.result_path.exists()]
     running: list[tuple[Job, subprocess.Popen, object]] = []
+    started: dict[str, float] = {}  # job name -> time.monotonic() of its attempt's start
     failed: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
@@ -332,6 +405,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
                 running.append((job, process, log))
+                started[job.name] = time.monotonic()
             time.sleep(args.poll)
             for item in list(running):
                 job, process, log = item
@@ -339,6 +413,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                     continue
                 running.remove(item)
                 log.close()
+                record_attempt(job, time.monotonic() - started[job.name])
                 if process.returncode == 0 and finish(job, max_steps):
                     print(f"done  {job.name}", flush=True)
                     on_finish()
@@ -355,6 +430,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 signal_group(process, signal.SIGKILL)
                 process.wait()
             log.close()
+            record_attempt(job, time.monotonic() - started[job.name])
         for s, handler in previous.items():
             signal.signal(s, handler)
     return failed
@@ -374,7 +450,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Options after -- go to every train.py call.")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--device", choices=list(DEVICES), default="cuda")
     parser.add_argument("--config", default=CONFIG, help="the train.py config every run starts from")
@@ -385,6 +461,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--out", default="docs/results/aqn_seeds.json", help="the experiment's JSON")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds after which running runs are stopped (they resume on the next call)")
+    parser.add_argument("--archive", default=None,
+                        help="tar.gz of the finished runs: restored from at the start, rewritten with the JSON")
     parser.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
     if args.parallel < 1 or (args.steps is not None and args.steps < 1) or len(set(args.seeds)) != len(args.seeds):
@@ -406,7 +484,14 @@ def main(argv: list[str] | None = None) -> dict:
     def write() -> dict:
         data = collect(args, config, jobs, max_steps, started)
         out.write_text(json.dumps(data, indent=1))
+        if args.archive:
+            archive_finished(jobs, Path(args.archive))
         return data
+
+    if args.archive and Path(args.archive).exists():
+        restored = restore_finished(jobs, Path(args.archive))
+        if restored:
+            print(f"restored {len(restored)} finished runs from {args.archive}", flush=True)
 
     todo = [j.name for j in jobs if not j.result_path.exists()]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {args.parallel} at a time, "

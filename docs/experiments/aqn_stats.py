@@ -6,11 +6,16 @@ Per run (one arm, one seed):
   reward level over training (a faster learner has a larger area at the same final value).
 - ``first_reaching``: the first step at which held-out accuracy reaches a fixed level; ``None`` when it never does.
 - ``early_mean``: the mean of the first K steps of a curve (early-training entropy).
+- ``entropy_rise``: the mean of a curve over an early window minus its mean over the steps before it (the noise-free
+  first AQN stage): how much the rollout entropy went up early in the run.
 
 Over seeds (Student t, two-sided):
 - ``mean_interval``: mean and confidence interval of one arm's values.
 - ``paired_difference``: mean and interval of the per-seed differences of two arms run with the same seeds, and
   its p-value (the paired t-test): the seeds are shared, so the difference removes what the seed does to both.
+- ``correlation``: Pearson's r of two per-run values with a Fisher-z interval and the t-test p-value of r = 0;
+  ``within_groups`` first takes each group's (arm's) mean out of both, so that r says whether runs that rose more
+  than their arm's mean also scored more, not whether the arms differ in both (one degree of freedom per group less).
 - ``censored_steps``: steps-to-level with runs that never reach the level counted at the run's length (right
   censored): the mean is then a lower bound, and ``reached`` says how many runs count exactly.
 
@@ -21,7 +26,8 @@ statistics need nothing beyond the standard library; the tests check it against 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from statistics import NormalDist
 from typing import NamedTuple
 
 
@@ -34,6 +40,16 @@ class Interval(NamedTuple):
     n: int
     sd: float  # sample standard deviation (n - 1 in the denominator)
     p_value: float  # two-sided t-test of "the true mean is 0" (nan when n < 2 or sd = 0 with mean 0)
+
+
+class Correlation(NamedTuple):
+    """Pearson's r over ``n`` pairs with a two-sided confidence interval (nan when it cannot be computed)."""
+
+    r: float
+    low: float
+    high: float
+    n: int
+    p_value: float  # two-sided t-test of "the true correlation is 0"
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -158,3 +174,54 @@ def early_mean(values: Sequence[float], k: int) -> float:
         raise ValueError(f"early_mean needs k >= 1 and at least one value, got k={k} and {len(values)} values.")
     head = [float(v) for v in values[:k]]
     return math.fsum(head) / len(head)
+
+
+def entropy_rise(values: Sequence[float], baseline: int, window: int) -> float:
+    """Mean of ``values[baseline:window]`` (the early window after the baseline steps) minus the mean of
+    ``values[:baseline]``."""
+    if not 1 <= baseline < window <= len(values):
+        raise ValueError(f"entropy_rise needs 1 <= baseline < window <= {len(values)} values, got baseline={baseline} "
+                         f"and window={window}.")
+    return early_mean(values[baseline:window], window - baseline) - early_mean(values, baseline)
+
+
+def correlation(x: Sequence[float], y: Sequence[float], controls: int = 0, confidence: float = 0.95) -> Correlation:
+    """Pearson's r of ``x`` and ``y`` with the Fisher-z interval ``tanh(atanh(r) +- z / sqrt(n - 3 - controls))`` and
+    the p-value of ``t = r sqrt(df / (1 - r^2))``, ``df = n - 2 - controls``; ``controls``: variables already taken
+    out of both (see ``within_groups``)."""
+    if len(x) != len(y):
+        raise ValueError(f"a correlation needs one y per x, got {len(x)} and {len(y)}.")
+    n = len(x)
+    nan = Correlation(math.nan, math.nan, math.nan, n, math.nan)
+    if n - 2 - controls < 1:
+        return nan
+    mx, my = math.fsum(x) / n, math.fsum(y) / n
+    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = math.fsum((a - mx) ** 2 for a in x), math.fsum((b - my) ** 2 for b in y)
+    if sxx == 0 or syy == 0:
+        return nan
+    r = max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+    df = n - 2 - controls
+    p_value = 0.0 if abs(r) == 1 else 2.0 * (1.0 - t_cdf(abs(r) * math.sqrt(df / (1.0 - r * r)), df))
+    if n - 3 - controls < 1 or abs(r) == 1:
+        return Correlation(r, math.nan, math.nan, n, p_value)
+    half = NormalDist().inv_cdf(0.5 + confidence / 2.0) / math.sqrt(n - 3 - controls)
+    z = math.atanh(r)
+    return Correlation(r, math.tanh(z - half), math.tanh(z + half), n, p_value)
+
+
+def within_groups(x: Sequence[float], y: Sequence[float], groups: Sequence[Hashable],
+                  confidence: float = 0.95) -> Correlation:
+    """The correlation of ``x`` and ``y`` after each group's mean is subtracted from both (the pooled within-group
+    correlation): one control per group beyond the first."""
+    if not len(x) == len(y) == len(groups):
+        raise ValueError(f"within_groups needs one x, y and group per run, got {len(x)}, {len(y)}, {len(groups)}.")
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    dx, dy = list(map(float, x)), list(map(float, y))
+    for rows in members.values():
+        mx, my = math.fsum(dx[i] for i in rows) / len(rows), math.fsum(dy[i] for i in rows) / len(rows)
+        for i in rows:
+            dx[i], dy[i] = dx[i] - mx, dy[i] - my
+    return correlation(dx, dy, controls=len(members) - 1, confidence=confidence)

@@ -20,6 +20,13 @@ FINAL = {  # arm -> final held-out accuracy of seeds 0, 1, 2
     "nvfp4": [0.45, 0.60, 0.65],
     "bf16_lr_high": [0.40, 0.40, 0.60],  # nvfp4_aqn - this = 0.1 0.2 0.1: interval includes 0
     "bf16_lr_low": [0.25, 0.40, 0.45],  # nvfp4_aqn - this = 0.25 0.2 0.25: excludes 0
+    "bf16_aqn": [0.30, 0.47, 0.49],  # this - bf16_lr_low = 0.05 0.07 0.04: excludes 0 (noise helps without NVFP4)
+    "bf16_aqn_lr_high": [0.40, 0.40, 0.60],  # the same as bf16_lr_high: no effect of the noise at that rate
+    "nvfp4_aqn_lr_low": [0.45, 0.55, 0.60],
+}
+BASE_VERDICTS = {  # format -> per held-out question (correct, correct_flexible); "q4" only in the bf16 run
+    "nvfp4": {"q0": (1, 1), "q1": (0, 0), "q2": (0, 0), "q3": (0, 0)},
+    "bf16": {"q0": (0, 1), "q1": (1, 1), "q2": (0, 0), "q3": (0, 1), "q4": (1, 1)},
 }
 
 
@@ -28,6 +35,7 @@ def make_seed(arm: str, seed: int) -> dict:
     slope = final / 10
     return {
         "seed": seed,
+        "wall_seconds": 100.0 + seed,
         "steps": STEPS,
         "reward": [0.1 + slope * s + 0.01 * seed for s in STEPS],
         "rollout_entropy": [2.0 + (0.3 if arm.startswith("nvfp4") else 0.0) - 0.05 * s + 0.01 * seed for s in STEPS],
@@ -41,7 +49,13 @@ def make_data() -> dict:
     return {
         "arms": {arm: {"quantization": arm.split("_")[0], "aqn": arm == "nvfp4_aqn", "lr": 2e-4,
                        "seeds": [make_seed(arm, s) for s in range(3)]} for arm in FINAL},
+        "base": {q: {"quantization": q, "heldout": {"expressions_acc_flexible": sum(f for _, f in v.values()) / len(v),
+                                                     "expressions_acc": sum(c for c, _ in v.values()) / len(v)},
+                     "questions": [{"question": k, "source": "expressions", "correct": bool(c),
+                                    "correct_flexible": bool(f)} for k, (c, f) in v.items()], "wall_seconds": 20.0}
+                 for q, v in BASE_VERDICTS.items()},
         "steps": 10,
+        "parallel": 4,
         "complete": True,
         "missing": [],
         "config": {"path": "configs/experiments/aqn_arithmetic.yaml", "settings": {"aqn": {"num_stages": 10}}},
@@ -80,8 +94,9 @@ def test_the_finding_comes_first_and_says_what_the_intervals_say():
     data = make_data()
     summary = report.summarize(data, level=0.3, early_steps=3)
     page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
-    first = page.split("\n\n")[1]
-    assert first.startswith("**Finding (seeds per arm: 3; 10 steps; 95% Student-t intervals")
+    assert page.split("\n\n")[1].startswith("**Finding (seeds per arm: 3; 10 steps; 95% Student-t intervals")
+    first = page.split("\n\n")[2]  # issue 22's question, after issue 40's answers
+    assert first.startswith("**NVFP4 + AQN against bf16 LoRA (seeds per arm: 3):** Does NVFP4 + AQN learn faster")
     # against bf16 at the NVFP4 rate the accuracy interval includes 0; at the bf16 rate it excludes it
     assert "? Against bf16 LoRA, NVFP4 rate it was on final held-out accuracy no different" in first
     assert "against bf16 LoRA, bf16 rate it was on final held-out accuracy better (+0.233" in first
@@ -103,7 +118,7 @@ def test_no_difference_reads_as_no_evidence():
             seed["heldout"]["expressions_acc_flexible"][-1] = FINAL["nvfp4_aqn"][seed["seed"]] + shift
             seed["reward"] = [r + shift for r in make_seed("nvfp4_aqn", seed["seed"])["reward"]]
     summary = report.summarize(data, level=0.3, early_steps=3)
-    assert "there is no evidence that it learns faster or slower" in report.finding(summary)
+    assert "there is no evidence that it learns faster or slower" in report.reference_finding(summary)
 
 
 def test_defaults_for_level_and_early_window():
@@ -137,7 +152,7 @@ def test_main_writes_the_page_without_a_plotting_library(tmp_path, monkeypatch):
     report.main([str(path), "--page", str(tmp_path / "learning.md"), "--plots", str(tmp_path / "aqn"),
                  "--level", "0.3"])
     page = (tmp_path / "learning.md").read_text()
-    assert page.startswith("# Does NVFP4 (+ AQN) learn faster") and "![" not in page
+    assert page.startswith("# Is it the noise or the quantization?") and "![" not in page
 
 
 def test_plot_draws_every_arm(tmp_path):
@@ -151,4 +166,97 @@ def test_one_seed_is_no_answer():
     for arm in data["arms"].values():
         arm["seeds"] = arm["seeds"][:1]
     summary = report.summarize(data, level=0.3, early_steps=3)
-    assert "Not answered: a paired interval needs at least 2 seeds run in both arms (here: 1)" in report.finding(summary)
+    assert "Not answered: a paired interval needs at least 2 seeds run in both arms (here: 1)" in \
+        report.reference_finding(summary)
+    first = report.finding(summary)
+    assert "(a) Does noise help without quantization? Not answered" in first
+    assert "(c) Does the early entropy rise predict the later reward? Per run (7 runs" in first
+    assert "not computable from 7 runs" in first  # within arms of one run each: nothing left to correlate
+
+
+def test_first_paragraph_answers_noise_without_quantization_and_the_quantizations_share():
+    data = make_data()
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    noise = summary["contrasts"][("bf16_aqn", "bf16_lr_low")]["final_accuracy"]
+    # 0.05 0.07 0.04: mean 0.05333, sd sqrt(((1/300)^2 + (5/300)^2 + (4/300)^2) / 2), half t(0.975, 2) sd / sqrt(3)
+    sd = math.sqrt(((1 / 300) ** 2 + (5 / 300) ** 2 + (4 / 300) ** 2) / 2)
+    assert noise.mean == pytest.approx(0.16 / 3) and noise.sd == pytest.approx(sd)
+    assert noise.low == pytest.approx(0.16 / 3 - 4.302652729749464 * sd / math.sqrt(3), rel=1e-9) and noise.low > 0
+    first = report.finding(summary)
+    assert first.startswith("**Finding (seeds per arm: 3; 10 steps;")
+    assert ("(a) Does noise help without quantization? bf16 + AQN, bf16 rate minus bf16 LoRA, bf16 rate: final "
+            "held-out accuracy better (+0.053") in first
+    assert "bf16 + AQN, NVFP4 rate minus bf16 LoRA, NVFP4 rate: final held-out accuracy no different" in first
+    assert "so without quantization the noise helped." in first
+    # (b) per question: nvfp4 minus bf16 on q0..q3 (q4 only in bf16) flexible 1-1, 0-1, 0-0, 0-1: mean -0.5,
+    # sd sqrt(1/3), half t(0.975, 3) sqrt(1/3) / 2
+    base = summary["base"]
+    assert base["scores"] == {"nvfp4": 0.25, "bf16": 0.8}
+    d = base["difference"]
+    assert (d.n, d.mean) == (4, pytest.approx(-0.5))
+    assert d.high == pytest.approx(-0.5 + 3.182446305284263 * math.sqrt(1 / 3) / 2, rel=1e-9)
+    assert "Before training the model scored 0.250 in NVFP4 and 0.800 in bf16 on `expressions_acc_flexible` " \
+           "(-0.500 [-1.419, 0.419] paired over 4 held-out questions)." in first
+    # nvfp4 - bf16_lr_high = 0.05 0.2 0.05 (0.1); nvfp4_aqn - bf16_lr_high = 0.1 0.2 0.1; nvfp4_aqn - nvfp4 = 0.05 0 0.05
+    assert "NVFP4 minus bf16 was no different within the 95% interval (+0.100" in first
+    assert "of NVFP4 + AQN's whole gap to that bf16 arm (+0.133), +0.100 is the quantization and +0.033 the noise" \
+           in first
+    assert "At the bf16 rate with noise in both, NVFP4 minus bf16 was" in first
+    strict = report.summarize(data, metric="expressions_acc", level=0.3, early_steps=3)["base"]["difference"]
+    assert strict.mean == pytest.approx((1 - 0 + 0 - 1 + 0 - 0 + 0 - 0) / 4)  # the strict verdicts: 1-0, 0-1, 0-0, 0-0
+
+
+def test_the_early_entropy_rise_against_the_later_reward_per_run():
+    data = make_data()
+    rng = np.random.default_rng(1)
+    rises, finals, arms = [], [], []
+    for arm, entry in data["arms"].items():
+        for seed in entry["seeds"]:
+            rise = float(rng.normal())
+            # step 1 (the noise-free first stage: 10 steps / 10 stages) at 2.0, steps 2-3 (the window: 3 steps) at 2 + rise
+            seed["rollout_entropy"] = [2.0, 2.0 + rise, 2.0 + rise] + [1.0] * 7
+            rises.append(rise)
+            finals.append(seed["heldout"]["expressions_acc_flexible"][-1])
+            arms.append(arm)
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    assert summary["rise"] == (1, 3)
+    per_run = [s["entropy_rise"] for entry in summary["arms"].values() for s in entry["per_seed"]]
+    assert per_run == pytest.approx(rises, rel=1e-12)
+    pooled = summary["correlations"]["final_accuracy"]["pooled"]
+    assert pooled.r == pytest.approx(np.corrcoef(rises, finals)[0, 1], rel=1e-10) and pooled.n == 21
+    x, y = np.array(rises), np.array(finals)
+    for arm in set(arms):  # within arms: each arm's mean out of both, then the correlation of what is left
+        rows = [i for i, a in enumerate(arms) if a == arm]
+        x[rows] -= x[rows].mean()
+        y[rows] -= y[rows].mean()
+    within = summary["correlations"]["final_accuracy"]["within"]
+    assert within.r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-10)
+    assert within.high - within.low > pooled.high - pooled.low  # 6 fewer degrees of freedom: a wider interval
+    late = [np.mean(s["reward"][-3:]) for entry in data["arms"].values() for s in entry["seeds"]]
+    assert [s["late_reward"] for e in summary["arms"].values() for s in e["per_seed"]] == pytest.approx(late)
+    first = report.finding(summary)
+    assert f"with final held-out accuracy r = {pooled.r:+.2f} [{pooled.low:+.2f}, {pooled.high:+.2f}]" in first
+    page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
+    assert "## Early entropy rise and later reward, per run" in page and "| late train reward |" in page
+
+
+def test_the_page_has_the_contrasts_the_base_per_format_the_time_and_the_plan():
+    data = make_data()
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
+    assert "| BF16 + AQN" not in page and "| bf16 + AQN, bf16 rate - bf16 LoRA, bf16 rate | noise without " \
+           "quantization, bf16 rate | 3 |" in page
+    assert "| NVFP4 + AQN, bf16 rate - bf16 + AQN, bf16 rate | quantization with noise, bf16 rate | 3 |" in page
+    assert "| nvfp4 | 0.250 |" in page and "| bf16 | 0.800 |" in page
+    assert "| nvfp4 - bf16, paired over 4 questions | -0.500 [-1.419, 0.419]" in page
+    # 21 runs at 100 + seed s and two base runs at 20 s: (7 * 303 + 40) / 60 = 36.02 min; with 4 at a time: 9.0 min
+    assert "Time: 23 runs took 36.0 minutes of run time in all (102 s the longest); with 4 at a time that is about " \
+           "9.0 minutes of machine time." in page
+    assert "## What would change the recipes' defaults" in page and "AQN goes off by default for small models" in page
+
+
+def test_scatter_draws_every_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = report.summarize(make_data(), level=0.3, early_steps=3)
+    png = report.scatter(summary, tmp_path / "aqn")
+    assert png.name == "aqn_entropy_rise.png" and png.stat().st_size > 10_000

@@ -69,8 +69,10 @@ def arguments(work: Path, out: Path, config: Path, model: Path, *extra: str) -> 
 
 @pytest.mark.slow
 def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_path, capsys):
-    work, out = tmp_path / "work", tmp_path / "aqn.json"
+    work, out, archive = tmp_path / "work", tmp_path / "aqn.json", tmp_path / "out" / "runs.tar.gz"
     args = arguments(work, out, small_config, tiny_model_dirs["qwen2"])
+    args.insert(args.index("--"), "--archive")
+    args.insert(args.index("--"), str(archive))
     data = seeds_script.main(args)
 
     # The JSON: arms -> seeds -> per-seed curves, plus config, command, device.
@@ -87,6 +89,10 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     assert len(seed["heldout"]["expressions_acc_flexible"]) == 4
     assert seed["final_heldout_expressions_acc"] == seed["heldout"]["expressions_acc"][-1]
     assert seed["heldout"]["expressions_acc"][0] == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
+    questions = data["base"]["nvfp4"]["questions"]  # the untrained verdict per held-out question (greedy)
+    assert len(questions) == 4 and {q["source"] for q in questions} == {"expressions"}
+    assert sum(q["correct"] for q in questions) / 4 == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
+    assert seed["wall_seconds"] > 0 and data["base"]["nvfp4"]["wall_seconds"] > 0 and data["parallel"] == 1
     train_args = data["train_args"]["nvfp4_aqn/seed_0"]
     for option, value in [("--seed_everything", "0"), ("--aqn.seed", "0"), ("--aqn.enabled", "true"),
                           ("--model.policy.quantization", "nvfp4"), ("--trainer.max_steps", str(STEPS))]:
@@ -100,9 +106,20 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     capsys.readouterr()
     again = seeds_script.main(args)
     printed = capsys.readouterr().out
-    assert "2 of 2 runs done; running 0" in printed and "start" not in printed
+    assert "2 of 2 runs done; running 0" in printed and "start" not in printed and "restored" not in printed
     assert (run_dir / "result.json").stat().st_mtime_ns == stamp
     assert again["arms"] == data["arms"]
+
+    # On a fresh machine (no work directory) the archive carried over puts the finished runs back: nothing runs.
+    work.rename(tmp_path / "work_elsewhere")
+    capsys.readouterr()
+    fresh = seeds_script.main(args)
+    printed = capsys.readouterr().out
+    assert "restored 2 finished runs" in printed and "2 of 2 runs done; running 0" in printed and "start" not in printed
+    assert fresh["arms"] == data["arms"] and fresh["base"] == data["base"]
+    shutil.rmtree(work)
+    (tmp_path / "work_elsewhere").rename(work)
+    args = arguments(work, out, small_config, tiny_model_dirs["qwen2"])  # without the archive from here on
 
     # A run stopped after step 1: its last checkpoint is step 1's, its events go further, it has no result yet.
     checkpoints = run_dir / "version_0" / "checkpoints"
@@ -122,3 +139,53 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     for key in ("reward", "rollout_entropy", "train_entropy", "learning_rate"):
         assert again_seed[key] == pytest.approx(seed[key], rel=1e-5), key  # steps 2-3 again, the later values win
     assert again_seed["heldout"] == seed["heldout"]
+
+
+def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
+    """Issue 40's arms: bf16 + AQN at the bf16 rate (against bf16_lr_low) and at the NVFP4 rate (against bf16_lr_high),
+    NVFP4 + AQN at the bf16 rate (against bf16_aqn and nvfp4_aqn); 5 seeds by default, base scores first."""
+    args = seeds_script.parse_args(["--device", "cpu", "--work", str(tmp_path)])
+    assert args.seeds == [0, 1, 2, 3, 4] and set(args.arms) == set(seeds_script.ARMS)
+    jobs = seeds_script.plan(args, yaml.safe_load(CONFIG.read_text()))
+    assert [j.name for j in jobs[:2]] == ["base_bf16", "base_nvfp4"] and len(jobs) == 2 + 5 * 7
+
+    def settings(name: str) -> tuple[str, str, float]:
+        a = next(j for j in jobs if j.name == name).args
+        return a[a.index("--model.policy.quantization") + 1], a[a.index("--aqn.enabled") + 1], \
+            float(a[a.index("--model.lr") + 1])
+
+    high, low = 2e-4, 2e-4 * seeds_script.bf16_lr_ratio()
+    expected = {"bf16_aqn": ("bf16", "true", low), "bf16_lr_low": ("bf16", "false", low),
+                "bf16_aqn_lr_high": ("bf16", "true", high), "bf16_lr_high": ("bf16", "false", high),
+                "nvfp4_aqn_lr_low": ("nvfp4", "true", low), "nvfp4_aqn": ("nvfp4", "true", high),
+                "nvfp4": ("nvfp4", "false", high)}
+    for arm, (quantization, aqn, lr) in expected.items():
+        got = settings(f"{arm}/seed_3")
+        assert got[:2] == (quantization, aqn) and got[2] == pytest.approx(lr), arm
+
+
+def test_the_archive_restores_finished_runs_made_with_the_same_arguments(tmp_path):
+    config = yaml.safe_load(CONFIG.read_text())
+
+    def jobs_for(*extra: str):
+        return seeds_script.plan(seeds_script.parse_args(["--device", "cpu", "--arms", "bf16_aqn", "--seeds", "0", "1",
+                                                          "--work", str(tmp_path / "work"), *extra]), config)
+
+    jobs = jobs_for()
+    for job in jobs[:2]:  # base_bf16 and bf16_aqn/seed_0 finished, seed 1 not
+        job.directory.mkdir(parents=True)
+        (job.directory / "run.json").write_text(json.dumps({"args": job.args, "attempt_seconds": [3.0]}))
+        job.result_path.write_text(json.dumps({"seed": job.seed, "wall_seconds": 3.0}))
+    written = {job.name: job.result_path.read_text() for job in jobs[:2]}
+    archive = tmp_path / "out" / "runs.tar.gz"
+    assert seeds_script.archive_finished(jobs, archive) == 2
+
+    shutil.rmtree(tmp_path / "work")  # a fresh machine: the same command, no work directory
+    assert seeds_script.restore_finished(jobs, archive) == ["base_bf16", "bf16_aqn/seed_0"]
+    assert {job.name: job.result_path.read_text() for job in jobs[:2]} == written
+    assert not jobs[2].result_path.exists()
+    assert seeds_script.restore_finished(jobs, archive) == []  # already here: nothing to put back
+
+    shutil.rmtree(tmp_path / "work")
+    other = jobs_for("--steps", "7")  # the training run's arguments differ, the base score's do not
+    assert seeds_script.restore_finished(other, archive) == ["base_bf16"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from .conftest import load_script
@@ -91,3 +92,59 @@ def test_early_mean():
     assert stats.early_mean([1.0, 2.0], 5) == 1.5
     with pytest.raises(ValueError, match="k >= 1"):
         stats.early_mean([1.0], 0)
+
+
+def test_entropy_rise_is_the_window_mean_minus_the_baseline_mean():
+    assert stats.entropy_rise([2.0, 2.0, 3.0, 5.0, 1.0], baseline=2, window=4) == pytest.approx(4.0 - 2.0)
+    assert stats.entropy_rise([1.0, 0.5], baseline=1, window=2) == pytest.approx(-0.5)
+    for baseline, window in ((0, 2), (2, 2), (1, 6)):
+        with pytest.raises(ValueError, match="baseline < window"):
+            stats.entropy_rise([1.0] * 5, baseline, window)
+
+
+def t3_two_sided_p(t: float) -> float:
+    """The df = 3 closed form of the t distribution (as in the test above), two-sided."""
+    u = abs(t) / math.sqrt(3)
+    return 2 * (0.5 - (u / (1 + u * u) + math.atan(u)) / math.pi)
+
+
+def test_correlation_by_hand_with_its_fisher_interval_and_p_value():
+    # dx = -2 -1 0 1 2, dy = -1 -2 1 0 2: sxy = 8, sxx = syy = 10, r = 0.8; df = 3, t = 0.8 sqrt(3 / 0.36)
+    c = stats.correlation([1, 2, 3, 4, 5], [2, 1, 4, 3, 5])
+    assert c.r == pytest.approx(0.8, abs=1e-15) and c.n == 5
+    assert c.p_value == pytest.approx(t3_two_sided_p(0.8 * math.sqrt(3 / 0.36)), rel=1e-9)
+    assert c.p_value == pytest.approx(0.10409, abs=1e-5)
+    half = 1.959963984540054 / math.sqrt(5 - 3)  # z(0.975) / sqrt(n - 3)
+    assert (c.low, c.high) == (pytest.approx(math.tanh(math.atanh(0.8) - half), rel=1e-12),
+                               pytest.approx(math.tanh(math.atanh(0.8) + half), rel=1e-12))
+    assert c.low == pytest.approx(-0.27964, abs=1e-5) and c.high == pytest.approx(0.98620, abs=1e-5)
+    assert stats.correlation([1, 2, 3, 4, 5], [-2, -1, -4, -3, -5]).r == pytest.approx(-0.8, abs=1e-15)
+
+
+def test_correlation_matches_numpy_and_degenerate_cases_are_nan():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=30)
+    y = 0.5 * x + rng.normal(size=30)
+    assert stats.correlation(x.tolist(), y.tolist()).r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+    assert math.isnan(stats.correlation([1.0, 2.0], [3.0, 1.0]).r)  # n = 2: no degree of freedom left
+    assert math.isnan(stats.correlation([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]).r)  # no spread in x
+    three = stats.correlation([1.0, 2.0, 3.0], [1.0, 3.0, 2.0])  # r = 0.5 with df 1: a p-value, no Fisher interval
+    assert three.r == pytest.approx(0.5) and math.isnan(three.low) and 0 < three.p_value < 1
+    with pytest.raises(ValueError, match="one y per x"):
+        stats.correlation([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_within_groups_takes_each_arms_mean_out_first():
+    # Two arms far apart (the second higher in x, lower in y): across arms r is strongly negative; inside each arm
+    # dx = -1 0 1, dy = -1 1 0, so the pooled within-arm r = 2 / 4 = 0.5 with one control (df = 6 - 2 - 1 = 3)
+    x = [1.0, 2.0, 3.0, 11.0, 12.0, 13.0]
+    y = [1.0, 3.0, 2.0, -10.0, -8.0, -9.0]
+    groups = ["a", "a", "a", "b", "b", "b"]
+    assert stats.correlation(x, y).r == pytest.approx(np.corrcoef(x, y)[0, 1]) and stats.correlation(x, y).r < -0.9
+    c = stats.within_groups(x, y, groups)
+    assert c.r == pytest.approx(0.5, abs=1e-15) and c.n == 6
+    assert c.p_value == pytest.approx(t3_two_sided_p(0.5 * math.sqrt(3 / 0.75)), rel=1e-9)
+    half = 1.959963984540054 / math.sqrt(6 - 3 - 1)
+    assert c.low == pytest.approx(math.tanh(math.atanh(0.5) - half), rel=1e-12)
+    with pytest.raises(ValueError, match="one x, y and group"):
+        stats.within_groups(x, y, groups[:5])

@@ -4,6 +4,8 @@ rollout and off during the loss."""
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -280,3 +282,39 @@ def test_qwen3_per_head_qk_norms_take_no_noise(tiny_model_dirs):
         changed = {n for n, m in norms.items() if not torch.equal(m.weight, clean[n])}
     assert changed == set(norms) - qk
     assert all(torch.equal(m.weight, clean[n]) for n, m in norms.items())
+
+
+def test_a_bf16_policy_takes_the_scheduled_noise_through_train_py(tiny_model_dirs, tmp_path, monkeypatch):
+    """AQN is sampling noise for any policy: ``train.py fit`` with ``quantization: bf16`` (the AQN experiment's
+    bf16_aqn arm, with its CUDA-graph engine) writes the scheduled noise into the bf16 policy's RMSNorms for the
+    rollout, and the training forward sees them clean."""
+    import qerl.rollout.cuda_graph as cuda_graph
+    from qerl.cli import cli_main
+    from qerl.nvfp4.linear import NVFP4Linear
+
+    seen = []  # per rollout: (std asked for, the norms' realized change inside the block, clean again after)
+    real = cuda_graph.noisy_norms
+
+    @contextmanager
+    def recording(model, std, generator=None):
+        norms = rms_norms(model)
+        clean = [m.weight.detach().clone() for m in norms]
+        with real(model, std, generator) as noises:
+            change = torch.cat([(m.weight.detach() - c).flatten() for m, c in zip(norms, clean)])
+            yield noises
+        seen.append((std, len(norms), change, all(torch.equal(m.weight, c) for m, c in zip(norms, clean))))
+
+    monkeypatch.setattr(cuda_graph, "noisy_norms", recording)
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main([
+        "fit", "--config", str(Path(__file__).resolve().parents[2] / "configs" / "debug.yaml"),
+        "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.policy.quantization", "bf16",
+        "--model.rollout", "qerl.rollout.cuda_graph.CUDAGraphRollout", "--aqn.enabled", "true",
+        "--aqn.sigma_start", "0.05", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+    ])
+    assert not any(isinstance(m, NVFP4Linear) for m in cli.model.policy.modules())  # a bf16 policy
+    (std0, _, change0, clean0), (std1, count, change1, clean1) = seen  # K = 2: step 0 noise-free, step 1 sigma_start
+    assert std0 == 0.0 and change0.abs().max() == 0 and clean0
+    assert std1 == pytest.approx(0.05) and count == 10  # 2 layers x 2 norms + the final norm, peft's two copies each
+    assert (change1 != 0).all() and change1.std().item() == pytest.approx(0.05, rel=0.25)
+    assert clean1  # restored bitwise after the rollout: the loss sees the clean norms
