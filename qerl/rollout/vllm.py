@@ -246,7 +246,9 @@ class VLLMRollout(RolloutEngine):
         return self._to_rollout(outputs, prompt_ids, group_size, pad_id, eos_ids, device)
 
     def sleeping_bytes(self) -> int:
-        return self._sleeping_bytes
+        # only an engine core in this process allocates its pool through this process's PyTorch counters (a user's
+        # VLLM_ENABLE_V1_MULTIPROCESSING=1 moves it to a process of its own)
+        return self._sleeping_bytes if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else 0
 
     def _sampling_params(self, group_size: int, eos_ids: list[int], **overrides):
         """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples (``overrides``: other values, e.g. a
