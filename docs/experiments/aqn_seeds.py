@@ -358,6 +358,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -
         "base": base,
         "steps": max_steps,
         "parallel": args.parallel,
+        "gpus": args.gpus,
         "complete": not missing,
         "missing": missing,
         "config": {"path": args.config, "settings": config},
@@ -375,6 +376,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     pending = [j for j in jobs if not j.result_path.exists()]
     running: list[tuple[Job, subprocess.Popen, object]] = []
+    gpu_of: dict[str, int] = {}  # job name -> the GPU its run was given (--gpus > 1)
     started: dict[str, float] = {}  # job name -> time.monotonic() of its attempt's start
     failed: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
@@ -401,8 +403,13 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} train.py {' '.join(attempt)}\n")
                 log.flush()
                 command = [sys.executable, "train.py", *attempt, "--threads", str(args.threads)]
+                run_env = env
+                if args.gpus > 1:  # each run on the GPU running the fewest
+                    load = [sum(gpu_of[j.name] == g for j, _, _ in running) for g in range(args.gpus)]
+                    gpu_of[job.name] = load.index(min(load))
+                    run_env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu_of[job.name])}
                 print(f"start {job.name}" + (" (resuming)" if "--ckpt_path" in attempt else ""), flush=True)
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                process = subprocess.Popen(command, cwd=ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
                 running.append((job, process, log))
                 started[job.name] = time.monotonic()
@@ -455,6 +462,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--device", choices=list(DEVICES), default="cuda")
     parser.add_argument("--config", default=CONFIG, help="the train.py config every run starts from")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (each its own process)")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs the parallel runs are spread over (CUDA devices 0..N-1)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads per run (default: the machine's cores over --parallel)")
     parser.add_argument("--work", default="runs/aqn_seeds", help="where the runs live (resumed from there)")
@@ -465,8 +474,9 @@ def parse_args(argv: list[str] | None):
                         help="tar.gz of the finished runs: restored from at the start, rewritten with the JSON")
     parser.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
-    if args.parallel < 1 or (args.steps is not None and args.steps < 1) or len(set(args.seeds)) != len(args.seeds):
-        parser.error("--parallel and --steps must be >= 1, and --seeds distinct")
+    if (args.parallel < 1 or args.gpus < 1 or (args.steps is not None and args.steps < 1)
+            or len(set(args.seeds)) != len(args.seeds)):
+        parser.error("--parallel, --gpus and --steps must be >= 1, and --seeds distinct")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
     args.passthrough, args.argv = passthrough, argv
     return args
