@@ -24,6 +24,7 @@ import math
 import os
 import shlex
 import sys
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -276,12 +277,15 @@ def finding(summary: dict) -> str:
     noise = [p for p in (("bf16_aqn", "bf16_lr_low"), ("bf16_aqn_lr_high", "bf16_lr_high")) if testable(p)]
     if noise:
         text = "; ".join(compared(p, measures + ("early_rollout_entropy",)) for p in noise)
-        signs = {(k, contrasts[p][k].low > 0) for p in noise for k in measures
-                 if contrasts[p][k].low > 0 or contrasts[p][k].high < 0}
-        so = ("so without quantization the noise helped" if signs == {(k, True) for k, _ in signs} else
-              "so without quantization the noise hurt" if signs == {(k, False) for k, _ in signs} else
-              "so without quantization the noise helped on some measures and hurt on others") if signs else \
-            "so without quantization these seeds show no effect of the noise on learning"
+        significant = [(p, k) for p in noise for k in measures
+                       if contrasts[p][k].low > 0 or contrasts[p][k].high < 0]
+        ups = {contrasts[p][k].low > 0 for p, k in significant}
+        where = "; ".join(" and ".join(STATISTICS[k][0] for q, k in significant if q == p)
+                          + f" at the {CONTRASTS[p].rsplit(', ', 1)[-1]}" for p in noise if (p, measures[0]) in
+                          significant or (p, measures[1]) in significant)
+        effect = "helped" if ups == {True} else "hurt" if ups == {False} else "helped and hurt"
+        so = ("so without quantization these seeds show no effect of the noise on learning" if not significant else
+              f"so without quantization the noise {effect} on {where}, and on no other measure of learning")
         parts.append(f"(a) Does noise help without quantization? {text}; {so}.")  # (labels keep their case)
     else:
         parts.append("(a) Does noise help without quantization? Not answered: the data hold no bf16 + AQN arm with "
@@ -332,6 +336,8 @@ def finding(summary: dict) -> str:
                  f"rollout entropy over {span(baseline + 1, window)} minus {span(1, baseline)}, the noise-free "
                  f"first AQN stage; late reward = mean train reward over the last {summary['early_steps']} steps): "
                  + "; ".join(lines) + f"; {so}.")
+    if outlier_sentence(summary):
+        parts.append(outlier_sentence(summary))
     return " ".join(parts)
 
 
@@ -378,6 +384,56 @@ def reference_finding(summary: dict) -> str:
                      f"{verdict(d['early_rollout_entropy'], None)}, final held-out accuracy "
                      f"{verdict(d['final_accuracy'], 'higher')}.")
     return " ".join(parts)
+
+
+OUTLIER = 0.25  # a run this far from its arm's median final held-out accuracy is named in the finding
+
+
+def outliers(summary: dict) -> list[tuple[str, dict, float]]:
+    """(arm, run, the arm's median) for each run whose final held-out accuracy lies more than ``OUTLIER`` from its
+    arm's median: a few such runs decide an arm's mean and widen every interval they enter."""
+    found = []
+    for arm, entry in summary["arms"].items():
+        values = sorted(s["final_accuracy"] for s in entry["per_seed"])
+        if len(values) < 3:
+            continue
+        median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+        found += [(arm, s, median) for s in entry["per_seed"] if abs(s["final_accuracy"] - median) > OUTLIER]
+    return found
+
+
+def outlier_sentence(summary: dict) -> str:
+    found = outliers(summary)
+    if not found:
+        return ""
+    runs = ", ".join(f"{label(arm)} seed {s['seed']} ({s['final_accuracy']:.3f}; its arm's median {median:.3f})"
+                     for arm, s, median in found)
+    # (the per-run table puts the strict twin beside each value: whether such a run states its answers)
+    return (f"Runs far from their arm (final held-out accuracy more than {OUTLIER:.2f} from the arm's median): "
+            f"{runs}. They decide their arm's mean and widen every interval they enter; the per-run table shows "
+            "them.")
+
+
+def run_table(data: dict, summary: dict) -> str:
+    """Final held-out accuracy of every run, per arm and seed (with the strict twin of a flexible metric)."""
+    metric = summary["metric"]
+    strict = metric.removesuffix("_flexible") if metric.endswith("_flexible") else None
+    seeds = sorted({s["seed"] for entry in data["arms"].values() for s in entry["seeds"]})
+    lines = ["| arm | " + " | ".join(f"seed {seed}" for seed in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for arm, entry in data["arms"].items():
+        by_seed = {s["seed"]: s["heldout"] for s in entry["seeds"]}
+        cells = []
+        for seed in seeds:
+            heldout = by_seed.get(seed)
+            if heldout is None:
+                cells.append("missing")
+                continue
+            cell = f"{heldout[metric][-1]:.3f}"
+            if strict and strict in heldout:
+                cell += f" ({heldout[strict][-1]:.3f})"
+            cells.append(cell)
+        lines.append(f"| {label(arm)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _capitalized(text: str) -> str:
@@ -473,17 +529,54 @@ PLAN = [  # what the answers decide (issue 40); fixed text, true whatever the nu
 ]
 
 
+def decision(summary: dict) -> str:
+    """What ``PLAN``'s rule makes of these numbers."""
+    contrasts = summary["contrasts"]
+    pairs = {"bf16": ("bf16_aqn", "bf16_lr_low"), "NVFP4": ("nvfp4_aqn", "nvfp4")}
+    found = {k: contrasts[p]["final_accuracy"] for k, p in pairs.items()
+             if p in contrasts and contrasts[p]["final_accuracy"].n >= 2}
+    if len(found) < 2:
+        return "Decision: not yet (the rule needs both noise contrasts with at least 2 seeds)."
+    below = [k for k, d in found.items() if d.high < 0]
+    above = [k for k, d in found.items() if d.low > 0]
+    text = "AQN minus no AQN at one rate, final held-out accuracy: " + ", ".join(
+        f"{k} {fmt(d, '{:+.3f}')}" for k, d in found.items())
+    if len(below) == 2:
+        return f"Decision from these numbers ({text}): AQN goes off by default for small models."
+    if above:
+        return f"Decision from these numbers ({text}): AQN stays on; the README cites the interval."
+    if below:
+        return (f"Decision from these numbers ({text}): the "
+                f"defaults stay, since only the {below[0]} contrast lies below 0; the README says where it introduces "
+                "AQN that it hurt here.")
+    return f"Decision from these numbers ({text}): the defaults stay; the noise made no difference these seeds can see."
+
+
 def gpu_time(data: dict) -> list[str]:
-    """The runs' wall time (from each run's ``wall_seconds``) and what it comes to on the GPU with ``--parallel``."""
+    """The runs' wall time (from each run's ``wall_seconds``) and the machine time of the calls that ran them (from
+    ``calls``: start to last write of each; a JSON without them: the run time over ``--parallel``)."""
     seconds = [s.get("wall_seconds") for a in data["arms"].values() for s in a["seeds"]]
     seconds += [b.get("wall_seconds") for b in (data.get("base") or {}).values() if b]
     seconds = [x for x in seconds if x is not None]
     if not seconds:
         return []
-    parallel = int(data.get("parallel") or 1)
-    return [f"Time: {len(seconds)} runs took {sum(seconds) / 60:.1f} minutes of run time in all ({max(seconds):.0f} s "
-            f"the longest); with {parallel} at a time that is about {sum(seconds) / parallel / 60:.1f} minutes of "
-            "machine time.", ""]
+    text = (f"Time: {len(seconds)} runs took {sum(seconds) / 60:.1f} minutes of run time in all "
+            f"({max(seconds):.0f} s the longest)")
+    calls = data.get("calls") or []
+    if calls:
+        spans = [call_seconds(c) for c in calls]
+        text += (f"; {len(calls)} calls of the command ran them in {sum(spans) / 60:.1f} minutes of machine time ("
+                 + ", ".join(f"{t / 60:.1f} min with {c['parallel']} at a time" for c, t in zip(calls, spans))
+                 + "), not counting each machine's start.")
+    else:
+        parallel = int(data.get("parallel") or 1)
+        text += f"; with {parallel} at a time that is about {sum(seconds) / parallel / 60:.1f} minutes of machine time."
+    return [text, ""]
+
+
+def call_seconds(call: dict) -> float:
+    start, end = (datetime.strptime(call[k], "%Y-%m-%dT%H:%M:%SZ") for k in ("started", "written"))
+    return (end - start).total_seconds()
 
 
 def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> str:
@@ -514,6 +607,12 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
         "",
         arm_table(summary),
         "",
+        f"## Final `{metric}` per run"
+        + (f" (`{metric.removesuffix('_flexible')}`, the stated answer only, in parentheses)"
+           if metric.endswith("_flexible") else ""),
+        "",
+        run_table(data, summary),
+        "",
         "## The untrained model per format (step 0 of every curve; greedy, so one value per format)",
         "",
         base_table(summary),
@@ -535,13 +634,19 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
     lines += [
         "## Reproduce",
         "",
-        f"    {data['command']}",
+        f"    {(data.get('calls') or [data])[0]['command']}",
         f"    {report_command}",
+        "",
+        *(["The first line again (same arguments) until it prints `complete`: a call resumes the stopped runs and "
+           "skips the finished ones (`--archive` carries them to a fresh machine)."]
+          if len(data.get("calls") or []) > 1 else []),
         "",
         "Every run's `train.py` arguments are in the JSON (`train_args`); the JSON holds every curve per seed.",
         "",
         *gpu_time(data),
         *PLAN,
+        "",
+        decision(summary),
         "",
         "## What would change the answer",
         "",

@@ -187,7 +187,8 @@ def test_first_paragraph_answers_noise_without_quantization_and_the_quantization
     assert ("(a) Does noise help without quantization? bf16 + AQN, bf16 rate minus bf16 LoRA, bf16 rate: final "
             "held-out accuracy better (+0.053") in first
     assert "bf16 + AQN, NVFP4 rate minus bf16 LoRA, NVFP4 rate: final held-out accuracy no different" in first
-    assert "so without quantization the noise helped." in first
+    assert ("so without quantization the noise helped on final held-out accuracy and train reward, area / steps at "
+            "the bf16 rate, and on no other measure of learning.") in first
     # (b) per question: nvfp4 minus bf16 on q0..q3 (q4 only in bf16) flexible 1-1, 0-1, 0-0, 0-1: mean -0.5,
     # sd sqrt(1/3), half t(0.975, 3) sqrt(1/3) / 2
     base = summary["base"]
@@ -260,3 +261,54 @@ def test_scatter_draws_every_run(tmp_path):
     summary = report.summarize(make_data(), level=0.3, early_steps=3)
     png = report.scatter(summary, tmp_path / "aqn")
     assert png.name == "aqn_entropy_rise.png" and png.stat().st_size > 10_000
+
+
+def test_a_run_far_from_its_arm_is_named_and_every_run_is_in_the_table():
+    data = make_data()
+    far = data["arms"]["nvfp4"]["seeds"][1]  # finals 0.45 0.60 0.65 -> 0.95: 0.30 above the median 0.65
+    far["heldout"]["expressions_acc_flexible"][-1] = far["heldout"]["expressions_acc"][-1] = 0.95
+    del data["arms"]["bf16_aqn"]["seeds"][2]
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    assert [(arm, s["seed"]) for arm, s, _ in report.outliers(summary)] == [("nvfp4", 1)]
+    first = report.finding(summary)
+    assert first.endswith("NVFP4 seed 1 (0.950; its arm's median 0.650). They decide their arm's mean and widen "
+                          "every interval they enter; the per-run table shows them.")
+    page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
+    assert "| NVFP4 | 0.450 (0.225) | 0.950 (0.950) | 0.650 (0.325) |" in page  # flexible (strict)
+    assert "| bf16 + AQN, bf16 rate | 0.300 (0.150) | 0.470 (0.235) | missing |" in page
+    assert "Runs far from" not in report.finding(report.summarize(make_data(), level=0.3, early_steps=3))
+
+
+def interval(mean: float, low: float, high: float) -> "report.Interval":
+    return report.Interval(mean, low, high, 5, 0.1, 0.01)
+
+
+@pytest.mark.parametrize("bf16, nvfp4, says", [
+    ((-0.02, -0.03, -0.01), (-0.04, -0.06, -0.02), "AQN goes off by default for small models."),
+    ((-0.02, -0.03, 0.002), (-0.04, -0.06, -0.02), "the defaults stay, since only the NVFP4 contrast lies below 0; "
+                                                   "the README says where it introduces AQN that it hurt here."),
+    ((0.02, 0.01, 0.03), (-0.04, -0.06, -0.02), "AQN stays on; the README cites the interval."),
+    ((0.0, -0.01, 0.01), (0.01, -0.02, 0.04), "the defaults stay; the noise made no difference these seeds can see."),
+])
+def test_the_plans_rule_gives_one_decision(bf16, nvfp4, says):
+    contrasts = {("bf16_aqn", "bf16_lr_low"): {"final_accuracy": interval(*bf16)},
+                 ("nvfp4_aqn", "nvfp4"): {"final_accuracy": interval(*nvfp4)}}
+    text = report.decision({"contrasts": contrasts})
+    assert text.startswith("Decision from these numbers (AQN minus no AQN at one rate, final held-out accuracy: bf16 ")
+    assert text.endswith(says)
+    assert report.decision({"contrasts": {}}).startswith("Decision: not yet")
+
+
+def test_the_time_is_the_calls_machine_time():
+    data = make_data()
+    data["calls"] = [
+        {"command": "python docs/experiments/aqn_seeds.py --parallel 16", "parallel": 16,
+         "started": "2026-11-27T02:57:06Z", "written": "2026-11-27T03:05:36Z"},  # 8.5 min
+        {"command": "python docs/experiments/aqn_seeds.py --parallel 2", "parallel": 2,
+         "started": "2026-11-27T03:10:00Z", "written": "2026-11-27T03:13:00Z"},  # 3.0 min
+    ]
+    page = report.render(data, report.summarize(data, level=0.3, early_steps=3), "python x.py y.json", [])
+    assert ("; 2 calls of the command ran them in 11.5 minutes of machine time (8.5 min with 16 at a time, 3.0 min "
+            "with 2 at a time), not counting each machine's start.") in page
+    assert "    python docs/experiments/aqn_seeds.py --parallel 16\n" in page  # the first call's command
+    assert "The first line again (same arguments) until it prints `complete`" in page
