@@ -51,6 +51,7 @@ go to every ``train.py`` call (e.g. ``-- --trainer.val_check_interval 10``).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -81,6 +82,8 @@ ARMS = {  # name -> (quantization, AQN on, the rate: "high" = the config's, "low
     "bf16_aqn_lr_high": ("bf16", True, "high"),
     "nvfp4_aqn_lr_low": ("nvfp4", True, "low"),
 }
+CALLS = "calls.json"  # in the work directory and the archive: every call of the experiment so far
+
 DEVICES = {  # --device -> train.py options: fp32 is the faster dtype on a CPU, bf16 on a GPU
     "cuda": ["--trainer.accelerator", "gpu", "--model.policy.dtype", "bfloat16"],
     "cpu": ["--trainer.accelerator", "cpu", "--model.policy.dtype", "float32"],
@@ -305,9 +308,10 @@ def device_info(device: str) -> dict:
     return info
 
 
-def archive_finished(jobs: list[Job], path: Path) -> int:
+def archive_finished(jobs: list[Job], path: Path, calls: list[dict] | None = None) -> int:
     """Write ``run.json`` and ``result.json`` of every finished job into the tar.gz ``path`` (named ``<job>/...``),
-    through a temporary file renamed into place; returns how many jobs it holds."""
+    with the experiment's ``calls.json`` when given, through a temporary file renamed into place; returns how many
+    jobs it holds."""
     finished = [j for j in jobs if j.result_path.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -315,8 +319,25 @@ def archive_finished(jobs: list[Job], path: Path) -> int:
         for job in finished:
             for name in ("run.json", "result.json"):
                 tar.add(job.directory / name, arcname=f"{job.name}/{name}")
+        if calls is not None:
+            data = json.dumps(calls, indent=1).encode()
+            info = tarfile.TarInfo(CALLS)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     partial.replace(path)
     return len(finished)
+
+
+def earlier_calls(work: Path, archive: Path | None) -> list[dict]:
+    """The calls that ran this experiment before (command, parallel runs, start and end), from the work directory,
+    else from the archive a fresh machine was given: the page's time and command come from all of them."""
+    if (work / CALLS).exists():
+        return json.loads((work / CALLS).read_text())
+    if archive is not None and archive.exists():
+        with tarfile.open(archive, "r:gz") as tar:
+            if CALLS in tar.getnames():
+                return json.loads(tar.extractfile(CALLS).read())
+    return []
 
 
 def restore_finished(jobs: list[Job], path: Path) -> list[str]:
@@ -338,8 +359,14 @@ def restore_finished(jobs: list[Job], path: Path) -> list[str]:
     return restored
 
 
-def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -> dict:
-    """The experiment's JSON from the ``result.json`` of every finished job."""
+def command(args) -> str:
+    """This call's command line, as the page shows it."""
+    return shlex.join(["python", "docs/experiments/aqn_seeds.py", *args.argv])
+
+
+def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str, calls: list[dict]) -> dict:
+    """The experiment's JSON from the ``result.json`` of every finished job; ``calls`` lists every call so far,
+    this one last."""
     results = {j.name: json.loads(j.result_path.read_text()) for j in jobs if j.result_path.exists()}
     base = {j.meta["quantization"]: results.get(j.name) for j in jobs if j.seed is None}
     arms = {}
@@ -363,10 +390,11 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str) -
         "missing": missing,
         "config": {"path": args.config, "settings": config},
         "train_args": {j.name: j.args for j in jobs},
-        "command": shlex.join(["python", "docs/experiments/aqn_seeds.py", *args.argv]),
+        "command": command(args),
         "device": device_info(args.device),
         "started": started,
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "calls": calls,
     }
 
 
@@ -379,6 +407,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
     gpu_of: dict[str, int] = {}  # job name -> the GPU its run was given (--gpus > 1)
     started: dict[str, float] = {}  # job name -> time.monotonic() of its attempt's start
     failed: list[str] = []
+    retried: set[str] = set()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -424,6 +453,11 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 if process.returncode == 0 and finish(job, max_steps):
                     print(f"done  {job.name}", flush=True)
                     on_finish()
+                elif job.name not in retried:  # once more, after the others (a run of many at once can run out
+                    retried.add(job.name)       # of GPU memory); it resumes from its last checkpoint
+                    pending.append(job)
+                    print(f"FAILED {job.name} (exit {process.returncode}): again after the others; see "
+                          f"{job.log_path}", flush=True)
                 else:
                     failed.append(job.name)
                     print(f"FAILED {job.name} (exit {process.returncode}): see {job.log_path}", flush=True)
@@ -491,17 +525,26 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write() -> dict:
-        data = collect(args, config, jobs, max_steps, started)
-        out.write_text(json.dumps(data, indent=1))
-        if args.archive:
-            archive_finished(jobs, Path(args.archive))
-        return data
-
-    if args.archive and Path(args.archive).exists():
-        restored = restore_finished(jobs, Path(args.archive))
+    archive = Path(args.archive) if args.archive else None
+    if archive is not None and archive.exists():
+        restored = restore_finished(jobs, archive)
         if restored:
             print(f"restored {len(restored)} finished runs from {args.archive}", flush=True)
+    previous = earlier_calls(Path(args.work), archive)
+
+    def write() -> dict:
+        call = {"command": command(args), "parallel": args.parallel, "gpus": args.gpus, "threads": args.threads,
+                "time_limit": args.time_limit, "started": started,
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "runs_done": sum(j.result_path.exists() for j in jobs)}
+        calls = previous + [call] if todo or not previous else previous  # a call that ran nothing adds no time
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        (Path(args.work) / CALLS).write_text(json.dumps(calls, indent=1))
+        data = collect(args, config, jobs, max_steps, started, calls)
+        out.write_text(json.dumps(data, indent=1))
+        if archive is not None:
+            archive_finished(jobs, archive, calls)
+        return data
 
     todo = [j.name for j in jobs if not j.result_path.exists()]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {args.parallel} at a time, "

@@ -93,6 +93,9 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     assert len(questions) == 4 and {q["source"] for q in questions} == {"expressions"}
     assert sum(q["correct"] for q in questions) / 4 == data["base"]["nvfp4"]["heldout"]["expressions_acc"]
     assert seed["wall_seconds"] > 0 and data["base"]["nvfp4"]["wall_seconds"] > 0 and data["parallel"] == 1
+    (call,) = data["calls"]  # every call so far: its command, runs at once, start and end, runs done by its end
+    assert (call["command"], call["parallel"], call["runs_done"]) == (data["command"], 1, 2)
+    assert call["started"] <= call["written"]
     train_args = data["train_args"]["nvfp4_aqn/seed_0"]
     for option, value in [("--seed_everything", "0"), ("--aqn.seed", "0"), ("--aqn.enabled", "true"),
                           ("--model.policy.quantization", "nvfp4"), ("--trainer.max_steps", str(STEPS))]:
@@ -109,6 +112,7 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     assert "2 of 2 runs done; running 0" in printed and "start" not in printed and "restored" not in printed
     assert (run_dir / "result.json").stat().st_mtime_ns == stamp
     assert again["arms"] == data["arms"]
+    assert again["calls"] == data["calls"]  # a call that ran nothing adds no time
 
     # On a fresh machine (no work directory) the archive carried over puts the finished runs back: nothing runs.
     work.rename(tmp_path / "work_elsewhere")
@@ -117,6 +121,7 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     printed = capsys.readouterr().out
     assert "restored 2 finished runs" in printed and "2 of 2 runs done; running 0" in printed and "start" not in printed
     assert fresh["arms"] == data["arms"] and fresh["base"] == data["base"]
+    assert fresh["calls"] == data["calls"]  # the history came with the archive
     shutil.rmtree(work)
     (tmp_path / "work_elsewhere").rename(work)
     args = arguments(work, out, small_config, tiny_model_dirs["qwen2"])  # without the archive from here on
@@ -139,6 +144,18 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
     for key in ("reward", "rollout_entropy", "train_entropy", "learning_rate"):
         assert again_seed[key] == pytest.approx(seed[key], rel=1e-5), key  # steps 2-3 again, the later values win
     assert again_seed["heldout"] == seed["heldout"]
+    assert [c["runs_done"] for c in resumed["calls"]] == [2, 2] and resumed["calls"][0] == data["calls"][0]
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_tried_once_more_after_the_others(tiny_model_dirs, small_config, tmp_path, capsys):
+    args = arguments(tmp_path / "work", tmp_path / "aqn.json", small_config, tiny_model_dirs["qwen2"],
+                     "--model.no_such_option", "1")  # every train.py call fails
+    data = seeds_script.main(args)
+    printed = capsys.readouterr()
+    assert printed.out.count("again after the others") == 2  # the base score and the one run, once each
+    assert printed.out.count("FAILED") == 4 and "failed: base_nvfp4, nvfp4_aqn/seed_0" in printed.err
+    assert not data["complete"]
 
 
 def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
