@@ -117,8 +117,10 @@ def rise_steps(data: dict, early_steps: int) -> tuple[int, int]:
 
 
 def seed_statistics(seed: dict, metric: str, level: float, early_steps: int,
-                    rise: tuple[int, int] | None = None) -> dict:
-    """The statistics of one run (``rise``: the entropy rise's baseline and window, see ``rise_steps``)."""
+                    rise: tuple[int, int] | None = None, steps: int | None = None) -> dict:
+    """The statistics of one run (``rise``: the entropy rise's baseline and window, see ``rise_steps``). Its final
+    held-out accuracy is the validation at ``steps`` (the runs' last step): nan where that validation is missing (a
+    run stopped while validating resumes from the checkpoint written just before it, so that point is never made)."""
     heldout = seed["heldout"]
     baseline, window = rise or (1, max(2, early_steps))
     window = min(window, len(seed["rollout_entropy"]))
@@ -128,7 +130,7 @@ def seed_statistics(seed: dict, metric: str, level: float, early_steps: int,
         "seed": seed["seed"],
         "reward_auc": area_under_curve(seed["steps"], seed["reward"]),
         "steps_to_level": first_reaching(heldout["steps"], heldout[metric], level),
-        "final_accuracy": heldout[metric][-1],
+        "final_accuracy": heldout[metric][-1] if steps is None or heldout["steps"][-1] == steps else math.nan,
         "early_rollout_entropy": early_mean(seed["rollout_entropy"], early_steps),
         "early_train_entropy": early_mean(seed["train_entropy"], early_steps),
     }
@@ -144,7 +146,7 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
     rise = rise_steps(data, early_steps)
     arms = {}
     for arm, entry in data["arms"].items():
-        per_seed = [seed_statistics(s, metric, level, early_steps, rise) for s in entry["seeds"]]
+        per_seed = [seed_statistics(s, metric, level, early_steps, rise, steps) for s in entry["seeds"]]
         intervals = {}
         for key in STATISTICS:
             values = [s[key] for s in per_seed]
@@ -152,7 +154,7 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
                 intervals[key], reached = censored_steps(values, steps)
                 intervals["reached"] = reached
             else:
-                intervals[key] = mean_interval(values)
+                intervals[key] = mean_interval([v for v in values if not math.isnan(v)])
         arms[arm] = {"per_seed": per_seed, "intervals": intervals, "lr": entry.get("lr"),
                      "quantization": entry.get("quantization"), "aqn": entry.get("aqn")}
     paired = {arm: paired_statistics(arms, REFERENCE, arm, steps) for arm in arms if arm != REFERENCE} \
@@ -161,7 +163,8 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
     runs = [(arm, s) for arm, entry in arms.items() for s in entry["per_seed"]]
     correlations = {}
     for key in PREDICTED:
-        x, y, groups = [s["entropy_rise"] for _, s in runs], [s[key] for _, s in runs], [a for a, _ in runs]
+        kept = [(a, r) for a, r in runs if not (_isnan(r["entropy_rise"]) or _isnan(r[key]))]
+        x, y, groups = [r["entropy_rise"] for _, r in kept], [r[key] for _, r in kept], [a for a, _ in kept]
         correlations[key] = {"pooled": correlation(x, y), "within": within_groups(x, y, groups)}
     return {"metric": metric, "level": level, "early_steps": early_steps, "rise": rise, "steps": steps, "arms": arms,
             "paired": paired, "contrasts": contrasts, "correlations": correlations,
@@ -174,10 +177,15 @@ def paired_statistics(arms: dict, a: str, b: str, steps: int) -> dict:
     seeds = sorted(set(first) & set(second))
     out = {"seeds": seeds}
     for key in STATISTICS:
-        out[key] = paired_difference([_censor(first[s][key], key, steps) for s in seeds],
-                                     [_censor(second[s][key], key, steps) for s in seeds])
+        both = [s for s in seeds if not any(_isnan(arm[s][key]) for arm in (first, second))]
+        out[key] = paired_difference([_censor(first[s][key], key, steps) for s in both],
+                                     [_censor(second[s][key], key, steps) for s in both])
     out["censored"] = any(first[s]["steps_to_level"] is None or second[s]["steps_to_level"] is None for s in seeds)
     return out
+
+
+def _isnan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 VERDICT_FIELD = {False: "correct", True: "correct_flexible"}  # the base's per-question field of a strict/flexible metric
@@ -394,11 +402,12 @@ def outliers(summary: dict) -> list[tuple[str, dict, float]]:
     arm's median: a few such runs decide an arm's mean and widen every interval they enter."""
     found = []
     for arm, entry in summary["arms"].items():
-        values = sorted(s["final_accuracy"] for s in entry["per_seed"])
+        values = sorted(s["final_accuracy"] for s in entry["per_seed"] if not _isnan(s["final_accuracy"]))
         if len(values) < 3:
             continue
         median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
-        found += [(arm, s, median) for s in entry["per_seed"] if abs(s["final_accuracy"] - median) > OUTLIER]
+        found += [(arm, s, median) for s in entry["per_seed"]
+                  if not _isnan(s["final_accuracy"]) and abs(s["final_accuracy"] - median) > OUTLIER]
     return found
 
 
@@ -431,6 +440,8 @@ def run_table(data: dict, summary: dict) -> str:
             cell = f"{heldout[metric][-1]:.3f}"
             if strict and strict in heldout:
                 cell += f" ({heldout[strict][-1]:.3f})"
+            if heldout["steps"][-1] != summary["steps"]:  # its last validation is missing: not a final score
+                cell = f"none (step {heldout['steps'][-1]}: {cell})"
             cells.append(cell)
         lines.append(f"| {label(arm)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -692,10 +703,10 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def band(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
-    """Mean and 95% t-interval per point over seeds (the mean alone for one seed)."""
+    """Mean and 95% t-interval per point over seeds (the mean alone for one seed; nan values left out)."""
     means, lows, highs = [], [], []
     for values in zip(*curves):
-        interval = mean_interval(values)
+        interval = mean_interval([v for v in values if not math.isnan(v)])
         means.append(interval.mean)
         lows.append(interval.low if interval.n > 1 else interval.mean)
         highs.append(interval.high if interval.n > 1 else interval.mean)
@@ -718,9 +729,10 @@ def plot(data: dict, metric: str, out: Path, window: int = 5) -> list[Path]:
             seeds = entry["seeds"]
             if not seeds:
                 continue
-            if key == metric:
-                curves = [s["heldout"][key] for s in seeds if s["heldout"].get(key)]
-                steps = seeds[0]["heldout"]["steps"]
+            if key == metric:  # aligned by step: a validation missing in one seed is left out of that point only
+                steps = sorted({t for s in seeds for t in s["heldout"]["steps"]})
+                curves = [[dict(zip(s["heldout"]["steps"], s["heldout"][key])).get(t, math.nan) for t in steps]
+                          for s in seeds if s["heldout"].get(key)]
             else:
                 curves = [moving_average(s[key], window) for s in seeds]
                 steps = seeds[0]["steps"]

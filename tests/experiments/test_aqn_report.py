@@ -312,3 +312,27 @@ def test_the_time_is_the_calls_machine_time():
             "with 2 at a time), not counting each machine's start.") in page
     assert "    python docs/experiments/aqn_seeds.py --parallel 16\n" in page  # the first call's command
     assert "The first line again (same arguments) until it prints `complete`" in page
+
+
+def test_a_run_without_its_last_validation_has_no_final_score_and_its_other_points_still_count(tmp_path):
+    data = make_data()
+    cut = data["arms"]["nvfp4"]["seeds"][2]["heldout"]  # stopped while validating at the last step, resumed past it
+    for key in cut:
+        cut[key] = cut[key][:-1]
+    gap = data["arms"]["nvfp4_aqn"]["seeds"][0]["heldout"]  # a validation missing half-way
+    for key in gap:
+        del gap[key][1]
+    summary = report.summarize(data, level=0.3, early_steps=3)
+    assert math.isnan(summary["arms"]["nvfp4"]["per_seed"][2]["final_accuracy"])
+    finals = summary["arms"]["nvfp4"]["intervals"]["final_accuracy"]  # 0.45 and 0.60 only
+    assert (finals.n, finals.mean) == (2, pytest.approx(0.525))
+    noise = summary["contrasts"][("nvfp4_aqn", "nvfp4")]
+    assert noise["final_accuracy"].n == 2 and noise["early_rollout_entropy"].n == 3  # only the final score is gone
+    assert summary["correlations"]["final_accuracy"]["pooled"].n == 20
+    page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
+    assert "| NVFP4 | 0.450 (0.225) | 0.600 (0.300) | none (step 5: 0.325 (0.217)) |" in page
+    pytest.importorskip("matplotlib")
+    (png,) = report.plot(data, "expressions_acc_flexible", tmp_path / "aqn")
+    assert png.exists()
+    means, lows, highs = report.band([[0.1, math.nan, 0.3], [0.3, 0.2, 0.5]])
+    assert means == pytest.approx([0.2, 0.2, 0.4]) and lows[1] == highs[1] == 0.2
