@@ -164,7 +164,8 @@ def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
     assert component(plan, "norms and biases") == small
     assert component(plan, "embeddings") == model.get_input_embeddings().weight.nbytes
     lm_head = [c for c in plan.components if c.name.startswith("LM head")]
-    assert [c.nbytes for c in lm_head] == ([] if shape.tied_embeddings else [model.get_output_embeddings().weight.nbytes])
+    head = [] if shape.tied_embeddings else [model.get_output_embeddings().weight.nbytes]
+    assert [c.nbytes for c in lm_head] == head
     assert sum(p.nbytes for p in params.values()) == sum(c.nbytes for c in plan.components if c.name.startswith(
         ("bf16 linears", "embeddings", "LM head", "norms and biases")))  # nothing else in the model
     attention = model.model.layers[0].self_attn
