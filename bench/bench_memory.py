@@ -1,20 +1,24 @@
-"""GPU memory per phase and step time of the recipes as written: 7B / 14B / 32B NVFP4, and bf16 where it fits.
+"""GPU memory per phase and step time of the recipes as written (Qwen2.5, Qwen3, Llama 3 shapes): NVFP4, and bf16
+where it fits.
 
     python bench/bench_memory.py --tokenizer DIR --out bench/results \
-        --rows 7b:nvfp4:gsm8k,7b:bf16:gsm8k,14b:nvfp4:gsm8k [--steps 3] [--lengths lognormal] [--builtin-tokens 128]
+        --rows 7b:nvfp4:gsm8k,7b:bf16:gsm8k,14b:nvfp4:gsm8k,qwen3-32b:nvfp4:gsm8k [--steps 3] [--lengths lognormal] \
+        [--builtin-tokens 128]
 
-Each row is ``<size>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<micro-batch tokens|auto>[:ckpt|nockpt
-[:<GiB>]]]]]]`` (empty fields: the recipe's; ``GiB``: ``--memory_plan_device_gb``, plan for that much memory): ``train.py fit`` with
-``configs/gpu.yaml`` + ``configs/recipes/qwen2.5-<size>_<task>.yaml`` (+ ``recipes/bf16.yaml``) on random-init
-weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's), the
-recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
+Each row is ``<shape>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<micro-batch tokens|auto>[:ckpt|nockpt
+[:<GiB>]]]]]]`` (empty fields: the recipe's; ``GiB``: ``--memory_plan_device_gb``, plan for that much memory). The
+shape is a name of ``qerl.testing.random_models`` (``qwen2.5-32b``, ``qwen3-32b``, ``llama3.1-8b``, ...); a bare size
+(``32b``) is Qwen2.5's. A row runs ``train.py fit`` with ``configs/gpu.yaml`` + ``configs/recipes/<shape>_<task>.yaml``
+(Llama 3 shapes have no recipe of their own: the Qwen2.5 one of ``LLAMA3_RECIPES``) (+ ``recipes/bf16.yaml``) on
+random-init weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's),
+the recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
 drawn lengths, ``bench/forced_lengths.py``). Reads back from TensorBoard the memory held between steps
 (``perf/resident_gb``), each phase's peak (``perf/peak_rollout_gb``, ``perf/peak_update_gb``) and the step time, and
 the process's peak (loading included). ``--builtin-tokens N`` adds, for each NVFP4 row, the rollout of the same batch
 on ``BuiltinRollout`` and on the CUDA-graph engine at N fixed new tokens (one step each after a warm-up step), and
 estimates the built-in engine's step as the update plus the rollout scaled by that ratio.
 
-Writes ``memory_<device>[_<label>].json``: ``rows`` with ``model``, ``quantization``, ``prompts``, ``group_size``,
+Writes ``memory_<device>[_<label>].json``: ``rows`` with ``model`` (the shape), ``recipe``, ``quantization``, ``prompts``, ``group_size``,
 ``new_tokens``, ``peak_gb``, ``resident_gb``, ``peak_rollout_gb``, ``peak_update_gb``, ``load_peak_gb``, ``step_s``.
 """
 
@@ -36,10 +40,38 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_train_e2e import in_own_process, write_models  # noqa: E402
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# Llama 3 shapes run the recipe of the Qwen2.5 model of about their size (every recipe has configs/gpu.yaml's
+# settings; the size decides gradient checkpointing)
+LLAMA3_RECIPES = {"llama3.2-1b": "qwen2.5-3b", "llama3.2-3b": "qwen2.5-3b", "llama3.1-8b": "qwen2.5-7b"}
+
+
+def recipe_file(model: str, task: str) -> str:
+    """The recipe a row of the shape ``model`` runs for ``task`` (relative to the repository root)."""
+    return f"configs/recipes/{LLAMA3_RECIPES.get(model, model)}_{task}.yaml"
+
+
 def parse_row(spec: str) -> dict:
+    """A ``--rows`` entry (the module docstring's syntax) as a row: ``model`` (the shape's name in
+    ``qerl.testing.random_models``), ``recipe``, ``quantization``, ``task`` and the fields it sets."""
+    from qerl.testing.random_models import LLAMA3, QWEN3, QWEN25
+
     parts = spec.split(":")
-    size, quantization, task = parts[:3]
-    row = {"model": f"qwen2.5-{size}", "quantization": quantization, "task": task}
+    if len(parts) < 3:
+        raise ValueError(f"--rows {spec!r}: a row is <shape>:<nvfp4|bf16>:<gsm8k|bigmath>[:...], e.g. "
+                         "qwen3-32b:nvfp4:gsm8k.")
+    shape, quantization, task = parts[:3]
+    model = shape.lower() if "-" in shape else f"qwen2.5-{shape.lower()}"  # a bare size: Qwen2.5's
+    shapes = sorted({*QWEN25, *QWEN3, *LLAMA3})
+    if model not in shapes:
+        raise ValueError(f"--rows {spec!r}: no shape {model!r}; use one of {', '.join(shapes)} (a bare size is "
+                         "Qwen2.5's).")
+    if quantization not in ("nvfp4", "bf16"):
+        raise ValueError(f"--rows {spec!r}: the quantization is nvfp4 or bf16, not {quantization!r}.")
+    recipe = recipe_file(model, task)
+    if not (ROOT / recipe).exists():
+        raise ValueError(f"--rows {spec!r}: no recipe {recipe}; the task is gsm8k or bigmath.")
+    row = {"model": model, "recipe": recipe, "quantization": quantization, "task": task}
     if len(parts) > 3 and parts[3]:
         row["prompts"] = int(parts[3])
     if len(parts) > 4 and parts[4]:
@@ -55,7 +87,7 @@ def parse_row(spec: str) -> dict:
 
 def row_options(row: dict) -> list[str]:
     """The row's recipe configs and overrides (what ``fit`` passes before the benchmark's own options)."""
-    configs = ["configs/gpu.yaml", f"configs/recipes/{row['model']}_{row['task']}.yaml"]
+    configs = ["configs/gpu.yaml", recipe_file(row["model"], row["task"])]
     if row["quantization"] == "bf16":
         configs.append("configs/recipes/bf16.yaml")
     options = sum((["--config", c] for c in configs), [])
@@ -115,7 +147,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
     from qerl.rollout.footprint import wave_kv_cache_bytes
     from qerl.run.memory_plan import plan_memory
     from qerl.run.resolve import engine_args, run_settings
-    from qerl.testing.random_models import qwen25_config
+    from qerl.testing.random_models import model_config
 
     cli = configured(row)
     settings = run_settings(cli.config)
@@ -123,7 +155,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
         free_bytes = total_bytes = int(row["device_gb"] * 2**30)
     if "kv_cache_kept" in row:  # what the engine of that run did (an earlier release threshold)
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
-    shape = ModelShape.from_config(qwen25_config(row["model"], vocab_size=vocab))
+    shape = ModelShape.from_config(model_config(row["model"], vocab_size=vocab))
     plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
                        wave_rows=engine_args(cli.config.model.rollout).get("wave_rows"),
                        micro_batch_tokens=cli.config.model.micro_batch_tokens)
@@ -196,6 +228,12 @@ def main() -> None:
                         "as measured, not run again (e.g. to add --builtin-tokens to them in another call)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
+    earlier = ({r["spec"]: r for r in json.loads(Path(args.reuse).read_text())["rows"] if "spec" in r}
+               if args.reuse else {})
+    try:  # every row's shape and recipe before anything runs
+        parsed = {spec: parse_row(spec) | {"spec": spec} for spec in args.rows.split(",") if spec not in earlier}
+    except ValueError as error:
+        parser.error(str(error))
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
@@ -204,13 +242,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, report = [], None
-    earlier = {r["spec"]: r for r in json.loads(Path(args.reuse).read_text())["rows"] if "spec" in r} if args.reuse else {}
     free, total = torch.cuda.mem_get_info()  # what the plan is given, as train.py gives it
     for spec in args.rows.split(","):
-        if spec in earlier:
-            row = earlier[spec]
-        else:
-            row = parse_row(spec) | {"spec": spec}
+        row = earlier[spec] if spec in earlier else parsed[spec]
         work = Path(args.work)
         model_dir = work / f"{row['model']}-{row['quantization']}"
         if not (model_dir / "config.json").exists():

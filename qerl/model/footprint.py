@@ -4,8 +4,9 @@ matrices (fp32) and their AdamW states; and the shapes and settings every footpr
 
 The rollout's footprint lives with the engine (``qerl.rollout.footprint``), the update's with the update
 (``qerl.modules.footprint``); ``qerl.run.memory_plan`` sums them and chooses. Every coefficient is a named constant:
-counted from what the code allocates, not measured. Layers are assumed to be Llama/Qwen2-shaped (q, k, v, o, gate,
-up, down; SiLU-gated MLP; RMSNorm).
+counted from what the code allocates, not measured. Layers are assumed to be Llama/Qwen2/Qwen3-shaped (q, k, v, o,
+gate, up, down; SiLU-gated MLP; RMSNorm; Qwen3's per-head q/k RMSNorm), with the config's ``head_dim`` (Qwen3's is
+not hidden / heads).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SAFETY_MARGIN_FRACTION = 0.06  # of the free memory, left unplanned: allocator f
 #                                workspaces, CUDA graph pools and whatever else the plan does not count
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QK_NORM_TYPES = ("qwen3",)  # model types whose attention normalizes each head of q and k (an RMSNorm of head_dim)
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,21 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # a per-head RMSNorm of q and of k in every layer (Qwen3)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        """From a transformers ``PretrainedConfig`` (Qwen2 has q/k/v biases; Llama has them when ``attention_bias``)."""
+        """From a transformers ``PretrainedConfig`` (Qwen2 has q/k/v biases; Llama has them when ``attention_bias``;
+        Qwen3 has q/k norms)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        model_type = getattr(config, "model_type", "")
         return cls(
             layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
             heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
             or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type in QK_NORM_TYPES,
         )
 
     def projection(self, name: str) -> tuple[int, int]:
@@ -172,8 +178,8 @@ def lora_parameters(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def norm_channels(shape: ModelShape) -> int:
-    """RMSNorm weights: two per layer and the final one."""
-    return (2 * shape.layers + 1) * shape.hidden
+    """RMSNorm weights: two per layer and the final one (hidden each), and the q/k norms (head_dim each)."""
+    return (2 * shape.layers + 1) * shape.hidden + 2 * shape.layers * shape.head_dim * shape.qk_norm
 
 
 def resident_components(shape: ModelShape, settings: RunSettings) -> list[Component]:

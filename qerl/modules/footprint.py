@@ -14,6 +14,7 @@ from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, Mode
 from qerl.rollout.footprint import wave_kv_cache_bytes
 
 NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per channel (and one fp32 rstd per token)
+NORM_RSTD_BYTES = 4  # ... the rstd: counted for the per-head q/k norms (one per head and token), not per hidden row
 ATTENTION_LSE_BYTES = 4  # SDPA (flash / efficient) keeps one fp32 log-sum-exp per query head
 BACKWARD_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 gradients alive in a layer's MLP backward
 BACKWARD_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 gradients alive across a layer's backward (residual, norm, ...)
@@ -46,6 +47,8 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     total += H * b * any(targeted[p] for p in ("q_proj", "k_proj", "v_proj"))  # LoRA-A input: the normed hidden
     total += (2 * q + 2 * kv) * b + shape.heads * ATTENTION_LSE_BYTES  # SDPA: q, k, v, output, log-sum-exp; the
     # output is o's LoRA-A input too (qerl's Attention hands it over in the projection's layout: no copy)
+    if shape.qk_norm:  # Qwen3's per-head q/k norms keep their inputs (q_proj's and k_proj's outputs) and their rstd
+        total += (q + kv) * NORM_INPUT_BYTES + (shape.heads + shape.kv_heads) * NORM_RSTD_BYTES
     total += H * b * (targeted["gate_proj"] or targeted["up_proj"])  # LoRA-A input of gate/up
     total += 2 * I * b  # the fused SiLU product's two factors (gate, up); it recomputes silu(gate) in the backward
     total += I * b * targeted["down_proj"]  # down's LoRA-A input: the product

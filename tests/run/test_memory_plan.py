@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape, RunSettings
-from qerl.modules.footprint import micro_batch_span
+from qerl.modules.footprint import layer_activation_bytes, micro_batch_span
 from qerl.rollout.footprint import bf16_copy_spare
 from qerl.run.memory_plan import MemoryPlanError, plan_memory
 from qerl.model.policy import build_policy, trainable_parameters
 from qerl.nvfp4.kernels.gemv_layout import repack, supported
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.kv_cache import SlotCache
-from qerl.testing.random_models import qwen25_config
+from qerl.rollout.kv_cache import SlotCache, head_dim
+from qerl.testing.random_models import model_config, qwen25_config
 from qerl.testing.tiny_models import tiny_config
 
 H100_FREE = int(79 * GIB)  # what an idle 80 GB H100 reports free
@@ -35,9 +35,12 @@ def tiny_settings(**overrides) -> RunSettings:
                           **overrides})
 
 
-@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
-def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_model_dirs, quantization):
-    policy = build_policy(str(tiny_model_dirs["qwen2"]), quantization, lora_rank=4, lora_alpha=8, dtype="bfloat16")
+@pytest.mark.parametrize(("architecture", "quantization"),
+                         [("qwen2", "nvfp4"), ("qwen2", "bf16"), ("qwen3", "nvfp4"), ("llama3", "nvfp4")])
+def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_model_dirs, architecture, quantization):
+    # Qwen3: head_dim (32) is not hidden / heads (16), and each layer has per-head q/k norms (trained too)
+    policy = build_policy(str(tiny_model_dirs[architecture]), quantization, lora_rank=4, lora_alpha=8,
+                          dtype="bfloat16")
     model = policy.get_base_model()
     plan = plan_memory(ModelShape.from_config(model.config), tiny_settings(quantization=quantization))
 
@@ -55,7 +58,11 @@ def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_mod
         dense = sum(m.base_layer.weight.nbytes for n, m in model.named_modules() if n.endswith("_proj"))
         assert component(plan, "bf16 linears") == dense and not quantized
     assert component(plan, "embeddings") == model.get_input_embeddings().weight.nbytes
-    assert component(plan, "LM head") == model.get_output_embeddings().weight.nbytes
+    if model.config.tie_word_embeddings:  # one matrix
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert not [c for c in plan.components if c.name.startswith("LM head")]
+    else:
+        assert component(plan, "LM head") == model.get_output_embeddings().weight.nbytes
     frozen_small = sum(p.nbytes for n, p in model.named_parameters()
                        if ("norm" in n and "modules_to_save" not in n) or n.endswith("bias"))
     assert component(plan, "norms and biases") == frozen_small
@@ -73,13 +80,19 @@ def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_mod
     assert component(plan, "trained norms") == sum(p.nbytes for p in norms) + states(norms)
 
 
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
 @pytest.mark.parametrize(("engine", "length"), [("cuda_graph", 512), ("builtin", 340)])
-def test_the_kv_cache_of_a_wave_is_what_the_slot_cache_allocates(engine, length):
-    config = tiny_config("qwen2")
+def test_the_kv_cache_of_a_wave_is_what_the_slot_cache_allocates(engine, length, architecture):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(architecture)  # qwen3: head_dim 32, hidden / heads 16
     shape = ModelShape.from_config(config)
     plan = plan_memory(shape, tiny_settings(engine=engine), wave_rows=4)  # 40 + 300 positions (bucketed: 512)
-    cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, length,
-                      config.hidden_size // config.num_attention_heads, torch.bfloat16, "cpu")
+    with torch.device("meta"):
+        attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    assert head_dim(config) == attention.k_proj.out_features // config.num_key_value_heads  # the engine's head_dim
+    cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, length, head_dim(config),
+                      torch.bfloat16, "cpu")
     allocated = sum(t.nbytes for t in (*cache.keys, *cache.values))
     kv = component(plan, "KV cache, one wave (4 rows")
     if engine == "cuda_graph":
@@ -104,6 +117,68 @@ def test_qwen25_32b_exact_parts_by_hand():
     assert component(plan, "embeddings") == component(plan, "LM head") == 152064 * H * 2
     no_copy = plan_memory(shape, replace(plan.settings, gemv_copy=False))
     assert plan.peak("resident") - no_copy.peak("resident") == weights * (0.625 - NVFP4_BYTES_PER_WEIGHT)
+
+
+def test_qwen3_32b_exact_parts_by_hand():
+    # head_dim 128 of its own (hidden / heads = 80), 64 q heads, 8 KV heads, per-head q/k norms, no biases
+    shape = ModelShape.from_config(model_config("qwen3-32b"))
+    assert (shape.head_dim, shape.heads, shape.kv_heads, shape.qkv_bias, shape.qk_norm) == (128, 64, 8, False, True)
+    assert shape.kv_bytes_per_token() == 256 * 1024  # 64 layers x 8 KV heads x 128 x K and V x 2 bytes
+    plan = plan_memory(shape, RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
+                                          gradient_checkpointing=True), micro_batch_tokens=8192)
+    H, I, q, kv, L = 5120, 25600, 64 * 128, 8 * 128, 64
+    weights = L * (H * (q + 2 * kv) + q * H + 3 * H * I)
+    assert component(plan, "NVFP4 linears in the decode GEMV's layout") == weights * 0.625
+    lora = L * 16 * ((H + q) * 2 + (H + kv) * 2 + (H + I) * 3)
+    assert component(plan, "LoRA r=16") == lora * 4
+    norms = (2 * L + 1) * H + 2 * L * 128  # two per layer and the final one; q_norm and k_norm of 128 per layer
+    assert component(plan, "norms and biases") == norms * 2
+    assert component(plan, "trained norms") == norms * 6
+    assert component(plan, "KV cache, one wave (128 rows x 2304 positions") == 128 * 2304 * 256 * 1024
+    assert component(plan, "embeddings") == component(plan, "LM head") == 151936 * H * 2
+    assert component(plan, "prefill activations") == 16 * 256 * 2 * (3 * I + 6 * H + 2 * q)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen3-32b", "qwen3-1.7b", "llama3.1-8b", "llama3.2-1b"])
+def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
+    # the transformers model of the shape (on the meta device: sizes, no memory): every projection, norm, bias,
+    # embedding and K/V row the plan counts is one of its parameters, with the config's head_dim
+    from transformers import AutoModelForCausalLM
+
+    from qerl.model.footprint import PROJECTIONS
+
+    config = model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    shape = ModelShape.from_config(config)
+    settings = RunSettings(prompts=2, group_size=2, max_prompt_tokens=64, max_new_tokens=64, quantization="bf16")
+    plan = plan_memory(shape, settings)
+    params = dict(model.named_parameters())
+    projections = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJECTIONS}
+    assert len(projections) == 7 * shape.layers
+    for n, m in projections.items():
+        assert (m.out_features, m.in_features) == shape.projection(n.rpartition(".")[2]), n
+    assert component(plan, "bf16 linears") == sum(m.weight.nbytes for m in projections.values())
+    assert component(plan, "LoRA r=16") == 4 * 16 * sum(m.in_features + m.out_features for m in projections.values())
+    small = sum(p.nbytes for n, p in params.items() if "norm" in n or n.endswith("bias"))
+    assert component(plan, "norms and biases") == small
+    assert component(plan, "embeddings") == model.get_input_embeddings().weight.nbytes
+    lm_head = [c for c in plan.components if c.name.startswith("LM head")]
+    head = [] if shape.tied_embeddings else [model.get_output_embeddings().weight.nbytes]
+    assert [c.nbytes for c in lm_head] == head
+    assert sum(p.nbytes for p in params.values()) == sum(c.nbytes for c in plan.components if c.name.startswith(
+        ("bf16 linears", "embeddings", "LM head", "norms and biases")))  # nothing else in the model
+    attention = model.model.layers[0].self_attn
+    assert shape.kv_bytes_per_token() == 2 * shape.layers * attention.k_proj.out_features * 2  # K and V, bf16
+
+
+def test_qwen3s_q_k_norms_keep_their_inputs_for_the_backward():
+    # qerl's RMSNorm keeps its 16-bit input and one fp32 rstd per row; Qwen3's q/k norms run per head, so a layer
+    # keeps q_proj's and k_proj's outputs (64 x 128 and 8 x 128 per token) and 64 + 8 rstd on top of a Qwen2-style one
+    shape = ModelShape.from_config(model_config("qwen3-32b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048)
+    without = layer_activation_bytes(replace(shape, qk_norm=False), settings)
+    assert layer_activation_bytes(shape, settings) - without == (64 * 128 + 8 * 128) * 2 + (64 + 8) * 4
 
 
 def test_choices_grow_with_the_free_memory_and_always_fit():
