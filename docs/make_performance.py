@@ -337,10 +337,12 @@ def e2e_glance(result: dict) -> list[str]:
 def trl_peer_section(result: dict) -> list[str]:
     s = result["settings"]
     header = ["arm", "system", "weights", "rollout s", "of which sampling s", "train s", "step s", "peak GB",
-              "device peak GB", "completion length", "step / qerl NVFP4 step", "failed with"]
+              "device peak GB", "completion length", "step / qerl NVFP4 step", "vLLM log-prob gap", "base drift",
+              "failed with"]
     body = [[r["arm"], r["system"], r["weights"], num(r.get("rollout_s")), num(r.get("generate_s")),
              num(r.get("train_s")), num(r.get("step_s")), num(r.get("peak_gb"), 1), num(r.get("device_peak_gb"), 1),
-             num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")),
+             num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")), num(r.get("logp_gap"), 4),
+             "-" if r.get("base_drift") is None else f"{r['base_drift']:.1e}",
              cell(r.get("error", "-"))[:160]] for r in result["rows"]]
     out = table(header, body)
     out += ["", f"{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens "
@@ -350,7 +352,11 @@ def trl_peer_section(result: dict) -> list[str]:
             "the policy's log-probs of the samples for TRL's importance-sampling correction), of which sampling = "
             "`_generate`; train = the rest of the optimizer step. qerl: `perf/rollout_s` and `perf/train_s`. Peak GB: "
             "PyTorch's peak allocated in the arm's process; device peak GB: the device's used memory over the arm "
-            "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster."]
+            "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster. "
+            "vLLM log-prob gap (TRL and Unsloth arms): TRL's mean |vLLM's log-prob - the policy's| of the sampled "
+            "tokens, how far the sampler's copy of the weights is from the trained one; base drift: how far the frozen "
+            "base of the first LoRA layer moved over the run (peft's merge / unmerge before each weight sync, with a "
+            "4-bit base a re-quantization each way), relative to its mean |value|."]
     return out
 
 
@@ -532,7 +538,10 @@ SECTIONS = (
             "TRL's `GRPOTrainer` (peft LoRA, bf16 base, vLLM in the same process with sleep mode, DAPO loss, beta 0, "
             "gradient checkpointing) against qerl's CUDA-graph engine and qerl's vLLM engine, NVFP4 and bf16, at the "
             "same settings on the same random-init checkpoint and prompts, measured one after the other on one "
-            "machine (`bench/bench_trl_peer.py`).", trl_peer_section, trl_peer_glance, trl_peer_plot),
+            "machine (`bench/bench_trl_peer.py`). Where present: `trl_qlora`, the same TRL run with the base in "
+            "bitsandbytes NF4 (`--load_in_4bit`; vLLM then holds NF4 weights and receives the merged, re-quantized "
+            "codes each step), and `unsloth`, Unsloth's GRPO (`FastLanguageModel`, `fast_inference=True`, TRL 1.15).",
+            trl_peer_section, trl_peer_glance, trl_peer_plot),
     Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Several GPUs: DDP scaling", "multi_gpu_*.json",
