@@ -250,7 +250,7 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
             use_gradient_checkpointing="unsloth" if opts["checkpointing"] else False)
         lora = None
         more = {"vllm_sampling_params": SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new,
-                                                       min_tokens=new, ignore_eos=True, seed=0)}
+                                                       min_tokens=new, ignore_eos=True)}
     micro = opts["trl_micro_batch"]
     if rows % micro:
         raise ValueError(f"--trl-micro-batch {micro} must divide prompts x group size ({rows}).")
