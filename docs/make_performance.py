@@ -5,8 +5,8 @@
 
 Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
 the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``trl_peer_*``,
-``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain
-table of its ``rows``. Every table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
+``decode_peer_*``, ``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is
+shown as a plain table of its ``rows``. Every table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
 default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
 the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
 is current, so the figures cannot drift: after a benchmark run, run this script and commit the page and plots with
@@ -381,6 +381,54 @@ def trl_peer_plot(result: dict) -> dict:
                         "y": [r.get(p) for p in phases]} for r in rows]}
 
 
+DECODE_PEER_ARMS = (("vllm_nvfp4", "vLLM NVFP4"), ("vllm_bf16", "vLLM bf16"), ("qerl_nvfp4", "qerl NVFP4"),
+                    ("qerl_bf16", "qerl bf16"))
+DECODE_PEER_RATIOS = (("vllm_nvfp4_over_qerl_nvfp4", "vLLM NVFP4 / qerl NVFP4"),
+                      ("vllm_bf16_over_qerl_bf16", "vLLM bf16 / qerl bf16"),
+                      ("vllm_bf16_over_qerl_nvfp4", "vLLM bf16 / qerl NVFP4"),
+                      ("vllm_bf16_over_vllm_nvfp4", "vLLM bf16 / vLLM NVFP4"),
+                      ("qerl_bf16_over_qerl_nvfp4", "qerl bf16 / qerl NVFP4"))
+
+
+def decode_peer_section(result: dict) -> list[str]:
+    s = result["settings"]
+    header = ["rows"] + [f"{name} ms" for _, name in DECODE_PEER_ARMS] + [name for _, name in DECODE_PEER_RATIOS]
+    body = [[str(r["rows"])] + [num(r.get(f"ms_step_{arm}")) for arm, _ in DECODE_PEER_ARMS]
+            + [num(r.get(key)) for key, _ in DECODE_PEER_RATIOS] for r in result["rows"]]
+    out = table(header, body)
+    out += ["", f"{s['model']}, LoRA r{s['lora_rank']} on q,k,v,o,gate,up,down in all four, prompts of {s['prompt']} "
+            f"tokens, G = {s['group_size']}; ms per decode step = (wall time of a {s['long']}-token call - that of a "
+            f"{s['short']}-token call) / {s['long'] - s['short']}, after a warm-up, so the decode step at context "
+            f"{s['prompt'] + s['short']}-{s['prompt'] + s['long']}. A ratio above 1: the second engine's step is "
+            "faster."]
+    linear = {arm: cls for arm, cls in result.get("vllm_linear", {}).items() if cls}
+    if linear:
+        out += ["", "vLLM's linear layer: " + "; ".join(f"{arm} `{cls}`" for arm, cls in linear.items()) + "."]
+    for arm, error in result.get("errors", {}).items():
+        out += ["", f"{arm} failed: {cell(error)[:200]}"]
+    return out
+
+
+def decode_peer_glance(result: dict) -> list[str]:
+    rows = [r for r in result["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
+    if not rows:
+        return []
+    return [f"{result['settings']['model']} decode step with LoRA r16, vLLM's time / qerl's: " + ", ".join(
+        f"NVFP4 {num(r['vllm_nvfp4_over_qerl_nvfp4'])}x"
+        + (f", bf16 {num(r['vllm_bf16_over_qerl_bf16'])}x" if "vllm_bf16_over_qerl_bf16" in r else "")
+        + f" at {r['rows']} rows" for r in rows)]
+
+
+def decode_peer_plot(result: dict) -> dict:
+    series = []
+    for arm, name in DECODE_PEER_ARMS:
+        points = [(r["rows"], r[f"ms_step_{arm}"]) for r in result["rows"] if f"ms_step_{arm}" in r]
+        if points:
+            series.append({"label": name, "x": [x for x, _ in points], "y": [y for _, y in points]})
+    return {"kind": "line", "title": f"Decode step with LoRA r16, vLLM vs qerl, {result['settings']['model']}",
+            "xlabel": "rows", "ylabel": "ms per step", "xlog": True, "series": series}
+
+
 # ---------------------------------------------------------------------------------------------------- plots
 # A plot is plain data (what the *_plot functions return), drawn by matplotlib where it is installed. Each PNG carries
 # the digest of its data, so a plot that no longer shows the results is found without matplotlib.
@@ -542,6 +590,12 @@ SECTIONS = (
             "bitsandbytes NF4 (`--load_in_4bit`; vLLM then holds NF4 weights and receives the merged, re-quantized "
             "codes each step), and `unsloth`, Unsloth's GRPO (`FastLanguageModel`, `fast_inference=True`, TRL 1.15).",
             trl_peer_section, trl_peer_glance, trl_peer_plot),
+    Section("Against vLLM: the decode step alone", "decode_peer_*.json",
+            "python bench/bench_decode_peer.py --tokenizer DIR --out bench/results",
+            "ms per decode step of vLLM (NVFP4 through its compressed-tensors path, Marlin on an H100; bf16) and of "
+            "qerl's CUDA-graph engine (NVFP4, bf16) with the same LoRA adapter, on the same random-init checkpoints, "
+            "one engine after the other in one run (`bench/bench_decode_peer.py`).", decode_peer_section,
+            decode_peer_glance, decode_peer_plot),
     Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Several GPUs: DDP scaling", "multi_gpu_*.json",
