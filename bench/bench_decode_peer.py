@@ -122,6 +122,7 @@ def linear_class(llm) -> str | None:
     them), for the record."""
     def probe(model):
         layer = model.model.layers[0].self_attn.qkv_proj
+        layer = getattr(layer, "base_layer", layer)  # under LoRA, vLLM's wrapper holds the quantized layer
         names = [type(getattr(layer, "quant_method", None)).__name__]
         scheme = getattr(layer, "scheme", None)
         if scheme is not None:
