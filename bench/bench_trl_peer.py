@@ -477,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-process", action="store_true", help="run the arms in this process (CPU check)")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--parts", default=None, help="where each arm's result is kept (default: WORK/trl_peer_<n>tok)")
+    parser.add_argument("--keep", default=None,
+                        help="an earlier report (bench/results/trl_peer_*.json): its arms of the same settings join "
+                             "this call's where this machine has not run them (each keeps its date and kept_from)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for qerl's arms (after --)")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a and a != "none"]
@@ -522,6 +525,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"model": model, "prompts": args.prompts, "group_size": args.group_size,
                 "new_tokens": args.new_tokens, "lengths": "fixed", "steps": args.steps, "lora_rank": 16,
                 "trl_micro_batch": args.trl_micro_batch, "qerl_micro_batch_tokens": args.micro_batch_tokens}
+    if args.keep:  # before the arms run: an arm run here replaces the kept one
+        for arm, run in json.loads(Path(args.keep).read_text()).get("runs", {}).items():
+            if arm in ARMS and arm not in arms and not (parts / f"{arm}.json").exists():
+                (parts / f"{arm}.json").write_text(json.dumps({**run, "kept_from": args.keep}, indent=2))
     for arm in arms:
         print(f"=== {arm}", flush=True)
         result = run_arm(arm, dirs, opts, own_process=not args.in_process)

@@ -357,6 +357,11 @@ def trl_peer_section(result: dict) -> list[str]:
             "tokens, how far the sampler's copy of the weights is from the trained one; base drift: how far the frozen "
             "base of the first LoRA layer moved over the run (peft's merge / unmerge before each weight sync, with a "
             "4-bit base a re-quantization each way), relative to its mean |value|."]
+    kept = {arm: run for arm, run in result.get("runs", {}).items() if run.get("kept_from")}
+    if kept:
+        out += ["", "Carried over from an earlier session's report (`--keep`), with the date each was measured: "
+                + ", ".join(f"{arm} {str(run.get('date', 'undated'))[:10]} on {run.get('device', '?')}"
+                            for arm, run in kept.items()) + "."]
     return out
 
 

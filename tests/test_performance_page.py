@@ -165,7 +165,8 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
     common = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27T01:00:00", "settings": settings}
     arms = {"trl": {"rollout_s": 40.0, "generate_s": 32.0, "train_s": 35.0, "step_s": 75.0, "peak_gb": 50.5,
                     "logp_gap": 0.0031, "base_drift": 2.5e-4, "config": {"use_vllm": True}},
-            "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25},
+            "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25,
+                           "kept_from": "bench/results/trl_peer_h100.json", "date": "2026-11-26T09:00:00"},
             "trl_qlora": {"error": "ValueError: vLLM cannot load 4-bit | merged weights"},
             "qerl_bf16": {"rollout_s": 21.0, "train_s": 14.0, "step_s": 35.0, "settings": {**settings, "steps": 2}}}
     for arm, result in arms.items():
@@ -186,6 +187,8 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
     assert cells["trl"]["step / qerl NVFP4 step"] == "2.14" and cells["qerl_nvfp4"]["step / qerl NVFP4 step"] == "1.00"
     assert cells["trl_qlora"]["failed with"] == "ValueError: vLLM cannot load 4-bit / merged weights"
     assert cells["trl_qlora"]["step s"] == "-"
+    assert ("Carried over from an earlier session's report (`--keep`), with the date each was measured: qerl_nvfp4 "
+            "2026-11-26 on NVIDIA H100 80GB HBM3.") in text
     assert cells["trl"]["vLLM log-prob gap"] == "0.0031" and cells["trl"]["base drift"] == "2.5e-04"
     assert cells["qerl_nvfp4"]["vLLM log-prob gap"] == "-" and cells["qerl_nvfp4"]["base drift"] == "-"
     assert ("qwen2.5-7b GRPO step, 16 prompts x 8, 2048 new tokens: qerl NVFP4 35.0 s vs TRL GRPOTrainer + vLLM 75.0 s "
