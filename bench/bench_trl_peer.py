@@ -266,11 +266,12 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
         shuffle_dataset=False, seed=0, log_completions=False, dataloader_num_workers=0,
         **more,
     )
-    config.update({k: getattr(args, k) for k in (
+    record = lambda: config.update({k: getattr(args, k, None) for k in (  # noqa: E731
         "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
         "num_generations", "max_completion_length", "gradient_checkpointing", "use_vllm", "vllm_mode",
         "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "loss_type", "beta",
-        "vllm_importance_sampling_correction", "bf16")})
+        "vllm_importance_sampling_correction", "bf16", "top_k")})
+    record()
     config["generation_kwargs"] = generation
     config["quantization_config"] = quantization.to_dict() if quantization is not None else None
     clock = StepClock()
@@ -279,6 +280,7 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
                                processing_class=tokenizer, quantization_config=quantization, peft_config=lora,
                                callbacks=[clock], clock=clock)
     init_s = time.perf_counter() - start  # loading, peft wrapping and, with use_vllm, vLLM's start (profile, graphs)
+    record()  # as the trainer left them (Unsloth's trainer sets the sleep mode and top_k for its engine)
     base_before = first_base_weight(trainer.model)
     trainer.train()
     # the base is frozen: what moved it is each step's merge_adapter / unmerge_adapter round trip before the sync
