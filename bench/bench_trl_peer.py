@@ -4,6 +4,8 @@ colocated vLLM, at the end-to-end benchmark's settings, then qerl's CUDA-graph e
     python bench/bench_trl_peer.py --tokenizer DIR --out bench/results [--arms trl,qerl_nvfp4,qerl_bf16,...]
         [--new-tokens 2048] [--steps 3] [--trl-micro-batch 8] [--vllm-gpu-memory-utilization auto]
 
+Arms ``trl``, ``trl_qlora`` and ``unsloth`` are the peers; ``qerl_*`` are qerl's engines.
+
 Arms (``--arms``, run one after the other, each in a process of its own so the next finds the GPU free):
 
 - ``trl``: TRL 1.16 ``GRPOTrainer`` on the bf16 checkpoint ``bench_train_e2e.py`` writes (random weights, real
@@ -15,8 +17,29 @@ Arms (``--arms``, run one after the other, each in a process of its own so the n
   ``ignore_eos`` and ``min_tokens`` through ``generation_kwargs``. ``vllm_gpu_memory_utilization`` ``auto``: the
   share that holds vLLM's weights and the KV cache of every row at full length plus 4 GiB (what TRL's estimator
   computes), rounded up to 0.05. The reward is a seeded random number (the step's cost does not depend on it).
-- ``trl_qlora``: the same with the base loaded in bitsandbytes NF4 (``load_in_4bit``): TRL then starts vLLM with
-  ``quantization="bitsandbytes"`` and pushes the merged weights into it each step; whatever happens is recorded.
+- ``trl_qlora``: the same with the base in bitsandbytes NF4, loaded as TRL's script does with ``--load_in_4bit``
+  (``get_quantization_config(ModelConfig(load_in_4bit=True))``: NF4, no nested quantization, bf16 compute, given to
+  the trainer as ``quantization_config`` with the checkpoint's path). What TRL 1.16 does with it, from its source:
+  seeing a ``bnb.nn.Linear4bit`` it starts vLLM with ``quantization="bitsandbytes"`` (vLLM quantizes the bf16
+  checkpoint to NF4 itself while loading, keeping its own per-block scales on the parameters); the trainable LoRA
+  weights are cast to bf16. Each step's weight sync calls peft's ``merge_adapter()``: for every 4-bit layer peft
+  dequantizes the base, adds B @ A, copies the sum to the CPU and quantizes it again (``Params4bit``, back on the
+  GPU); TRL then hands vLLM each ``named_parameters()`` tensor, i.e. the merged layers' packed NF4 codes, which vLLM's
+  loader copies into its packed weights while keeping the scales it computed at start (the new scales are not
+  parameters and are not sent); then ``unmerge_adapter()`` dequantizes, subtracts and quantizes once more, so the
+  frozen base moves by a rounding error every step. With ``vllm_enable_sleep_mode`` TRL sleeps vLLM at level 2,
+  which discards weights: the codes are pushed again, the scales (vLLM allocated them while loading) are not. The
+  arm records both effects: ``logp_gap`` (TRL's ``sampling/sampling_logp_difference/mean``, vLLM's log-probs of
+  its samples against the policy's, median over steps; the bf16 arm's is the reference) and ``base_drift`` (mean
+  |change| of the first LoRA-wrapped layer's dequantized base over the run / its mean |value|; zero where nothing
+  moved it). Sampled lengths are forced, so the times hold whatever vLLM samples.
+- ``unsloth``: Unsloth's GRPO as its notebooks run it, ``FastLanguageModel.from_pretrained(..., load_in_4bit=False,
+  fast_inference=True, max_lora_rank=16)`` (vLLM inside the model; the LoRA goes to vLLM as a LoRA request, not
+  merged), ``FastLanguageModel.get_peft_model`` (r16 / alpha 16 on the same seven projections, Unsloth's gradient
+  checkpointing), ``UNSLOTH_VLLM_STANDBY=1`` (its sleep mode for RL; ``--trl-sleep false`` turns it off), then TRL's
+  ``GRPOTrainer`` as patched by Unsloth at the TRL arm's settings, fixed lengths through Unsloth's
+  ``vllm_sampling_params``. Unsloth pins TRL <= 1.15 and datasets < 5: it runs in a call of its own with
+  ``bench/unsloth_wheels.sh`` / ``bench/unsloth_install.sh`` (TRL 1.15.0), on the same machine as the other arms.
 - ``qerl_nvfp4``, ``qerl_bf16``: ``bench_train_e2e.fit`` with the CUDA-graph engine; ``qerl_vllm_nvfp4``,
   ``qerl_vllm_bf16``: the same with qerl's vLLM engine (``VLLMRollout``, LoRA hot-swapped, its share planned).
 
@@ -57,12 +80,15 @@ from pathlib import Path
 ARMS = {  # arm -> (system, weights) as the table names them
     "trl": ("TRL GRPOTrainer + vLLM colocate", "bf16"),
     "trl_qlora": ("TRL GRPOTrainer + vLLM colocate, load_in_4bit", "nf4"),
+    "unsloth": ("Unsloth (fast_inference vLLM) + TRL GRPOTrainer", "bf16"),
     "qerl_nvfp4": ("qerl CUDA-graph engine", "nvfp4"),
     "qerl_bf16": ("qerl CUDA-graph engine", "bf16"),
     "qerl_vllm_nvfp4": ("qerl vLLM engine", "nvfp4"),
     "qerl_vllm_bf16": ("qerl vLLM engine", "bf16"),
 }
+TRAINERS = ("trl", "trl_qlora", "unsloth")  # the arms that run TRL's GRPOTrainer (trl_arm)
 BASELINE = "qerl_nvfp4"  # every arm's step is divided by this one's
+LOGP_GAP = "sampling/sampling_logp_difference/mean"  # TRL's mean |vLLM's log-prob - the policy's| of sampled tokens
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -78,14 +104,35 @@ def prompt_texts(tokenizer, n: int, max_prompt_tokens: int) -> list[str]:
     return [next(stream)["prompt"] for _ in range(n)]
 
 
-def vllm_share(model_dir: Path, rows: int, max_len: int, total_bytes: int) -> float:
+def vllm_share(model_dir: Path, rows: int, max_len: int, total_bytes: int, four_bit: bool = False) -> float:
     """The GPU share that holds vLLM's copy of the weights and the KV cache of ``rows`` rows of ``max_len`` tokens
-    plus 4 GiB (activations, graphs, sampler), rounded up to 0.05."""
+    plus 4 GiB (activations, graphs, sampler), rounded up to 0.05. ``four_bit``: vLLM holds the decoder layers'
+    linear weights as bitsandbytes NF4 (half a byte a weight and a float32 scale per 64), the rest in bf16."""
     config = json.loads((model_dir / "config.json").read_text())
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if four_bit:
+        hidden, kv_heads = config["hidden_size"], config["num_key_value_heads"]
+        per_layer = (hidden * config["num_attention_heads"] * head_dim * 2 + hidden * kv_heads * head_dim * 2
+                     + 3 * hidden * config["intermediate_size"])
+        weights -= config["num_hidden_layers"] * per_layer * (2 - 0.5 - 4 / 64)
     kv = rows * max_len * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
     return min(0.95, math.ceil((weights + kv + 4 * 2**30) / total_bytes * 20) / 20)
+
+
+def first_base_weight(model):
+    """The first LoRA-wrapped layer's frozen base weight in float32 on the CPU, dequantized where it is 4-bit."""
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(base, "weight"):
+            continue
+        weight = base.weight
+        if getattr(weight, "quant_state", None) is not None:
+            from bitsandbytes.functional import dequantize_4bit
+
+            return dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+        return weight.detach().float().cpu()
+    raise ValueError("no LoRA-wrapped layer in the model")
 
 
 def random_reward(completions, **kwargs) -> list[float]:
@@ -106,13 +153,16 @@ def trl_arm(model_dir: str, opts: dict) -> dict:
 
 def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL drives the in-process engine's model runner
+    if opts["unsloth"]:  # Unsloth first: it patches transformers, peft and TRL's trainers as it is imported
+        os.environ.setdefault("UNSLOTH_VLLM_STANDBY", "1" if opts["sleep"] else "0")  # its sleep mode for RL
+        from unsloth import FastLanguageModel
     import torch
     import transformers
     import trl
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_quantization_config
 
     cuda = opts["device"] == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -175,22 +225,32 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, opts["prompts"] * opts["steps"],
                                                         opts["max_prompt_tokens"])})
-    load = {"dtype": torch.bfloat16 if cuda else torch.float32, **({"device_map": {"": 0}} if cuda else {})}
-    if opts["qlora"]:
-        from transformers import BitsAndBytesConfig
-
-        load["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                         bnb_4bit_use_double_quant=True,
-                                                         bnb_4bit_compute_dtype=torch.bfloat16)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **load)
-    load_s = time.perf_counter() - start
+    dtype = "bfloat16" if cuda else "float32"
+    # As TRL's own script (trl/scripts/grpo.py) loads a model: the trainer gets the path, GRPOConfig's
+    # model_init_kwargs the dtype, and the trainer's quantization_config what ``--load_in_4bit`` makes of ModelConfig
+    quantization = get_quantization_config(ModelConfig(model_name_or_path=str(model_dir), dtype=dtype,
+                                                       load_in_4bit=True)) if opts["qlora"] else None
     max_len = opts["max_prompt_tokens"] + new
     share = opts["vllm_gpu_memory_utilization"]
     if share == "auto":
-        share = vllm_share(model_dir, rows, max_len, torch.cuda.mem_get_info()[1]) if cuda else 0.3
+        share = (vllm_share(model_dir, rows, max_len, torch.cuda.mem_get_info()[1], four_bit=opts["qlora"])
+                 if cuda else 0.3)
     use_vllm = cuda and not opts["no_vllm"]
     generation = ({"ignore_eos": True, "min_tokens": new} if use_vllm else {"min_new_tokens": new})
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    model, more = str(model_dir), {"model_init_kwargs": {"dtype": dtype}}
+    if opts["unsloth"]:  # as Unsloth's GRPO notebooks do: its model with vLLM inside, its LoRA, TRL's trainer
+        from vllm import SamplingParams
+
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name=str(model_dir), max_seq_length=max_len, dtype=torch.bfloat16, load_in_4bit=False,
+            fast_inference=True, max_lora_rank=16, gpu_memory_utilization=share, random_state=0)
+        model = FastLanguageModel.get_peft_model(
+            model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, random_state=0,
+            use_gradient_checkpointing="unsloth" if opts["checkpointing"] else False)
+        lora = None
+        more = {"vllm_sampling_params": SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new,
+                                                       min_tokens=new, ignore_eos=True)}
     micro = opts["trl_micro_batch"]
     if rows % micro:
         raise ValueError(f"--trl-micro-batch {micro} must divide prompts x group size ({rows}).")
@@ -201,27 +261,38 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
         learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, max_grad_norm=0.2,
         lr_scheduler_type="constant", beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
         mask_truncated_completions=False, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=opts["checkpointing"],
-        use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=opts["sleep"],
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=opts["sleep"] and not opts["unsloth"],
         vllm_gpu_memory_utilization=share, vllm_max_model_length=max_len, generation_kwargs=generation,
         shuffle_dataset=False, seed=0, log_completions=False, dataloader_num_workers=0,
+        **more,
     )
-    config.update({k: getattr(args, k) for k in (
+    record = lambda: config.update({k: getattr(args, k, None) for k in (  # noqa: E731
         "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
         "num_generations", "max_completion_length", "gradient_checkpointing", "use_vllm", "vllm_mode",
         "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "loss_type", "beta",
-        "vllm_importance_sampling_correction", "bf16")})
+        "vllm_importance_sampling_correction", "bf16", "top_k")})
+    record()
     config["generation_kwargs"] = generation
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    config["quantization_config"] = quantization.to_dict() if quantization is not None else None
     clock = StepClock()
     start = time.perf_counter()
     trainer = TimedGRPOTrainer(model=model, reward_funcs=random_reward, args=args, train_dataset=dataset,
-                               processing_class=tokenizer, peft_config=lora, callbacks=[clock], clock=clock)
-    init_s = time.perf_counter() - start  # peft wrapping and, with use_vllm, vLLM's start (load, profile, graphs)
+                               processing_class=tokenizer, quantization_config=quantization, peft_config=lora,
+                               callbacks=[clock], clock=clock)
+    init_s = time.perf_counter() - start  # loading, peft wrapping and, with use_vllm, vLLM's start (profile, graphs)
+    record()  # as the trainer left them (Unsloth's trainer sets the sleep mode and top_k for its engine)
+    base_before = first_base_weight(trainer.model)
     trainer.train()
+    # the base is frozen: what moved it is each step's merge_adapter / unmerge_adapter round trip before the sync
+    base_after = first_base_weight(trainer.model)
+    base_drift = ((base_after - base_before).abs().mean() / base_before.abs().mean()).item()
     steady = lambda key: statistics.median(s[key] for s in steps[1:] or steps)  # noqa: E731  first step warms up
     lengths = [entry["completions/mean_length"] for entry in logs if "completions/mean_length" in entry]
+    # vLLM's log-probs of its samples against the policy's recomputation: how far vLLM's copy of the weights is from
+    # what is trained (with the 4-bit base, whether the merged NF4 codes vLLM received decode to the same weights)
+    gaps = [entry[LOGP_GAP] for entry in logs if LOGP_GAP in entry]
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
-    for name in ("vllm", "peft", "bitsandbytes"):
+    for name in ("vllm", "peft", "bitsandbytes", "unsloth", "unsloth_zoo", "datasets"):
         with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
     return {
@@ -230,8 +301,9 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
         "step_s": steady("step_s"), "peak_gb": max(s["peak_gb"] for s in steps),
         "peak_reserved_gb": max(s["peak_reserved_gb"] for s in steps),
         "completion_length": statistics.median(lengths[1:] or lengths) if lengths else None,
+        "logp_gap": statistics.median(gaps) if gaps else None, "base_drift": base_drift,
         "trl_step_time_s": [entry["step_time"] for entry in logs if "step_time" in entry],
-        "load_s": load_s, "init_s": init_s, "steps": steps, "trl_logs": logs, "config": config, "versions": versions,
+        "init_s": init_s, "steps": steps, "trl_logs": logs, "config": config, "versions": versions,
     }
 
 
@@ -303,8 +375,8 @@ class DevicePeak:
 def run_arm(arm: str, dirs: dict, opts: dict, own_process: bool) -> dict:
     from bench_train_e2e import in_own_process
 
-    if arm.startswith("trl"):
-        fn, fn_args = trl_arm, (str(dirs["bf16"]), {**opts, "qlora": arm == "trl_qlora"})
+    if arm in TRAINERS:
+        fn, fn_args = trl_arm, (str(dirs["bf16"]), {**opts, "qlora": arm == "trl_qlora", "unsloth": arm == "unsloth"})
     else:
         quantization = ARMS[arm][1]
         fn, fn_args = qerl_arm, (str(dirs[quantization]), quantization,
@@ -329,7 +401,7 @@ def table_row(arm: str, result: dict, baseline: dict | None) -> dict:
     if "error" in result:
         return {**row, "error": result["error"]}
     for key in ("rollout_s", "generate_s", "score_s", "train_s", "step_s", "peak_gb", "device_peak_gb",
-                "completion_length"):
+                "completion_length", "logp_gap", "base_drift"):
         if result.get(key) is not None:
             row[key] = result[key]
     if baseline and "step_s" in baseline:
@@ -368,7 +440,7 @@ def print_table(report: dict) -> None:
     print(f"\n{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens (fixed), "
           f"{report['device']}")
     print(f"{'arm':18}{'rollout s':>11}{'(generate)':>11}{'train s':>10}{'step s':>10}{'peak GB':>9}"
-          f"{'device GB':>10}{'x qerl nvfp4':>13}")
+          f"{'device GB':>10}{'x qerl nvfp4':>13}{'logp gap':>10}{'base drift':>11}")
     fmt = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in report["rows"]:
         if "error" in r:
@@ -376,7 +448,8 @@ def print_table(report: dict) -> None:
             continue
         print(f"{r['arm']:18}{fmt(r.get('rollout_s')):>11}{fmt(r.get('generate_s')):>11}{fmt(r.get('train_s')):>10}"
               f"{fmt(r.get('step_s')):>10}{fmt(r.get('peak_gb'), 1):>9}{fmt(r.get('device_peak_gb'), 1):>10}"
-              f"{fmt(r.get('step_over_qerl_nvfp4')):>13}")
+              f"{fmt(r.get('step_over_qerl_nvfp4')):>13}{fmt(r.get('logp_gap'), 4):>10}"
+              f"{'-' if r.get('base_drift') is None else format(r['base_drift'], '.1e'):>11}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -406,13 +479,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-process", action="store_true", help="run the arms in this process (CPU check)")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--parts", default=None, help="where each arm's result is kept (default: WORK/trl_peer_<n>tok)")
+    parser.add_argument("--keep", default=None,
+                        help="an earlier report (bench/results/trl_peer_*.json): its arms of the same settings join "
+                             "this call's where this machine has not run them (each keeps its date and kept_from)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for qerl's arms (after --)")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a and a != "none"]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"--arms: unknown {unknown}; use some of {list(ARMS)}")
-    if args.device == "cpu" and [a for a in arms if not a.startswith("trl")]:
+    if args.device == "cpu" and [a for a in arms if a not in TRAINERS]:
         parser.error("--device cpu runs the TRL arms only (qerl's engines need CUDA): use --arms trl")
     if not args.tiny and not args.tokenizer:
         parser.error("--tokenizer DIR is needed (or --tiny)")
@@ -451,6 +527,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"model": model, "prompts": args.prompts, "group_size": args.group_size,
                 "new_tokens": args.new_tokens, "lengths": "fixed", "steps": args.steps, "lora_rank": 16,
                 "trl_micro_batch": args.trl_micro_batch, "qerl_micro_batch_tokens": args.micro_batch_tokens}
+    if args.keep:  # before the arms run: an arm run here replaces the kept one
+        for arm, run in json.loads(Path(args.keep).read_text()).get("runs", {}).items():
+            if arm in ARMS and arm not in arms and not (parts / f"{arm}.json").exists():
+                (parts / f"{arm}.json").write_text(json.dumps({**run, "kept_from": args.keep}, indent=2))
     for arm in arms:
         print(f"=== {arm}", flush=True)
         result = run_arm(arm, dirs, opts, own_process=not args.in_process)

@@ -5,8 +5,8 @@
 
 Standard library only, no GPU; matplotlib (``pip install -e ".[docs]"``) draws the plots. Each results file goes to
 the section whose file pattern it matches (``kernel_*``, ``gemv_*``, ``rollout_*``, ``train_e2e_*``, ``trl_peer_*``,
-``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is shown as a plain
-table of its ``rows``. Every table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
+``decode_peer_*``, ``*memory*``, ``multi_gpu_*``, ``decode_profile_*``, ``wide_probe_*``); a file that matches none is
+shown as a plain table of its ``rows``. Every table names its device, date and the command that reproduces it (the file's ``command`` key, else the benchmark's
 default command). ``tests/test_performance_page.py`` checks that the committed page is what this script writes from
 the committed results and that each plot (a PNG in ``docs/performance/`` carrying the digest of the data it shows)
 is current, so the figures cannot drift: after a benchmark run, run this script and commit the page and plots with
@@ -337,10 +337,12 @@ def e2e_glance(result: dict) -> list[str]:
 def trl_peer_section(result: dict) -> list[str]:
     s = result["settings"]
     header = ["arm", "system", "weights", "rollout s", "of which sampling s", "train s", "step s", "peak GB",
-              "device peak GB", "completion length", "step / qerl NVFP4 step", "failed with"]
+              "device peak GB", "completion length", "step / qerl NVFP4 step", "vLLM log-prob gap", "base drift",
+              "failed with"]
     body = [[r["arm"], r["system"], r["weights"], num(r.get("rollout_s")), num(r.get("generate_s")),
              num(r.get("train_s")), num(r.get("step_s")), num(r.get("peak_gb"), 1), num(r.get("device_peak_gb"), 1),
-             num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")),
+             num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")), num(r.get("logp_gap"), 4),
+             "-" if r.get("base_drift") is None else f"{r['base_drift']:.1e}",
              cell(r.get("error", "-"))[:160]] for r in result["rows"]]
     out = table(header, body)
     out += ["", f"{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens "
@@ -350,7 +352,16 @@ def trl_peer_section(result: dict) -> list[str]:
             "the policy's log-probs of the samples for TRL's importance-sampling correction), of which sampling = "
             "`_generate`; train = the rest of the optimizer step. qerl: `perf/rollout_s` and `perf/train_s`. Peak GB: "
             "PyTorch's peak allocated in the arm's process; device peak GB: the device's used memory over the arm "
-            "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster."]
+            "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster. "
+            "vLLM log-prob gap (TRL and Unsloth arms): TRL's mean |vLLM's log-prob - the policy's| of the sampled "
+            "tokens, how far the sampler's copy of the weights is from the trained one; base drift: how far the frozen "
+            "base of the first LoRA layer moved over the run (peft's merge / unmerge before each weight sync, with a "
+            "4-bit base a re-quantization each way), relative to its mean |value|."]
+    kept = {arm: run for arm, run in result.get("runs", {}).items() if run.get("kept_from")}
+    if kept:
+        out += ["", "Carried over from an earlier session's report (`--keep`), with the date each was measured: "
+                + ", ".join(f"{arm} {str(run.get('date', 'undated'))[:10]} on {run.get('device', '?')}"
+                            for arm, run in kept.items()) + "."]
     return out
 
 
@@ -373,6 +384,54 @@ def trl_peer_plot(result: dict) -> dict:
             f"{s['new_tokens']} tok", "ylabel": "seconds", "categories": [label(p)[:-2] for p in phases],
             "series": [{"label": f"{r['system'].replace('GRPOTrainer + ', '')} {r['weights']}",
                         "y": [r.get(p) for p in phases]} for r in rows]}
+
+
+DECODE_PEER_ARMS = (("vllm_nvfp4", "vLLM NVFP4"), ("vllm_bf16", "vLLM bf16"), ("qerl_nvfp4", "qerl NVFP4"),
+                    ("qerl_bf16", "qerl bf16"))
+DECODE_PEER_RATIOS = (("vllm_nvfp4_over_qerl_nvfp4", "vLLM NVFP4 / qerl NVFP4"),
+                      ("vllm_bf16_over_qerl_bf16", "vLLM bf16 / qerl bf16"),
+                      ("vllm_bf16_over_qerl_nvfp4", "vLLM bf16 / qerl NVFP4"),
+                      ("vllm_bf16_over_vllm_nvfp4", "vLLM bf16 / vLLM NVFP4"),
+                      ("qerl_bf16_over_qerl_nvfp4", "qerl bf16 / qerl NVFP4"))
+
+
+def decode_peer_section(result: dict) -> list[str]:
+    s = result["settings"]
+    header = ["rows"] + [f"{name} ms" for _, name in DECODE_PEER_ARMS] + [name for _, name in DECODE_PEER_RATIOS]
+    body = [[str(r["rows"])] + [num(r.get(f"ms_step_{arm}")) for arm, _ in DECODE_PEER_ARMS]
+            + [num(r.get(key)) for key, _ in DECODE_PEER_RATIOS] for r in result["rows"]]
+    out = table(header, body)
+    out += ["", f"{s['model']}, LoRA r{s['lora_rank']} on q,k,v,o,gate,up,down in all four, prompts of {s['prompt']} "
+            f"tokens, G = {s['group_size']}; ms per decode step = (wall time of a {s['long']}-token call - that of a "
+            f"{s['short']}-token call) / {s['long'] - s['short']}, after a warm-up, so the decode step at context "
+            f"{s['prompt'] + s['short']}-{s['prompt'] + s['long']}. A ratio above 1: the second engine's step is "
+            "faster."]
+    linear = {arm: cls for arm, cls in result.get("vllm_linear", {}).items() if cls}
+    if linear:
+        out += ["", "vLLM's linear layer: " + "; ".join(f"{arm} `{cls}`" for arm, cls in linear.items()) + "."]
+    for arm, error in result.get("errors", {}).items():
+        out += ["", f"{arm} failed: {cell(error)[:200]}"]
+    return out
+
+
+def decode_peer_glance(result: dict) -> list[str]:
+    rows = [r for r in result["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
+    if not rows:
+        return []
+    return [f"{result['settings']['model']} decode step with LoRA r16, vLLM's time / qerl's: " + ", ".join(
+        f"NVFP4 {num(r['vllm_nvfp4_over_qerl_nvfp4'])}x"
+        + (f", bf16 {num(r['vllm_bf16_over_qerl_bf16'])}x" if "vllm_bf16_over_qerl_bf16" in r else "")
+        + f" at {r['rows']} rows" for r in rows)]
+
+
+def decode_peer_plot(result: dict) -> dict:
+    series = []
+    for arm, name in DECODE_PEER_ARMS:
+        points = [(r["rows"], r[f"ms_step_{arm}"]) for r in result["rows"] if f"ms_step_{arm}" in r]
+        if points:
+            series.append({"label": name, "x": [x for x, _ in points], "y": [y for _, y in points]})
+    return {"kind": "line", "title": f"Decode step with LoRA r16, vLLM vs qerl, {result['settings']['model']}",
+            "xlabel": "rows", "ylabel": "ms per step", "xlog": True, "series": series}
 
 
 # ---------------------------------------------------------------------------------------------------- plots
@@ -532,7 +591,16 @@ SECTIONS = (
             "TRL's `GRPOTrainer` (peft LoRA, bf16 base, vLLM in the same process with sleep mode, DAPO loss, beta 0, "
             "gradient checkpointing) against qerl's CUDA-graph engine and qerl's vLLM engine, NVFP4 and bf16, at the "
             "same settings on the same random-init checkpoint and prompts, measured one after the other on one "
-            "machine (`bench/bench_trl_peer.py`).", trl_peer_section, trl_peer_glance, trl_peer_plot),
+            "machine (`bench/bench_trl_peer.py`). Where present: `trl_qlora`, the same TRL run with the base in "
+            "bitsandbytes NF4 (`--load_in_4bit`; vLLM then holds NF4 weights and receives the merged, re-quantized "
+            "codes each step), and `unsloth`, Unsloth's GRPO (`FastLanguageModel`, `fast_inference=True`, TRL 1.15).",
+            trl_peer_section, trl_peer_glance, trl_peer_plot),
+    Section("Against vLLM: the decode step alone", "decode_peer_*.json",
+            "python bench/bench_decode_peer.py --tokenizer DIR --out bench/results",
+            "ms per decode step of vLLM (NVFP4 through its compressed-tensors path, Marlin on an H100; bf16) and of "
+            "qerl's CUDA-graph engine (NVFP4, bf16) with the same LoRA adapter, on the same random-init checkpoints, "
+            "one engine after the other in one run (`bench/bench_decode_peer.py`).", decode_peer_section,
+            decode_peer_glance, decode_peer_plot),
     Section("Memory", "*memory*.json", "python bench/bench_memory.py --tokenizer DIR --out bench/results",
             "Peak GPU memory per phase of a training step.", memory_section),
     Section("Several GPUs: DDP scaling", "multi_gpu_*.json",

@@ -164,8 +164,9 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
                 "steps": 3, "lora_rank": 16, "trl_micro_batch": 8, "qerl_micro_batch_tokens": "auto"}
     common = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27T01:00:00", "settings": settings}
     arms = {"trl": {"rollout_s": 40.0, "generate_s": 32.0, "train_s": 35.0, "step_s": 75.0, "peak_gb": 50.5,
-                    "config": {"use_vllm": True}},
-            "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25},
+                    "logp_gap": 0.0031, "base_drift": 2.5e-4, "config": {"use_vllm": True}},
+            "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25,
+                           "kept_from": "bench/results/trl_peer_h100.json", "date": "2026-11-26T09:00:00"},
             "trl_qlora": {"error": "ValueError: vLLM cannot load 4-bit | merged weights"},
             "qerl_bf16": {"rollout_s": 21.0, "train_s": 14.0, "step_s": 35.0, "settings": {**settings, "steps": 2}}}
     for arm, result in arms.items():
@@ -186,6 +187,10 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
     assert cells["trl"]["step / qerl NVFP4 step"] == "2.14" and cells["qerl_nvfp4"]["step / qerl NVFP4 step"] == "1.00"
     assert cells["trl_qlora"]["failed with"] == "ValueError: vLLM cannot load 4-bit / merged weights"
     assert cells["trl_qlora"]["step s"] == "-"
+    assert ("Carried over from an earlier session's report (`--keep`), with the date each was measured: qerl_nvfp4 "
+            "2026-11-26 on NVIDIA H100 80GB HBM3.") in text
+    assert cells["trl"]["vLLM log-prob gap"] == "0.0031" and cells["trl"]["base drift"] == "2.5e-04"
+    assert cells["qerl_nvfp4"]["vLLM log-prob gap"] == "-" and cells["qerl_nvfp4"]["base drift"] == "-"
     assert ("qwen2.5-7b GRPO step, 16 prompts x 8, 2048 new tokens: qerl NVFP4 35.0 s vs TRL GRPOTrainer + vLLM 75.0 s "
             "(2.14x) (`trl_peer_h100.json`)") in section(page, "At a glance")
     plot = make_performance.plot_specs(results)["performance/trl_peer_h100.png"]
@@ -193,3 +198,51 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
     assert {s["label"]: s["y"] for s in plot["series"]} == {
         "TRL vLLM colocate bf16": [40.0, 35.0, 75.0], "qerl CUDA-graph engine nvfp4": [20.0, 15.0, 35.0]}
     assert "](performance/trl_peer_h100.png)" in text
+
+
+def test_decode_peer_parts_merge_into_ms_per_step_per_row_count_with_ratios_a_headline_and_a_plot(results, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_decode_peer", ROOT / "bench" / "bench_decode_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    settings = {"model": "qwen2.5-7b", "rows": [1, 128], "prompt": 256, "short": 64, "long": 320, "lora_rank": 16,
+                "group_size": "min(8, rows)"}
+    common = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28T01:00:00", "settings": settings}
+    arms = {"vllm_nvfp4": {"rows": {"1": {"ms_step": 5.0}, "128": {"ms_step": 15.6}},
+                           "linear": "CompressedTensorsLinearMethod / MarlinNvFp4"},
+            "vllm_bf16": {"rows": {"1": {"ms_step": 7.5}, "128": {"ms_step": 13.6}}},
+            "qerl_nvfp4": {"rows": {"1": {"ms_step": 2.5}, "128": {"ms_step": 10.4}}},
+            "qerl_bf16": {"error": "OutOfMemoryError: CUDA out of memory"},
+            "qerl_bf16_old": {"rows": {"1": {"ms_step": 1.0}}}}  # not an arm's name: ignored
+    for arm, result in arms.items():
+        (parts / f"{arm}.json").write_text(json.dumps({**common, **result}))
+    report = peer.merge(parts, settings)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "vllm_bf16.json").write_text(json.dumps({**common, **arms["vllm_bf16"],
+                                                      "settings": {**settings, "long": 512}}))
+    assert "ms_step_vllm_bf16" not in peer.merge(other, settings)["rows"][0]  # run at other settings: not merged
+    assert [r["rows"] for r in report["rows"]] == [1, 128]
+    assert report["rows"][1]["vllm_nvfp4_over_qerl_nvfp4"] == pytest.approx(1.5)
+    assert "qerl_bf16_over_qerl_nvfp4" not in report["rows"][1]  # the failed arm has no figure
+    report["command"] = "python bench/bench_decode_peer.py --tokenizer DIR --out bench/results"
+    (results / "decode_peer_h100.json").write_text(json.dumps(report))
+    page = make_performance.render(results)
+
+    text = section(page, "Against vLLM: the decode step alone")
+    header = next(line for line in text.splitlines() if line.startswith("| rows |"))
+    cells = {row[0]: dict(zip(cells_of(header), row)) for row in
+             (cells_of(line) for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 128 "))}
+    assert cells["1"]["vLLM NVFP4 ms"] == "5.00" and cells["1"]["qerl NVFP4 ms"] == "2.50"
+    assert cells["1"]["vLLM NVFP4 / qerl NVFP4"] == "2.00" and cells["128"]["vLLM bf16 / vLLM NVFP4"] == "0.87"
+    assert cells["128"]["qerl bf16 ms"] == "-" and cells["128"]["vLLM bf16 / qerl bf16"] == "-"
+    assert "qerl_bf16 failed: OutOfMemoryError: CUDA out of memory" in text
+    assert "vllm_nvfp4 `CompressedTensorsLinearMethod / MarlinNvFp4`" in text
+    assert "context 320-576" in text
+    assert ("qwen2.5-7b decode step with LoRA r16, vLLM's time / qerl's: NVFP4 2.00x at 1 rows, NVFP4 1.50x at 128 "
+            "rows (`decode_peer_h100.json`)") in section(page, "At a glance")
+    plot = make_performance.plot_specs(results)["performance/decode_peer_h100.png"]
+    assert {s["label"]: (s["x"], s["y"]) for s in plot["series"]} == {
+        "vLLM NVFP4": ([1, 128], [5.0, 15.6]), "vLLM bf16": ([1, 128], [7.5, 13.6]),
+        "qerl NVFP4": ([1, 128], [2.5, 10.4])}
