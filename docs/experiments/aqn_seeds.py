@@ -34,18 +34,22 @@ Layout under ``--work``: ``<arm>/seed_<S>/version_0/`` (events, ``checkpoints/la
 in ``<arm>/seed_<S>.log``; ``base_<quantization>/`` for the untrained scores.
 
 Resuming: a run with a ``result.json`` is skipped. A run that was stopped (``--time-limit``, a signal, a crash)
-restarts from its ``checkpoints/last.ckpt`` (``fit --ckpt_path``: the adapter, optimizer, schedules, data position
-and random streams of the uninterrupted run; the steps after that checkpoint are run and logged again, and when the
-event files are read back the later value of a step wins), or from scratch when it has none (its directory is
-cleared first). A run directory made with other arguments is refused, not mixed. The JSON is rewritten after every
-run that finishes, with the runs complete so far (``complete`` says whether all are).
+restarts from the newer of its ``checkpoints/last.ckpt`` and ``interrupted.ckpt`` (the one SIGTERM has it write
+after the step and validation in progress; ``fit --ckpt_path``: the adapter, optimizer, schedules, data position and
+random streams of the uninterrupted run; steps after that checkpoint are run and logged again, and when the event
+files are read back the later value of a step wins), or from scratch when it has none (its directory is cleared
+first). A run killed before it wrote ``interrupted.ckpt`` (``--stop-grace``) and resumed from a ``last.ckpt``
+written just before a validation never makes that validation (Lightning skips it on resume): the report then has no
+final score for a run missing its last one. A run directory made with other arguments is refused, not mixed. The
+JSON is rewritten after every run that finishes, with the runs complete so far (``complete`` says whether all are).
 
-``--time-limit SECONDS`` stops the runs still going at that time (the checkpoints stay) and writes the JSON, so a
-long experiment goes through in calls of bounded length: the same command again continues it. ``--archive FILE``
-keeps the finished runs (``run.json`` + ``result.json`` of each, a few kB) in one tar.gz, rewritten with the JSON, and
-restores from it the ones missing under ``--work`` at the start: a call on a fresh machine, with the archive carried
-over, runs only what was not finished (a run stopped mid-way there starts again from step 0). Options after ``--``
-go to every ``train.py`` call (e.g. ``-- --trainer.val_check_interval 10``).
+``--time-limit SECONDS`` stops the runs still going at that time (SIGTERM, then ``--stop-grace`` seconds to write
+their checkpoint) and writes the JSON, so a long experiment goes through in calls of bounded length: the same
+command again continues it. ``--archive FILE`` keeps the finished runs (``run.json`` + ``result.json`` of each, a
+few kB) in one tar.gz, rewritten with the JSON, and restores from it the ones missing under ``--work`` at the start:
+a call on a fresh machine, with the archive carried over, runs only what was not finished (a run stopped mid-way
+there starts again from step 0). Options after ``--`` go to every ``train.py`` call
+(e.g. ``-- --trainer.val_check_interval 10``).
 """
 
 from __future__ import annotations
@@ -254,14 +258,22 @@ def prepare(job: Job) -> list[str]:
         if previous != job.args:
             raise SystemExit(f"error: {job.directory} holds a run with other arguments ({record}); use another --work, "
                              "or delete that directory to run it again with these.")
-    last = job.version_dir / "checkpoints" / "last.ckpt"
-    if job.seed is not None and last.exists():
+    last = newest_checkpoint(job.version_dir / "checkpoints")
+    if job.seed is not None and last is not None:
         return [*job.args, "--ckpt_path", str(last)]
     if job.version_dir.exists():
         shutil.rmtree(job.version_dir)  # a start from scratch must not read the stopped attempt's events
     job.directory.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({"args": job.args}, indent=1))
     return list(job.args)
+
+
+def newest_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint a stopped run resumes from: the newer of ``last.ckpt`` (the periodic one) and
+    ``interrupted.ckpt`` (written when SIGTERM stopped it, after the step, and the validation, in progress: resuming
+    from ``last.ckpt`` instead would redo those steps and skip a validation that ``last.ckpt`` was written before)."""
+    found = [p for p in (directory / "last.ckpt", directory / "interrupted.ckpt") if p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
 def record_attempt(job: Job, seconds: float) -> None:
@@ -456,6 +468,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 elif job.name not in retried:  # once more, after the others (a run of many at once can run out
                     retried.add(job.name)       # of GPU memory); it resumes from its last checkpoint
                     pending.append(job)
+                    pending.sort(key=lambda j: j.seed is not None)  # (untrained scores still go first)
                     print(f"FAILED {job.name} (exit {process.returncode}): again after the others; see "
                           f"{job.log_path}", flush=True)
                 else:
@@ -465,8 +478,8 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
         for job, process, log in running:  # stopped by the time limit or a signal: checkpoints stay, resume later
             signal_group(process, signal.SIGTERM)
         for job, process, log in running:
-            try:
-                process.wait(timeout=30)
+            try:  # (time for the step, or the validation, in progress to finish and the checkpoint to be written)
+                process.wait(timeout=args.stop_grace)
             except subprocess.TimeoutExpired:
                 signal_group(process, signal.SIGKILL)
                 process.wait()
@@ -506,6 +519,8 @@ def parse_args(argv: list[str] | None):
                         help="seconds after which running runs are stopped (they resume on the next call)")
     parser.add_argument("--archive", default=None,
                         help="tar.gz of the finished runs: restored from at the start, rewritten with the JSON")
+    parser.add_argument("--stop-grace", type=float, default=120.0,
+                        help="seconds a run stopped by the time limit gets to write its checkpoint before it is killed")
     parser.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
     if (args.parallel < 1 or args.gpus < 1 or (args.steps is not None and args.steps < 1)

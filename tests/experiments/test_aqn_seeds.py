@@ -5,6 +5,7 @@ and a stopped run resumed from its checkpoint ending with the curves of the stra
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -206,3 +207,15 @@ def test_the_archive_restores_finished_runs_made_with_the_same_arguments(tmp_pat
     shutil.rmtree(tmp_path / "work")
     other = jobs_for("--steps", "7")  # the training run's arguments differ, the base score's do not
     assert seeds_script.restore_finished(other, archive) == ["base_bf16"]
+
+
+def test_a_stopped_run_resumes_from_its_newest_checkpoint(tmp_path):
+    assert seeds_script.newest_checkpoint(tmp_path) is None
+    last, interrupted = tmp_path / "last.ckpt", tmp_path / "interrupted.ckpt"
+    last.write_bytes(b"step 20, before its validation")
+    assert seeds_script.newest_checkpoint(tmp_path) == last
+    interrupted.write_bytes(b"step 23, after SIGTERM")
+    os.utime(last, ns=(1_000_000_000, 1_000_000_000))
+    assert seeds_script.newest_checkpoint(tmp_path) == interrupted
+    os.utime(interrupted, ns=(500_000_000, 500_000_000))  # an old interruption, periodic checkpoints since
+    assert seeds_script.newest_checkpoint(tmp_path) == last
