@@ -284,16 +284,39 @@ def record_attempt(job: Job, seconds: float) -> None:
     record.write_text(json.dumps(data, indent=1))
 
 
-def finish(job: Job, max_steps: int) -> bool:
+def finish(job: Job, max_steps: int, final_validation: bool = False) -> bool:
     """Write the job's ``result.json`` if it has finished; True if it has. It holds ``wall_seconds``: the wall time of
     the job's attempts (while ``--parallel`` runs shared the machine: the experiment's GPU time is about the sum over
-    runs divided by ``--parallel``)."""
+    runs divided by ``--parallel``). With ``final_validation`` (the schedule validates at the last step) a run that
+    lacks that validation has not finished: its checkpoints go, so that its next attempt starts from step 0."""
     result = run_result(job, max_steps) if job.seed is not None else base_result(job)
     if result is None:
+        return False
+    if job.seed is not None and final_validation and not has_final_validation(result, max_steps):
+        shutil.rmtree(job.version_dir / "checkpoints", ignore_errors=True)
+        print(f"{job.name}: no validation at step {max_steps} (resumed past it): to run again from step 0",
+              flush=True)
         return False
     attempts = json.loads((job.directory / "run.json").read_text()).get("attempt_seconds", [])
     job.result_path.write_text(json.dumps({**result, "wall_seconds": round(sum(attempts), 1)}))
     return True
+
+
+def has_final_validation(result: dict, max_steps: int) -> bool:
+    return max_steps in result.get("heldout", {}).get("steps", [])
+
+
+def validates_at_last_step(config: dict, args, max_steps: int) -> bool:
+    """Whether the runs' schedule validates after their last step (``trainer.val_check_interval``, an int number of
+    steps, dividing ``max_steps``; passthrough options win over the config)."""
+    override = next((args.passthrough[i + 1] for i, a in enumerate(args.passthrough[:-1])
+                     if a == "--trainer.val_check_interval"), None)
+    interval = override if override is not None else config.get("trainer", {}).get("val_check_interval")
+    try:
+        interval = int(interval)
+    except (TypeError, ValueError):
+        return False
+    return interval >= 1 and max_steps % interval == 0
 
 
 def config_max_steps(config: dict, args) -> int:
@@ -352,9 +375,10 @@ def earlier_calls(work: Path, archive: Path | None) -> list[dict]:
     return []
 
 
-def restore_finished(jobs: list[Job], path: Path) -> list[str]:
+def restore_finished(jobs: list[Job], path: Path, max_steps: int | None = None) -> list[str]:
     """Put back, from the archive ``path``, every job finished there and not here, if it ran with the same arguments
-    (another run under that name is left to ``prepare`` to refuse); returns the names restored."""
+    (another run under that name is left to ``prepare`` to refuse) and, given ``max_steps``, made its validation at
+    that step (else it runs again); returns the names restored."""
     restored = []
     with tarfile.open(path, "r:gz") as tar:
         names = set(tar.getnames())
@@ -364,9 +388,13 @@ def restore_finished(jobs: list[Job], path: Path) -> list[str]:
             record = json.loads(tar.extractfile(f"{job.name}/run.json").read())
             if record.get("args") != job.args:
                 continue
+            result = tar.extractfile(f"{job.name}/result.json").read()
+            if max_steps is not None and job.seed is not None and not has_final_validation(json.loads(result),
+                                                                                            max_steps):
+                continue
             job.directory.mkdir(parents=True, exist_ok=True)
             (job.directory / "run.json").write_text(json.dumps(record, indent=1))
-            job.result_path.write_bytes(tar.extractfile(f"{job.name}/result.json").read())
+            job.result_path.write_bytes(result)
             restored.append(job.name)
     return restored
 
@@ -410,7 +438,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str, c
     }
 
 
-def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
+def run_jobs(args, jobs: list[Job], max_steps: int, on_finish, final_validation: bool = False) -> list[str]:
     """Run the unfinished jobs, ``args.parallel`` at a time, until all are done or the time limit; returns the names
     of jobs that failed (non-zero exit without being stopped by us)."""
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
@@ -462,7 +490,7 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish) -> list[str]:
                 running.remove(item)
                 log.close()
                 record_attempt(job, time.monotonic() - started[job.name])
-                if process.returncode == 0 and finish(job, max_steps):
+                if process.returncode == 0 and finish(job, max_steps, final_validation):
                     print(f"done  {job.name}", flush=True)
                     on_finish()
                 elif job.name not in retried:  # once more, after the others (a run of many at once can run out
@@ -535,6 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config = yaml.safe_load((ROOT / args.config).read_text())
     max_steps = config_max_steps(config, args)
+    final_validation = validates_at_last_step(config, args, max_steps)
     jobs = plan(args, config)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = Path(args.out)
@@ -542,10 +571,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     archive = Path(args.archive) if args.archive else None
     if archive is not None and archive.exists():
-        restored = restore_finished(jobs, archive)
+        restored = restore_finished(jobs, archive, max_steps if final_validation else None)
         if restored:
             print(f"restored {len(restored)} finished runs from {args.archive}", flush=True)
     previous = earlier_calls(Path(args.work), archive)
+    for job in jobs:  # a run finished here without its last validation (resumed past it) runs again from step 0
+        if final_validation and job.seed is not None and job.result_path.exists() and not has_final_validation(
+                json.loads(job.result_path.read_text()), max_steps):
+            job.result_path.unlink()
+            shutil.rmtree(job.version_dir / "checkpoints", ignore_errors=True)
+            print(f"{job.name}: no validation at step {max_steps}: to run again from step 0", flush=True)
 
     def write() -> dict:
         call = {"command": command(args), "parallel": args.parallel, "gpus": args.gpus, "threads": args.threads,
@@ -564,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
     todo = [j.name for j in jobs if not j.result_path.exists()]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {args.parallel} at a time, "
           f"{args.threads} threads each", flush=True)
-    failed = run_jobs(args, jobs, max_steps, write) if todo else []
+    failed = run_jobs(args, jobs, max_steps, write, final_validation) if todo else []
     data = write()
     print(f"wrote {out} ({'complete' if data['complete'] else 'missing: ' + ', '.join(data['missing'])})", flush=True)
     if failed:

@@ -219,3 +219,23 @@ def test_a_stopped_run_resumes_from_its_newest_checkpoint(tmp_path):
     assert seeds_script.newest_checkpoint(tmp_path) == interrupted
     os.utime(interrupted, ns=(500_000_000, 500_000_000))  # an old interruption, periodic checkpoints since
     assert seeds_script.newest_checkpoint(tmp_path) == last
+
+
+def test_a_run_without_its_last_validation_runs_again(tmp_path):
+    config = yaml.safe_load(CONFIG.read_text())  # validates every 20 steps
+    args = seeds_script.parse_args(["--device", "cpu", "--arms", "nvfp4", "--seeds", "0", "1", "--steps", "100",
+                                    "--work", str(tmp_path / "work")])
+    assert seeds_script.validates_at_last_step(config, args, 100)
+    assert not seeds_script.validates_at_last_step(config, args, 30)
+    other = seeds_script.parse_args(["--steps", "30", "--", "--trainer.val_check_interval", "10"])
+    assert seeds_script.validates_at_last_step(config, other, 30)
+    _, seed_0, seed_1 = seeds_script.plan(args, config)
+    for job, steps in ((seed_0, [0, 20, 40, 60, 80, 100]), (seed_1, [0, 20, 40, 60, 80])):
+        job.directory.mkdir(parents=True)
+        (job.directory / "run.json").write_text(json.dumps({"args": job.args}))
+        job.result_path.write_text(json.dumps({"seed": job.seed, "heldout": {"steps": steps}}))
+    archive = tmp_path / "runs.tar.gz"
+    assert seeds_script.archive_finished([seed_0, seed_1], archive) == 2
+    shutil.rmtree(tmp_path / "work")
+    assert seeds_script.restore_finished([seed_0, seed_1], archive, 100) == ["nvfp4/seed_0"]
+    assert seeds_script.restore_finished([seed_0, seed_1], archive) == ["nvfp4/seed_1"]  # no schedule: both count
