@@ -594,6 +594,8 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
     metric, level = summary["metric"], summary["level"]
     device = data.get("device", {})
     where = device.get("gpu") or device.get("cpu") or device.get("requested", "?")
+    unscored = [f"{arm}/seed_{r['seed']}" for arm, entry in summary["arms"].items() for r in entry["per_seed"]
+                if _isnan(r["final_accuracy"])]
     lines = [
         "# Is it the noise or the quantization? NVFP4, AQN and bf16 LoRA on one small model",
         "",
@@ -605,6 +607,7 @@ def render(data: dict, summary: dict, report_command: str, plots: list[str]) -> 
         f"expressions; greedy held-out accuracy `{metric}` on questions training never draws), {summary['steps']} "
         f"steps per run, arms x seeds as listed, on {where}. "
         + ("" if data.get("complete", True) else f"**Incomplete: missing {', '.join(data['missing'])}.** ")
+        + (f"**No validation at the last step (no final score): {', '.join(unscored)}.** " if unscored else "")
         + f"Statistics: train-reward area = trapezoidal area under the per-step mean reward divided by the steps; "
         f"steps to level = the first validation step at which held-out accuracy >= {level:.2f} (runs that never "
         f"reach it count as {summary['steps']}, so such a mean is a lower bound: marked >= and censored); early "

@@ -331,6 +331,7 @@ def test_a_run_without_its_last_validation_has_no_final_score_and_its_other_poin
     assert summary["correlations"]["final_accuracy"]["pooled"].n == 20
     page = report.render(data, summary, "python docs/experiments/aqn_report.py x.json", [])
     assert "| NVFP4 | 0.450 (0.225) | 0.600 (0.300) | none (step 5: 0.325 (0.217)) |" in page
+    assert "**No validation at the last step (no final score): nvfp4/seed_2.**" in page
     pytest.importorskip("matplotlib")
     (png,) = report.plot(data, "expressions_acc_flexible", tmp_path / "aqn")
     assert png.exists()
