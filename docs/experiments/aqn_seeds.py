@@ -1,7 +1,8 @@
 """Arms x seeds of the AQN experiment (issues 22, 40) through the real ``train.py``, resumable, into one JSON.
 
-    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 3 4 --parallel 8 --threads 1 --steps 100 \\
-        --time-limit 520 --out docs/results/aqn_seeds.json --archive runs/aqn_seeds.tar.gz   # again until "complete"
+    python docs/experiments/aqn_seeds.py --device cuda --seeds 0 1 2 3 4 --parallel 16 --threads 1 --steps 100 \\
+        --time-limit 400 --out docs/results/aqn_seeds.json --archive docs/results/aqn_seeds_runs.tar.gz
+        # the same again until it prints "complete" (time limit + --stop-grace: one call of at most 10 minutes)
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 
 Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
@@ -293,9 +294,7 @@ def finish(job: Job, max_steps: int, final_validation: bool = False) -> bool:
     if result is None:
         return False
     if job.seed is not None and final_validation and not has_final_validation(result, max_steps):
-        shutil.rmtree(job.version_dir / "checkpoints", ignore_errors=True)
-        print(f"{job.name}: no validation at step {max_steps} (resumed past it): to run again from step 0",
-              flush=True)
+        start_over(job, max_steps)
         return False
     attempts = json.loads((job.directory / "run.json").read_text()).get("attempt_seconds", [])
     job.result_path.write_text(json.dumps({**result, "wall_seconds": round(sum(attempts), 1)}))
@@ -306,12 +305,25 @@ def has_final_validation(result: dict, max_steps: int) -> bool:
     return max_steps in result.get("heldout", {}).get("steps", [])
 
 
+def start_over(job: Job, max_steps: int) -> None:
+    """A run that ended without the validation at its last step (resumed past it): its result and checkpoints go, so
+    that its next attempt runs from step 0."""
+    job.result_path.unlink(missing_ok=True)
+    shutil.rmtree(job.version_dir / "checkpoints", ignore_errors=True)
+    print(f"{job.name}: no validation at step {max_steps} (resumed past it): to run again from step 0", flush=True)
+
+
+def trainer_option(config: dict, args, name: str):
+    """``trainer.<name>`` as every run gets it: the passthrough option (after ``--``) over the config's value."""
+    override = next((args.passthrough[i + 1] for i, a in enumerate(args.passthrough[:-1])
+                     if a == f"--trainer.{name}"), None)
+    return override if override is not None else config.get("trainer", {}).get(name)
+
+
 def validates_at_last_step(config: dict, args, max_steps: int) -> bool:
     """Whether the runs' schedule validates after their last step (``trainer.val_check_interval``, an int number of
-    steps, dividing ``max_steps``; passthrough options win over the config)."""
-    override = next((args.passthrough[i + 1] for i, a in enumerate(args.passthrough[:-1])
-                     if a == "--trainer.val_check_interval"), None)
-    interval = override if override is not None else config.get("trainer", {}).get("val_check_interval")
+    steps, dividing ``max_steps``)."""
+    interval = trainer_option(config, args, "val_check_interval")
     try:
         interval = int(interval)
     except (TypeError, ValueError):
@@ -322,9 +334,7 @@ def validates_at_last_step(config: dict, args, max_steps: int) -> bool:
 def config_max_steps(config: dict, args) -> int:
     if args.steps is not None:
         return args.steps
-    override = next((args.passthrough[i + 1] for i, a in enumerate(args.passthrough[:-1])
-                     if a == "--trainer.max_steps"), None)
-    return int(override if override is not None else config["trainer"]["max_steps"])
+    return int(trainer_option(config, args, "max_steps"))
 
 
 def device_info(device: str) -> dict:
@@ -473,9 +483,8 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish, final_validation:
                 log.flush()
                 command = [sys.executable, "train.py", *attempt, "--threads", str(args.threads)]
                 run_env = env
-                if args.gpus > 1:  # each run on the GPU running the fewest
-                    load = [sum(gpu_of[j.name] == g for j, _, _ in running) for g in range(args.gpus)]
-                    gpu_of[job.name] = load.index(min(load))
+                if args.gpus > 1:
+                    gpu_of[job.name] = least_loaded_gpu([gpu_of[j.name] for j, _, _ in running], args.gpus)
                     run_env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu_of[job.name])}
                 print(f"start {job.name}" + (" (resuming)" if "--ckpt_path" in attempt else ""), flush=True)
                 process = subprocess.Popen(command, cwd=ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
@@ -516,6 +525,13 @@ def run_jobs(args, jobs: list[Job], max_steps: int, on_finish, final_validation:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return failed
+
+
+def least_loaded_gpu(running_on: list[int], gpus: int) -> int:
+    """The GPU (0..gpus-1) running the fewest of the runs in progress (``running_on``: the GPU of each); the lowest
+    such index."""
+    load = [running_on.count(g) for g in range(gpus)]
+    return load.index(min(load))
 
 
 def signal_group(process: subprocess.Popen, signum: int) -> None:
@@ -575,12 +591,10 @@ def main(argv: list[str] | None = None) -> dict:
         if restored:
             print(f"restored {len(restored)} finished runs from {args.archive}", flush=True)
     previous = earlier_calls(Path(args.work), archive)
-    for job in jobs:  # a run finished here without its last validation (resumed past it) runs again from step 0
+    for job in jobs:  # a run finished here without its last validation runs again
         if final_validation and job.seed is not None and job.result_path.exists() and not has_final_validation(
                 json.loads(job.result_path.read_text()), max_steps):
-            job.result_path.unlink()
-            shutil.rmtree(job.version_dir / "checkpoints", ignore_errors=True)
-            print(f"{job.name}: no validation at step {max_steps}: to run again from step 0", flush=True)
+            start_over(job, max_steps)
 
     def write() -> dict:
         call = {"command": command(args), "parallel": args.parallel, "gpus": args.gpus, "threads": args.threads,

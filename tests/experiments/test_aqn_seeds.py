@@ -239,3 +239,10 @@ def test_a_run_without_its_last_validation_runs_again(tmp_path):
     shutil.rmtree(tmp_path / "work")
     assert seeds_script.restore_finished([seed_0, seed_1], archive, 100) == ["nvfp4/seed_0"]
     assert seeds_script.restore_finished([seed_0, seed_1], archive) == ["nvfp4/seed_1"]  # no schedule: both count
+
+
+def test_runs_go_to_the_gpu_running_the_fewest():
+    assert seeds_script.least_loaded_gpu([], 2) == 0
+    assert seeds_script.least_loaded_gpu([0], 2) == 1
+    assert seeds_script.least_loaded_gpu([0, 1, 1, 0, 2], 3) == 2
+    assert seeds_script.least_loaded_gpu([2, 2, 0, 1], 3) == 0  # a tie goes to the lowest index
