@@ -117,10 +117,11 @@ def rise_steps(data: dict, early_steps: int) -> tuple[int, int]:
 
 
 def seed_statistics(seed: dict, metric: str, level: float, early_steps: int,
-                    rise: tuple[int, int] | None = None, steps: int | None = None) -> dict:
+                    rise: tuple[int, int] | None = None, final_step: int | None = None) -> dict:
     """The statistics of one run (``rise``: the entropy rise's baseline and window, see ``rise_steps``). Its final
-    held-out accuracy is the validation at ``steps`` (the runs' last step): nan where that validation is missing (a
-    run stopped while validating resumes from the checkpoint written just before it, so that point is never made)."""
+    held-out accuracy is its validation at ``final_step`` (the experiment's last validation, ``final_validation_step``):
+    nan where that validation is missing (a run stopped while validating resumes from the checkpoint written just
+    before it, so that point is never made)."""
     heldout = seed["heldout"]
     baseline, window = rise or (1, max(2, early_steps))
     window = min(window, len(seed["rollout_entropy"]))
@@ -130,7 +131,7 @@ def seed_statistics(seed: dict, metric: str, level: float, early_steps: int,
         "seed": seed["seed"],
         "reward_auc": area_under_curve(seed["steps"], seed["reward"]),
         "steps_to_level": first_reaching(heldout["steps"], heldout[metric], level),
-        "final_accuracy": heldout[metric][-1] if steps is None or heldout["steps"][-1] == steps else math.nan,
+        "final_accuracy": heldout[metric][-1] if final_step in (None, heldout["steps"][-1]) else math.nan,
         "early_rollout_entropy": early_mean(seed["rollout_entropy"], early_steps),
         "early_train_entropy": early_mean(seed["train_entropy"], early_steps),
     }
@@ -144,9 +145,10 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
     early_steps = default_early_steps(data) if early_steps is None else early_steps
     steps = int(data["steps"])
     rise = rise_steps(data, early_steps)
+    final_step = final_validation_step(data)
     arms = {}
     for arm, entry in data["arms"].items():
-        per_seed = [seed_statistics(s, metric, level, early_steps, rise, steps) for s in entry["seeds"]]
+        per_seed = [seed_statistics(s, metric, level, early_steps, rise, final_step) for s in entry["seeds"]]
         intervals = {}
         for key in STATISTICS:
             values = [s[key] for s in per_seed]
@@ -154,7 +156,7 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
                 intervals[key], reached = censored_steps(values, steps)
                 intervals["reached"] = reached
             else:
-                intervals[key] = mean_interval([v for v in values if not math.isnan(v)])
+                intervals[key] = mean_interval(values)
         arms[arm] = {"per_seed": per_seed, "intervals": intervals, "lr": entry.get("lr"),
                      "quantization": entry.get("quantization"), "aqn": entry.get("aqn")}
     paired = {arm: paired_statistics(arms, REFERENCE, arm, steps) for arm in arms if arm != REFERENCE} \
@@ -166,9 +168,17 @@ def summarize(data: dict, metric: str = "expressions_acc_flexible", level: float
         kept = [(a, r) for a, r in runs if not (_isnan(r["entropy_rise"]) or _isnan(r[key]))]
         x, y, groups = [r["entropy_rise"] for _, r in kept], [r[key] for _, r in kept], [a for a, _ in kept]
         correlations[key] = {"pooled": correlation(x, y), "within": within_groups(x, y, groups)}
-    return {"metric": metric, "level": level, "early_steps": early_steps, "rise": rise, "steps": steps, "arms": arms,
+    return {"metric": metric, "level": level, "early_steps": early_steps, "rise": rise, "steps": steps,
+            "final_step": final_step, "arms": arms,
             "paired": paired, "contrasts": contrasts, "correlations": correlations,
             "base": base_summary(data, metric)}
+
+
+def final_validation_step(data: dict) -> int | None:
+    """The step of the experiment's last validation: the latest last held-out step over all runs (a run whose curve
+    ends earlier lacks it)."""
+    ends = [s["heldout"]["steps"][-1] for a in data["arms"].values() for s in a["seeds"] if s["heldout"]["steps"]]
+    return max(ends, default=None)
 
 
 def paired_statistics(arms: dict, a: str, b: str, steps: int) -> dict:
@@ -177,9 +187,8 @@ def paired_statistics(arms: dict, a: str, b: str, steps: int) -> dict:
     seeds = sorted(set(first) & set(second))
     out = {"seeds": seeds}
     for key in STATISTICS:
-        both = [s for s in seeds if not any(_isnan(arm[s][key]) for arm in (first, second))]
-        out[key] = paired_difference([_censor(first[s][key], key, steps) for s in both],
-                                     [_censor(second[s][key], key, steps) for s in both])
+        out[key] = paired_difference([_censor(first[s][key], key, steps) for s in seeds],
+                                     [_censor(second[s][key], key, steps) for s in seeds])
     out["censored"] = any(first[s]["steps_to_level"] is None or second[s]["steps_to_level"] is None for s in seeds)
     return out
 
@@ -289,8 +298,8 @@ def finding(summary: dict) -> str:
                        if contrasts[p][k].low > 0 or contrasts[p][k].high < 0]
         ups = {contrasts[p][k].low > 0 for p, k in significant}
         where = "; ".join(" and ".join(STATISTICS[k][0] for q, k in significant if q == p)
-                          + f" at the {CONTRASTS[p].rsplit(', ', 1)[-1]}" for p in noise if (p, measures[0]) in
-                          significant or (p, measures[1]) in significant)
+                          + f" at the {CONTRASTS[p].rsplit(', ', 1)[-1]}"
+                          for p in noise if any(q == p for q, _ in significant))
         effect = "helped" if ups == {True} else "hurt" if ups == {False} else "helped and hurt"
         so = ("so without quantization these seeds show no effect of the noise on learning" if not significant else
               f"so without quantization the noise {effect} on {where}, and on no other measure of learning")
@@ -440,7 +449,7 @@ def run_table(data: dict, summary: dict) -> str:
             cell = f"{heldout[metric][-1]:.3f}"
             if strict and strict in heldout:
                 cell += f" ({heldout[strict][-1]:.3f})"
-            if heldout["steps"][-1] != summary["steps"]:  # its last validation is missing: not a final score
+            if heldout["steps"][-1] != summary["final_step"]:  # its last validation is missing: no final score
                 cell = f"none (step {heldout['steps'][-1]}: {cell})"
             cells.append(cell)
         lines.append(f"| {label(arm)} | " + " | ".join(cells) + " |")
@@ -709,7 +718,7 @@ def band(curves: list[list[float]]) -> tuple[list[float], list[float], list[floa
     """Mean and 95% t-interval per point over seeds (the mean alone for one seed; nan values left out)."""
     means, lows, highs = [], [], []
     for values in zip(*curves):
-        interval = mean_interval([v for v in values if not math.isnan(v)])
+        interval = mean_interval(values)
         means.append(interval.mean)
         lows.append(interval.low if interval.n > 1 else interval.mean)
         highs.append(interval.high if interval.n > 1 else interval.mean)

@@ -120,8 +120,9 @@ def t_ppf(p: float, df: float) -> float:
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Mean and Student-t interval over ``values`` (one value per seed), with the t-test p-value of mean 0."""
-    xs = [float(v) for v in values]
+    """Mean and Student-t interval over ``values`` (one value per seed; nan: a seed without this value, left out), with
+    the t-test p-value of mean 0."""
+    xs = [float(v) for v in values if not math.isnan(float(v))]
     n = len(xs)
     if n == 0:
         return Interval(math.nan, math.nan, math.nan, 0, math.nan, math.nan)
@@ -139,7 +140,8 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Mean and interval of ``a[i] - b[i]`` (the same seed ``i`` in both arms), with the paired t-test p-value."""
+    """Mean and interval of ``a[i] - b[i]`` (the same seed ``i`` in both arms), with the paired t-test p-value; a seed
+    with nan on either side is left out."""
     if len(a) != len(b):
         raise ValueError(f"paired values need one value per seed in both arms, got {len(a)} and {len(b)}.")
     return mean_interval([x - y for x, y in zip(a, b)], confidence)

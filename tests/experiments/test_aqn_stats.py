@@ -148,3 +148,11 @@ def test_within_groups_takes_each_arms_mean_out_first():
     assert c.low == pytest.approx(math.tanh(math.atanh(0.5) - half), rel=1e-12)
     with pytest.raises(ValueError, match="one x, y and group"):
         stats.within_groups(x, y, groups[:5])
+
+
+def test_a_seed_without_a_value_is_left_out():
+    with_gap = stats.mean_interval([0.2, math.nan, 0.4, 0.9])
+    assert with_gap == stats.mean_interval([0.2, 0.4, 0.9])
+    paired = stats.paired_difference([0.5, 0.7, math.nan, 0.4], [0.1, 0.2, 0.3, math.nan])
+    assert paired == stats.mean_interval([0.5 - 0.1, 0.7 - 0.2])
+    assert stats.mean_interval([math.nan]).n == 0
