@@ -27,12 +27,13 @@ Arms (``--arms``, run one after the other, each in a process of its own so the n
   GPU); TRL then hands vLLM each ``named_parameters()`` tensor, i.e. the merged layers' packed NF4 codes, which vLLM's
   loader copies into its packed weights while keeping the scales it computed at start (the new scales are not
   parameters and are not sent); then ``unmerge_adapter()`` dequantizes, subtracts and quantizes once more, so the
-  frozen base moves by a rounding error every step. With ``vllm_enable_sleep_mode`` TRL sleeps vLLM at level 2,
+  frozen base can move by a rounding error every step once the adapter is nonzero. With ``vllm_enable_sleep_mode`` TRL sleeps vLLM at level 2,
   which discards weights: the codes are pushed again, the scales (vLLM allocated them while loading) are not. The
   arm records both effects: ``logp_gap`` (TRL's ``sampling/sampling_logp_difference/mean``, vLLM's log-probs of
   its samples against the policy's, median over steps; the bf16 arm's is the reference) and ``base_drift`` (mean
   |change| of the first LoRA-wrapped layer's dequantized base over the run / its mean |value|; zero where nothing
-  moved it). Sampled lengths are forced, so the times hold whatever vLLM samples.
+  moved it). Every TRL arm also reports TRL's importance weight of its samples and the gradient's norm (weight 0
+  and norm 0: the step trained nothing). Sampled lengths are forced, so the times hold whatever vLLM samples.
 - ``unsloth``: Unsloth's GRPO as its notebooks run it, ``FastLanguageModel.from_pretrained(..., load_in_4bit=False,
   fast_inference=True, max_lora_rank=16)`` (vLLM inside the model; the LoRA goes to vLLM as a LoRA request, not
   merged), ``FastLanguageModel.get_peft_model`` (r16 / alpha 16 on the same seven projections, Unsloth's gradient
@@ -88,7 +89,11 @@ ARMS = {  # arm -> (system, weights) as the table names them
 }
 TRAINERS = ("trl", "trl_qlora", "unsloth")  # the arms that run TRL's GRPOTrainer (trl_arm)
 BASELINE = "qerl_nvfp4"  # every arm's step is divided by this one's
-LOGP_GAP = "sampling/sampling_logp_difference/mean"  # TRL's mean |vLLM's log-prob - the policy's| of sampled tokens
+# what the report reads from TRL's logs, median over the steps: vLLM's mean |log-prob - the policy's| of the sampled
+# tokens; the importance weight TRL gives the samples (after its default sequence_mask, which zeroes a sequence whose
+# exp(sum of its tokens' log-prob differences) exceeds 3); the gradient's norm before clipping
+TRL_LOGGED = {"logp_gap": "sampling/sampling_logp_difference/mean",
+              "is_weight_mean": "sampling/importance_sampling_ratio/mean", "grad_norm": "grad_norm"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -288,9 +293,6 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
     base_drift = ((base_after - base_before).abs().mean() / base_before.abs().mean()).item()
     steady = lambda key: statistics.median(s[key] for s in steps[1:] or steps)  # noqa: E731  first step warms up
     lengths = [entry["completions/mean_length"] for entry in logs if "completions/mean_length" in entry]
-    # vLLM's log-probs of its samples against the policy's recomputation: how far vLLM's copy of the weights is from
-    # what is trained (with the 4-bit base, whether the merged NF4 codes vLLM received decode to the same weights)
-    gaps = [entry[LOGP_GAP] for entry in logs if LOGP_GAP in entry]
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
     for name in ("vllm", "peft", "bitsandbytes", "unsloth", "unsloth_zoo", "datasets"):
         with contextlib.suppress(ImportError):
@@ -301,7 +303,7 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
         "step_s": steady("step_s"), "peak_gb": max(s["peak_gb"] for s in steps),
         "peak_reserved_gb": max(s["peak_reserved_gb"] for s in steps),
         "completion_length": statistics.median(lengths[1:] or lengths) if lengths else None,
-        "logp_gap": statistics.median(gaps) if gaps else None, "base_drift": base_drift,
+        "base_drift": base_drift,
         "trl_step_time_s": [entry["step_time"] for entry in logs if "step_time" in entry],
         "init_s": init_s, "steps": steps, "trl_logs": logs, "config": config, "versions": versions,
     }
@@ -401,9 +403,13 @@ def table_row(arm: str, result: dict, baseline: dict | None) -> dict:
     if "error" in result:
         return {**row, "error": result["error"]}
     for key in ("rollout_s", "generate_s", "score_s", "train_s", "step_s", "peak_gb", "device_peak_gb",
-                "completion_length", "logp_gap", "base_drift"):
+                "completion_length", "base_drift"):
         if result.get(key) is not None:
             row[key] = result[key]
+    for key, logged in TRL_LOGGED.items():  # the TRL arms' own measures, from their logs
+        values = [entry[logged] for entry in result.get("trl_logs", []) if entry.get(logged) is not None]
+        if values:
+            row[key] = statistics.median(values)
     if baseline and "step_s" in baseline:
         row["step_over_qerl_nvfp4"] = result["step_s"] / baseline["step_s"]
         row["rollout_over_qerl_nvfp4"] = result["rollout_s"] / baseline["rollout_s"]
@@ -440,7 +446,7 @@ def print_table(report: dict) -> None:
     print(f"\n{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens (fixed), "
           f"{report['device']}")
     print(f"{'arm':18}{'rollout s':>11}{'(generate)':>11}{'train s':>10}{'step s':>10}{'peak GB':>9}"
-          f"{'device GB':>10}{'x qerl nvfp4':>13}{'logp gap':>10}{'base drift':>11}")
+          f"{'device GB':>10}{'x qerl nvfp4':>13}{'logp gap':>10}{'IS weight':>10}{'grad norm':>10}{'base drift':>11}")
     fmt = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in report["rows"]:
         if "error" in r:
@@ -449,6 +455,7 @@ def print_table(report: dict) -> None:
         print(f"{r['arm']:18}{fmt(r.get('rollout_s')):>11}{fmt(r.get('generate_s')):>11}{fmt(r.get('train_s')):>10}"
               f"{fmt(r.get('step_s')):>10}{fmt(r.get('peak_gb'), 1):>9}{fmt(r.get('device_peak_gb'), 1):>10}"
               f"{fmt(r.get('step_over_qerl_nvfp4')):>13}{fmt(r.get('logp_gap'), 4):>10}"
+              f"{fmt(r.get('is_weight_mean'), 3):>10}{fmt(r.get('grad_norm'), 4):>10}"
               f"{'-' if r.get('base_drift') is None else format(r['base_drift'], '.1e'):>11}")
 
 

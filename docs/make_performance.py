@@ -337,11 +337,12 @@ def e2e_glance(result: dict) -> list[str]:
 def trl_peer_section(result: dict) -> list[str]:
     s = result["settings"]
     header = ["arm", "system", "weights", "rollout s", "of which sampling s", "train s", "step s", "peak GB",
-              "device peak GB", "completion length", "step / qerl NVFP4 step", "vLLM log-prob gap", "base drift",
-              "failed with"]
+              "device peak GB", "completion length", "step / qerl NVFP4 step", "vLLM log-prob gap", "TRL's IS weight",
+              "grad norm", "base drift", "failed with"]
     body = [[r["arm"], r["system"], r["weights"], num(r.get("rollout_s")), num(r.get("generate_s")),
              num(r.get("train_s")), num(r.get("step_s")), num(r.get("peak_gb"), 1), num(r.get("device_peak_gb"), 1),
              num(r.get("completion_length"), 0), num(r.get("step_over_qerl_nvfp4")), num(r.get("logp_gap"), 4),
+             num(r.get("is_weight_mean"), 3), num(r.get("grad_norm"), 4),
              "-" if r.get("base_drift") is None else f"{r['base_drift']:.1e}",
              cell(r.get("error", "-"))[:160]] for r in result["rows"]]
     out = table(header, body)
@@ -354,12 +355,15 @@ def trl_peer_section(result: dict) -> list[str]:
             "PyTorch's peak allocated in the arm's process; device peak GB: the device's used memory over the arm "
             "(NVML) less what was used before it. A step / qerl NVFP4 step above 1 means qerl's NVFP4 step is faster. "
             "vLLM log-prob gap (TRL and Unsloth arms): TRL's mean |vLLM's log-prob - the policy's| of the sampled "
-            "tokens, how far the sampler's copy of the weights is from the trained one; base drift: how far the frozen "
+            "tokens, how far the sampler's copy of the weights is from the trained one; TRL's IS weight: the mean "
+            "importance weight TRL gave the samples (its default `sequence_mask`: a sequence weighs exp of the sum of "
+            "its tokens' log-prob differences, 0 above 3), and grad norm the gradient's norm before clipping (both 0: "
+            "the step trained nothing); base drift: how far the frozen "
             "base of the first LoRA layer moved over the run (peft's merge / unmerge before each weight sync, with a "
             "4-bit base a re-quantization each way), relative to its mean |value|."]
     kept = {arm: run for arm, run in result.get("runs", {}).items() if run.get("kept_from")}
     if kept:
-        out += ["", "Carried over from an earlier session's report (`--keep`), with the date each was measured: "
+        out += ["", "Carried over from an earlier machine's report (`--keep`), with the date each was measured: "
                 + ", ".join(f"{arm} {str(run.get('date', 'undated'))[:10]} on {run.get('device', '?')}"
                             for arm, run in kept.items()) + "."]
     return out

@@ -164,7 +164,11 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
                 "steps": 3, "lora_rank": 16, "trl_micro_batch": 8, "qerl_micro_batch_tokens": "auto"}
     common = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27T01:00:00", "settings": settings}
     arms = {"trl": {"rollout_s": 40.0, "generate_s": 32.0, "train_s": 35.0, "step_s": 75.0, "peak_gb": 50.5,
-                    "logp_gap": 0.0031, "base_drift": 2.5e-4, "config": {"use_vllm": True}},
+                    "base_drift": 2.5e-4, "config": {"use_vllm": True},
+                    "trl_logs": [{"sampling/sampling_logp_difference/mean": g, "grad_norm": n,
+                                  "sampling/importance_sampling_ratio/mean": w}
+                                 for g, n, w in ((0.0029, 0.0, 0.0), (0.0031, 0.04, 0.25), (0.0035, 0.05, 0.5))]
+                    + [{"train_runtime": 9.0}]},
             "qerl_nvfp4": {"rollout_s": 20.0, "train_s": 15.0, "step_s": 35.0, "peak_gb": 60.25,
                            "kept_from": "bench/results/trl_peer_h100.json", "date": "2026-11-26T09:00:00"},
             "trl_qlora": {"error": "ValueError: vLLM cannot load 4-bit | merged weights"},
@@ -187,9 +191,11 @@ def test_trl_peer_parts_merge_into_a_table_with_ratios_a_headline_and_a_plot(res
     assert cells["trl"]["step / qerl NVFP4 step"] == "2.14" and cells["qerl_nvfp4"]["step / qerl NVFP4 step"] == "1.00"
     assert cells["trl_qlora"]["failed with"] == "ValueError: vLLM cannot load 4-bit / merged weights"
     assert cells["trl_qlora"]["step s"] == "-"
-    assert ("Carried over from an earlier session's report (`--keep`), with the date each was measured: qerl_nvfp4 "
+    assert ("Carried over from an earlier machine's report (`--keep`), with the date each was measured: qerl_nvfp4 "
             "2026-11-26 on NVIDIA H100 80GB HBM3.") in text
-    assert cells["trl"]["vLLM log-prob gap"] == "0.0031" and cells["trl"]["base drift"] == "2.5e-04"
+    assert cells["trl"]["vLLM log-prob gap"] == "0.0031" and cells["trl"]["base drift"] == "2.5e-04"  # medians
+    assert cells["trl"]["TRL's IS weight"] == "0.250" and cells["trl"]["grad norm"] == "0.0400"
+    assert cells["qerl_nvfp4"]["TRL's IS weight"] == "-" and cells["qerl_nvfp4"]["grad norm"] == "-"
     assert cells["qerl_nvfp4"]["vLLM log-prob gap"] == "-" and cells["qerl_nvfp4"]["base drift"] == "-"
     assert ("qwen2.5-7b GRPO step, 16 prompts x 8, 2048 new tokens: qerl NVFP4 35.0 s vs TRL GRPOTrainer + vLLM 75.0 s "
             "(2.14x) (`trl_peer_h100.json`)") in section(page, "At a glance")

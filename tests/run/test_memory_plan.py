@@ -382,7 +382,10 @@ def test_a_plan_that_chose_its_waves_is_never_refused_for_the_optional_bf16_copy
             assert plan.peak("rollout") + bf16_copy_spare(free) <= free
 
 
-@pytest.mark.parametrize("results", ["memory_h100_7b.json", "memory_h100_32b.json", "memory_h100_32b_bigmath.json"])
+@pytest.mark.parametrize(
+    "results",
+    ["memory_h100_7b.json", "memory_h100_32b.json", "memory_h100_32b_bigmath.json", "memory_h100_qwen3-32b.json"],
+)
 def test_the_plan_is_within_ten_percent_of_the_h100_measurements(results, monkeypatch):
     """The plan against the peaks ``bench/bench_memory.py`` measured on an H100 (the rows of the current code), at the
     micro-batch size each run used: a coefficient that drifts from what the code allocates (e.g. counting the layer
