@@ -1,7 +1,7 @@
 """A rollout engine for benchmarks whose completions end at lengths drawn from a fixed distribution.
 
-Random weights never sample EOS, so every completion of a benchmark would run to ``max_new_tokens``; real policies
-stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This engine
+Random weights rarely sample EOS, so nearly every completion of a benchmark would run to ``max_new_tokens``; real
+policies stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This engine
 is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median ``length_median``,
 shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each rank's own); draws above ``max_new_tokens`` are
 truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.

@@ -347,7 +347,8 @@ def trl_peer_section(result: dict) -> list[str]:
              cell(r.get("error", "-"))[:160]] for r in result["rows"]]
     out = table(header, body)
     out += ["", f"{s['model']}, {s['prompts']} prompts x G={s['group_size']}, {s['new_tokens']} new tokens "
-            f"({s['lengths']} lengths, EOS ignored), LoRA r{s['lora_rank']} on q,k,v,o,gate,up,down, {s['steps']} "
+            f"({s['lengths']} lengths: the peers ignore EOS, qerl's arms stop at the rare EOS the random weights "
+            f"sample, see completion length), LoRA r{s['lora_rank']} on q,k,v,o,gate,up,down, {s['steps']} "
             "optimizer steps per arm, medians after the first, the arms one after the other on one machine. TRL: "
             "rollout = `_generate_and_score_completions` (weight sync into vLLM, wake-up, sampling, sleep, rewards and "
             "the policy's log-probs of the samples for TRL's importance-sampling correction), of which sampling = "
