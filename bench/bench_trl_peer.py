@@ -27,13 +27,14 @@ Arms (``--arms``, run one after the other, each in a process of its own so the n
   GPU); TRL then hands vLLM each ``named_parameters()`` tensor, i.e. the merged layers' packed NF4 codes, which vLLM's
   loader copies into its packed weights while keeping the scales it computed at start (the new scales are not
   parameters and are not sent); then ``unmerge_adapter()`` dequantizes, subtracts and quantizes once more, so the
-  frozen base can move by a rounding error every step once the adapter is nonzero. With ``vllm_enable_sleep_mode`` TRL sleeps vLLM at level 2,
-  which discards weights: the codes are pushed again, the scales (vLLM allocated them while loading) are not. The
-  arm records both effects: ``logp_gap`` (TRL's ``sampling/sampling_logp_difference/mean``, vLLM's log-probs of
-  its samples against the policy's, median over steps; the bf16 arm's is the reference) and ``base_drift`` (mean
-  |change| of the first LoRA-wrapped layer's dequantized base over the run / its mean |value|; zero where nothing
-  moved it). Every TRL arm also reports TRL's importance weight of its samples and the gradient's norm (weight 0
-  and norm 0: the step trained nothing). Sampled lengths are forced, so the times hold whatever vLLM samples.
+  frozen base can move by a rounding error every step once the adapter is nonzero. With ``vllm_enable_sleep_mode``
+  TRL sleeps vLLM at level 2, which discards weights: the codes are pushed again, the scales (vLLM allocated them
+  while loading) are not. The report shows both effects: ``logp_gap`` (TRL's
+  ``sampling/sampling_logp_difference/mean``, vLLM's log-probs of its samples against the policy's, median over steps;
+  the bf16 arm's is the reference) and ``base_drift`` (mean |change| of the first LoRA-wrapped layer's dequantized
+  base over the run / its mean |value|; zero where nothing moved it). For every TRL arm it also reads TRL's importance
+  weight of the samples (its IS settings are in the arm's ``config``) and the gradient's norm from TRL's logs (weight
+  0 and norm 0: the step trained nothing). Sampled lengths are forced, so the times hold whatever vLLM samples.
 - ``unsloth``: Unsloth's GRPO as its notebooks run it, ``FastLanguageModel.from_pretrained(..., load_in_4bit=False,
   fast_inference=True, max_lora_rank=16)`` (vLLM inside the model; the LoRA goes to vLLM as a LoRA request, not
   merged), ``FastLanguageModel.get_peft_model`` (r16 / alpha 16 on the same seven projections, Unsloth's gradient
@@ -275,7 +276,8 @@ def _trl_arm(model_dir: Path, opts: dict, steps: list, logs: list, config: dict)
         "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
         "num_generations", "max_completion_length", "gradient_checkpointing", "use_vllm", "vllm_mode",
         "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "loss_type", "beta",
-        "vllm_importance_sampling_correction", "bf16", "top_k")})
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max", "bf16", "top_k")})
     record()
     config["generation_kwargs"] = generation
     config["quantization_config"] = quantization.to_dict() if quantization is not None else None
