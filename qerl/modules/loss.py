@@ -45,7 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from qerl.modules.loss_stats import LossStats, summarize_stats
-from qerl.modules.rollout_correction import GEOMETRIC_TIS, TOKEN_TIS, RolloutCorrection, rollout_correction
+from qerl.modules.rollout_correction import (GEOMETRIC_TIS, TOKEN_TIS, Correction, RolloutCorrection,
+                                             rollout_correction)
 
 
 def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -82,6 +83,14 @@ def cispo_surrogate(ratio: Tensor, adv: Tensor, logprobs: Tensor, mask: Tensor, 
     REINFORCE gradient ``A grad logp``, so every token keeps a gradient; ``eps_min`` None: no lower bound."""
     weight = ratio.detach().clamp(min=eps_min, max=eps_max)
     return -weight * adv * torch.where(mask.bool(), logprobs, 0.0)
+
+
+def correction_stats(fix: Correction) -> dict[str, Tensor]:
+    """The ``LossStats`` fields the rollout correction fills."""
+    return dict(is_weight=fix.weight.sum().float(), is_capped=fix.truncated, rows=fix.rows, is_masked=fix.masked,
+                rows_masked=fix.rows_masked, off_policy_rows=fix.off_policy_rows, logp_diff=fix.logp_diff,
+                logp_diff_max=fix.logp_diff_max, is_raw=fix.raw_ratio, is_raw_units=fix.raw_units,
+                is_raw_max=fix.raw_ratio_max, is_raw_inv_max=fix.raw_inv_ratio_max)
 
 
 def global_token_weights(loss: PolicyLoss, mask: Tensor, world_size: int = 1,
@@ -208,19 +217,8 @@ class PolicyLoss(nn.Module):
                 clip_low=clip_low,
                 clip_high=clip_high,
                 ratio=(ratio * m).sum().float(),
-                is_weight=fix.weight.sum(),
-                is_capped=fix.truncated,
                 kl=(kl * m).sum().float(),
-                rows=fix.rows,
-                is_masked=fix.masked,
-                rows_masked=fix.rows_masked,
-                off_policy_rows=fix.off_policy_rows,
-                logp_diff=fix.logp_diff,
-                logp_diff_max=fix.logp_diff_max,
-                is_raw=fix.raw_ratio,
-                is_raw_units=fix.raw_units,
-                is_raw_max=fix.raw_ratio_max,
-                is_raw_inv_max=fix.raw_inv_ratio_max,
+                **correction_stats(fix),
             )
         return loss, stats
 

@@ -141,7 +141,7 @@ def rollout_correction(correction: RolloutCorrection | None, logprobs: Tensor, o
         mask: ``[n, L]`` bool, the tokens that count (anything, NaN included, may sit elsewhere).
     """
     mask = mask.bool()
-    m = mask.float()
+    m = mask.to(old_logprobs.dtype)  # the weight in the log-probs' dtype, the diagnostics in float32
     zero = m.new_zeros(())
     weight = torch.ones_like(m)
     truncated = masked = torch.zeros_like(mask)
@@ -149,7 +149,7 @@ def rollout_correction(correction: RolloutCorrection | None, logprobs: Tensor, o
     diagnostics = dict(logp_diff=zero, logp_diff_max=zero, raw_ratio=zero, raw_units=zero, raw_ratio_max=zero,
                        raw_inv_ratio_max=zero)
     if rollout_logprobs is not None and mask.numel():  # (amax needs an element)
-        log_ratio = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+        log_ratio = torch.where(mask, old_logprobs - rollout_logprobs.to(old_logprobs.dtype), 0.0)
         mode = correction.mode if correction is not None and correction.mode is not None else "token_truncate"
         level, action = mode.rsplit("_", 1)
         unit_log = level_log_ratio(log_ratio, mask, level).clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -174,4 +174,4 @@ def rollout_correction(correction: RolloutCorrection | None, logprobs: Tensor, o
     weight = weight * m
     return Correction(weight=weight, truncated=truncated.float().sum(), masked=masked.float().sum(),
                       rows=rows.float().sum(), rows_masked=masked.any(-1).float().sum(),
-                      off_policy_rows=off_policy_rows, **diagnostics)
+                      off_policy_rows=off_policy_rows.float(), **{k: v.float() for k, v in diagnostics.items()})
