@@ -27,8 +27,9 @@ would set it, all else as ``nvfp4_aqn``:
     nvfp4_aqn_sequence_mask    sequence_mask, C_max 3, no C_min          (TRL's default vllm_importance_sampling_mode)
     nvfp4_aqn_icepop           token_mask, [0.5, 5]                      (IcePop)
 
-    python docs/experiments/aqn_seeds.py --experiment correction --device cuda --seeds 0 1 2 3 4 --parallel 15 \
+    python docs/experiments/aqn_seeds.py --experiment correction --device cuda --seeds 0 1 2 3 4 --parallel 16 \
         --threads 1 --steps 100 --time-limit 540 --archive docs/results/correction_seeds_runs.tar.gz
+        # the same again until it prints "complete"; then docs/learning.md gets the table (rule below)
 
 Decision rule, fixed before any run: the primary measure is each run's final held-out accuracy (``expressions_acc``
 at the last validation step), paired by seed against ``nvfp4_aqn``. The default (``token_truncate``, cap 2) changes

@@ -302,3 +302,20 @@ def test_ranks_with_global_weights_make_the_single_process_update(cls, extra):
     torch.testing.assert_close(ddp, single, rtol=1e-6, atol=1e-9)  # the weights are fp32
     local_only = sum(grad(rows, loss_fn.token_weights(mask[rows])) for rows in shares) / 2
     assert not torch.allclose(local_only, single, rtol=1e-3)  # normalising per rank would not
+
+
+def test_dr_grpo_without_its_constant_is_one_line_naming_the_value_to_give(capsys, no_model_loads, tmp_path,
+                                                                          monkeypatch):
+    """Issue 52: the README's Dr. GRPO row needed an undocumented ``max_completion_length``; without it, train.py
+    stops before any model loads with one line saying it is the rollout's ``max_new_tokens``."""
+    from pathlib import Path
+
+    from qerl.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    debug = str(Path(__file__).resolve().parents[2] / "configs" / "debug.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", debug, "--model.loss", "qerl.modules.loss.DrGRPOLoss"])
+    assert exit_info.value.code == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: model.loss max_completion_length") and "max_new_tokens" in error
