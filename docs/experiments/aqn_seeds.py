@@ -29,18 +29,20 @@ would set it, all else as ``nvfp4_aqn``:
 
     python docs/experiments/aqn_seeds.py --experiment correction --device cuda --seeds 0 1 2 3 4 --parallel 16 \
         --threads 1 --steps 100 --time-limit 540 --archive docs/results/correction_seeds_runs.tar.gz
-        # the same again until it prints "complete"; then docs/learning.md gets the table (rule below)
+        # the same again until it prints "complete"
+    python docs/experiments/correction_report.py docs/results/correction_seeds.json   # the table and the decision
 
-Decision rule, fixed before any run: the primary measure is each run's final held-out accuracy (``expressions_acc``
-at the last validation step), paired by seed against ``nvfp4_aqn``. The default (``token_truncate``, cap 2) changes
-to a candidate only if the mean paired difference (candidate - nvfp4_aqn) over the 5 seeds is positive and its 95%
-t-interval (``aqn_stats.paired_difference``) lies above 0; if both candidates qualify, the one with the larger mean
-difference. Otherwise the default stays, and ``docs/learning.md`` says which differences the seeds can and cannot
-see. The mismatch statistics logged every step (``train/sampling_logp_diff_*``, ``train/is_raw_ratio_*``,
-``train/is_masked_*``) are reported beside the score and decide nothing; a candidate that masks more than half of
-the tokens (mean ``train/is_masked_frac`` > 0.5) is reported as training on a minority of the batch whatever its
-score. The fp32 LM head for the sampler (TRL's ``cast_lm_head_to_fp32``) waits for these statistics: it is worth
-building only if the head's rounding is a visible share of ``train/sampling_logp_diff_mean``.
+Decision rule, fixed before any run: the primary measure is each run's final held-out accuracy (the AQN experiment's:
+flexible accuracy at the experiment's last validation, ``aqn_report.summarize``), paired by seed against
+``nvfp4_aqn``. The default (``token_truncate``, cap 2) changes to a candidate only if the mean paired difference
+(candidate - nvfp4_aqn) over the 5 seeds is positive and its 95% t-interval (``aqn_stats.paired_difference``) lies
+above 0; if both candidates qualify, the one with the larger mean difference. Otherwise the default stays, and
+``docs/learning.md`` says which differences the seeds can and cannot see. The mismatch statistics logged every step
+(``train/sampling_logp_diff_*``, ``train/is_raw_ratio_*``, ``train/is_masked_*``) are reported beside the score and
+decide nothing; a candidate that masks more than half of the tokens (mean ``train/is_masked_frac`` > 0.5) is named as
+training on a minority of the batch whatever its score. The fp32 LM head for the sampler (TRL's
+``cast_lm_head_to_fp32``) waits for these statistics: it is worth building only if the head's rounding is a visible
+share of ``train/sampling_logp_diff_mean``.
 
 With a bf16 policy the AQN callback's noise goes into the bf16 model's RMSNorm weights during the rollout exactly as
 into the NVFP4 model's (every engine perturbs the norms of the policy it samples; ``configs/recipes/bf16.yaml`` keeps
@@ -594,7 +596,8 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Options after -- go to every train.py call.")
     parser.add_argument("--experiment", choices=list(EXPERIMENTS), default="aqn",
-                        help="which arms (and default --work / --out): issue 22/40's AQN arms or issue 51's corrections")
+                        help="which arms (and default --work / --out): issues 22/40's AQN arms or issue 51's "
+                             "corrections")
     parser.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), help="default: the experiment's")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")

@@ -129,7 +129,8 @@ class PolicyLoss(nn.Module):
         self.eps_low, self.eps_high, self.beta, self.correction = eps_low, eps_high, beta, correction
 
     def log_ratio(self, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-        """``[n, L]`` log of the importance ratio of each token, 0 off ``mask``: per token here, per sequence in GSPO."""
+        """``[n, L]`` log of the importance ratio of each token, 0 off ``mask``: per token here, per sequence in
+        GSPO."""
         return token_log_ratio(logprobs, old_logprobs, mask)
 
     def surrogate(self, ratio: Tensor, adv: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:

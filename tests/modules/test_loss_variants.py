@@ -146,7 +146,8 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_where_ppo_drops_it():
 def test_on_the_first_update_every_variant_has_grpos_gradient_direction():
     # ratio 1 everywhere (old = logp.detach()): CISPO's token mean equals DAPO's, GSPO's sequence mean GRPO's.
     lp64, _, adv, mask, _, _ = random_batch(seed=3)
-    pairs = ((CISPOLoss(correction=None), DAPOLoss(correction=None)), (GSPOLoss(correction=None), GRPOLoss(correction=None)))
+    pairs = ((CISPOLoss(correction=None), DAPOLoss(correction=None)),
+             (GSPOLoss(correction=None), GRPOLoss(correction=None)))
     for variant, plain in pairs:
         grads = []
         for loss_fn in (variant, plain):

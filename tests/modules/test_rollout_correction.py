@@ -148,7 +148,8 @@ def test_nan_and_empty_rows_reach_neither_loss_nor_gradient_nor_stats(cls, extra
 
 @pytest.mark.parametrize("cls, extra", LOSSES)
 @pytest.mark.parametrize("correction", [ICEPOP, RolloutCorrection("sequence_truncate", clip_min=0.5),
-                                        RolloutCorrection("geometric_mask", clip_max=1.2, off_policy_mask_threshold=0.)],
+                                        RolloutCorrection("geometric_mask", clip_max=1.2,
+                                                          off_policy_mask_threshold=0.0)],
                          ids=str)
 def test_micro_batches_add_up_to_the_whole_batch(cls, extra, correction):
     lp64, old, rollout, adv, mask = batch(seed=4)
