@@ -29,7 +29,9 @@ SCALARS = (
     "train/reward", "train/reward_std", "train/accuracy", "train/entropy", "train/completion_length",
     "train/truncated_frac", "train/clip_frac_low", "train/clip_frac_high", "train/zero_std_groups_frac",
     "train/informative_groups_frac", "train/refill_rounds", "train/prompts_sampled",
-    "train/is_ratio_mean", "train/aqn_sigma", "train/lr", "perf/rollout_tokens_per_s", "perf/rollout_s",
+    "train/is_ratio_mean", "train/sampling_logp_diff_mean", "train/sampling_logp_diff_max", "train/is_raw_ratio_min",
+    "train/is_raw_ratio_mean", "train/is_raw_ratio_max", "train/is_masked_frac", "train/is_masked_seq_frac",
+    "train/off_policy_masked_seq_frac", "train/aqn_sigma", "train/lr", "perf/rollout_tokens_per_s", "perf/rollout_s",
     "perf/train_s", "data/skipped_unreadable_line", "data/skipped_missing_answer", "data/skipped_too_long",
 )
 AQN = ["--aqn.num_stages", "4"]

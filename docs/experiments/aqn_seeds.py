@@ -19,6 +19,31 @@ over ``configs/gpu.yaml``'s):
     nvfp4_aqn_lr_low  NVFP4 + LoRA + AQN, the bf16 rate        (quantization's share with noise at the bf16 rate:
                                                                 against bf16_aqn; the rate's: against nvfp4_aqn)
 
+The rollout-correction experiment (issue 51: ``--experiment correction``, its own ``--work`` / ``--out`` defaults)
+runs NVFP4 + AQN at the NVFP4 rate with three corrections of the sampler / trainer gap, each as a TRL or verl user
+would set it, all else as ``nvfp4_aqn``:
+
+    nvfp4_aqn                  token-level truncated IS, cap 2           (today's default; verl's rollout_is: token)
+    nvfp4_aqn_sequence_mask    sequence_mask, C_max 3, no C_min          (TRL's default vllm_importance_sampling_mode)
+    nvfp4_aqn_icepop           token_mask, [0.5, 5]                      (IcePop)
+
+    python docs/experiments/aqn_seeds.py --experiment correction --device cuda --seeds 0 1 2 3 4 --parallel 16 \
+        --threads 1 --steps 100 --time-limit 540 --archive docs/results/correction_seeds_runs.tar.gz
+        # the same again until it prints "complete"
+    python docs/experiments/correction_report.py docs/results/correction_seeds.json   # the table and the decision
+
+Decision rule, fixed before any run: the primary measure is each run's final held-out accuracy (the AQN experiment's:
+flexible accuracy at the experiment's last validation, ``aqn_report.summarize``), paired by seed against
+``nvfp4_aqn``. The default (``token_truncate``, cap 2) changes to a candidate only if the mean paired difference
+(candidate - nvfp4_aqn) over the 5 seeds is positive and its 95% t-interval (``aqn_stats.paired_difference``) lies
+above 0; if both candidates qualify, the one with the larger mean difference. Otherwise the default stays, and
+``docs/learning.md`` says which differences the seeds can and cannot see. The mismatch statistics logged every step
+(``train/sampling_logp_diff_*``, ``train/is_raw_ratio_*``, ``train/is_masked_*``) are reported beside the score and
+decide nothing; a candidate that masks more than half of the tokens (mean ``train/is_masked_frac`` > 0.5) is named as
+training on a minority of the batch whatever its score. The fp32 LM head for the sampler (TRL's
+``cast_lm_head_to_fp32``) waits for these statistics: it is worth building only if the head's rounding is a visible
+share of ``train/sampling_logp_diff_mean``.
+
 With a bf16 policy the AQN callback's noise goes into the bf16 model's RMSNorm weights during the rollout exactly as
 into the NVFP4 model's (every engine perturbs the norms of the policy it samples; ``configs/recipes/bf16.yaml`` keeps
 AQN on too), so each noise contrast differs in that one setting, at one rate.
@@ -86,6 +111,20 @@ ARMS = {  # name -> (quantization, AQN on, the rate: "high" = the config's, "low
     "bf16_aqn": ("bf16", True, "low"),
     "bf16_aqn_lr_high": ("bf16", True, "high"),
     "nvfp4_aqn_lr_low": ("nvfp4", True, "low"),
+    "nvfp4_aqn_sequence_mask": ("nvfp4", True, "high"),  # issue 51's corrections: ARM_OPTIONS
+    "nvfp4_aqn_icepop": ("nvfp4", True, "high"),
+}
+CORRECTION = "--model.loss.init_args.correction."
+ARM_OPTIONS = {  # arm -> train.py options beyond quantization, AQN and rate
+    "nvfp4_aqn_sequence_mask": [CORRECTION + "mode", "sequence_mask", CORRECTION + "clip_max", "3.0"],
+    "nvfp4_aqn_icepop": [CORRECTION + "mode", "token_mask", CORRECTION + "clip_min", "0.5", CORRECTION + "clip_max",
+                         "5.0"],
+}
+EXPERIMENTS = {  # --experiment -> (its arms, default --work, default --out)
+    "aqn": (["nvfp4_aqn", "nvfp4", "bf16_lr_high", "bf16_lr_low", "bf16_aqn", "bf16_aqn_lr_high", "nvfp4_aqn_lr_low"],
+            "runs/aqn_seeds", "docs/results/aqn_seeds.json"),
+    "correction": (["nvfp4_aqn", "nvfp4_aqn_sequence_mask", "nvfp4_aqn_icepop"], "runs/correction_seeds",
+                   "docs/results/correction_seeds.json"),
 }
 CALLS = "calls.json"  # in the work directory and the archive: every call of the experiment so far
 
@@ -101,6 +140,13 @@ TRAIN_TAGS = {  # key in the JSON -> TensorBoard tag, one value per step
     "aqn_sigma": "train/aqn_sigma",
     "completion_length": "train/completion_length",
     "learning_rate": "train/lr",
+    # the sampler (NVFP4 + AQN) against the trainer, and what the rollout correction did with it
+    "sampling_logp_diff_mean": "train/sampling_logp_diff_mean",
+    "sampling_logp_diff_max": "train/sampling_logp_diff_max",
+    "is_raw_ratio_mean": "train/is_raw_ratio_mean",
+    "is_ratio_mean": "train/is_ratio_mean",
+    "is_masked_frac": "train/is_masked_frac",
+    "is_masked_seq_frac": "train/is_masked_seq_frac",
 }
 
 
@@ -162,6 +208,7 @@ def plan(args, config: dict) -> list[Job]:
                 "--trainer.logger.init_args.save_dir", str(work / arm),
                 "--trainer.logger.init_args.name", f"seed_{seed}", "--trainer.logger.init_args.version", "0",
             ]
+            run_args += ARM_OPTIONS.get(arm, [])
             if args.steps is not None:
                 run_args += ["--trainer.max_steps", str(args.steps)]
             jobs.append(Job(f"{arm}/seed_{seed}", work / arm / f"seed_{seed}", run_args + args.passthrough, arm, seed,
@@ -426,6 +473,7 @@ def collect(args, config: dict, jobs: list[Job], max_steps: int, started: str, c
         arms[arm] = {
             "quantization": quantization,
             "aqn": aqn,
+            "options": ARM_OPTIONS.get(arm, []),
             "lr": runs[0].meta["lr"] if runs else None,
             "seeds": [with_base(results[j.name], base.get(quantization)) for j in runs if j.name in results],
         }
@@ -547,7 +595,10 @@ def parse_args(argv: list[str] | None):
     ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Options after -- go to every train.py call.")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--experiment", choices=list(EXPERIMENTS), default="aqn",
+                        help="which arms (and default --work / --out): issues 22/40's AQN arms or issue 51's "
+                             "corrections")
+    parser.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), help="default: the experiment's")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--device", choices=list(DEVICES), default="cuda")
@@ -557,8 +608,9 @@ def parse_args(argv: list[str] | None):
                         help="GPUs the parallel runs are spread over (CUDA devices 0..N-1)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads per run (default: the machine's cores over --parallel)")
-    parser.add_argument("--work", default="runs/aqn_seeds", help="where the runs live (resumed from there)")
-    parser.add_argument("--out", default="docs/results/aqn_seeds.json", help="the experiment's JSON")
+    parser.add_argument("--work", default=None, help="where the runs live (resumed from there; default: the "
+                        "experiment's)")
+    parser.add_argument("--out", default=None, help="the experiment's JSON (default: the experiment's)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds after which running runs are stopped (they resume on the next call)")
     parser.add_argument("--archive", default=None,
@@ -571,6 +623,8 @@ def parse_args(argv: list[str] | None):
             or len(set(args.seeds)) != len(args.seeds)):
         parser.error("--parallel, --gpus and --steps must be >= 1, and --seeds distinct")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
+    arms, work, out = EXPERIMENTS[args.experiment]
+    args.arms, args.work, args.out = args.arms or list(arms), args.work or work, args.out or out
     args.passthrough, args.argv = passthrough, argv
     return args
 

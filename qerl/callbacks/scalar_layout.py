@@ -28,6 +28,12 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
         "clip fractions (low, high)": [r"^train/clip_frac_low$", r"^train/clip_frac_high$"],
         "IS weights (ratio, truncated-IS mean, capped fraction)": [
             r"^train/ratio_mean$", r"^train/is_ratio_mean$", r"^train/is_capped_frac$"],
+        "sampler vs trainer log-prob gap (mean, max)": [r"^train/sampling_logp_diff_mean$",
+                                                        r"^train/sampling_logp_diff_max$"],
+        "IS ratio before its bounds (min, mean, max)": [r"^train/is_raw_ratio_min$", r"^train/is_raw_ratio_mean$",
+                                                        r"^train/is_raw_ratio_max$"],
+        "masked by the rollout correction (tokens, sequences, off-policy sequences)": [
+            r"^train/is_masked_frac$", r"^train/is_masked_seq_frac$", r"^train/off_policy_masked_seq_frac$"],
         "KL to the base policy": [r"^train/kl$"],
     },
     "5 throughput and memory": {

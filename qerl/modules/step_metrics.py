@@ -1,9 +1,10 @@
 """A training step's metrics from sums that add up over ranks.
 
 Under DDP each rank rolls out and scores its own groups. Every metric is a ratio of sums (reward per row, entropy
-per token, clip fraction per loss token), a sum (tokens per second of all ranks) or a maximum (seconds, memory), so one
-all-reduce of the sums and one of the maxima give every rank the metrics of the whole global batch: the same numbers a
-single process would log over the same rows. Off DDP the reductions are skipped.
+per token, clip fraction per loss token), a sum (tokens per second of all ranks) or a maximum (seconds, memory, the
+loss's largest sampler-trainer gap and IS ratios: ``LOSS_MAXIMA``), so one all-reduce of the sums and one of the maxima
+give every rank the metrics of the whole global batch: the same numbers a single process would log over the same rows.
+Off DDP the reductions are skipped.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from qerl.modules.loss import LossStats, summarize_stats
+from qerl.modules.loss_stats import MAX_FIELDS, LossStats, combine_stats, summarize_stats
 
 MAXIMA = ("rollout_s", "train_s", "resident_gb", "peak_rollout_gb", "peak_update_gb")
+LOSS_MAXIMA = tuple(f"loss_{name}" for name in MAX_FIELDS)  # in the sums' dict, reduced with MAX
 
 
 def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tensor, entropy: Tensor,
@@ -25,8 +27,9 @@ def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tenso
     ``informative`` [groups], the clean policy's per-token ``entropy``, the rollout's ``completion_mask`` [N, L] and
     per-token ``rollout_entropy`` [N, L], ``truncated`` [N], the update's ``stats`` (one per micro-batch); dynamic
     sampling's ``kept_groups`` [groups] (those trained on; default ``informative``), ``batch_groups`` (the batch size it
-    fills; default: every group) and ``refill_rounds`` (extra rollouts this step)."""
-    loss = LossStats(*(torch.stack(field).sum() for field in zip(*stats)))
+    fills; default: every group) and ``refill_rounds`` (extra rollouts this step). The loss's maxima
+    (``LOSS_MAXIMA``) ride along; ``all_reduce`` takes their maximum over the ranks."""
+    loss = combine_stats(stats)
     device = rewards.device
     values = {
         "rows": rewards.numel(),
@@ -55,9 +58,13 @@ def step_sums(rewards: Tensor, group_size: int, correct: int, informative: Tenso
 
 
 def all_reduce(sums: dict[str, float], maxima: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """Sums and maxima over all ranks (as they are off DDP); a collective: every rank calls it."""
+    """Sums and maxima over all ranks (as they are off DDP; the loss's maxima in ``sums`` are maxed); a collective:
+    every rank calls it."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return sums, maxima
+    loss_maxima = {k: sums[k] for k in LOSS_MAXIMA if k in sums}
+    sums = {k: v for k, v in sums.items() if k not in loss_maxima}
+    maxima = {**maxima, **loss_maxima}
     out = []
     for values, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
         # float64 on the CPU for gloo; NCCL needs the rank's device
@@ -65,7 +72,9 @@ def all_reduce(sums: dict[str, float], maxima: dict[str, float]) -> tuple[dict[s
         t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
         dist.all_reduce(t, op=op)
         out.append(dict(zip(values, t.tolist())))
-    return out[0], out[1]
+    reduced_sums, reduced_maxima = out
+    reduced_sums.update({k: reduced_maxima.pop(k) for k in loss_maxima})
+    return reduced_sums, reduced_maxima
 
 
 def step_metrics(sums: dict[str, float], maxima: dict[str, float], num_iterations: int) -> dict[str, float]:
@@ -92,6 +101,15 @@ def step_metrics(sums: dict[str, float], maxima: dict[str, float], num_iteration
         "train/is_ratio_mean": loss["is_ratio_mean"],
         "train/is_capped_frac": loss["is_capped_frac"],
         "train/kl": loss["kl"],
+        # the sampler (rollout engine) against the trainer, and what the rollout correction did
+        "train/sampling_logp_diff_mean": loss["sampling_logp_diff_mean"],
+        "train/sampling_logp_diff_max": loss["sampling_logp_diff_max"],
+        "train/is_raw_ratio_min": loss["is_raw_ratio_min"],
+        "train/is_raw_ratio_mean": loss["is_raw_ratio_mean"],
+        "train/is_raw_ratio_max": loss["is_raw_ratio_max"],
+        "train/is_masked_frac": loss["is_masked_frac"],
+        "train/is_masked_seq_frac": loss["is_masked_seq_frac"],
+        "train/off_policy_masked_seq_frac": loss["off_policy_masked_seq_frac"],
         "perf/rollout_s": maxima["rollout_s"],  # the slowest rank: the others wait for it at the all-reduce
         "perf/train_s": maxima["train_s"],
         "perf/rollout_tokens_per_s": sums["rollout_tokens_per_s"],

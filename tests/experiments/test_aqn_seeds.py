@@ -163,7 +163,7 @@ def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
     """Issue 40's arms: bf16 + AQN at the bf16 rate (against bf16_lr_low) and at the NVFP4 rate (against bf16_lr_high),
     NVFP4 + AQN at the bf16 rate (against bf16_aqn and nvfp4_aqn); 5 seeds by default, base scores first."""
     args = seeds_script.parse_args(["--device", "cpu", "--work", str(tmp_path)])
-    assert args.seeds == [0, 1, 2, 3, 4] and set(args.arms) == set(seeds_script.ARMS)
+    assert args.seeds == [0, 1, 2, 3, 4] and set(args.arms) == set(seeds_script.EXPERIMENTS["aqn"][0])
     jobs = seeds_script.plan(args, yaml.safe_load(CONFIG.read_text()))
     assert [j.name for j in jobs[:2]] == ["base_bf16", "base_nvfp4"] and len(jobs) == 2 + 5 * 7
 
@@ -180,6 +180,27 @@ def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
     for arm, (quantization, aqn, lr) in expected.items():
         got = settings(f"{arm}/seed_3")
         assert got[:2] == (quantization, aqn) and got[2] == pytest.approx(lr), arm
+
+
+def test_the_correction_experiment_runs_nvfp4_aqn_with_each_correction_and_nothing_else_changed(capsys):
+    """Issue 51's arms: today's token TIS (nvfp4_aqn), TRL's default sequence_mask (C_max 3), IcePop's token_mask
+    [0.5, 5]; each differs from nvfp4_aqn only in its correction options, which train.py parses."""
+    args = seeds_script.parse_args(["--experiment", "correction", "--device", "cpu"])
+    assert args.arms == ["nvfp4_aqn", "nvfp4_aqn_sequence_mask", "nvfp4_aqn_icepop"]
+    assert (args.work, args.out) == ("runs/correction_seeds", "docs/results/correction_seeds.json")
+    jobs = {j.name: j.args for j in seeds_script.plan(args, yaml.safe_load(CONFIG.read_text()))}
+    assert list(jobs)[0] == "base_nvfp4" and len(jobs) == 1 + 5 * 3
+    reference = jobs["nvfp4_aqn/seed_2"]
+    for arm in ("nvfp4_aqn_sequence_mask", "nvfp4_aqn_icepop"):
+        got, extra = jobs[f"{arm}/seed_2"], seeds_script.ARM_OPTIONS[arm]
+        start = got.index(extra[0])
+        assert got[start:start + len(extra)] == extra
+        assert [a.replace(arm, "nvfp4_aqn") for a in got[:start] + got[start + len(extra):]] == reference
+    from qerl.cli import cli_main
+    for arm, mode in (("nvfp4_aqn_sequence_mask", "sequence_mask"), ("nvfp4_aqn_icepop", "token_mask")):
+        with pytest.raises(SystemExit) as exit_info:  # --print_config: the options parse, then exit 0
+            cli_main(["fit", "--config", str(CONFIG), *seeds_script.ARM_OPTIONS[arm], "--print_config"])
+        assert exit_info.value.code in (0, None) and f"mode: {mode}" in capsys.readouterr().out
 
 
 def test_the_archive_restores_finished_runs_made_with_the_same_arguments(tmp_path):

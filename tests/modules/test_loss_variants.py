@@ -8,6 +8,7 @@ import torch
 
 from qerl.modules.loss import (CISPOLoss, DAPOLoss, GRPOLoss, GSPOLoss, PolicyLoss, cispo_surrogate,
                                sequence_log_ratio)
+from qerl.modules.rollout_correction import RolloutCorrection
 
 
 def random_batch(seed, N=6, L=5, spread=1.2):
@@ -46,8 +47,8 @@ def gspo_reference(lp, old, adv, mask, eps_low, eps_high, beta, is_cap, rollout,
     return total
 
 
-def cispo_reference(lp, old, adv, mask, eps_low, eps_high, beta, is_cap, rollout, ref):
-    """sum over tokens of [ -sg(clip(r)) * A * lp * w + beta * k3 ] / (number of tokens)."""
+def cispo_reference(lp, old, adv, mask, eps_min, eps_max, beta, is_cap, rollout, ref):
+    """TRL's cispo: sum over tokens of [ -sg(clamp(r, eps_min, max=eps_max)) * A * lp * w + beta * k3 ] / tokens."""
     N, L = lp.shape
     count = int(mask.sum())
     total = lp.new_zeros(())
@@ -56,7 +57,7 @@ def cispo_reference(lp, old, adv, mask, eps_low, eps_high, beta, is_cap, rollout
             if not mask[i, t]:
                 continue
             r = math.exp(float(lp[i, t].detach() - old[i, t]))
-            weight = min(r, 1 + eps_high) if eps_low is None else min(max(r, 1 - eps_low), 1 + eps_high)
+            weight = min(r, eps_max) if eps_min is None else min(max(r, eps_min), eps_max)
             term = -weight * adv[i] * lp[i, t]
             if is_cap is not None:
                 term = term * min(math.exp(float(old[i, t] - rollout[i, t])), is_cap)
@@ -69,8 +70,9 @@ def cispo_reference(lp, old, adv, mask, eps_low, eps_high, beta, is_cap, rollout
 CASES = [
     (GSPOLoss, gspo_reference, {"eps_low": 3e-4, "eps_high": 4e-4}),
     (GSPOLoss, gspo_reference, {"eps_low": 0.05, "eps_high": 0.1}),  # some sequences inside the clip, some out
-    (CISPOLoss, cispo_reference, {"eps_low": None, "eps_high": 0.28}),
-    (CISPOLoss, cispo_reference, {"eps_low": 0.2, "eps_high": 0.1}),
+    (CISPOLoss, cispo_reference, {"eps_min": None, "eps_max": 1.28}),
+    (CISPOLoss, cispo_reference, {"eps_min": 0.8, "eps_max": 1.1}),
+    (CISPOLoss, cispo_reference, {"eps_min": None, "eps_max": 5.0}),  # TRL / ScaleRL's recommended epsilon_high
 ]
 
 
@@ -79,7 +81,8 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_loss_and_gradient_match_the_float64_reference(cls, reference, eps, beta, is_cap, dtype):
     lp64, old, adv, mask, rollout, ref = random_batch(seed=1)
-    loss_fn = cls(beta=beta, is_cap=is_cap, **eps)
+    mode = "geometric_truncate" if cls is GSPOLoss else "token_truncate"  # what each reference computes
+    loss_fn = cls(beta=beta, correction=None if is_cap is None else RolloutCorrection(mode, clip_max=is_cap), **eps)
     lp = lp64.to(dtype).requires_grad_()
     cast = lambda x: x.to(dtype)  # noqa: E731
     loss, stats = loss_fn(lp, cast(old), cast(adv), mask, loss_fn.token_weights(mask), cast(rollout), cast(ref))
@@ -87,8 +90,7 @@ def test_loss_and_gradient_match_the_float64_reference(cls, reference, eps, beta
 
     lp_ref = lp.detach().double().requires_grad_()
     up = lambda x: x.to(dtype).double()  # noqa: E731  the same inputs the module saw
-    expected = reference(lp_ref, up(old), up(adv), mask, eps["eps_low"], eps["eps_high"], beta, is_cap, up(rollout),
-                         up(ref))
+    expected = reference(lp_ref, up(old), up(adv), mask, *eps.values(), beta, is_cap, up(rollout), up(ref))
     expected.backward()
     # token_weights are float32 (as the module uses them): 1e-7 relative even on float64 log-probs
     tol = {"atol": 1e-9, "rtol": 1e-6} if dtype == torch.float64 else {"atol": 1e-6, "rtol": 1e-5}
@@ -105,7 +107,7 @@ def test_gspo_clips_whole_sequences():
     lp = torch.log(torch.tensor([[2.0, 0.5], [1.2, 1.2]], dtype=torch.float64)).requires_grad_()
     mask = torch.ones(2, 2, dtype=torch.bool)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    loss_fn = GSPOLoss(eps_low=0.1, eps_high=0.1, is_cap=None)
+    loss_fn = GSPOLoss(eps_low=0.1, eps_high=0.1, correction=None)
     loss, stats = loss_fn(lp, old, adv, mask, loss_fn.token_weights(mask))
     loss.backward()
     assert loss.item() == pytest.approx((-1.0 - 1.1) / 2)
@@ -131,7 +133,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_where_ppo_drops_it():
     mask = torch.ones(1, 2, dtype=torch.bool)
     adv = torch.tensor([2.0], dtype=torch.float64)
     grads = {}
-    for name, loss_fn in {"ppo": DAPOLoss(is_cap=None), "cispo": CISPOLoss(is_cap=None)}.items():
+    for name, loss_fn in {"ppo": DAPOLoss(correction=None), "cispo": CISPOLoss(correction=None)}.items():
         lp.grad = None
         loss, stats = loss_fn(lp, old, adv, mask, loss_fn.token_weights(mask))
         loss.backward()
@@ -144,7 +146,8 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_where_ppo_drops_it():
 def test_on_the_first_update_every_variant_has_grpos_gradient_direction():
     # ratio 1 everywhere (old = logp.detach()): CISPO's token mean equals DAPO's, GSPO's sequence mean GRPO's.
     lp64, _, adv, mask, _, _ = random_batch(seed=3)
-    pairs = ((CISPOLoss(is_cap=None), DAPOLoss(is_cap=None)), (GSPOLoss(is_cap=None), GRPOLoss(is_cap=None)))
+    pairs = ((CISPOLoss(correction=None), DAPOLoss(correction=None)),
+             (GSPOLoss(correction=None), GRPOLoss(correction=None)))
     for variant, plain in pairs:
         grads = []
         for loss_fn in (variant, plain):
@@ -177,6 +180,6 @@ def test_micro_batch_losses_sum_to_the_full_batch(cls):
 def test_variants_are_policy_losses_with_their_papers_defaults():
     assert issubclass(GSPOLoss, PolicyLoss) and issubclass(CISPOLoss, PolicyLoss)
     assert (GSPOLoss().eps_low, GSPOLoss().eps_high) == (3e-4, 4e-4)
-    assert CISPOLoss().eps_low is None
-    with pytest.raises(ValueError, match="eps_high"):
-        CISPOLoss(eps_high=-1.0)
+    assert (CISPOLoss().eps_min, CISPOLoss().eps_max) == (None, 1.28)
+    with pytest.raises(ValueError, match="eps_max"):
+        CISPOLoss(eps_max=0.2)  # TRL's default epsilon would scale every on-policy token by 0.2

@@ -62,6 +62,16 @@ def test_metrics_are_the_batch_means_a_reader_expects():
     total = [sum(float(s[i]) for s in b["stats"]) for i in range(len(LossStats._fields))]
     expected["train/clip_frac_low"] = total[1] / total[0]
     expected["train/ratio_mean"] = total[3] / total[0]
+    field = {name: [float(getattr(st, name)) for st in b["stats"]] for name in LossStats._fields}
+    # the sampler diagnostics: means per token / sequence / unit, extremes over the micro-batches
+    expected["train/sampling_logp_diff_mean"] = sum(field["logp_diff"]) / total[0]
+    expected["train/sampling_logp_diff_max"] = max(field["logp_diff_max"])
+    expected["train/is_raw_ratio_max"] = max(field["is_raw_max"])
+    expected["train/is_raw_ratio_min"] = 1 / max(field["is_raw_inv_max"])
+    expected["train/is_raw_ratio_mean"] = sum(field["is_raw"]) / sum(field["is_raw_units"])
+    expected["train/is_masked_frac"] = sum(field["is_masked"]) / total[0]
+    expected["train/is_masked_seq_frac"] = sum(field["rows_masked"]) / sum(field["rows"])
+    expected["train/off_policy_masked_seq_frac"] = sum(field["off_policy_rows"]) / sum(field["rows"])
     for key, value in expected.items():
         assert m[key] == pytest.approx(float(value), rel=1e-6), key
 
