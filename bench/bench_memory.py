@@ -9,7 +9,7 @@ Each row is ``<shape>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<mic
 [:<GiB>]]]]]]`` (empty fields: the recipe's; ``GiB``: ``--memory_plan_device_gb``, plan for that much memory). The
 shape is a name of ``qerl.testing.random_models`` (``qwen2.5-32b``, ``qwen3-32b``, ``llama3.1-8b``, ...); a bare size
 (``32b``) is Qwen2.5's. A row runs ``train.py fit`` with ``configs/gpu.yaml`` + ``configs/recipes/<shape>_<task>.yaml``
-(Llama 3 shapes have no recipe of their own: the Qwen2.5 one of ``LLAMA3_RECIPES``) (+ ``recipes/bf16.yaml``) on
+(the small Llama 3 shapes have no recipe of their own: the Qwen2.5 one of ``LLAMA3_RECIPES``) (+ ``recipes/bf16.yaml``) on
 random-init weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's),
 the recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
 drawn lengths, ``bench/forced_lengths.py``). Reads back from TensorBoard the memory held between steps
@@ -41,8 +41,8 @@ from bench_train_e2e import in_own_process, write_models  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# Llama 3 shapes run the recipe of the Qwen2.5 model of about their size (every recipe has configs/gpu.yaml's
-# settings; the size decides gradient checkpointing)
+# Llama 3 shapes without a recipe of their own run the recipe of the Qwen2.5 model of about their size (every recipe
+# has configs/gpu.yaml's settings; the size decides gradient checkpointing)
 LLAMA3_RECIPES = {"llama3.2-1b": "qwen2.5-3b", "llama3.2-3b": "qwen2.5-3b", "llama3.1-8b": "qwen2.5-7b"}
 
 

@@ -139,7 +139,8 @@ def test_qwen3_32b_exact_parts_by_hand():
     assert component(plan, "prefill activations") == 16 * 256 * 2 * (3 * I + 6 * H + 2 * q)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen3-32b", "qwen3-1.7b", "llama3.1-8b", "llama3.2-1b"])
+@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen2.5-72b", "qwen3-32b", "qwen3-1.7b", "llama3.1-8b", "llama3.2-1b",
+                                  "llama3.3-70b"])
 def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
     # the transformers model of the shape (on the meta device: sizes, no memory): every projection, norm, bias,
     # embedding and K/V row the plan counts is one of its parameters, with the config's head_dim
@@ -170,6 +171,16 @@ def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
         ("bf16 linears", "embeddings", "LM head", "norms and biases")))  # nothing else in the model
     attention = model.model.layers[0].self_attn
     assert shape.kv_bytes_per_token() == 2 * shape.layers * attention.k_proj.out_features * 2  # K and V, bf16
+
+
+@pytest.mark.parametrize(("name", "billions"), [("qwen2.5-72b", 72.7), ("llama3.3-70b", 70.6)])
+def test_the_70b_shapes_have_their_model_cards_parameter_counts(name, billions):
+    # Qwen2.5-72B-Instruct's model card: 72.7B parameters; Llama-3.3-70B-Instruct's hub page: 70.6B
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(name), dtype=torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions
 
 
 def test_qwen3s_q_k_norms_keep_their_inputs_for_the_backward():
