@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -415,3 +416,31 @@ def test_the_plan_is_within_ten_percent_of_the_h100_measurements(results, monkey
         for key in ("peak_rollout_gb", "peak_update_gb", "peak_gb"):
             assert 0.9 <= plan[f"plan_over_measured_{key.removesuffix('_gb')}"] <= 1.1, (row["spec"], key, plan)
         assert plan["plan_wave_rows"] == row["plan_wave_rows"]
+
+
+H200_RESULTS = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("memory_h200_*.json"))
+
+
+@pytest.mark.parametrize("results", [p.name for p in H200_RESULTS] or [
+    pytest.param(None, marks=pytest.mark.skip(reason="no memory_h200_*.json measured yet (bench/gpu_70b.sh)"))])
+def test_the_plan_is_within_ten_percent_of_the_h200_measurements_under_a_budget(results, monkeypatch):
+    """The plan against the peaks ``bench/bench_memory.py`` measured on an H200, each row held to its
+    ``--memory-budget-gb`` (the 70B recipes held to an 80 GB card's memory): the plan for the budget is within 10% of
+    every phase, and what PyTorch held stayed within the budget."""
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    monkeypatch.chdir(root)
+    from bench_memory import planned
+
+    rows = [r for r in json.loads((root / "bench" / "results" / results).read_text())["rows"] if "error" not in r]
+    assert rows, results
+    for row in rows:
+        row = {**row, "micro_batch_tokens": row["plan_micro_batch_tokens"]}  # what the run used, not a new choice
+        plan = planned(row, vocab=49152, free_bytes=int(139.5 * GIB), total_bytes=int(140.4 * GIB))
+        for key in ("resident", "peak_rollout", "peak_update", "peak"):
+            assert 0.9 <= plan[f"plan_over_measured_{key}"] <= 1.1, (row["spec"], key, plan)
+        assert plan["plan_wave_rows"] == row["plan_wave_rows"]
+        if "budget_gb" in row:
+            assert row["reserved_gb"] <= row["budget_gb"], row["spec"]
