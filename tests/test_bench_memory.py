@@ -81,3 +81,22 @@ def test_a_bad_row_is_refused_before_anything_runs(bench_memory, monkeypatch, ca
     with pytest.raises(SystemExit) as stop:
         bench_memory.main()
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-72b", "llama3.3-70b"])
+def test_the_70b_decode_bench_runs_at_the_waves_train_py_plans_for_a_budget(bench_memory, shape, tmp_path,
+                                                                             no_model_loads):
+    # bench_rollout.py --plan-waves: the rows its 70B decode is timed at are the waves a run of the recipe held to
+    # that budget decodes in (the real vocabulary: a user's run, not the benchmark's cut one)
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    import bench_rollout
+
+    model_config(shape).save_pretrained(tmp_path / shape)
+    for gb in (78.6, 139.0):
+        cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+            "--config", "configs/gpu.yaml", "--config", f"configs/recipes/{shape}_gsm8k.yaml", "--model.policy.model",
+            str(tmp_path / shape), "--trainer.accelerator", "cpu", "--memory_budget_gb", str(gb)])
+        assert bench_rollout.plan_wave_rows(shape, gb) == cli.model.rollout.wave_rows
