@@ -260,7 +260,7 @@ def main() -> None:
         row = earlier[spec] if spec in earlier else parsed[spec]
         work = Path(args.work)
         model_dir = work / f"{row['model']}-{row['quantization']}"
-        if not (model_dir / "config.json").exists():
+        if (spec not in earlier or args.builtin_tokens) and not (model_dir / "config.json").exists():
             write_models(row["model"], args.tokenizer, work, vocab, quantizations=(row["quantization"],))
         name = spec.replace(":", "_")
         result = {k: v for k, v in row.items() if k == "error"}
@@ -272,6 +272,8 @@ def main() -> None:
                 result = in_own_process(fit, row, model_dir, args, name, [])
             except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
                 result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            except (Exception, SystemExit) as e:  # (a refused plan exits 2) the next rows still run
+                result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             gc.collect()
             torch.cuda.empty_cache()
             row.update(result)
