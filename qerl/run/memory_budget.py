@@ -10,10 +10,9 @@ Two parts obey it, so that what the plan promises is what the process may take:
 
 The graph engine's KV cache reads the cap too when it decides to give cached blocks back
 (``qerl.rollout.kv_cache.unreserved_bytes``), as it would on the smaller GPU. The CUDA context lives outside the
-allocator: a budget of what a smaller GPU leaves free to PyTorch (an idle 80 GB
-H100: about 78.6 GiB) makes a larger one behave as that GPU. Off CUDA the plan is made for N GiB and nothing is held.
-The vLLM engine allocates its share outside PyTorch's allocator and is sized by its ``gpu_memory_utilization``: a
-budget is refused there.
+allocator: a budget of what the smaller GPU leaves PyTorch after its context (docs/memory.md) makes a larger GPU
+behave as that one. Off CUDA the plan is made for N GiB and nothing is held. The vLLM engine allocates its share
+outside PyTorch's allocator and is sized by its ``gpu_memory_utilization``: a budget is refused there.
 """
 
 from __future__ import annotations
