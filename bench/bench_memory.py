@@ -9,7 +9,7 @@ Each row is ``<shape>:<nvfp4|bf16>:<gsm8k|bigmath>[:<prompts>[:<wave rows>[:<mic
 [:<GiB>]]]]]]`` (empty fields: the recipe's; ``GiB``: ``--memory_plan_device_gb``, plan for that much memory). The
 shape is a name of ``qerl.testing.random_models`` (``qwen2.5-32b``, ``qwen3-32b``, ``llama3.1-8b``, ...); a bare size
 (``32b``) is Qwen2.5's. A row runs ``train.py fit`` with ``configs/gpu.yaml`` + ``configs/recipes/<shape>_<task>.yaml``
-(Llama 3 shapes have no recipe of their own: the Qwen2.5 one of ``LLAMA3_RECIPES``) (+ ``recipes/bf16.yaml``) on
+(the small Llama 3 shapes have no recipe of their own: the Qwen2.5 one of ``LLAMA3_RECIPES``) (+ ``recipes/bf16.yaml``) on
 random-init weights of the real shape (written once per machine under ``--work``, vocabulary cut to the tokenizer's),
 the recipe's batch unless ``prompts`` is given, on the CUDA-graph engine (``--lengths lognormal``: completions end at
 drawn lengths, ``bench/forced_lengths.py``). Reads back from TensorBoard the memory held between steps
@@ -19,7 +19,8 @@ on ``BuiltinRollout`` and on the CUDA-graph engine at N fixed new tokens (one st
 estimates the built-in engine's step as the update plus the rollout scaled by that ratio.
 
 Writes ``memory_<device>[_<label>].json``: ``rows`` with ``model`` (the shape), ``recipe``, ``quantization``, ``prompts``, ``group_size``,
-``new_tokens``, ``peak_gb``, ``resident_gb``, ``peak_rollout_gb``, ``peak_update_gb``, ``load_peak_gb``, ``step_s``.
+``new_tokens``, ``peak_gb``, ``resident_gb``, ``peak_rollout_gb``, ``peak_update_gb``, ``load_peak_gb``, ``step_s``
+(``budget_gb`` with ``--memory-budget-gb``: the run, its plan and PyTorch's allocator held to that many GiB).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import datetime
 import gc
 import glob
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -41,8 +43,8 @@ from bench_train_e2e import in_own_process, write_models  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# Llama 3 shapes run the recipe of the Qwen2.5 model of about their size (every recipe has configs/gpu.yaml's
-# settings; the size decides gradient checkpointing)
+# Llama 3 shapes without a recipe of their own run the recipe of the Qwen2.5 model of about their size (every recipe
+# has configs/gpu.yaml's settings; the size decides gradient checkpointing)
 LLAMA3_RECIPES = {"llama3.2-1b": "qwen2.5-3b", "llama3.2-3b": "qwen2.5-3b", "llama3.1-8b": "qwen2.5-7b"}
 
 
@@ -145,6 +147,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
 
     from qerl.model.footprint import ModelShape
     from qerl.rollout.footprint import wave_kv_cache_bytes
+    from qerl.run.memory_budget import within_budget
     from qerl.run.memory_plan import plan_memory
     from qerl.run.resolve import engine_args, run_settings
     from qerl.testing.random_models import model_config
@@ -153,6 +156,8 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
     settings = run_settings(cli.config)
     if "device_gb" in row:  # planned for that much memory, as train.py plans it
         free_bytes = total_bytes = int(row["device_gb"] * 2**30)
+    if "budget_gb" in row:  # held to a budget (--memory_budget_gb), as train.py plans it
+        free_bytes, total_bytes = within_budget(free_bytes, total_bytes, row["budget_gb"])
     if "kv_cache_kept" in row:  # what the engine of that run did (an earlier release threshold)
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(model_config(row["model"], vocab_size=vocab))
@@ -188,6 +193,8 @@ def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
     options = [*row_options(row), *options_data, "--model.rollout.class_path", engine]
     if "device_gb" in row:
         options += ["--memory_plan_device_gb", str(row["device_gb"])]
+    if "budget_gb" in row:
+        options += ["--memory_budget_gb", str(row["budget_gb"])]
     # (a fresh process: no CUDA call before the CLI, so that its allocator settings apply)
     start = time.perf_counter()
     cli_main([
@@ -222,6 +229,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lengths", choices=("fixed", "lognormal"), default="lognormal")
     parser.add_argument("--builtin-tokens", type=int, default=0)
+    parser.add_argument("--memory-budget-gb", type=float, default=None,
+                        help="hold every row to this many GiB of the GPU (train.py's --memory_budget_gb): e.g. 78.6, "
+                             "what an idle 80 GB H100 leaves free, to measure an 80 GB card's run on a larger one")
+    parser.add_argument("--drop-models", action="store_true",
+                        help="delete a row's model checkpoint once no later row uses it (70B checkpoints take ~40 GB "
+                             "of disk each)")
     parser.add_argument("--label", default="")
     parser.add_argument("--work", default="/tmp/qerl_memory")
     parser.add_argument("--reuse", default=None, help="an earlier JSON of this benchmark: its rows (by spec) are taken "
@@ -247,16 +260,20 @@ def main() -> None:
         row = earlier[spec] if spec in earlier else parsed[spec]
         work = Path(args.work)
         model_dir = work / f"{row['model']}-{row['quantization']}"
-        if not (model_dir / "config.json").exists():
+        if (spec not in earlier or args.builtin_tokens) and not (model_dir / "config.json").exists():
             write_models(row["model"], args.tokenizer, work, vocab, quantizations=(row["quantization"],))
         name = spec.replace(":", "_")
         result = {k: v for k, v in row.items() if k == "error"}
         if spec not in earlier:
             row.update(recipe_settings(row), lengths=args.lengths)
+            if args.memory_budget_gb is not None:
+                row["budget_gb"] = args.memory_budget_gb
             try:
                 result = in_own_process(fit, row, model_dir, args, name, [])
             except torch.cuda.OutOfMemoryError as e:  # a row that does not fit is a result too
                 result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            except (Exception, SystemExit) as e:  # (a refused plan exits 2) the next rows still run
+                result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             gc.collect()
             torch.cuda.empty_cache()
             row.update(result)
@@ -275,6 +292,10 @@ def main() -> None:
             row["speedup_vs_builtin_estimate"] = row["builtin_step_s_estimate"] / row["step_s"]
             gc.collect()
             torch.cuda.empty_cache()
+        later = [parse_row(s) for s in args.rows.split(",")[len(rows) + 1:] if s not in earlier]
+        if args.drop_models and not any((r["model"], r["quantization"]) == (row["model"], row["quantization"])
+                                        for r in later):
+            shutil.rmtree(model_dir, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         report = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -6,7 +6,8 @@ Run on a CUDA machine from the repository root:
 
 What the engine computes is checked by the GPU test tier (``bench/gpu_tests.sh``: graph replay == eager steps,
 log-probs == a full recomputation, LoRA and AQN noise live in the captured graphs, the fused kernels vs float64).
-1. Measures copy bandwidth (the floor of a decode step = bytes of weights read / bandwidth).
+1. Measures copy bandwidth (the floor of a decode step = bytes of weights read / bandwidth; each row's ms/step over
+   it: ``ms_step_over_floor_nvfp4``).
 2. Times ``CUDAGraphRollout.generate`` (prompt 256, fixed ``--new`` tokens: EOS ignored, G = 8 samples per prompt,
    batch = rows): 7B NVFP4 vs bf16 at LoRA rank 16 and 64, 14B at batch 64, 32B NVFP4 alone; and transformers'
    ``generate`` with a static cache (eager: ``disable_compile``) on the same 7B bf16 + LoRA r16 model at batch 64.
@@ -14,7 +15,10 @@ log-probs == a full recomputation, LoRA and AQN noise live in the captured graph
    weights, also timed without it: ``--no-copy-too``); the 7B r16 model is also timed with the
    transformers step at batch 1 and 64 and its kernels per step counted (profiler). A batch whose KV cache cannot
    fit is skipped and listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
-Writes ``<out>/rollout_<device>.json`` (top-level device, date, rows).
+3. ``--models qwen2.5-72b,llama3.3-70b --plan-waves 78.6,139``: the 70B decode (NVFP4 + LoRA r16, the fused step)
+   at the memory plan's wave sizes of each gsm8k recipe on an 80 GB and a 141 GB GPU (``plan_wave_for_gb``), against
+   its weight-read floor.
+Writes ``<out>/rollout_<device>[_<label>].json`` (top-level device, date, rows).
 """
 
 from __future__ import annotations
@@ -143,6 +147,16 @@ def hf_generate(policy, batch: int) -> float:
     return (times[40] - times[8]) / 32 * 1e3
 
 
+def plan_wave_rows(shape: str, budget_gb: float) -> int:
+    """Rows per wave the memory plan gives the gsm8k recipe of ``shape`` (its real vocabulary) on a GPU of
+    ``budget_gb`` GiB, as ``train.py fit --memory_budget_gb`` plans it."""
+    from bench_memory import parse_row, planned
+
+    row = parse_row(f"{shape}:nvfp4:gsm8k") | {"budget_gb": budget_gb}
+    gib = int(budget_gb * 2**30)
+    return planned(row, vocab=model_config(shape).vocab_size, free_bytes=gib, total_bytes=gib)["plan_wave_rows"]
+
+
 def free():
     gc.collect()
     torch.cuda.empty_cache()
@@ -155,7 +169,12 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--unfused", default="7b", help="also time the transformers step for these models ('' for none)")
-    ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b,qwen3-8b,llama3.1-8b")
+    ap.add_argument("--models", default="7b,32b,7b-r64", help="any of 7b,32b,7b-r64,14b,qwen3-8b,llama3.1-8b, or "
+                    "another shape of qerl.testing.random_models (NVFP4 only: qwen2.5-72b, llama3.3-70b)")
+    ap.add_argument("--plan-waves", default="", help="GiB of GPU, e.g. 78.6,139: the other shapes of --models decode "
+                    "at the memory plan's wave sizes of their gsm8k recipe on a GPU of that many GiB (train.py "
+                    "--memory_budget_gb) instead of at --batches")
+    ap.add_argument("--label", default="", help="written to rollout_<device>_<label>.json")
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
     ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
                                                           "loop instead of the wgmma one ('' none)")
@@ -266,6 +285,13 @@ def main():
         for quant in ("nvfp4", "bf16"):
             if family in models:
                 run(family, quant, 16, batches)
+    named = {"7b", "32b", "7b-r64", "14b", "qwen3-8b", "llama3.1-8b"}
+    for shape in (m for m in models if m not in named):  # a 70B has no bf16 copy that fits one GPU: NVFP4 alone
+        budgets = [float(gb) for gb in args.plan_waves.split(",") if gb]
+        waves = {gb: plan_wave_rows(shape, gb) for gb in budgets}
+        log(shape, "the plan's waves:", ", ".join(f"{rows} rows on {gb} GiB" for gb, rows in waves.items()))
+        result.setdefault("plan_waves", {})[shape] = waves
+        run(shape, "nvfp4", 16, sorted(set(waves.values())) if waves else batches)
 
     for (model, rank, quant), per_batch in sorted(measured.items()):
         if quant != "nvfp4":
@@ -280,6 +306,10 @@ def main():
                 peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
                 prefill_ms_bf16=o and o["prefill_ms"],
                 pdl=st["pdl"]))
+            result["rows"][-1]["ms_step_over_floor_nvfp4"] = st["ms_step"] / st["floor_ms"]
+            waves = result.get("plan_waves", {}).get(model, {})
+            if b in waves.values():  # the memory plan's wave on a GPU of these GiB
+                result["rows"][-1]["plan_wave_for_gb"] = [gb for gb, rows in waves.items() if rows == b]
             if "ms_step_mma_sync" in st:
                 result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
                                           nvfp4_mma_sync_over_bf16=o and st["tok_s_mma_sync"] / o["tok_s"])
@@ -337,7 +367,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "h100" if "H100" in device else "h200" if "H200" in device else device.replace(" ", "_").lower()
-    path = out / f"rollout_{tag}.json"
+    path = out / f"rollout_{tag}{'_' + args.label if args.label else ''}.json"
     path.write_text(json.dumps(result, indent=1))
     log("wrote", path)
 

@@ -165,6 +165,11 @@ def rollout_section(result: dict) -> list[str]:
                      f"`{run['recorded_in']}`, `{run['command']}`")
     for skip in result.get("skipped", []):
         notes.append(f"skipped: {skip['model']} {skip['quant']} batch {skip['batch']} ({skip['why']})")
+    for r in (r for r in rows if "plan_wave_for_gb" in r):
+        notes.append(f"{r['model']} at {r['batch']} rows, the memory plan's wave on a GPU of "
+                     f"{' / '.join(str(gb) for gb in r['plan_wave_for_gb'])} GiB: {num(r['ms_step_nvfp4'])} ms per "
+                     f"decode step, {num(r['ms_step_over_floor_nvfp4'])}x its weight-read floor "
+                     f"({num(r['floor_ms_nvfp4'])} ms)")
     if notes:
         out += [""] + [f"- {n[0].upper()}{n[1:]}." for n in notes]
     return out
@@ -225,7 +230,8 @@ def memory_section(result: dict) -> list[str]:
         step = (f"{num(r['step_s'], 1)} ({num(r['rollout_s'], 1)} + {num(r['train_s'], 1)})" if "step_s" in r
                 else r.get("error", "-"))
         body.append([r["model"], r["quantization"], f"{r['prompts'] * r['group_size']} x {r['new_tokens']}",
-                     cell(r.get("device_gb", "all free")), cell(r.get("wave_rows", r.get("plan_wave_rows"))),
+                     cell(r.get("device_gb", f"{r['budget_gb']} (budget)" if "budget_gb" in r else "all free")),
+                     cell(r.get("wave_rows", r.get("plan_wave_rows"))),
                      cell(r.get("micro_batch_tokens", r.get("plan_micro_batch_tokens"))),
                      cell(r.get("gradient_checkpointing", "recipe")), both("resident_gb"), both("peak_rollout_gb"),
                      both("peak_update_gb"), spread, step])

@@ -32,9 +32,10 @@ from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
 from qerl.hub import hub_unavailable
 from qerl.modules.grpo_module import GRPOModule
+from qerl.run.memory_budget import budget_error, hold_to_budget
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
-                              resolve)
+                              planning_device, resolve)
 
 
 class QeRLArgumentParser(LightningArgumentParser):
@@ -126,6 +127,12 @@ class QeRLCLI(LightningCLI):
             help="Plan for a device with this many GiB free instead of the CUDA device's free memory (on CPU: the "
                  "memory plan is made only with this).",
         )
+        parser.add_argument(
+            "--memory_budget_gb", type=float | None, default=None,
+            help="Use at most this many GiB of the GPU: the memory plan is made for them and PyTorch's allocator "
+                 "holds no more, so a larger GPU runs as a smaller one and the rest stays free for other processes "
+                 "(off CUDA: the plan is made for them). Not with VLLMRollout (size it with gpu_memory_utilization).",
+        )
         parser.link_arguments("model.policy.model", "data.tokenizer")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
@@ -207,7 +214,8 @@ class QeRLCLI(LightningCLI):
     def _resolve(self, config) -> Resolution:
         """Make the run's open memory and engine settings concrete before anything is built: print the memory plan
         and exit (``--print_memory_plan``), or decide from it; refuse what cannot fit. The plan is made on CUDA (or
-        for ``--memory_plan_device_gb``) with a built-in or the vLLM engine, for fit only."""
+        for ``--memory_plan_device_gb`` / ``--memory_budget_gb``) with a built-in or the vLLM engine, for fit only;
+        a budget holds PyTorch's allocator to it for any subcommand."""
         parser = self._parser(self.subcommand)
         trains = self.subcommand in ("fit", None)  # None: run=False, the caller fits
         print_only, device_gb = bool(config.get("print_memory_plan")), config.get("memory_plan_device_gb")
@@ -215,6 +223,14 @@ class QeRLCLI(LightningCLI):
             parser.error("--print_memory_plan: only for fit (the plan covers the update too).")
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
+        budget_gb = config.get("memory_budget_gb")
+        if error := budget_error(budget_gb, device_gb, engine_kind(config.model.get("rollout"))):
+            parser.error(error)
+        if budget_gb is not None and (device := planning_device(config.trainer)).type == "cuda":
+            try:  # before anything of the run is allocated there
+                hold_to_budget(device, budget_gb)
+            except ValueError as error:
+                parser.error(str(error))
         rollout = config.model.get("rollout") if trains else None
         if trains and engine_kind(rollout) is None:
             if print_only:
@@ -226,7 +242,7 @@ class QeRLCLI(LightningCLI):
         settings = plan_settings(config) if trains else None
         if settings is None:  # not fit, or a value the constructors refuse (naming the option)
             return Resolution()
-        free, total = device_memory(config.trainer, device_gb)
+        free, total = device_memory(config.trainer, device_gb, budget_gb)
         shape = None
         if free is not None or print_only:
             try:

@@ -30,6 +30,9 @@ def bench_memory(monkeypatch):
     ("32b:nvfp4:gsm8k", "qwen2.5-32b", "qwen2.5-32b_gsm8k", "Qwen/Qwen2.5-32B-Instruct", "Qwen2Config"),
     ("qwen2.5-7b:nvfp4:gsm8k", "qwen2.5-7b", "qwen2.5-7b_gsm8k", "Qwen/Qwen2.5-7B-Instruct", "Qwen2Config"),
     ("llama3.1-8b:nvfp4:gsm8k", "llama3.1-8b", "qwen2.5-7b_gsm8k", "Qwen/Qwen2.5-7B-Instruct", "LlamaConfig"),
+    ("72b:nvfp4:bigmath", "qwen2.5-72b", "qwen2.5-72b_bigmath", "Qwen/Qwen2.5-72B-Instruct", "Qwen2Config"),
+    ("llama3.3-70b:nvfp4:gsm8k", "llama3.3-70b", "llama3.3-70b_gsm8k", "meta-llama/Llama-3.3-70B-Instruct",
+     "LlamaConfig"),
 ])
 def test_a_row_names_its_shape_and_runs_its_familys_recipe(bench_memory, spec, model, recipe, hub_id, config_class):
     row = bench_memory.parse_row(spec)
@@ -64,7 +67,7 @@ def test_the_qwen3_32b_row_is_its_recipe_planned_with_the_qwen3_shape(bench_memo
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("qwen4-32b:nvfp4:gsm8k", "no shape 'qwen4-32b'; use one of llama3.1-8b"),
-    ("72b:nvfp4:gsm8k", "no shape 'qwen2.5-72b'"),
+    ("110b:nvfp4:gsm8k", "no shape 'qwen2.5-110b'"),
     ("qwen3-32b:int4:gsm8k", "the quantization is nvfp4 or bf16, not 'int4'"),
     ("qwen3-32b:nvfp4:math500", "no recipe configs/recipes/qwen3-32b_math500.yaml"),
     ("qwen3-32b:nvfp4", "a row is <shape>:<nvfp4|bf16>:<gsm8k|bigmath>"),
@@ -78,3 +81,22 @@ def test_a_bad_row_is_refused_before_anything_runs(bench_memory, monkeypatch, ca
     with pytest.raises(SystemExit) as stop:
         bench_memory.main()
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-72b", "llama3.3-70b"])
+def test_the_70b_decode_bench_runs_at_the_waves_train_py_plans_for_a_budget(bench_memory, shape, tmp_path,
+                                                                             no_model_loads):
+    # bench_rollout.py --plan-waves: the rows its 70B decode is timed at are the waves a run of the recipe held to
+    # that budget decodes in (the real vocabulary: a user's run, not the benchmark's cut one)
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    import bench_rollout
+
+    model_config(shape).save_pretrained(tmp_path / shape)
+    for gb in (78.6, 139.0):
+        cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+            "--config", "configs/gpu.yaml", "--config", f"configs/recipes/{shape}_gsm8k.yaml", "--model.policy.model",
+            str(tmp_path / shape), "--trainer.accelerator", "cpu", "--memory_budget_gb", str(gb)])
+        assert bench_rollout.plan_wave_rows(shape, gb) == cli.model.rollout.wave_rows

@@ -14,7 +14,7 @@ from qerl.modules.grpo_module import GRPOModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SINGLE = sorted(CONFIGS.glob("*.yaml")) + sorted((CONFIGS / "experiments").glob("*.yaml"))
-RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
+RECIPES = sorted(p for p in (CONFIGS / "recipes").glob("*.yaml") if p.name != "bf16.yaml")
 BF16 = CONFIGS / "recipes" / "bf16.yaml"  # the differences of the bf16 + LoRA baseline, added to any recipe
 CASES = [[p] for p in SINGLE] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [[CONFIGS / "gpu.yaml", r, BF16]
                                                                                  for r in RECIPES]
@@ -27,8 +27,9 @@ def config_args(paths: list[Path]) -> list[str]:
 
 def test_the_expected_configs_exist():
     assert {"debug.yaml", "smoke.yaml", "gpu.yaml"} <= {p.name for p in SINGLE}
-    # Qwen2.5-{3,7,14,32}B and Qwen3-{1.7,4,8,14,32}B x {gsm8k, bigmath}, NVFP4; + bf16.yaml for the bf16 baseline
-    assert len(RECIPES) == 18
+    # Qwen2.5-{3,7,14,32,72}B, Qwen3-{1.7,4,8,14,32}B and Llama-3.3-70B x {gsm8k, bigmath}, NVFP4; + bf16.yaml for the
+    # bf16 baseline
+    assert len(RECIPES) == 22
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == {p.name for p in RECIPES} | {"bf16.yaml"}
 
 
@@ -82,7 +83,7 @@ def test_config_instantiates_without_loading_a_model(paths, tmp_path, monkeypatc
 def test_recipes_decode_on_the_cuda_graph_engine_in_waves_their_memory_plan_fits(recipe, tmp_path, monkeypatch, capsys,
                                                                                  no_model_loads):
     # every recipe samples with the CUDA-graph engine; its memory plan (the model's config alone, real Qwen2.5 /
-    # Qwen3 shapes) fits an 80 GB GPU by decoding in waves, and 32B needs more than one
+    # Qwen3 / Llama 3 shapes) fits an 80 GB GPU by decoding in waves, and 32B and 70B need more than one
     from qerl.testing.random_models import model_config
     from qerl.rollout.cuda_graph import CUDAGraphRollout
 
@@ -90,7 +91,7 @@ def test_recipes_decode_on_the_cuda_graph_engine_in_waves_their_memory_plan_fits
     args = [*config_args([CONFIGS / "gpu.yaml", recipe]), "--trainer.accelerator", "cpu"]
     cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)
     assert isinstance(cli.model.rollout, CUDAGraphRollout) and cli.model.rollout.wave_rows is None  # no device: one
-    size = cli.model.policy_config.model.split("/")[-1].lower().removesuffix("-instruct")  # qwen2.5-7b, qwen3-8b
+    size = recipe.stem.split("_")[0]  # qwen2.5-7b, qwen3-8b, llama3.3-70b: the shape's name
     model_config(size).save_pretrained(tmp_path / size)  # config.json only: the plan reads nothing else
     with pytest.raises(SystemExit) as stop:
         QeRLCLI(GRPOModule, MathPromptDataModule, args=[
@@ -98,7 +99,7 @@ def test_recipes_decode_on_the_cuda_graph_engine_in_waves_their_memory_plan_fits
             "--memory_plan_device_gb", "79"])
     assert stop.value.code == 0
     waves = int(re.search(r"wave_rows: \d+ \((\d+) waves?", capsys.readouterr().out)[1])
-    assert waves >= (2 if size.endswith("-32b") else 1)
+    assert waves >= (2 if size.endswith(("-32b", "-70b", "-72b")) else 1)
 
 
 def test_rollout_engine_help_shows_user_options_only(capsys):

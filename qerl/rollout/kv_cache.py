@@ -38,10 +38,17 @@ def releases_kv_cache(keep: bool | None, nbytes: int, total_bytes: int | None) -
     return total_bytes is not None and nbytes > KV_RELEASE_FRACTION * total_bytes
 
 
+def unreserved_bytes(device) -> int:
+    """What the caching allocator may still reserve on the GPU: its free memory, or less where the process's cap
+    (``--memory_budget_gb``: ``set_per_process_memory_fraction``) stops the allocator first."""
+    free, total = torch.cuda.mem_get_info(device)
+    cap = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    return int(min(free, cap))
+
+
 def free_bytes(device) -> int:
     """Free GPU memory, counting what the caching allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return unreserved_bytes(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def total_bytes(device) -> int | None:
@@ -94,7 +101,7 @@ class SlotCache:
         if self.storage is not None:
             return False
         if self.device.type == "cuda":
-            if torch.cuda.mem_get_info(self.device)[0] < self.nbytes:
+            if unreserved_bytes(self.device) < self.nbytes:
                 torch.cuda.empty_cache()  # the update's cached blocks back to the device: the cache is one block
             check_kv_cache_fits(self.nbytes, free_bytes(self.device), self.rows, self.length, str(self.device))
         self.storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -108,7 +115,7 @@ class SlotCache:
         if self.storage is None:
             return
         self.storage, self.keys, self.values = None, [], []
-        if self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < self.nbytes:
+        if self.device.type == "cuda" and unreserved_bytes(self.device) < self.nbytes:
             # Too little memory outside the allocator for the cache to come back as a fresh block: give its block
             # back now, before the update's long-lived tensors (AdamW states) land in it and pin it.
             torch.cuda.empty_cache()

@@ -33,6 +33,7 @@ from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.vllm import VLLMRollout, vllm_lora_rank
 from qerl.rollout.vllm_footprint import max_model_len_error
+from qerl.run.memory_budget import within_budget
 from qerl.run.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 
 ENGINE_OPTIONS = ("wave_rows", "wide_batch_bf16", "keep_kv_cache")  # what the resolution gives a graph engine
@@ -206,16 +207,18 @@ def planning_device(trainer) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def device_memory(trainer, device_gb: float | None = None) -> tuple[int, int] | tuple[None, None]:
+def device_memory(trainer, device_gb: float | None = None,
+                  budget_gb: float | None = None) -> tuple[int, int] | tuple[None, None]:
     """(free, total) bytes the run is planned for: ``device_gb`` GiB (``--memory_plan_device_gb``), else the CUDA
-    device the ``trainer`` options give this process, before the run allocates anything there; (None, None) off
-    CUDA."""
+    device the ``trainer`` options give this process, before the run allocates anything there, held to ``budget_gb``
+    GiB (``--memory_budget_gb``, ``qerl.run.memory_budget``); off CUDA: the budget, else (None, None)."""
     if device_gb is not None:
         return int(device_gb * GIB), int(device_gb * GIB)
     device = planning_device(trainer)
     if device.type != "cuda":
-        return None, None
-    return torch.cuda.mem_get_info(device)
+        return (None, None) if budget_gb is None else (int(budget_gb * GIB), int(budget_gb * GIB))
+    free, total = torch.cuda.mem_get_info(device)
+    return (free, total) if budget_gb is None else within_budget(free, total, budget_gb)
 
 
 def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes: int | None,

@@ -25,6 +25,8 @@ QWEN25 = {
                         num_key_value_heads=8),
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                         num_key_value_heads=8),
+    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8),
 }
 
 
@@ -51,6 +53,8 @@ LLAMA3 = {
                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, factor=32.0),
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, factor=8.0),
+    "llama3.3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=128, factor=8.0),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +140,8 @@ def test_qwen3_32b_exact_parts_by_hand():
     assert component(plan, "prefill activations") == 16 * 256 * 2 * (3 * I + 6 * H + 2 * q)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen3-32b", "qwen3-1.7b", "llama3.1-8b", "llama3.2-1b"])
+@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen2.5-72b", "qwen3-32b", "qwen3-1.7b", "llama3.1-8b", "llama3.2-1b",
+                                  "llama3.3-70b"])
 def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
     # the transformers model of the shape (on the meta device: sizes, no memory): every projection, norm, bias,
     # embedding and K/V row the plan counts is one of its parameters, with the config's head_dim
@@ -170,6 +172,16 @@ def test_the_exact_parts_are_the_sizes_of_the_real_transformers_model(name):
         ("bf16 linears", "embeddings", "LM head", "norms and biases")))  # nothing else in the model
     attention = model.model.layers[0].self_attn
     assert shape.kv_bytes_per_token() == 2 * shape.layers * attention.k_proj.out_features * 2  # K and V, bf16
+
+
+@pytest.mark.parametrize(("name", "billions"), [("qwen2.5-72b", 72.7), ("llama3.3-70b", 70.6)])
+def test_the_70b_shapes_have_their_model_cards_parameter_counts(name, billions):
+    # Qwen2.5-72B-Instruct's model card: 72.7B parameters; Llama-3.3-70B-Instruct's hub page: 70.6B
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(name), dtype=torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions
 
 
 def test_qwen3s_q_k_norms_keep_their_inputs_for_the_backward():
@@ -404,3 +416,31 @@ def test_the_plan_is_within_ten_percent_of_the_h100_measurements(results, monkey
         for key in ("peak_rollout_gb", "peak_update_gb", "peak_gb"):
             assert 0.9 <= plan[f"plan_over_measured_{key.removesuffix('_gb')}"] <= 1.1, (row["spec"], key, plan)
         assert plan["plan_wave_rows"] == row["plan_wave_rows"]
+
+
+H200_RESULTS = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("memory_h200_*.json"))
+
+
+@pytest.mark.parametrize("results", [p.name for p in H200_RESULTS] or [
+    pytest.param(None, marks=pytest.mark.skip(reason="no memory_h200_*.json measured yet (bench/gpu_70b.sh)"))])
+def test_the_plan_is_within_ten_percent_of_the_h200_measurements_under_a_budget(results, monkeypatch):
+    """The plan against the peaks ``bench/bench_memory.py`` measured on an H200, each row held to its
+    ``--memory-budget-gb`` (the 70B recipes held to an 80 GB card's memory): the plan for the budget is within 10% of
+    every phase, and what PyTorch held stayed within the budget."""
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    monkeypatch.chdir(root)
+    from bench_memory import planned
+
+    rows = [r for r in json.loads((root / "bench" / "results" / results).read_text())["rows"] if "error" not in r]
+    assert rows, results
+    for row in rows:
+        row = {**row, "micro_batch_tokens": row["plan_micro_batch_tokens"]}  # what the run used, not a new choice
+        plan = planned(row, vocab=49152, free_bytes=int(139.5 * GIB), total_bytes=int(140.4 * GIB))
+        for key in ("resident", "peak_rollout", "peak_update", "peak"):
+            assert 0.9 <= plan[f"plan_over_measured_{key}"] <= 1.1, (row["spec"], key, plan)
+        assert plan["plan_wave_rows"] == row["plan_wave_rows"]
+        if "budget_gb" in row:
+            assert row["reserved_gb"] <= row["budget_gb"], row["spec"]

@@ -46,8 +46,10 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
     from qerl.testing.random_models import model_config
 
     monkeypatch.chdir(tmp_path)
+    # a 72B in bf16 fits no GPU (145 GB of weights): its resolution is checked on a device large enough for it
+    big_bf16 = paths[-1].name == "bf16.yaml" and "72b" in paths[1].name
     args = [arg for p in paths for arg in ("--config", str(p))] + ["--trainer.accelerator", "cpu",
-                                                                   "--memory_plan_device_gb", "79"]
+                                                                   "--memory_plan_device_gb", "400" if big_bf16 else "79"]
     if engine is not None:
         pretend_vllm_is_installed(monkeypatch)
         args += ["--model.rollout.class_path", engine]
