@@ -7,6 +7,8 @@
   record's columns (dotted names, conversations, levels).
 - ``presets``: the hub datasets of the reference recipes (``GSM8K``, ``MATH500``, ``MATH``, ``BigMath``,
   ``BigMathProcessed``).
+- ``competitions``: the sets reasoning-RL papers report (``AIME2024``, ``AIME2025``, ``AMC2023``), with lighteval's
+  prompt (``LIGHTEVAL_MATH_PROMPT``).
 - ``trainer_formats``: other trainers' dataset formats (``TRLPrompts``, ``VerlParquet``).
 - ``arithmetic``, ``expressions``: the embedded generators (``ArithmeticSource``, the CPU default;
   ``ArithmeticExpressions``, with a held-out part that training never draws from).
@@ -21,6 +23,7 @@ same report, before any model loads.
 
 from qerl.data.sources.arithmetic import ArithmeticSource, evaluate
 from qerl.data.sources.base import PromptSource, Row, endless
+from qerl.data.sources.competitions import AIME2024, AIME2025, AMC2023, LIGHTEVAL_MATH_PROMPT
 from qerl.data.sources.expressions import ArithmeticExpressions, heldout_position
 from qerl.data.sources.fields import conversation, field
 from qerl.data.sources.hub import HubSource
@@ -29,7 +32,7 @@ from qerl.data.sources.presets import GSM8K, MATH, MATH500, BigMath, BigMathProc
 from qerl.data.sources.trainer_formats import TRLPrompts, VerlParquet
 
 __all__ = [
-    "GSM8K", "MATH", "MATH500", "ArithmeticExpressions", "ArithmeticSource", "BigMath", "BigMathProcessed", "HubSource",
-    "Mixture", "PromptSource", "Row", "TRLPrompts", "VerlParquet", "conversation", "endless", "evaluate", "field",
-    "heldout_position",
+    "AIME2024", "AIME2025", "AMC2023", "GSM8K", "LIGHTEVAL_MATH_PROMPT", "MATH", "MATH500", "ArithmeticExpressions",
+    "ArithmeticSource", "BigMath", "BigMathProcessed", "HubSource", "Mixture", "PromptSource", "Row", "TRLPrompts",
+    "VerlParquet", "conversation", "endless", "evaluate", "field", "heldout_position",
 ]

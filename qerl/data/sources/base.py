@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-# {"question": str | list[message], "answer": str, "source": str, "subject"?: str, "level"?: int, "columns"?: dict}
+# {"question": str | list[message], "answer": str, "source": str, "subject"?: str, "level"?: int, "columns"?: dict,
+#  "instruction"?: str}
 # A question is plain text or a conversation (a list of {"role", "content"} messages, formatted by the chat template);
-# "columns" holds the record's own columns, which reach the reward functions.
+# "columns" holds the record's own columns, which reach the reward functions; "instruction" replaces the data module's
+# instruction for this row (the source's own prompt).
 Row = dict
 
 

@@ -46,6 +46,10 @@ class HubSource(PromptSource):
         streaming: Stream rows instead of downloading and preparing the whole dataset first.
         label: Value of each row's ``source`` (defaults to ``path``).
         source_field: Column whose value is each row's ``source`` instead of ``label`` (verl's ``data_source``).
+        instruction: This source's instruction, instead of the data module's (``data.instruction`` or the answer
+            format's): appended after the question, or, when it contains ``{question}``, the whole user message with
+            the question in its place; ``""``: none (the question is the prompt as it is). ``None``: the data
+            module's.
 
     Every column of a record reaches the reward functions (``GRPOModule.reward_funcs``) as it is in the data.
     Local files are scanned once when the source is built; ``report`` (a ``SkipReport``) holds what that pass found.
@@ -69,6 +73,7 @@ class HubSource(PromptSource):
         streaming: bool = True,
         label: str | None = None,
         source_field: str | None = None,
+        instruction: str | None = None,
     ):
         if answer_parser not in ("raw", "gsm8k", "boxed"):
             raise ValueError(f"HubSource(answer_parser={answer_parser!r}): use 'raw', 'gsm8k' or 'boxed'.")
@@ -96,7 +101,7 @@ class HubSource(PromptSource):
             min_solve_rate,
             max_solve_rate,
         )
-        self.streaming, self.source_field = streaming, source_field
+        self.streaming, self.source_field, self.instruction = streaming, source_field, instruction
         self.label = label or path
         self.stats = Counter()
         self._dataset = None
@@ -180,4 +185,6 @@ class HubSource(PromptSource):
                 return None, "filtered"
         if self.subject_field is not None and raw.get(self.subject_field) is not None:
             row["subject"] = str(raw[self.subject_field])
+        if self.instruction is not None:
+            row["instruction"] = self.instruction
         return row, None

@@ -33,10 +33,13 @@ class MATH500(HubSource):
         levels: Keep only these levels.
         data_files: Local jsonl/parquet in the hub schema instead of the hub.
         streaming: Stream rows.
+        instruction: This source's prompt instead of the data module's instruction (``{question}`` stands for the
+            problem; ``qerl.data.sources.LIGHTEVAL_MATH_PROMPT`` is lighteval's ``math_500`` prompt).
     """
 
     def __init__(
-        self, levels: list[int] | None = None, data_files: str | list[str] | None = None, streaming: bool = True
+        self, levels: list[int] | None = None, data_files: str | list[str] | None = None, streaming: bool = True,
+        instruction: str | None = None,
     ):
         super().__init__(
             "HuggingFaceH4/MATH-500",
@@ -48,6 +51,7 @@ class MATH500(HubSource):
             levels=levels,
             streaming=streaming,
             label="math500",
+            instruction=instruction,
         )
 
 

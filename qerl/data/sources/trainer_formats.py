@@ -42,13 +42,17 @@ class VerlParquet(HubSource):
     """verl's RL parquet schema (what its ``examples/data_preprocess`` scripts write): ``prompt`` (chat messages),
     ``reward_model.ground_truth`` (the answer), ``data_source`` (each row's ``source``: evaluation reports per data
     source), ``extra_info``; every column reaches the reward functions (a verl ``compute_score`` gets them as its
-    four arguments).
+    four arguments). The prompt goes to the chat template as verl sends it: verl's preprocessing already wrote the
+    instruction into it, so none is added.
 
     Args:
         data_files: The parquet files (globs allowed), e.g. ``~/data/gsm8k/train.parquet``.
         label: ``source`` of rows without a ``data_source``.
+        instruction: Appended to each prompt's last user message (``{question}``: the whole message); default none.
+            ``None``: the data module's instruction (``data.instruction`` or ``data.answer_format``'s).
     """
 
-    def __init__(self, data_files: str | list[str], label: str = "verl"):
+    def __init__(self, data_files: str | list[str], label: str = "verl", instruction: str | None = ""):
         super().__init__("parquet", data_files=data_files, question_field="prompt",
-                         answer_field="reward_model.ground_truth", source_field="data_source", label=label)
+                         answer_field="reward_model.ground_truth", source_field="data_source", label=label,
+                         instruction=instruction)
