@@ -91,3 +91,25 @@ def test_validate_scores_aime_amc_math500_with_lightevals_sampling_and_pass_at_k
         mixed += sum(0 < sum(v) < 4 for v in questions)
     assert mixed > 0  # some question has right and wrong samples: pass@2 differs from mean@4 and from 0/1 there
     assert "val/math500_level2_mean@4" in values
+
+
+def test_eval_gsm8k_reads_a_local_copy_as_its_comment_says(tiny_model_dirs, tmp_path, monkeypatch):
+    # what a user without the developers' data does: a local file in GSM8K's schema through the documented override
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qerl.cli import cli_main
+
+    config = ROOT / "configs" / "eval_gsm8k.yaml"
+    override = next(line for line in config.read_text().splitlines() if "val_sources.init_args.data_files" in line)
+    option, path = override.lstrip("# ").split()[:2]
+    monkeypatch.chdir(tmp_path)
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1\n#### {i + 1}"} for i in range(3)]
+    (tmp_path / path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cli_main(["validate", "--config", str(config), option, path, "--model.policy.model", str(tiny_model_dirs["llama"]),
+              "--model.policy.dtype", "float32", "--model.policy.lora_rank", "4",
+              "--model.rollout", "qerl.rollout.builtin.BuiltinRollout", "--model.rollout.init_args.max_new_tokens", "2",
+              "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+              "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+    log_dir = tmp_path / "runs" / "eval_gsm8k" / "version_0"
+    assert "val/gsm8k_acc" in EventAccumulator(str(log_dir)).Reload().Tags()["scalars"]
+    assert len((log_dir / "eval" / "val_step0.jsonl").read_text().splitlines()) == 3
