@@ -203,8 +203,35 @@ def variant_table(rows: list[dict], leading: list[str]) -> list[str]:
     return table(header, body)
 
 
+EMBEDDED_VOCAB = 49152  # the tokenizer every end-to-end run used (the embedded SmolLM2's), where a result has no vocab
+
+
+def update_floor_rows(result: dict) -> list[dict]:
+    """The rows with the update's floor as ``bench/update_flops.py`` counts it (the FLOPs the update must do: no weight
+    gradient for the frozen base), from each run's real update tokens; results written before it held 6 x params."""
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("update_flops", ROOT / "bench" / "update_flops.py")
+    flops = sys.modules["update_flops"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flops)
+    from qerl.testing.random_models import model_config
+
+    rows = []
+    for r in result["rows"]:
+        r = dict(r)
+        for v in VARIANTS:
+            run = result.get("runs", {}).get(v) or {}
+            if f"train_s_{v}" in r and run.get("update_tokens"):
+                shape = flops.update_shape(model_config(r["model"]), r.get("vocab", EMBEDDED_VOCAB),
+                                           run.get("lora_rank", 16))
+                r[f"update_floor_s_{v}"] = flops.update_floor_s(shape, run["update_tokens"],
+                                                                r["prompts"] * r["group_size"], r["checkpointing"])
+                r[f"update_over_floor_{v}"] = r[f"train_s_{v}"] / r[f"update_floor_s_{v}"]
+        rows.append(r)
+    return rows
+
+
 def e2e_section(result: dict) -> list[str]:
-    out = variant_table(result["rows"], ["model", "prompts", "group_size", "new_tokens"])
+    out = variant_table(update_floor_rows(result), ["model", "prompts", "group_size", "new_tokens"])
     out += ["", "Seconds per GRPO step (rollout = sampling, train = the update, step = both); a ratio bf16 / nvfp4 "
             "above 1 means NVFP4 is faster. Medians over the steps after the first (graph capture, autotuning)."]
     return out
@@ -480,7 +507,7 @@ def rollout_plot(result: dict) -> dict:
 
 
 def e2e_plot(result: dict) -> dict:
-    rows = result["rows"]
+    rows = update_floor_rows(result)
     stems, _ = split_variants(rows)
     phases = [s for s in stems if s.endswith("_s")]
     categories = [f"{label(p)[:-2]} ({r['prompts']}x{r['group_size']}, {r['new_tokens']} tok)" if len(rows) > 1
@@ -589,7 +616,13 @@ SECTIONS = (
     Section("End to end: one GRPO step", "train_e2e_*.json",
             "python bench/bench_train_e2e.py --tokenizer DIR --out bench/results",
             "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
-            "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
+            "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings. The "
+            "update's floor is the FLOPs the update must do at the dense bf16 rate (790 TFLOP/s): the base is frozen, "
+            "so it computes no weight gradient: 4 x the linears' parameters per real token (the forward and the "
+            "activations' gradient; full training would be 6 x), 6 x LoRA's, plus causal attention (its forward and a "
+            "backward of twice that), plus one more forward of the decoder layers under gradient checkpointing "
+            "(`bench/update_flops.py`, checked against PyTorch's FLOP counter in `tests/test_update_flops.py`); "
+            "update / floor is the update's time over it.",
             e2e_section, e2e_glance, e2e_plot),
     Section("Against TRL: GRPOTrainer with a colocated vLLM", "trl_peer_*.json",
             "python bench/bench_trl_peer.py --tokenizer DIR --out bench/results",
