@@ -427,7 +427,27 @@ DECODE_PEER_RATIOS = (("vllm_nvfp4_over_qerl_nvfp4", "vLLM NVFP4 / qerl NVFP4"),
                       ("qerl_bf16_over_qerl_nvfp4", "qerl bf16 / qerl NVFP4"))
 
 
+def checked_decode_peer(result: dict) -> dict:
+    """The result without the figures timed over one-time work (a graph capture inside a timed call, recorded by
+    results made before the benchmark refused them itself): their cells and ratios stay empty, the reason in
+    ``refused``."""
+    rows = [dict(r) for r in result["rows"]]
+    refused = {}
+    for arm, run in result.get("runs", {}).items():
+        for count, figure in run.get("rows", {}).items():
+            if not figure.get("captures_in_timed_call"):
+                continue
+            captures = figure["captures_in_timed_call"]
+            refused[f"{arm} at {count} rows"] = f"{captures} CUDA graph capture(s) in a timed call"
+            for r in rows:
+                if str(r["rows"]) == str(count):
+                    for key in [k for k in r if k == f"ms_step_{arm}" or arm in k.split("_over_")]:
+                        del r[key]
+    return {**result, "rows": rows, "refused": refused}
+
+
 def decode_peer_section(result: dict) -> list[str]:
+    result = checked_decode_peer(result)
     s = result["settings"]
     header = ["rows"] + [f"{name} ms" for _, name in DECODE_PEER_ARMS] + [name for _, name in DECODE_PEER_RATIOS]
     body = [[str(r["rows"])] + [num(r.get(f"ms_step_{arm}")) for arm, _ in DECODE_PEER_ARMS]
@@ -437,17 +457,20 @@ def decode_peer_section(result: dict) -> list[str]:
             f"tokens, G = {s['group_size']}; ms per decode step = (wall time of a {s['long']}-token call - that of a "
             f"{s['short']}-token call) / {s['long'] - s['short']}, after a warm-up, so the decode step at context "
             f"{s['prompt'] + s['short']}-{s['prompt'] + s['long']}. A ratio above 1: the second engine's step is "
-            "faster."]
+            "faster. A figure timed over a graph capture, a compile or a first allocation is left out "
+            "(`bench/timing_method.py`)."]
     linear = {arm: cls for arm, cls in result.get("vllm_linear", {}).items() if cls}
     if linear:
         out += ["", "vLLM's linear layer: " + "; ".join(f"{arm} `{cls}`" for arm, cls in linear.items()) + "."]
     for arm, error in result.get("errors", {}).items():
         out += ["", f"{arm} failed: {cell(error)[:200]}"]
+    for figure, reason in result["refused"].items():
+        out += ["", f"No figure for {figure}: {reason} (the benchmark now refuses such a timing)."]
     return out
 
 
 def decode_peer_glance(result: dict) -> list[str]:
-    rows = [r for r in result["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
+    rows = [r for r in checked_decode_peer(result)["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
     if not rows:
         return []
     return [f"{result['settings']['model']} decode step with LoRA r16, vLLM's time / qerl's: " + ", ".join(
@@ -457,6 +480,7 @@ def decode_peer_glance(result: dict) -> list[str]:
 
 
 def decode_peer_plot(result: dict) -> dict:
+    result = checked_decode_peer(result)
     series = []
     for arm, name in DECODE_PEER_ARMS:
         points = [(r["rows"], r[f"ms_step_{arm}"]) for r in result["rows"] if f"ms_step_{arm}" in r]
