@@ -3,6 +3,8 @@ with lighteval's prompt, so that a score here reads like the papers' (lighteval 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from qerl.data.sources.hub import HubSource
 
 # lighteval's math prompt (``tasks/aime.py`` ``MATH_PROMPT_TEMPLATE``, also its MATH-500 prompt): the instruction
@@ -15,53 +17,45 @@ LIGHTEVAL_MATH_PROMPT = (
 )
 
 
-class AIME2024(HubSource):
+class CompetitionSet(HubSource):
+    """A competition set of one hub dataset, asked with lighteval's prompt; each set names its dataset, split, question
+    column and label.
+
+    Args:
+        data_files: Local jsonl/parquet in the hub schema instead of the hub.
+        instruction: The prompt (``{question}`` stands for the problem); default lighteval's. ``None``: the data
+            module's instruction, appended.
+        streaming: Stream rows.
+    """
+
+    DATASET: ClassVar[str]
+    SPLIT: ClassVar[str]
+    QUESTION: ClassVar[str]
+    LABEL: ClassVar[str]
+
+    def __init__(self, data_files: str | list[str] | None = None, instruction: str | None = LIGHTEVAL_MATH_PROMPT,
+                 streaming: bool = True):
+        super().__init__(self.DATASET, split=self.SPLIT, data_files=data_files, question_field=self.QUESTION,
+                         instruction=instruction, streaming=streaming, label=self.LABEL)
+
+
+class AIME2024(CompetitionSet):
     """AIME 2024 I and II (``HuggingFaceH4/aime_2024``, split ``train``, 30 problems): ``problem``, ``answer`` (an
-    integer 0-999), ``solution``, ``id``, ``url``, ``year``; lighteval's ``aime24``.
+    integer 0-999), ``solution``, ``id``, ``url``, ``year``; lighteval's ``aime24``. Arguments: ``CompetitionSet``."""
 
-    Args:
-        data_files: Local jsonl/parquet in the hub schema instead of the hub.
-        instruction: The prompt (``{question}`` stands for the problem); default lighteval's. ``None``: the data
-            module's instruction, appended.
-        streaming: Stream rows.
-    """
-
-    def __init__(self, data_files: str | list[str] | None = None, instruction: str | None = LIGHTEVAL_MATH_PROMPT,
-                 streaming: bool = True):
-        super().__init__("HuggingFaceH4/aime_2024", split="train", data_files=data_files, question_field="problem",
-                         instruction=instruction, streaming=streaming, label="aime24")
+    DATASET, SPLIT, QUESTION, LABEL = "HuggingFaceH4/aime_2024", "train", "problem", "aime24"
 
 
-class AIME2025(HubSource):
+class AIME2025(CompetitionSet):
     """AIME 2025 I and II (``yentinglin/aime_2025``, split ``train``, 30 problems): ``problem``, ``answer``;
-    lighteval's ``aime25``.
+    lighteval's ``aime25``. Arguments: ``CompetitionSet``."""
 
-    Args:
-        data_files: Local jsonl/parquet in the hub schema instead of the hub.
-        instruction: The prompt (``{question}`` stands for the problem); default lighteval's. ``None``: the data
-            module's instruction, appended.
-        streaming: Stream rows.
-    """
-
-    def __init__(self, data_files: str | list[str] | None = None, instruction: str | None = LIGHTEVAL_MATH_PROMPT,
-                 streaming: bool = True):
-        super().__init__("yentinglin/aime_2025", split="train", data_files=data_files, question_field="problem",
-                         instruction=instruction, streaming=streaming, label="aime25")
+    DATASET, SPLIT, QUESTION, LABEL = "yentinglin/aime_2025", "train", "problem", "aime25"
 
 
-class AMC2023(HubSource):
+class AMC2023(CompetitionSet):
     """AMC 2023 (``math-ai/amc23``, split ``test``, 40 problems of AMC 12 2023 with numeric answers): ``question``,
     ``answer`` (a number, compared by value), ``id``, ``url``. lighteval ships no AMC task; this is the set the
-    open reasoning-RL evaluations read, asked with lighteval's math prompt.
+    open reasoning-RL evaluations read, asked with lighteval's math prompt. Arguments: ``CompetitionSet``."""
 
-    Args:
-        data_files: Local jsonl/parquet in the hub schema instead of the hub.
-        instruction: The prompt (``{question}`` stands for the problem); default lighteval's. ``None``: the data
-            module's instruction, appended.
-        streaming: Stream rows.
-    """
-
-    def __init__(self, data_files: str | list[str] | None = None, instruction: str | None = LIGHTEVAL_MATH_PROMPT,
-                 streaming: bool = True):
-        super().__init__("math-ai/amc23", split="test", data_files=data_files, question_field="question",
-                         instruction=instruction, streaming=streaming, label="amc23")
+    DATASET, SPLIT, QUESTION, LABEL = "math-ai/amc23", "test", "question", "amc23"
