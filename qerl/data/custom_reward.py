@@ -35,6 +35,8 @@ class CustomRewardFunction(MathReward):
         num_workers: Processes that run the calls.
     """
 
+    reads_rows = True  # its arguments come from each completion's row (``user_rewards.row_arguments``)
+
     def __init__(
         self,
         path: str,

@@ -18,8 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.data.answers import ANSWER_FORMATS, grade
 from qerl.data.timeout_pool import TimeoutPool
-from qerl.data.user_rewards import (completion_rows, load_function, reward_key, reward_name, reward_style,
-                                   score_one)
+from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, row_arguments, score_one
 
 
 class MathReward:
@@ -64,17 +63,15 @@ class MathReward:
         self.last_stats: Counter[str] = Counter()
         self._pool = TimeoutPool(grade, num_workers=num_workers, timeout_s=timeout_s)  # processes start on first use
 
-    def __call__(self, completions: list[str], answers: list[str], rows: list[dict] | None = None) -> torch.Tensor:
+    def __call__(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         correct, formatted = self.check(completions, answers)
         return correct + self.format_weight * formatted  # [N]
 
     def check(
-        self, completions: list[str], answers: list[str], fallback_last_number: bool | None = None,
-        rows: list[dict] | None = None,
+        self, completions: list[str], answers: list[str], fallback_last_number: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(correct [N], formatted [N])`` as float32 0/1 tensors; updates the counters. ``fallback_last_number``
-        overrides the reward's own setting (evaluation scores both ways). ``rows``: each completion's row
-        (``user_rewards.completion_rows``), for a reward that reads more than the answer; the math reward does not."""
+        overrides the reward's own setting (evaluation scores both ways)."""
         if len(completions) != len(answers):
             raise ValueError(
                 f"MathReward got {len(completions)} completions but {len(answers)} answers: "
@@ -139,7 +136,7 @@ class RewardSum:
         n = len(batch["answers"])
         rows = [i for i in range(n) for _ in range(group_size)]  # the prompt of each completion
         answers = [batch["answers"][i] for i in rows]
-        scores = {"math": self.math(completions, answers, completion_rows(batch, group_size))}  # [N]
+        scores = {"math": self.math(completions, answers, **row_arguments(self.math, batch, group_size))}  # [N]
         if self.specs:
             prompts = batch.get("questions") or batch["prompts"]
             sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n

@@ -126,9 +126,12 @@ def verl_score_and_acc(spec: str, completion: str, answer: str, source: str, col
     return score, acc
 
 
-def completion_rows(batch: dict, group_size: int) -> list[dict]:
-    """Each of the ``B x group_size`` completions' row: ``source`` and ``columns`` (the data's own columns), what a
-    reward reads beyond the reference answer."""
+def row_arguments(reward, batch: dict, group_size: int) -> dict:
+    """``{"rows": ...}`` for a reward that reads each completion's row (``reads_rows``: verl's ``compute_score`` as the
+    reward), else nothing: a row is the ``source`` and ``columns`` (the data's own columns) of each of the
+    ``B x group_size`` completions."""
+    if not getattr(reward, "reads_rows", False):
+        return {}
     n = len(batch["answers"])
     sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n
-    return [{"source": sources[i], "columns": columns[i]} for i in range(n) for _ in range(group_size)]
+    return {"rows": [{"source": sources[i], "columns": columns[i]} for i in range(n) for _ in range(group_size)]}

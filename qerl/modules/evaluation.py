@@ -33,7 +33,7 @@ from torchmetrics import MeanMetric
 
 from qerl.data.answers import extract_answer
 from qerl.data.rewards import MathReward
-from qerl.data.user_rewards import completion_rows
+from qerl.data.user_rewards import row_arguments
 from qerl.modules.pass_at_k import pass_at_k, reported_ks
 from qerl.rollout.base import RolloutEngine
 
@@ -108,9 +108,9 @@ class Evaluator(nn.Module):
                 rollout = engine.generate(policy, batch["prompt_ids"], k, pad_id, eos_ids)
             self._calls += 1
             completions = decode(rollout.completion_ids)
-            references, rows = [a for a in batch["answers"] for _ in range(k)], completion_rows(batch, k)
-            correct, formatted = reward.check(completions, references, fallback_last_number=False, rows=rows)  # [n*k]
-            flexible, _ = reward.check(completions, references, fallback_last_number=True, rows=rows)  # [n*k]
+            references, rows = [a for a in batch["answers"] for _ in range(k)], row_arguments(reward, batch, k)
+            correct, formatted = reward.check(completions, references, fallback_last_number=False, **rows)  # [n*k]
+            flexible, _ = reward.check(completions, references, fallback_last_number=True, **rows)  # [n*k]
             correct, flexible = correct.to(device), flexible.to(device)
             suffix = "acc" if mode == "greedy" else f"mean@{k}"
             per_question = correct.view(n, k).mean(-1)  # [n]

@@ -13,7 +13,7 @@ import torch
 
 from qerl.data.custom_reward import CustomRewardFunction
 from qerl.data.rewards import MathReward, RewardSum
-from qerl.data.user_rewards import completion_rows, load_function
+from qerl.data.user_rewards import load_function, row_arguments
 
 FUNCTIONS = '''
 import time
@@ -56,7 +56,7 @@ def test_its_score_alone_is_the_reward_and_its_verdict_the_accuracy(user_dir):
         scores, per_reward = total(completions, batch, group_size=2)
         torch.testing.assert_close(scores, torch.tensor([1.0, 0.3, 1.0, -1.0]))  # no math reward added: never 2.0
         assert reward.last_stats["correct"] == 2  # full marks, and DAPO's acc
-        correct, _ = reward.check(completions, ["5", "5", "7", "7"], rows=completion_rows(batch, 2))
+        correct, _ = reward.check(completions, ["5", "5", "7", "7"], **row_arguments(reward, batch, 2))
         assert correct.tolist() == [1.0, 0.0, 1.0, 0.0]
     finally:
         total.close()
@@ -66,7 +66,7 @@ def test_its_score_alone_is_the_reward_and_its_verdict_the_accuracy(user_dir):
 def test_a_call_that_hangs_or_raises_scores_zero_and_is_counted(user_dir):
     reward = CustomRewardFunction("verl_rewards.py", timeout_s=2.0, num_workers=1)
     try:
-        rows = completion_rows(batch_of(["a", "b"], [{"index": 1}, {"index": 1}]), 2)
+        rows = row_arguments(reward, batch_of(["a", "b"], [{"index": 1}, {"index": 1}]), 2)["rows"]
         with pytest.warns(UserWarning, match="verl_rewards.py:compute_score: RuntimeError: my bug"):
             scores = reward(["hang", "bug", "... 7", "x"], ["5", "5", "7", "7"], rows)
         assert scores.tolist() == pytest.approx([0.0, 0.0, 1.0, 0.1])
@@ -83,12 +83,11 @@ def test_a_trl_style_function_or_a_missing_one_is_refused_when_built(user_dir):
     assert isinstance(CustomRewardFunction("verl_rewards.py"), MathReward)  # what model.reward accepts
 
 
-def test_the_math_reward_ignores_rows():
-    reward = MathReward(answer_format="gsm8k", num_workers=1)
-    try:
-        assert reward(["#### 5"], ["5"], [{"source": "x", "columns": {}}]).tolist() == [1.0]
-    finally:
-        reward.close()
+def test_only_a_reward_that_reads_rows_gets_them():
+    batch = batch_of(["a", "b"], [{"index": 1}, {"index": 2}])
+    assert row_arguments(MathReward(num_workers=1), batch, 2) == {}  # the math reward (and any other) as before
+    (rows,) = row_arguments(CustomRewardFunction.__new__(CustomRewardFunction), batch, 2).values()
+    assert [r["columns"]["extra_info"]["index"] for r in rows] == [1, 1, 2, 2]  # one per completion, G = 2
 
 
 def test_verl_parquet_prompts_go_as_verl_sends_them(tmp_path, tokenizer):
