@@ -11,6 +11,7 @@ once.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -46,7 +47,8 @@ class CustomRewardFunction(MathReward):
         num_workers: int = 2,
     ):
         super().__init__(answer_format=answer_format, timeout_s=timeout_s, num_workers=num_workers)
-        self.spec = f"{path}:{name}"
+        where = str(Path(path).expanduser().resolve()) if path.endswith(".py") else path  # workers see the same file
+        self.spec = f"{where}:{name}"
         if reward_style(load_function(self.spec), self.spec) != "verl":  # imported here: a wrong name fails early
             raise ValueError(f"CustomRewardFunction({self.spec!r}): takes TRL's arguments; give it in "
                              "model.reward_funcs instead, or a compute_score(data_source, solution_str, ground_truth, "
