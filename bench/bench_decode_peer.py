@@ -9,11 +9,14 @@ The checkpoints are ``bench_train_e2e.py``'s (random weights, the real Qwen2.5-7
 an earlier run's in ``--work`` are reused), the adapter one peft LoRA r16 / alpha 16 with random A and B (so it takes
 part in the outputs), saved once in PEFT format: vLLM serves it as a ``LoRARequest``, qerl loads it into its policy
 (``build_policy(adapter=...)``). Every row decodes from random prompts of 256 tokens, ``G = min(8, rows)`` rows per
-prompt, temperature 1, EOS ignored. One method for all four: after a warm-up call of the long length (vLLM's and
-qerl's graphs captured, kernels compiled), the wall time of one call that decodes ``--short`` tokens and of one that
-decodes ``--long`` (the same prompts); ms per decode step = the difference / (long - short). The prefill, the first
-``--short`` steps and each engine's fixed per-call costs cancel, so the figure is the decode step at context lengths
-256 + short .. 256 + long. vLLM: ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as a colocated
+prompt, temperature 1, EOS ignored. One method for all four: after a warm-up call of each length (vLLM's and
+qerl's graphs captured, kernels compiled, memory allocated), the wall time of a call that decodes ``--short`` tokens
+and of one that decodes ``--long`` (the same prompts), each timed twice; ms per decode step = the difference of the
+fastest repeats / (long - short). The prefill, the first ``--short`` steps and each engine's fixed per-call costs
+cancel, so the figure is the decode step at context lengths 256 + short .. 256 + long. The method is checked
+(``timing_method.py``): a timed call inside which a CUDA graph was captured, torch.compile compiled or the allocator
+took new GPU memory, or whose two repeats differ by more than 10%, gives no figure; its problems are in ``errors``.
+vLLM: ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as a colocated
 trainer runs it), its defaults otherwise (torch.compile, CUDA graphs, chunked prefill), prefix caching off, sampler
 without FlashInfer (``VLLM_USE_FLASHINFER_SAMPLER=0``, as on the H100 so far); the NVFP4 linear's vLLM class is
 recorded. qerl: ``CUDAGraphRollout`` with its defaults (above 64 rows NVFP4 decodes on the rollout's bf16 copy of
@@ -72,14 +75,16 @@ def write_adapter(model_dir: str, adapter_dir: str, device: str = "cuda") -> Non
     save_lora(policy, Path(adapter_dir))
 
 
-def timed(call) -> float:
-    import torch
+def decode_step(run, opts: dict) -> dict:
+    """ms per decode step from the short and long calls of ``run(new_tokens)``, or the method's problems instead."""
+    from timing_method import fastest, method_problems, timed_twice
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    record = timed_twice({"short": lambda: run(opts["short"]), "long": lambda: run(opts["long"])})
+    out = {"calls": record, "short_s": fastest(record, "short"), "long_s": fastest(record, "long")}
+    problems = method_problems(record, "long", "short")
+    if problems:
+        return {**out, "problems": problems}
+    return {**out, "ms_step": (out["long_s"] - out["short_s"]) / (opts["long"] - opts["short"]) * 1e3}
 
 
 def vllm_arm(model_dir: str, adapter_dir: str, opts: dict) -> dict:
@@ -109,10 +114,7 @@ def vllm_arm(model_dir: str, adapter_dir: str, opts: dict) -> dict:
             done = llm.generate(requests, params, lora_request=lora, use_tqdm=False)
             assert all(len(r.outputs[0].token_ids) == new for r in done)
 
-        run(opts["long"])  # warm-up
-        short, long = timed(lambda: run(opts["short"])), timed(lambda: run(opts["long"]))
-        out["rows"][rows] = {"ms_step": (long - short) / (opts["long"] - opts["short"]) * 1e3, "short_s": short,
-                             "long_s": long}
+        out["rows"][rows] = decode_step(run, opts)
         print(f"vLLM {Path(model_dir).name} rows {rows}: {out['rows'][rows]}", flush=True)
     return out
 
@@ -161,13 +163,10 @@ def qerl_arm(model_dir: str, quantization: str, adapter_dir: str, opts: dict) ->
                 done = eng.generate(policy, prompts, group, 0, [])
             assert done.completion_ids.shape == (rows, new)
 
-        run(opts["long"])  # warm-up: the graphs of every length bucket
-        short = timed(lambda: run(opts["short"]))
-        long = timed(lambda: run(opts["long"]))
-        tm = timer.timing()  # the long call's
-        out["rows"][rows] = {"ms_step": (long - short) / (opts["long"] - opts["short"]) * 1e3, "short_s": short,
-                             "long_s": long, "replay_ms_step": tm["decode_ms"] / tm["decode_steps"],
-                             "captures_in_timed_call": tm["capture_steps"], "graphs": eng.graphs_captured}
+        figure = decode_step(run, opts)
+        tm = timer.timing()  # the last (long) call's
+        out["rows"][rows] = {**figure, "replay_ms_step": tm["decode_ms"] / tm["decode_steps"],
+                             "graphs": eng.graphs_captured}
         print(f"qerl {quantization} rows {rows}: {out['rows'][rows]}", flush=True)
         eng = timer = None  # its graphs and KV cache go before the next row count
         torch.cuda.empty_cache()
@@ -201,7 +200,7 @@ def merge(parts: Path, settings: dict) -> dict:
         row = {"rows": count}
         for arm, result in runs.items():
             figure = result.get("rows", {}).get(str(count)) or result.get("rows", {}).get(count)
-            if figure:
+            if figure and "ms_step" in figure:  # a measurement with method problems has none
                 row[f"ms_step_{arm}"] = figure["ms_step"]
         for column, (top, bottom) in RATIOS.items():
             if f"ms_step_{top}" in row and f"ms_step_{bottom}" in row:
@@ -210,7 +209,9 @@ def merge(parts: Path, settings: dict) -> dict:
     devices = sorted({r.get("device", "?") for r in runs.values()})
     return {"device": " + ".join(devices), "date": max((r["date"] for r in runs.values()), default=""),
             "settings": settings, "rows": rows,
-            "errors": {arm: r["error"] for arm, r in runs.items() if "error" in r},
+            "errors": {**{arm: r["error"] for arm, r in runs.items() if "error" in r},
+                       **{f"{arm} rows {count}": "; ".join(figure["problems"]) for arm, r in runs.items()
+                          for count, figure in r.get("rows", {}).items() if figure.get("problems")}},
             "vllm_linear": {arm: r.get("linear") for arm, r in runs.items() if "linear" in r}, "runs": runs}
 
 

@@ -15,8 +15,10 @@ draws over ``--new-tokens`` are truncated), the same draws for both formats, so 
 and padding-free updates count as they would with a real policy. ``--kv-cache-dtypes``: the rollout engine's
 ``kv_cache_dtype`` per format (``auto`` where not named), e.g. NVFP4 with an e4m3 cache against bf16 as it is.
 ``--compare`` adds the step of an earlier run of
-this benchmark (e.g. an older checkout on the same lengths) to the table. The update's floor is its FLOPs at the
-dense bf16 rate (6 x linear params x real tokens, plus causal attention) over 790 TFLOP/s.
+this benchmark (e.g. an older checkout on the same lengths) to the table. The update's floor is the FLOPs the update
+must do at the dense bf16 rate (``update_flops.py``: about 4 x the frozen linears' parameters per real token, as the
+base computes no weight gradient, 6 x LoRA's, plus causal attention, plus one more forward of the decoder layers under
+gradient checkpointing) over 790 TFLOP/s.
 
 Random-init weights with the real Qwen2.5 shapes (vocabulary cut to the tokenizer's, so that the embedded SmolLM2
 tokenizer drives it) are written once as checkpoints (NVFP4: compressed-tensors; bf16: safetensors) and trained
@@ -124,6 +126,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "completion_length": steady("train/completion_length"),
         "truncated_frac": steady("train/truncated_frac"),
         "update_tokens": (steady("perf/update_tokens") if "perf/update_tokens" in series else None),
+        "lora_rank": (cli.config[cli.subcommand] if cli.subcommand else cli.config).model.policy.lora_rank,
         "alloc_retries": alloc_retries,
         "nvfp4_layers_released": f"{released}/{len(nvfp4)}",
         "graphs_captured": getattr(cli.model.rollout, "graphs_captured", None),  # over all steps (recaptures count)
@@ -185,17 +188,19 @@ def main() -> None:
            "lengths": args.lengths, "engine": args.engine, "label": args.label,
            "micro_batch_tokens": args.micro_batch_tokens,
            "checkpointing": args.checkpointing, "overrides": args.overrides}
-    floor_params = linear_params(args.size, vocab)
+    from qerl.testing.random_models import model_config
+    from update_flops import update_floor_s, update_shape
+
+    row["vocab"] = vocab
     for q, r in results.items():
         row[f"rollout_s_{q}"], row[f"train_s_{q}"] = r["rollout_s"], r["train_s"]
         row[f"step_s_{q}"], row[f"peak_gb_{q}"] = r["rollout_s"] + r["train_s"], r["peak_gb"]
         row[f"completion_length_{q}"] = r["completion_length"]
         row[f"kv_cache_dtype_{q}"] = kv_cache_dtype(args, q)
         if r["update_tokens"]:
-            rows = args.prompts * args.group_size
-            tokens = r["update_tokens"]
-            flops = 6 * floor_params[0] * tokens + 6 * floor_params[1] * tokens**2 / rows  # causal attention >= this
-            row[f"update_floor_s_{q}"] = flops / 790e12
+            shape = update_shape(model_config(args.size), vocab, r["lora_rank"])
+            row[f"update_floor_s_{q}"] = update_floor_s(shape, r["update_tokens"], args.prompts * args.group_size,
+                                                        args.checkpointing)
             row[f"update_over_floor_{q}"] = r["train_s"] / row[f"update_floor_s_{q}"]
     if {"nvfp4", "bf16"} <= results.keys():
         row["rollout_bf16_over_nvfp4"] = row["rollout_s_bf16"] / row["rollout_s_nvfp4"]
@@ -229,17 +234,6 @@ def main() -> None:
     suffix += "" if args.label == "current" else f"_{args.label}"
     suffix += "_vllm" if args.engine == "vllm" else ""
     (out / f"train_e2e_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))
-
-
-def linear_params(size: str, vocab: int) -> tuple[int, int]:
-    """(parameters of the linears the tokens go through, incl. the LM head; query width x layers for attention)."""
-    from qerl.testing.random_models import model_config
-
-    config = model_config(size)
-    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return n * (2 * h * q + 2 * h * kv + 3 * h * i) + h * vocab, n * q
 
 
 if __name__ == "__main__":

@@ -208,8 +208,35 @@ def variant_table(rows: list[dict], leading: list[str]) -> list[str]:
     return table(header, body)
 
 
+EMBEDDED_VOCAB = 49152  # the tokenizer every end-to-end run used (the embedded SmolLM2's), where a result has no vocab
+
+
+def update_floor_rows(result: dict) -> list[dict]:
+    """The rows with the update's floor as ``bench/update_flops.py`` counts it (the FLOPs the update must do: no weight
+    gradient for the frozen base), from each run's real update tokens; results written before it held 6 x params."""
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("update_flops", ROOT / "bench" / "update_flops.py")
+    flops = sys.modules["update_flops"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flops)
+    from qerl.testing.random_models import model_config
+
+    rows = []
+    for r in result["rows"]:
+        r = dict(r)
+        for v in VARIANTS:
+            run = result.get("runs", {}).get(v) or {}
+            if f"train_s_{v}" in r and run.get("update_tokens"):
+                shape = flops.update_shape(model_config(r["model"]), r.get("vocab", EMBEDDED_VOCAB),
+                                           run.get("lora_rank", 16))
+                r[f"update_floor_s_{v}"] = flops.update_floor_s(shape, run["update_tokens"],
+                                                                r["prompts"] * r["group_size"], r["checkpointing"])
+                r[f"update_over_floor_{v}"] = r[f"train_s_{v}"] / r[f"update_floor_s_{v}"]
+        rows.append(r)
+    return rows
+
+
 def e2e_section(result: dict) -> list[str]:
-    out = variant_table(result["rows"], ["model", "prompts", "group_size", "new_tokens"])
+    out = variant_table(update_floor_rows(result), ["model", "prompts", "group_size", "new_tokens"])
     out += ["", "Seconds per GRPO step (rollout = sampling, train = the update, step = both); a ratio bf16 / nvfp4 "
             "above 1 means NVFP4 is faster. Medians over the steps after the first (graph capture, autotuning)."]
     return out
@@ -406,7 +433,27 @@ DECODE_PEER_RATIOS = (("vllm_nvfp4_over_qerl_nvfp4", "vLLM NVFP4 / qerl NVFP4"),
                       ("qerl_bf16_over_qerl_nvfp4", "qerl bf16 / qerl NVFP4"))
 
 
+def checked_decode_peer(result: dict) -> dict:
+    """The result without the figures timed over one-time work (a graph capture inside a timed call, recorded by
+    results made before the benchmark refused them itself): their cells and ratios stay empty, the reason in
+    ``refused``."""
+    rows = [dict(r) for r in result["rows"]]
+    refused = {}
+    for arm, run in result.get("runs", {}).items():
+        for count, figure in run.get("rows", {}).items():
+            if not figure.get("captures_in_timed_call"):
+                continue
+            captures = figure["captures_in_timed_call"]
+            refused[f"{arm} at {count} rows"] = f"{captures} CUDA graph capture(s) in a timed call"
+            for r in rows:
+                if str(r["rows"]) == str(count):
+                    for key in [k for k in r if k == f"ms_step_{arm}" or arm in k.split("_over_")]:
+                        del r[key]
+    return {**result, "rows": rows, "refused": refused}
+
+
 def decode_peer_section(result: dict) -> list[str]:
+    result = checked_decode_peer(result)
     s = result["settings"]
     header = ["rows"] + [f"{name} ms" for _, name in DECODE_PEER_ARMS] + [name for _, name in DECODE_PEER_RATIOS]
     body = [[str(r["rows"])] + [num(r.get(f"ms_step_{arm}")) for arm, _ in DECODE_PEER_ARMS]
@@ -416,17 +463,20 @@ def decode_peer_section(result: dict) -> list[str]:
             f"tokens, G = {s['group_size']}; ms per decode step = (wall time of a {s['long']}-token call - that of a "
             f"{s['short']}-token call) / {s['long'] - s['short']}, after a warm-up, so the decode step at context "
             f"{s['prompt'] + s['short']}-{s['prompt'] + s['long']}. A ratio above 1: the second engine's step is "
-            "faster."]
+            "faster. A figure timed over a graph capture, a compile or a first allocation is left out "
+            "(`bench/timing_method.py`)."]
     linear = {arm: cls for arm, cls in result.get("vllm_linear", {}).items() if cls}
     if linear:
         out += ["", "vLLM's linear layer: " + "; ".join(f"{arm} `{cls}`" for arm, cls in linear.items()) + "."]
     for arm, error in result.get("errors", {}).items():
         out += ["", f"{arm} failed: {cell(error)[:200]}"]
+    for figure, reason in result["refused"].items():
+        out += ["", f"No figure for {figure}: {reason} (the benchmark now refuses such a timing)."]
     return out
 
 
 def decode_peer_glance(result: dict) -> list[str]:
-    rows = [r for r in result["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
+    rows = [r for r in checked_decode_peer(result)["rows"] if "vllm_nvfp4_over_qerl_nvfp4" in r]
     if not rows:
         return []
     return [f"{result['settings']['model']} decode step with LoRA r16, vLLM's time / qerl's: " + ", ".join(
@@ -436,6 +486,7 @@ def decode_peer_glance(result: dict) -> list[str]:
 
 
 def decode_peer_plot(result: dict) -> dict:
+    result = checked_decode_peer(result)
     series = []
     for arm, name in DECODE_PEER_ARMS:
         points = [(r["rows"], r[f"ms_step_{arm}"]) for r in result["rows"] if f"ms_step_{arm}" in r]
@@ -486,7 +537,7 @@ def rollout_plot(result: dict) -> dict:
 
 
 def e2e_plot(result: dict) -> dict:
-    rows = result["rows"]
+    rows = update_floor_rows(result)
     stems, _ = split_variants(rows)
     phases = [s for s in stems if s.endswith("_s")]
     categories = [f"{label(p)[:-2]} ({r['prompts']}x{r['group_size']}, {r['new_tokens']} tok)" if len(rows) > 1
@@ -595,7 +646,13 @@ SECTIONS = (
     Section("End to end: one GRPO step", "train_e2e_*.json",
             "python bench/bench_train_e2e.py --tokenizer DIR --out bench/results",
             "`train.py fit` through the real CLI (DataModule, rollout engine, rewards, GRPOModule, callbacks) on a "
-            "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings.",
+            "random-init model with the real shape, NVFP4 + LoRA against bf16 + LoRA at the same settings. The "
+            "update's floor is the FLOPs the update must do at the dense bf16 rate (790 TFLOP/s): the base is frozen, "
+            "so it computes no weight gradient: 4 x the linears' parameters per real token (the forward and the "
+            "activations' gradient; full training would be 6 x), 6 x LoRA's, plus causal attention (its forward and a "
+            "backward of twice that), plus one more forward of the decoder layers under gradient checkpointing "
+            "(`bench/update_flops.py`, checked against PyTorch's FLOP counter in `tests/test_update_flops.py`); "
+            "update / floor is the update's time over it.",
             e2e_section, e2e_glance, e2e_plot),
     Section("Against TRL: GRPOTrainer with a colocated vLLM", "trl_peer_*.json",
             "python bench/bench_trl_peer.py --tokenizer DIR --out bench/results",

@@ -15,10 +15,11 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def expand(data_files: str | list[str]) -> list[Path]:
-    """The files ``data_files`` names (globs expanded, sorted per pattern); a pattern matching nothing is an error."""
+    """The files ``data_files`` names (``~`` and globs expanded, sorted per pattern); a pattern matching nothing is an
+    error."""
     files = []
     for pattern in [data_files] if isinstance(data_files, str) else data_files:
-        matches = sorted(glob.glob(pattern))
+        matches = sorted(glob.glob(str(Path(pattern).expanduser())))  # ~/data/... as verl's examples write
         if not matches:
             raise FileNotFoundError(
                 f"data_files: no file matches {pattern!r} (relative to {Path.cwd()}). "

@@ -59,13 +59,16 @@ def format_prompt(
     """The chat-formatted prompt text, ending with the assistant turn's opening (``add_generation_prompt``);
     ``instruction`` replaces the answer format's standard one. A conversation (a list of ``{"role", "content"}``
     messages) goes through the chat template as it is, the instruction appended to its last user message and
-    ``system_prompt`` put first unless it opens with a system message of its own. ``chat_template_kwargs`` go to the
-    template (Qwen3's ``enable_thinking``)."""
+    ``system_prompt`` put first unless it opens with a system message of its own. An instruction that contains
+    ``{question}`` is the whole user message instead, the question in its place (lighteval's prompts put the
+    instruction first). ``chat_template_kwargs`` go to the template (Qwen3's ``enable_thinking``)."""
     instruction = FORMAT_INSTRUCTIONS[answer_format] if instruction is None else instruction
     messages = [dict(m) for m in question] if isinstance(question, list) else [{"role": "user", "content": question}]
     users = [m for m in messages if m["role"] == "user"]
     if instruction and users:
-        users[-1]["content"] = f"{users[-1]['content']}\n{instruction}"
+        text = users[-1]["content"]
+        users[-1]["content"] = (instruction.replace("{question}", text) if "{question}" in instruction
+                                else f"{text}\n{instruction}")
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
@@ -204,7 +207,7 @@ class PromptStream(IterableDataset):
             if i % k != me or i // k < start:  # another consumer's row, or one this consumer already passed
                 continue
             prompt = format_prompt(self.tokenizer, row["question"], self.answer_format, self.system_prompt,
-                                   self.instruction, self.chat_template_kwargs)
+                                   row.get("instruction", self.instruction), self.chat_template_kwargs)
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has the specials
             if len(ids) > self.max_prompt_tokens:
                 counts["too_long"] += 1
@@ -342,7 +345,8 @@ class MathPromptDataModule(L.LightningDataModule):
             the same sources).
         val_batch_size: Prompts per validation batch (default: ``batch_size``).
         instruction: Text appended to each question instead of ``answer_format``'s standard instruction (e.g. one
-            with an example, for a small model that does not follow the standard one yet).
+            with an example, for a small model that does not follow the standard one yet); with ``{question}`` in it,
+            the whole user message, the question in its place. A source's own ``instruction`` wins for its rows.
         chat_template_kwargs: Extra variables of the tokenizer's chat template, as TRL's option of that name: Qwen3's
             thinking mode is ``{enable_thinking: false}`` (off, as the Qwen3 recipes set it) or ``true``.
     """

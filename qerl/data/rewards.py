@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.data.answers import ANSWER_FORMATS, grade
 from qerl.data.timeout_pool import TimeoutPool
-from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, score_one
+from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, row_arguments, score_one
 
 
 class MathReward:
@@ -136,7 +136,7 @@ class RewardSum:
         n = len(batch["answers"])
         rows = [i for i in range(n) for _ in range(group_size)]  # the prompt of each completion
         answers = [batch["answers"][i] for i in rows]
-        scores = {"math": self.math(completions, answers)}  # [N]
+        scores = {"math": self.math(completions, answers, **row_arguments(self.math, batch, group_size))}  # [N]
         if self.specs:
             prompts = batch.get("questions") or batch["prompts"]
             sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n

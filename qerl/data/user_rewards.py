@@ -98,9 +98,7 @@ def score_one(spec: str, style: str, prompt, completion: str, answer: str, sourc
     """One completion's score by the function ``spec`` names (``None``: the function gave none)."""
     fn = load_function(spec)
     if style == "verl":
-        extra_info = columns["extra_info"] if "extra_info" in columns else columns
-        score = fn(data_source=columns.get("data_source", source), solution_str=completion, ground_truth=answer,
-                   extra_info=extra_info)
+        score = call_verl(fn, completion, answer, source, columns)
         score = score["score"] if isinstance(score, dict) else score
     else:
         if isinstance(prompt, list):  # a conversation: TRL passes completions as messages too
@@ -109,3 +107,31 @@ def score_one(spec: str, style: str, prompt, completion: str, answer: str, sourc
         kwargs.setdefault("answer", [answer])
         (score,) = fn(prompts=[prompt], completions=[completion], **kwargs)
     return None if score is None else float(score)
+
+
+def call_verl(fn: Callable, completion: str, answer: str, source: str, columns: dict):
+    """A verl ``compute_score`` on one completion, with verl's arguments from the row (``data_source`` and
+    ``extra_info`` columns where the row has them); returns what the function returns."""
+    extra_info = columns["extra_info"] if "extra_info" in columns else columns
+    return fn(data_source=columns.get("data_source", source), solution_str=completion, ground_truth=answer,
+              extra_info=extra_info)
+
+
+def verl_score_and_acc(spec: str, completion: str, answer: str, source: str, columns: dict) -> tuple[float, bool]:
+    """A verl ``compute_score``'s score of one completion and whether it counts as correct: the ``acc`` of a dict
+    that has one (verl logs it as accuracy), else whether the score reaches 1 (full marks)."""
+    result = call_verl(load_function(spec), completion, answer, source, columns)
+    score = float(result["score"] if isinstance(result, dict) else result)
+    acc = bool(result["acc"]) if isinstance(result, dict) and "acc" in result else score >= 1.0
+    return score, acc
+
+
+def row_arguments(reward, batch: dict, group_size: int) -> dict:
+    """``{"rows": ...}`` for a reward that reads each completion's row (``reads_rows``: verl's ``compute_score`` as the
+    reward), else nothing: a row is the ``source`` and ``columns`` (the data's own columns) of each of the
+    ``B x group_size`` completions."""
+    if not getattr(reward, "reads_rows", False):
+        return {}
+    n = len(batch["answers"])
+    sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n
+    return {"rows": [{"source": sources[i], "columns": columns[i]} for i in range(n) for _ in range(group_size)]}

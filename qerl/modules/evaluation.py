@@ -4,8 +4,9 @@ breakdown and a JSONL of every completion.
 ``GRPOModule.validation_step`` / ``test_step`` hand each batch to an ``Evaluator``:
 
     prompts [B] --engine.sampling(greedy)--> 1 completion each  --reward.check--> correct [B]  (pass@1)
-                --engine.sampling(T, seed)--> k completions each --reward.check--> correct [B*k] (mean@k)
-    -> MeanMetric per key (``<source>_acc``, ``<source>_mean@k``, ``<source>_level3_acc``, ``<source>_algebra_acc``)
+                --engine.sampling(T, seed)--> k completions each --reward.check--> correct [B*k] (mean@k, pass@j)
+    -> MeanMetric per key (``<source>_acc``, ``<source>_mean@k``, ``<source>_pass@j`` for j = 2, 4, ... and k
+       (``pass_at_k``: the unbiased estimator), ``<source>_level3_acc``, ``<source>_algebra_acc``)
     -> records (question, completion, extracted answer, reference, verdict, source, level, subject)
 
 Every completion is checked twice, as lm-eval's strict / flexible pair: strictly (only an answer stated in the
@@ -32,6 +33,8 @@ from torchmetrics import MeanMetric
 
 from qerl.data.answers import extract_answer
 from qerl.data.rewards import MathReward
+from qerl.data.user_rewards import row_arguments
+from qerl.modules.pass_at_k import pass_at_k, reported_ks
 from qerl.rollout.base import RolloutEngine
 
 
@@ -105,16 +108,19 @@ class Evaluator(nn.Module):
                 rollout = engine.generate(policy, batch["prompt_ids"], k, pad_id, eos_ids)
             self._calls += 1
             completions = decode(rollout.completion_ids)
-            references = [a for a in batch["answers"] for _ in range(k)]
-            correct, formatted = reward.check(completions, references, fallback_last_number=False)  # [n*k] each
-            flexible, _ = reward.check(completions, references, fallback_last_number=True)  # [n*k]
+            references, rows = [a for a in batch["answers"] for _ in range(k)], row_arguments(reward, batch, k)
+            correct, formatted = reward.check(completions, references, fallback_last_number=False, **rows)  # [n*k]
+            flexible, _ = reward.check(completions, references, fallback_last_number=True, **rows)  # [n*k]
             correct, flexible = correct.to(device), flexible.to(device)
             suffix = "acc" if mode == "greedy" else f"mean@{k}"
             per_question = correct.view(n, k).mean(-1)  # [n]
             per_question_flexible = flexible.view(n, k).mean(-1)  # [n]
+            passes = {j: pass_at_k(correct.view(n, k), j).float() for j in reported_ks(k)} if mode == "sampled" else {}
             for i in range(n):
                 prefix = self._prefix(batch["sources"][i], dataloader_idx)
                 self._update(f"{prefix}_{suffix}_flexible", per_question_flexible[i : i + 1])
+                for j, values in passes.items():  # [n] each
+                    self._update(f"{prefix}_pass@{j}", values[i : i + 1])
                 keys = [f"{prefix}_{suffix}"]
                 if levels[i] is not None:
                     keys.append(f"{prefix}_level{levels[i]}_{suffix}")

@@ -317,3 +317,18 @@ def test_trl_prompt_column_and_verl_parquet_presets_keep_conversations_and_colum
     assert row["columns"]["extra_info"] == {"index": 7, "split": "train"}
     with pytest.raises(ValueError, match="not a conversation"):
         HubSource(str(write_jsonl(tmp_path / "bad.jsonl", [{"q": [1, 2], "answer": "3"}])), question_field="q")
+
+
+def test_every_source_keeps_the_import_path_users_write_in_yaml():
+    # the package re-exports each source; jsonargparse prints (--print_config, config.yaml) the shortest path, so a
+    # run's saved config names qerl.data.sources.<Class> as the user wrote it
+    from jsonargparse._util import get_import_path
+
+    import qerl.data.sources as sources
+
+    classes = [c for c in map(sources.__dict__.get, sources.__all__) if isinstance(c, type) and c is not dict]
+    assert {c.__name__ for c in classes} >= {"GSM8K", "MATH500", "MATH", "BigMath", "BigMathProcessed", "HubSource",
+                                             "TRLPrompts", "VerlParquet", "ArithmeticSource", "ArithmeticExpressions",
+                                             "Mixture"}
+    for cls in classes:
+        assert get_import_path(cls) == f"qerl.data.sources.{cls.__name__}"
