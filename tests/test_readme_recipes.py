@@ -65,7 +65,7 @@ def least_gib(recipe: str, quantization: str) -> tuple[int, float]:
 
 
 def test_the_readme_has_every_recipe():
-    recipes = {p.stem for p in (ROOT / "configs" / "recipes").glob("qwen*.yaml")}
+    recipes = {p.stem for p in (ROOT / "configs" / "recipes").glob("*.yaml") if p.stem.endswith(("_gsm8k", "_bigmath"))}
     assert set(readme_rows()) == recipes
 
 
