@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
@@ -38,7 +40,14 @@ from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, en
 
 
 class QeRLArgumentParser(LightningArgumentParser):
-    """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo."""
+    """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo;
+    ``--model.lr -1e-5`` read as a value (argparse's own pattern knows no exponent, so it took it for an option)."""
+
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
@@ -134,6 +143,8 @@ class QeRLCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if problem := checkpoint_path_problem(config.get("ckpt_path")):
+            self._parser(self.subcommand).error(problem)
         if config.get("threads") is not None:
             if config.threads < 1:
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
@@ -150,6 +161,11 @@ class QeRLCLI(LightningCLI):
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
+            for callback in config.trainer.get("callbacks") or []:
+                # One last.ckpt per run, the newest state: a resume overwrites it (and a re-trained step's file)
+                # instead of writing last-v1.ckpt beside a stale one.
+                if str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+                    callback.init_args.enable_version_counter = False
 
     def _check_strategy(self, config) -> None:
         """Refuse, before anything loads, the multi-GPU setups qerl does not run (README, "Several GPUs")."""
@@ -257,7 +273,8 @@ class QeRLCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        callbacks.append(GracefulInterrupt())  # Ctrl-C / SIGTERM: a checkpoint and the resume command
+        self.interrupt = GracefulInterrupt()  # Ctrl-C / SIGTERM: a checkpoint, the resume command, the exit code
+        callbacks.append(self.interrupt)
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())
         kwargs["callbacks"] = callbacks
@@ -315,6 +332,29 @@ def reward_format(answer_format: str) -> str:
     return "auto" if answer_format == "none" else answer_format
 
 
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself
+
+
+def checkpoint_path_problem(ckpt_path: str | None) -> str | None:
+    """The error line for a ``--ckpt_path`` that names no checkpoint file (with the checkpoints that exist where it
+    points), or None when it does (or is one of Lightning's own names, or a remote URL)."""
+    if not ckpt_path or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in ckpt_path or \
+            ckpt_path.startswith("registry"):
+        return None
+    path = Path(ckpt_path).expanduser()
+    if path.is_file():
+        return None
+    folder = path if path.is_dir() else path.parent
+    if (folder / "checkpoints").is_dir():
+        folder = folder / "checkpoints"
+    problem = "is a folder" if path.is_dir() else "no such file"
+    if not folder.is_dir():
+        return f"--ckpt_path={ckpt_path}: {problem}, and no folder {folder}; pass a .ckpt file a run wrote."
+    found = sorted(p.name for p in folder.glob("*.ckpt"))
+    listed = f"checkpoints in {folder}: {', '.join(found)}" if found else f"no .ckpt file in {folder}"
+    return f"--ckpt_path={ckpt_path}: {problem} ({listed})."
+
+
 def resume_version(ckpt_path: str | None, logger) -> str | None:
     """The version directory a checkpoint ``<save_dir>/<name>/<version>/checkpoints/x.ckpt`` belongs to, when the
     configured TensorBoard logger writes to ``<save_dir>/<name>`` and names no version itself: resuming then logs into
@@ -339,6 +379,16 @@ class DropThirdPartyTips(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
+
+
+def main() -> None:
+    """``python train.py``: exits 130 / 143 when Ctrl-C / SIGTERM stopped the run (checkpointed, not finished)."""
+    try:
+        cli = cli_main()
+    except SIGTERMException:  # raised past the trainer once its checkpoint is written (GracefulInterrupt)
+        sys.exit(128 + signal.SIGTERM)
+    interrupt = getattr(cli, "interrupt", None)
+    sys.exit(interrupt.exit_code if interrupt is not None else 0)
 
 
 def cli_main(args: list[str] | None = None) -> QeRLCLI:

@@ -5,9 +5,11 @@ its own directory; a failed start leaves no empty run directory."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from qerl.cli import cli_main, resume_version
 
@@ -85,6 +87,30 @@ def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads,
     assert "line 2, line 3" in line and "refused" in line
 
 
+@pytest.mark.parametrize("given", ["checkpoints/lats.ckpt", "checkpoints", "nothing/last.ckpt"])
+def test_a_misspelled_checkpoint_is_one_line_listing_the_checkpoints_and_leaves_the_run_untouched(
+        given, capsys, no_model_loads, tmp_path):
+    run = tmp_path / "runs" / "debug" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("last.ckpt", "interrupted.ckpt"):
+        (run / "checkpoints" / name).write_bytes(b"")  # never read: the path is checked, not loaded
+    (run / "config.yaml").write_text("the finished run's config\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = fails(["--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--ckpt_path", str(run / given)],
+                 capsys)
+    assert line.startswith(f"error: --ckpt_path={run / given}: ")
+    if given.startswith("checkpoints"):
+        assert line.endswith(f"(checkpoints in {run / 'checkpoints'}: interrupted.ckpt, last.ckpt)."), line
+    else:
+        assert f"no folder {run / 'nothing'}" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # no config.yaml, no events file
+
+
+def test_a_negative_number_in_scientific_notation_is_a_value(capsys, no_model_loads):
+    # argparse takes "-1e-5" for an option unless told it is a number; the README's example
+    assert fails(["--model.lr", "-1e-5"], capsys).startswith("error: model.lr=-1e-05: must be >= 0")
+
+
 def test_resume_version_is_the_checkpoints_run_directory(tmp_path):
     from jsonargparse import Namespace
 
@@ -113,9 +139,15 @@ def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after
     assert "step 1/1" in printed and "reward=" in printed and "acc=" in printed and "entropy=" in printed, printed
     assert "Epoch" not in printed and "pre-optimization state" not in printed  # Lightning's inapplicable warning
 
-    resumed = cli_main([*base, "--trainer.max_steps", "2", "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    # from the step's own checkpoint, whose saved state names no last.ckpt yet (as interrupted.ckpt's does not)
+    resumed = cli_main([*base, "--trainer.max_steps", "2", "--ckpt_path",
+                        str(run_dir / "checkpoints" / "epoch=0-step=1.ckpt")])
     assert Path(resumed.trainer.log_dir).resolve() == run_dir and resumed.trainer.global_step == 2
-    assert "step 2/2" in "".join(capsys.readouterr())
+    printed = "".join(capsys.readouterr())
+    assert "step 2/2" in printed
+    assert not re.search(r"<-|-[\d.]+step/s", printed), printed  # elapsed time and rate of this run's steps
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert last["global_step"] == 2 and not list(run_dir.glob("checkpoints/last-v*.ckpt"))  # the newest state
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # one curve per run in TensorBoard
 
     broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
