@@ -32,6 +32,7 @@ from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
+from qerl.data.reward_health import RewardsFailing
 from qerl.hub import hub_unavailable
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_plan import MemoryPlanError
@@ -387,6 +388,9 @@ def main() -> None:
         cli = cli_main()
     except SIGTERMException:  # raised past the trainer once its checkpoint is written (GracefulInterrupt)
         sys.exit(128 + signal.SIGTERM)
+    except RewardsFailing as error:  # checkpointed too; the reason in one line, not a traceback
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
     interrupt = getattr(cli, "interrupt", None)
     sys.exit(interrupt.exit_code if interrupt is not None else 0)
 

@@ -30,7 +30,7 @@ SCALARS = (
     "train/truncated_frac", "train/clip_frac_low", "train/clip_frac_high", "train/zero_std_groups_frac",
     "train/informative_groups_frac", "train/refill_rounds", "train/prompts_sampled",
     "train/is_ratio_mean", "train/aqn_sigma", "train/lr", "perf/rollout_tokens_per_s", "perf/rollout_s",
-    "perf/train_s", "data/skipped_unreadable_line", "data/skipped_missing_answer", "data/skipped_too_long",
+    "perf/train_s", "perf/reward_s", "data/skipped_unreadable_line", "data/skipped_missing_answer", "data/skipped_too_long",
 )
 AQN = ["--aqn.num_stages", "4"]
 KL = ["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.beta", "0.01"]

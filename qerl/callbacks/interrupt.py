@@ -6,6 +6,8 @@ evaluation scored.
   once (Lightning's KeyboardInterrupt handling; the last periodic checkpoint remains).
 - ``fit``, SIGTERM (a cluster's preemption): Lightning stops after the step in progress (``SIGTERMException``);
   the same checkpoint and command follow from ``on_exception``.
+- ``fit``, a reward failing on every completion (``RewardsFailing``): the same checkpoint and command, then the
+  error goes on to the CLI.
 - ``validate`` / ``test``, either signal: the completions scored so far go to ``<stage>_step<N>_interrupted.jsonl``
   under ``<log_dir>/eval/`` (the CLI keeps a run directory that holds them).
 
@@ -24,6 +26,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from qerl.data.reward_health import RewardsFailing
 
 
 class GracefulInterrupt(L.Callback):
@@ -70,6 +74,9 @@ class GracefulInterrupt(L.Callback):
             self._checkpoint(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, RewardsFailing) and trainer.training:  # raised before the step's update
+            self._checkpoint(trainer, "Stopped")
+            return
         if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
             return
         self.signal = signal.SIGTERM if isinstance(exception, SIGTERMException) else signal.SIGINT
@@ -78,13 +85,13 @@ class GracefulInterrupt(L.Callback):
         elif (trainer.validating or trainer.testing) and not trainer.sanity_checking:
             self._keep_scored(trainer, pl_module)
 
-    def _checkpoint(self, trainer: L.Trainer) -> None:
+    def _checkpoint(self, trainer: L.Trainer, what: str = "Interrupted") -> None:
         checkpointer = trainer.checkpoint_callback
         directory = getattr(checkpointer, "dirpath", None) or Path(trainer.log_dir or trainer.default_root_dir) / \
             "checkpoints"
         path = Path(directory) / self.CHECKPOINT
         trainer.save_checkpoint(path)  # a collective under DDP: every rank gets here
-        rank_zero_info(f"Interrupted after step {trainer.global_step}: checkpoint {path}\nResume with:\n  "
+        rank_zero_info(f"{what} after step {trainer.global_step}: checkpoint {path}\nResume with:\n  "
                        f"{resume_command(path)}")
 
     @staticmethod

@@ -76,6 +76,8 @@ class GRPOModule(L.LightningModule):
             under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
         reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
         reward_timeout_s: wall-clock limit of one reward function call (one completion).
+        reward_failure_steps: a reward failing on every completion for this many batches in a row stops the run with
+            a checkpoint (0: never).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
@@ -120,6 +122,7 @@ class GRPOModule(L.LightningModule):
         reward_funcs: list[str | dict] | None = None,
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 10.0,
+        reward_failure_steps: int = 3,
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
@@ -180,7 +183,8 @@ class GRPOModule(L.LightningModule):
         self.policy_config = policy
         self.loss = loss if loss is not None else DAPOLoss()
         self.reward = reward if reward is not None else MathReward()
-        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s)
+        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s,
+                                 failure_steps=reward_failure_steps)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
         self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
@@ -432,6 +436,8 @@ class GRPOModule(L.LightningModule):
         failures = {f"train/rewards/{name}_failures": torch.tensor(float(n), device=self.device)
                     for name, n in self.rewards.failure_counts().items()}
         self.log_dict(failures, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx="sum")
+        self.log("perf/reward_s", self.rewards.take_seconds(), on_step=True, on_epoch=False, batch_size=batch_size,
+                 sync_dist=True, reduce_fx="max")
 
     def _log_skipped(self, skipped: dict[str, int] | None) -> None:
         """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
