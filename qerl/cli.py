@@ -61,7 +61,7 @@ class QeRLArgumentParser(LightningArgumentParser):
             close = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6) if unknown not in options else []
             if close:
                 hints.append(f"did you mean {close[0]}?")
-        hints += init_arg_hints(message)
+        hints += init_arg_hints(message) + class_hints(message)
         hint = f" ({'; '.join(hints)})" if hints else ""
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"error: {short_error(message)}{hint}\nAll options: {prog} --help\n")
@@ -80,6 +80,51 @@ def init_arg_hints(message: str) -> list[str]:
     except (ImportError, AttributeError, TypeError, ValueError):
         return []
     return [f"did you mean {close[0]}?" for u in unknown if (close := difflib.get_close_matches(u, accepted, n=1))]
+
+
+CLASS_OPTIONS = {  # option -> (module of the classes it takes, their base class)
+    "model.loss": ("qerl.modules.loss", "PolicyLoss"),
+    "model.advantage": ("qerl.modules.advantages", "Advantage"),
+    "model.rollout": ("qerl.rollout.base", "RolloutEngine"),
+}
+
+
+def class_hints(message: str) -> list[str]:
+    """``use one of qerl.modules.loss.DAPOLoss, ...`` for a class option whose value names no class it takes."""
+    option = re.match(r'\s*(?:Parser key ")?([\w.]+)"?:', message)
+    if not option or option[1] not in CLASS_OPTIONS or "class_path" in message and "not accepted" in message:
+        return []
+    module, base = CLASS_OPTIONS[option[1]]
+    base = getattr(importlib.import_module(module), base)
+    names = sorted(f"{c.__module__}.{c.__qualname__}" for c in all_subclasses(base) if not inspect.isabstract(c))
+    return [f"use one of {', '.join(names)}"] if names else []
+
+
+def all_subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *all_subclasses(sub))]
+
+
+def yaml_problem(path: str) -> str | None:
+    """The error line for a ``--config`` file that is not valid YAML: the file, the line and column, what is wrong."""
+    import yaml
+
+    try:
+        yaml.safe_load(Path(path).read_text())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        context = f" ({error.context} at line {error.context_mark.line + 1})" if error.context and \
+            error.context_mark and error.problem_mark else ""
+        return f"--config {path}: not valid YAML at {where}: {error.problem or error.context}{context}."
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # unreadable: the parser's own error names it
+        return None
+    return None
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The files ``--config X`` / ``--config=X`` name, in order."""
+    files = [value for flag, value in zip(argv, argv[1:]) if flag == "--config"]
+    return files + [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]
 
 
 def short_error(message: str) -> str:
@@ -116,6 +161,18 @@ class QeRLCLI(LightningCLI):
         kwargs.setdefault("parser_class", QeRLArgumentParser)
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # predict has no meaning for a policy trained by RL: validate / test write every completion (eval_jsonl)
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
+    def parse_arguments(self, parser, args) -> None:
+        argv = list(sys.argv[1:] if args is None else args) if isinstance(args, (list, tuple, type(None))) else []
+        for path in config_files(argv):
+            if Path(path).is_file() and (problem := yaml_problem(path)):
+                parser.error(problem)
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(AdaptiveQuantizationNoise, "aqn")
         parser.add_lightning_class_args(RolloutSync, "rollout_sync")
@@ -123,8 +180,9 @@ class QeRLCLI(LightningCLI):
         parser.add_lightning_class_args(ScalarLayout, "scalar_layout")
         parser.add_argument(
             "--threads", type=int | None, default=None,
-            help="CPU threads torch uses (default: torch's choice, one per core). On a machine where other processes "
-                 "hold cores, fewer threads than cores avoid waiting on a busy one: 1 on a busy 2-core machine.",
+            help="CPU threads torch uses (default: the cores other processes leave free, from the load average "
+                 "when the command starts, at least 1; OMP_NUM_THREADS, where set, decides instead). Threads on a "
+                 "busy core wait on each other at every operation.",
         )
         parser.add_argument(
             "--print_memory_plan", type=bool, default=False,
@@ -150,6 +208,13 @@ class QeRLCLI(LightningCLI):
             if config.threads < 1:
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
+        elif "OMP_NUM_THREADS" not in os.environ and hasattr(os, "getloadavg"):
+            cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+            threads = free_core_threads(cores, load)
+            if threads < torch.get_num_threads():
+                torch.set_num_threads(threads)
+                if rank_zero_only.rank == 0:
+                    print(f"threads: {threads} (load {load:.1f} on {cores} cores: the rest are busy; --threads sets it)")
         self._check_strategy(config)
         self._check_refill(config)
         rollout = (config.get("model") or {}).get("rollout") or {}
@@ -157,8 +222,10 @@ class QeRLCLI(LightningCLI):
         if self.subcommand == "fit":
             max_steps = config.trainer.max_steps
             if max_steps is None or max_steps < 1:
-                self._parser(self.subcommand).error(f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to "
-                                  "train (the prompt stream is endless, and the LR and AQN schedules need it).")
+                self._parser(self.subcommand).error(
+                    f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to train (the prompt "
+                    "stream is endless, and the LR and AQN schedules need it). A recipe (configs/recipes/) sets "
+                    "the model and data only: put --config configs/gpu.yaml first, which sets the trainer.")
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
@@ -297,6 +364,12 @@ class QeRLCLI(LightningCLI):
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
             raise
+
+
+def free_core_threads(cores: int, load: float) -> int:
+    """Threads for torch on ``cores`` cores of which other processes keep ``load`` busy (the 1-minute load average,
+    taken before this process works): the free ones, at least 1."""
+    return max(1, min(cores, cores - round(load)))
 
 
 COUNT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",

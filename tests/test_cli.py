@@ -4,6 +4,7 @@ its own directory; a failed start leaves no empty run directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.cli import cli_main, resume_version
+from qerl.cli import cli_main, free_core_threads, resume_version
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
 
@@ -111,6 +112,42 @@ def test_a_negative_number_in_scientific_notation_is_a_value(capsys, no_model_lo
     assert fails(["--model.lr", "-1e-5"], capsys).startswith("error: model.lr=-1e-05: must be >= 0")
 
 
+def test_a_yaml_syntax_error_names_the_file_and_the_line(capsys, no_model_loads, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  lr: 1.0e-5\n  betas: [0.9, 0.99\n  group_size: 4\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", DEBUG, "--config", str(bad)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: --config {bad}: not valid YAML at line 4, column 13: expected ',' or ']', but got ':' (while parsing "
+        "a flow sequence at line 3).")
+
+
+def test_an_unknown_loss_class_lists_the_valid_ones(capsys, no_model_loads):
+    line = fails(["--model.loss", "qerl.modules.loss.DAPOLos"], capsys)
+    assert "use one of " in line and "qerl.modules.loss.DAPOLoss" in line and "qerl.modules.loss.GRPOLoss" in line
+
+
+def test_a_recipe_without_the_trainer_settings_says_to_put_gpu_yaml_first(capsys, no_model_loads):
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", RECIPE_7B])
+    assert "put --config configs/gpu.yaml first" in capsys.readouterr().err
+
+
+def test_predict_is_no_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["predict", "--config", DEBUG])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err
+
+
+def test_threads_default_to_the_cores_the_machines_load_leaves_free():
+    assert free_core_threads(2, 0.2) == 2  # an idle 2-core machine: torch's own choice
+    assert free_core_threads(2, 1.4) == 1  # one core busy with another job
+    assert free_core_threads(2, 6.7) == 1  # shared by many: one thread, never 0
+    assert free_core_threads(16, 3.0) == 13
+
+
 def test_resume_version_is_the_checkpoints_run_directory(tmp_path):
     from jsonargparse import Namespace
 
@@ -150,12 +187,17 @@ def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after
     assert last["global_step"] == 2 and not list(run_dir.glob("checkpoints/last-v*.ckpt"))  # the newest state
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # one curve per run in TensorBoard
 
+    val = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"seed": 1, "num_rows": 2}}]
+    cli_main(["validate", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+              "--data.val_sources", json.dumps(val), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    assert [p.name for p in run_dir.parent.glob("*/eval/*.jsonl")] == ["val_step2.jsonl"]  # the checkpoint's step
+
     broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
     broken.mkdir()
     (broken / "config.json").write_text((tiny_model_dirs["qwen2"] / "config.json").read_text())
     with pytest.raises(Exception):
         cli_main([*base, "--model.policy.model", str(broken)])
-    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no empty version_1 left behind
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0", "version_1"]  # no empty version_2
 
 
 GPU = str(Path(DEBUG).parent / "gpu.yaml")

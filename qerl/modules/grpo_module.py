@@ -192,6 +192,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
                              f"max_new_tokens ({self.rollout.max_new_tokens}).")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
+        self.checkpoint_step = 0  # optimizer steps behind the weights loaded by validate/test --ckpt_path
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
@@ -516,7 +517,8 @@ class GRPOModule(L.LightningModule):
                 logger.log_metrics({k: float(v) for k, v in values.items()}, step=logged_step(self.trainer) + 1)
         if self.hparams.eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
-            path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",
+            step = self.global_step if in_fit else max(self.global_step, self.checkpoint_step)
+            path = self.evaluator.write_jsonl(directory / f"{stage}_step{step}.jsonl",
                                               self.trainer.is_global_zero)
             if path is not None:
                 self.print(f"{stage}: {len(self.evaluator.records)} completions (this rank) written to {path}")
@@ -555,6 +557,7 @@ class GRPOModule(L.LightningModule):
             save_adapter(self.policy, Path(log_dir) / "adapter")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.checkpoint_step = int(checkpoint.get("global_step", 0))  # validate/test restore no step count
         rng = own_rank_state(checkpoint.get("qerl_rng"))
         if rng:
             torch.set_rng_state(rng["torch"])
