@@ -1,5 +1,6 @@
 """The agreement check: the export and the trained policy decode the same questions greedily; the export passes when
-it answers correctly at least ``min_kept`` times as many of them as the policy does.
+it answers correctly at least ``min_kept`` times as many of them as the policy does, and (``min_identical``, off by
+default: re-quantization changes some tokens of a healthy export too) when that share of its completions is identical.
 
 The questions are the run's validation questions, formatted as the run formatted them; a run that validated on none
 is checked on the first prompts of its own training stream (seen in training: the check compares two models, it
@@ -31,10 +32,12 @@ class Agreement:
     export_correct: int
     differing: list[int]  # indices of the questions whose completions differ
     min_kept: float = MIN_KEPT  # the bound: export_correct >= min_kept * policy_correct
+    min_identical: float = 0.0  # and same_completion >= min_identical * questions
 
     @property
     def passed(self) -> bool:
-        return self.export_correct >= self.min_kept * self.policy_correct
+        return (self.export_correct >= self.min_kept * self.policy_correct
+                and self.same_completion >= self.min_identical * self.questions)
 
     def line(self) -> str:
         return (f"greedy agreement with the trained policy: {self.same_completion}/{self.questions} completions "
@@ -42,14 +45,15 @@ class Agreement:
 
 
 def agreement(policy_completions, export_completions, answers, tokenizer, reward=None,
-              min_kept: float = MIN_KEPT) -> Agreement:
+              min_kept: float = MIN_KEPT, min_identical: float = 0.0) -> Agreement:
     from qerl.data.rewards import MathReward
 
     reward = reward or MathReward(num_workers=1)
     texts = [tokenizer.batch_decode(c, skip_special_tokens=True) for c in (policy_completions, export_completions)]
     correct = [int(reward.check(t, answers)[0].sum()) for t in texts]
     differing = [i for i, (a, b) in enumerate(zip(policy_completions, export_completions)) if a != b]
-    return Agreement(len(answers), len(answers) - len(differing), correct[0], correct[1], differing, min_kept)
+    return Agreement(len(answers), len(answers) - len(differing), correct[0], correct[1], differing, min_kept,
+                     min_identical)
 
 
 def validation_questions(run: TrainedRun, tokenizer, max_questions: int | None = None) -> tuple[list, list[str]]:
@@ -64,15 +68,15 @@ def validation_questions(run: TrainedRun, tokenizer, max_questions: int | None =
     parser.add_class_arguments(MathPromptDataModule, "data")
     module = parser.instantiate(parser.parse_object({"data": data})).data
     module.setup()
-    if not module.val_sources:
-        batch = module.draw_prompts(max_questions or TRAINING_QUESTIONS)
-        return batch["prompt_ids"], batch["answers"]
+    wanted = max_questions or (None if module.val_sources else TRAINING_QUESTIONS)
     prompts, answers = [], []
-    for loader in module.val_dataloader():
+    for loader in module.val_dataloader() or [module.train_dataloader()]:  # the training stream never ends
         for batch in loader:
             prompts += batch["prompt_ids"]
             answers += batch["answers"]
-    return prompts[:max_questions], answers[:max_questions]
+            if wanted is not None and len(prompts) >= wanted:
+                return prompts[:wanted], answers[:wanted]
+    return prompts, answers
 
 
 def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int) -> list[list[int]]:

@@ -33,13 +33,14 @@ def export(
     max_new_tokens: int | None = None,
     force: bool = False,
     min_kept: float = MIN_KEPT,
+    min_identical: float = 0.0,
     log=print,
 ) -> dict:
     """Write ``run``'s trained policy to ``output`` in ``format``; returns the export report (also export.json).
 
     ``check`` (default: on for ``merged-nvfp4``) decodes the validation questions greedily with the trained policy
     and with the export and counts the completions that differ; an export that answers correctly fewer than
-    ``min_kept`` times as many as the policy is marked (``CHECK_FAILED``, export.json, the model card) and
+    ``min_kept`` times as many as the policy (or with fewer than ``min_identical`` of its completions identical) is marked (``CHECK_FAILED``, export.json, the model card) and
     ``AgreementFailed`` raised with the figures.
     """
     if format not in FORMATS:
@@ -80,7 +81,7 @@ def export(
     if check:
         model = load_export(output, format, dtype)
         result = agreement(reference, greedy_completions(model, tokenizer, prompts, tokens), answers, tokenizer,
-                           answer_reward(trained), min_kept)
+                           answer_reward(trained), min_kept, min_identical)
         report["agreement"] = {**dataclasses.asdict(result), "passed": result.passed}
         log(result.line())
     (output / "training_config.yaml").write_text((trained.directory / "config.yaml").read_text())
@@ -88,9 +89,10 @@ def export(
     (output / "README.md").write_text(model_card(trained, output, format, report))
     if check and not result.passed:
         failure = (f"--format {format}: the export answers {result.export_correct} of {result.questions} check "
-                   f"questions correctly, the trained policy {result.policy_correct}: below the bound of {min_kept:.0%} "
-                   f"of the policy's (--min-kept); {result.same_completion}/{result.questions} completions identical. "
-                   + ("Re-quantizing the merged weights erased much of what the LoRA learned: --format vllm keeps "
+                   f"questions correctly, the trained policy {result.policy_correct}; {result.same_completion}/"
+                   f"{result.questions} completions identical: below the bound (at least {min_kept:.0%} of the "
+                   f"policy's correct answers, --min-kept; at least {min_identical:.0%} identical, --min-identical). "
+                   + ("Re-quantizing the merged weights can erase what the LoRA learned: --format vllm keeps "
                       "the LoRA in 16 bits beside the NVFP4 base. " if format == "merged-nvfp4" else "")
                    + f"{output} is marked (CHECK_FAILED).")
         (output / "CHECK_FAILED").write_text(failure + "\n")
@@ -120,11 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-kept", type=float, default=MIN_KEPT,
                         help="the check fails (exit 1, the folder marked CHECK_FAILED) when the export answers "
                              f"correctly fewer than this times the policy's correct answers (default {MIN_KEPT})")
+    parser.add_argument("--min-identical", type=float, default=0.0,
+                        help="the check also fails when fewer than this share of the completions are identical to "
+                             "the policy's (default 0: off)")
     args = parser.parse_args(argv)
     try:
         return exit_status(lambda: export(args.run, args.output, args.format, args.ckpt, args.adapter, args.dtype,
                                           args.check, args.max_questions, args.max_new_tokens, args.force,
-                                          args.min_kept))
+                                          args.min_kept, args.min_identical))
     except AgreementFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -48,7 +48,14 @@ def model_card(run: TrainedRun, output: Path, format: str, report: dict) -> str:
             + (f", dtype={dtype!r})" if dtype else ")"),
             f"policy = LoRARequest({SERVED_NAME!r}, 1, {str(directory / 'adapter')!r})",
             "outputs = llm.chat([{\"role\": \"user\", \"content\": \"What is 3 + 5?\"}], "
-            "SamplingParams(temperature=0, max_tokens=256), lora_request=policy)", "```"]
+            "SamplingParams(temperature=0, max_tokens=256), lora_request=policy)", "```", "",
+            "In transformers with PEFT" + (" (the NVFP4 weights decompressed to bf16: PEFT needs plain weights):"
+                                           if quantized else ":"), "",
+            "```python", "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM" + (", CompressedTensorsConfig" if quantized else ""), "",
+            f"base = AutoModelForCausalLM.from_pretrained({str(directory)!r}"
+            + (", quantization_config=CompressedTensorsConfig(run_compressed=False))" if quantized else ")"),
+            f"model = PeftModel.from_pretrained(base, {str(directory / 'adapter')!r})", "```"]
     else:
         lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                   f"model = AutoModelForCausalLM.from_pretrained({str(directory)!r})",
@@ -77,5 +84,7 @@ def model_card(run: TrainedRun, output: Path, format: str, report: dict) -> str:
         a = report["agreement"]
         lines += ["", f"Greedy completions on {a['questions']} validation questions: {a['same_completion']} identical "
                       f"to the trained policy's; correct {a['export_correct']} (export) vs {a['policy_correct']} "
-                      "(policy)."]
+                      "(policy)." + ("" if a.get("passed", True) else f" **Below the export's bound (at least "
+                                                                     f"{a['min_kept']:.0%} of the policy's correct "
+                                                                     "answers): see `CHECK_FAILED`.**")]
     return "\n".join(lines) + "\n"
