@@ -7,6 +7,7 @@ value and the fix, and exit code 2 as argparse uses; no traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -353,6 +354,7 @@ class QeRLCLI(LightningCLI):
         # LightningCLI runs the subcommand from its constructor; this is the one place around that run.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
         existed = log_dir is not None and Path(log_dir).exists()
+        before = RunFolder.snapshot(Path(log_dir)) if existed else None
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -363,7 +365,34 @@ class QeRLCLI(LightningCLI):
             first_step = self.trainer.global_step == 0 and not any(path.exists() for path in kept)
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
+            # A resume into an earlier run that failed before saving anything (its checkpoint did not load): the
+            # folder as it was (Lightning's logger writes hparams.yaml and an events file even for a failed run).
+            if before is not None and self.trainer.is_global_zero:
+                before.restore_unless_checkpointed(Path(log_dir))
             raise
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """What a run folder held before a command ran in it: its own files (the YAML files' contents) and checkpoints."""
+
+    files: dict[str, bytes | None]  # name -> content of a .yaml file, None for the others (events files)
+    checkpoints: dict[str, int]  # checkpoints/<name> -> modification time (ns)
+
+    @classmethod
+    def snapshot(cls, folder: Path) -> RunFolder:
+        files = {p.name: p.read_bytes() if p.suffix == ".yaml" else None for p in folder.iterdir() if p.is_file()}
+        return cls(files, {p.name: p.stat().st_mtime_ns for p in folder.glob("checkpoints/*")})
+
+    def restore_unless_checkpointed(self, folder: Path) -> None:
+        """The folder's own files as they were, when the command wrote no checkpoint (it failed before it started)."""
+        if RunFolder.snapshot(folder).checkpoints != self.checkpoints:
+            return
+        for path in folder.iterdir():
+            if path.is_file() and path.name not in self.files:
+                path.unlink()
+            elif path.is_file() and self.files[path.name] is not None:
+                path.write_bytes(self.files[path.name])
 
 
 def free_core_threads(cores: int, load: float) -> int:

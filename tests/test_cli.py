@@ -187,14 +187,22 @@ def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after
     assert last["global_step"] == 2 and not list(run_dir.glob("checkpoints/last-v*.ckpt"))  # the newest state
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # one curve per run in TensorBoard
 
+    broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_model_dirs["qwen2"] / "config.json").read_text())
+    other = tmp_path / "other.ckpt"  # a checkpoint file that loads as a file but not into this run
+    torch.save({"global_step": 5, "state_dict": {"policy.no_such.weight": torch.zeros(1)}}, other)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(Exception):  # a resume of the run that fails before it starts
+        cli_main([*base, "--trainer.max_steps", "3", "--trainer.logger.init_args.version", "version_0",
+                  "--ckpt_path", str(other)])
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.yaml, events untouched
+
     val = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"seed": 1, "num_rows": 2}}]
     cli_main(["validate", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
               "--data.val_sources", json.dumps(val), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
     assert [p.name for p in run_dir.parent.glob("*/eval/*.jsonl")] == ["val_step2.jsonl"]  # the checkpoint's step
 
-    broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
-    broken.mkdir()
-    (broken / "config.json").write_text((tiny_model_dirs["qwen2"] / "config.json").read_text())
     with pytest.raises(Exception):
         cli_main([*base, "--model.policy.model", str(broken)])
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0", "version_1"]  # no empty version_2
