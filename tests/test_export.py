@@ -436,3 +436,12 @@ def test_every_format_loads_in_transformers_as_the_readme_says(format, tiny_run,
         expected = load_export(out, format)(input_ids=ids).logits.float()  # qerl's own loader: the NVFP4 layers
     # the same weights: the README's way decompresses NVFP4 to bf16 where qerl dequantizes in float32
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+    if format == "vllm":  # the model card's transformers lines load it the same way
+        import re
+
+        card = re.findall(r"```python\n(.*?)```", (out / "README.md").read_text(), flags=re.S)[-1]
+        assert "PeftModel.from_pretrained" in card
+        scope = {}
+        exec(card, scope)
+        with torch.no_grad():
+            assert torch.equal(scope["model"](input_ids=ids).logits.float(), got)
