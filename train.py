@@ -1,6 +1,6 @@
 """Train a LoRA adapter on a frozen NVFP4 model with GRPO/DAPO: ``python train.py fit --config configs/smoke.yaml``."""
 
-from qerl.cli import cli_main
+from qerl.cli import main
 
 if __name__ == "__main__":
-    cli_main()
+    main()

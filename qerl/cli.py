@@ -7,21 +7,21 @@ value and the fix, and exit code 2 as argparse uses; no traceback.
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import inspect
+import dataclasses
 import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
@@ -29,72 +29,15 @@ from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
+from qerl.cli_errors import QeRLArgumentParser, checkpoint_path_problem, config_files, yaml_problem
 from qerl.data.prompts import MathPromptDataModule
+from qerl.data.reward_health import RewardsFailing
 from qerl.hub import hub_unavailable
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_budget import budget_error, hold_to_budget
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               planning_device, resolve)
-
-
-class QeRLArgumentParser(LightningArgumentParser):
-    """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error:
-            return super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        options = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-        hints = []
-        for unknown in re.findall(r"(?:--|[Kk]ey \"|option ')([\w.]+)", message):
-            unknown = unknown if unknown.startswith("--") else f"--{unknown}"
-            close = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6) if unknown not in options else []
-            if close:
-                hints.append(f"did you mean {close[0]}?")
-        hints += init_arg_hints(message)
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {short_error(message)}{hint}\nAll options: {prog} --help\n")
-        self.exit(2)
-
-
-def init_arg_hints(message: str) -> list[str]:
-    """``did you mean eps_low?`` for an init argument a class given by ``class_path`` does not take."""
-    owner = re.search(r"class_path '([\w.]+)'", message)
-    unknown = re.findall(r"Option '(\w+)' is not accepted", message)
-    if not owner or not unknown:
-        return []
-    module, _, name = owner[1].rpartition(".")
-    try:
-        accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return []
-    return [f"did you mean {close[0]}?" for u in unknown if (close := difflib.get_close_matches(u, accepted, n=1))]
-
-
-def short_error(message: str) -> str:
-    """The part of a jsonargparse error that says what is wrong: the first reason of a union's errors (not the
-    ``None`` alternative's) with the option it concerns, or a type error as ``option=value: expected <type>``."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    key = re.match(r'Parser key "([\w.]+)":', lines[0].strip()) if lines else None
-    reasons = []
-    for i, line in enumerate(lines):
-        if line.strip().startswith("- "):
-            indent, parts = len(line) - len(line.lstrip()), [line.strip()[2:]]
-            for more in lines[i + 1 :]:
-                if len(more) - len(more.lstrip()) <= indent:
-                    break
-                parts.append(more.strip())
-            reasons.append(" ".join(parts))
-    reasons = [r for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
-    if reasons:
-        return (f"{key[1]}: " if key and not reasons[0].startswith(key[1]) else "") + reasons[0]
-    text = " ".join(line.strip() for line in lines)
-    typed = re.match(r'Parser key "([\w.]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)', text)
-    if typed:
-        return f"{typed[1]}={typed[3]}: expected a value of type {typed[2]}."
-    return " ".join(line.strip() for line in lines[:2]) if lines else "invalid arguments"
 
 
 class QeRLCLI(LightningCLI):
@@ -107,6 +50,18 @@ class QeRLCLI(LightningCLI):
         kwargs.setdefault("parser_class", QeRLArgumentParser)
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # predict has no meaning for a policy trained by RL: validate / test write every completion (eval_jsonl)
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
+    def parse_arguments(self, parser, args) -> None:
+        argv = list(sys.argv[1:] if args is None else args) if isinstance(args, (list, tuple, type(None))) else []
+        for path in config_files(argv):
+            if Path(path).is_file() and (problem := yaml_problem(path)):
+                parser.error(problem)
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(AdaptiveQuantizationNoise, "aqn")
         parser.add_lightning_class_args(RolloutSync, "rollout_sync")
@@ -114,8 +69,9 @@ class QeRLCLI(LightningCLI):
         parser.add_lightning_class_args(ScalarLayout, "scalar_layout")
         parser.add_argument(
             "--threads", type=int | None, default=None,
-            help="CPU threads torch uses (default: torch's choice, one per core). On a machine where other processes "
-                 "hold cores, fewer threads than cores avoid waiting on a busy one: 1 on a busy 2-core machine.",
+            help="CPU threads torch uses (default: the cores other processes leave free, from the load average "
+                 "when the command starts, at least 1; OMP_NUM_THREADS, where set, decides instead). Threads on a "
+                 "busy core wait on each other at every operation.",
         )
         parser.add_argument(
             "--print_memory_plan", type=bool, default=False,
@@ -141,10 +97,19 @@ class QeRLCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if problem := checkpoint_path_problem(config.get("ckpt_path")):
+            self._parser(self.subcommand).error(problem)
         if config.get("threads") is not None:
             if config.threads < 1:
                 self._parser(self.subcommand).error(f"--threads={config.threads}: must be >= 1 (or leave it unset).")
             torch.set_num_threads(config.threads)
+        elif "OMP_NUM_THREADS" not in os.environ and hasattr(os, "getloadavg"):
+            cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+            threads = free_core_threads(cores, load)
+            if threads < torch.get_num_threads():
+                torch.set_num_threads(threads)
+                if rank_zero_only.rank == 0:
+                    print(f"threads: {threads} (load {load:.1f} on {cores} cores: the rest are busy; --threads sets it)")
         self._check_strategy(config)
         self._check_refill(config)
         rollout = (config.get("model") or {}).get("rollout") or {}
@@ -152,11 +117,18 @@ class QeRLCLI(LightningCLI):
         if self.subcommand == "fit":
             max_steps = config.trainer.max_steps
             if max_steps is None or max_steps < 1:
-                self._parser(self.subcommand).error(f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to "
-                                  "train (the prompt stream is endless, and the LR and AQN schedules need it).")
+                self._parser(self.subcommand).error(
+                    f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to train (the prompt "
+                    "stream is endless, and the LR and AQN schedules need it). A recipe (configs/recipes/) sets "
+                    "the model and data only: put --config configs/gpu.yaml first, which sets the trainer.")
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
+            for callback in config.trainer.get("callbacks") or []:
+                # One last.ckpt per run, the newest state: a resume overwrites it (and a re-trained step's file)
+                # instead of writing last-v1.ckpt beside a stale one.
+                if str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+                    callback.init_args.enable_version_counter = False
 
     def _check_strategy(self, config) -> None:
         """Refuse, before anything loads, the multi-GPU setups qerl does not run (README, "Several GPUs")."""
@@ -273,7 +245,8 @@ class QeRLCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        callbacks.append(GracefulInterrupt())  # Ctrl-C / SIGTERM: a checkpoint and the resume command
+        self.interrupt = GracefulInterrupt()  # Ctrl-C / SIGTERM: a checkpoint, the resume command, the exit code
+        callbacks.append(self.interrupt)
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())
         kwargs["callbacks"] = callbacks
@@ -284,6 +257,7 @@ class QeRLCLI(LightningCLI):
         # LightningCLI runs the subcommand from its constructor; this is the one place around that run.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
         existed = log_dir is not None and Path(log_dir).exists()
+        before = RunFolder.snapshot(Path(log_dir)) if existed else None
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -294,7 +268,40 @@ class QeRLCLI(LightningCLI):
             first_step = self.trainer.global_step == 0 and not any(path.exists() for path in kept)
             if log_dir and not existed and first_step and self.trainer.is_global_zero:
                 shutil.rmtree(log_dir, ignore_errors=True)
+            # A resume into an earlier run that failed before saving anything (its checkpoint did not load): the
+            # folder as it was (Lightning's logger writes hparams.yaml and an events file even for a failed run).
+            if before is not None and self.trainer.is_global_zero:
+                before.restore_unless_checkpointed(Path(log_dir))
             raise
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """What a run folder held before a command ran in it: its own files (the YAML files' contents) and checkpoints."""
+
+    files: dict[str, bytes | None]  # name -> content of a .yaml file, None for the others (events files)
+    checkpoints: dict[str, int]  # checkpoints/<name> -> modification time (ns)
+
+    @classmethod
+    def snapshot(cls, folder: Path) -> RunFolder:
+        files = {p.name: p.read_bytes() if p.suffix == ".yaml" else None for p in folder.iterdir() if p.is_file()}
+        return cls(files, {p.name: p.stat().st_mtime_ns for p in folder.glob("checkpoints/*")})
+
+    def restore_unless_checkpointed(self, folder: Path) -> None:
+        """The folder's own files as they were, when the command wrote no checkpoint (it failed before it started)."""
+        if RunFolder.snapshot(folder).checkpoints != self.checkpoints:
+            return
+        for path in folder.iterdir():
+            if path.is_file() and path.name not in self.files:
+                path.unlink()
+            elif path.is_file() and self.files[path.name] is not None:
+                path.write_bytes(self.files[path.name])
+
+
+def free_core_threads(cores: int, load: float) -> int:
+    """Threads for torch on ``cores`` cores of which other processes keep ``load`` busy (the 1-minute load average,
+    taken before this process works): the free ones, at least 1."""
+    return max(1, min(cores, cores - round(load)))
 
 
 COUNT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
@@ -355,6 +362,19 @@ class DropThirdPartyTips(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
+
+
+def main() -> None:
+    """``python train.py``: exits 130 / 143 when Ctrl-C / SIGTERM stopped the run (checkpointed, not finished)."""
+    try:
+        cli = cli_main()
+    except SIGTERMException:  # raised past the trainer once its checkpoint is written (GracefulInterrupt)
+        sys.exit(128 + signal.SIGTERM)
+    except RewardsFailing as error:  # checkpointed too; the reason in one line, not a traceback
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
+    interrupt = getattr(cli, "interrupt", None)
+    sys.exit(interrupt.exit_code if interrupt is not None else 0)
 
 
 def cli_main(args: list[str] | None = None) -> QeRLCLI:

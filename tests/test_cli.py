@@ -4,12 +4,15 @@ its own directory; a failed start leaves no empty run directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from qerl.cli import cli_main, resume_version
+from qerl.cli import cli_main, free_core_threads, resume_version
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
 
@@ -85,6 +88,66 @@ def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads,
     assert "line 2, line 3" in line and "refused" in line
 
 
+@pytest.mark.parametrize("given", ["checkpoints/lats.ckpt", "checkpoints", "nothing/last.ckpt"])
+def test_a_misspelled_checkpoint_is_one_line_listing_the_checkpoints_and_leaves_the_run_untouched(
+        given, capsys, no_model_loads, tmp_path):
+    run = tmp_path / "runs" / "debug" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("last.ckpt", "interrupted.ckpt"):
+        (run / "checkpoints" / name).write_bytes(b"")  # never read: the path is checked, not loaded
+    (run / "config.yaml").write_text("the finished run's config\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = fails(["--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--ckpt_path", str(run / given)],
+                 capsys)
+    assert line.startswith(f"error: --ckpt_path={run / given}: ")
+    if given.startswith("checkpoints"):
+        assert line.endswith(f"(checkpoints in {run / 'checkpoints'}: interrupted.ckpt, last.ckpt)."), line
+    else:
+        assert f"no folder {run / 'nothing'}" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # no config.yaml, no events file
+
+
+def test_a_negative_number_in_scientific_notation_is_a_value(capsys, no_model_loads):
+    # argparse takes "-1e-5" for an option unless told it is a number; the README's example
+    assert fails(["--model.lr", "-1e-5"], capsys).startswith("error: model.lr=-1e-05: must be >= 0")
+
+
+def test_a_yaml_syntax_error_names_the_file_and_the_line(capsys, no_model_loads, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  lr: 1.0e-5\n  betas: [0.9, 0.99\n  group_size: 4\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", DEBUG, "--config", str(bad)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: --config {bad}: not valid YAML at line 4, column 13: expected ',' or ']', but got ':' (while parsing "
+        "a flow sequence at line 3).")
+
+
+def test_an_unknown_loss_class_lists_the_valid_ones(capsys, no_model_loads):
+    line = fails(["--model.loss", "qerl.modules.loss.DAPOLos"], capsys)
+    assert "use one of " in line and "qerl.modules.loss.DAPOLoss" in line and "qerl.modules.loss.GRPOLoss" in line
+
+
+def test_a_recipe_without_the_trainer_settings_says_to_put_gpu_yaml_first(capsys, no_model_loads):
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", RECIPE_7B])
+    assert "put --config configs/gpu.yaml first" in capsys.readouterr().err
+
+
+def test_predict_is_no_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["predict", "--config", DEBUG])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err
+
+
+def test_threads_default_to_the_cores_the_machines_load_leaves_free():
+    assert free_core_threads(2, 0.2) == 2  # an idle 2-core machine: torch's own choice
+    assert free_core_threads(2, 1.4) == 1  # one core busy with another job
+    assert free_core_threads(2, 6.7) == 1  # shared by many: one thread, never 0
+    assert free_core_threads(16, 3.0) == 13
+
+
 def test_resume_version_is_the_checkpoints_run_directory(tmp_path):
     from jsonargparse import Namespace
 
@@ -113,17 +176,36 @@ def test_progress_in_steps_resume_into_the_same_directory_and_no_empty_run_after
     assert "step 1/1" in printed and "reward=" in printed and "acc=" in printed and "entropy=" in printed, printed
     assert "Epoch" not in printed and "pre-optimization state" not in printed  # Lightning's inapplicable warning
 
-    resumed = cli_main([*base, "--trainer.max_steps", "2", "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    # from the step's own checkpoint, whose saved state names no last.ckpt yet (as interrupted.ckpt's does not)
+    resumed = cli_main([*base, "--trainer.max_steps", "2", "--ckpt_path",
+                        str(run_dir / "checkpoints" / "epoch=0-step=1.ckpt")])
     assert Path(resumed.trainer.log_dir).resolve() == run_dir and resumed.trainer.global_step == 2
-    assert "step 2/2" in "".join(capsys.readouterr())
+    printed = "".join(capsys.readouterr())
+    assert "step 2/2" in printed
+    assert not re.search(r"<-|-[\d.]+step/s", printed), printed  # elapsed time and rate of this run's steps
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert last["global_step"] == 2 and not list(run_dir.glob("checkpoints/last-v*.ckpt"))  # the newest state
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # one curve per run in TensorBoard
 
     broken = tmp_path / "broken"  # a model directory whose weights cannot be read: fails when the model loads
     broken.mkdir()
     (broken / "config.json").write_text((tiny_model_dirs["qwen2"] / "config.json").read_text())
+    other = tmp_path / "other.ckpt"  # a checkpoint file that loads as a file but not into this run
+    torch.save({"global_step": 5, "state_dict": {"policy.no_such.weight": torch.zeros(1)}}, other)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(Exception):  # a resume of the run that fails before it starts
+        cli_main([*base, "--trainer.max_steps", "3", "--trainer.logger.init_args.version", "version_0",
+                  "--ckpt_path", str(other)])
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.yaml, events untouched
+
+    val = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"seed": 1, "num_rows": 2}}]
+    cli_main(["validate", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+              "--data.val_sources", json.dumps(val), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    assert [p.name for p in run_dir.parent.glob("*/eval/*.jsonl")] == ["val_step2.jsonl"]  # the checkpoint's step
+
     with pytest.raises(Exception):
         cli_main([*base, "--model.policy.model", str(broken)])
-    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no empty version_1 left behind
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0", "version_1"]  # no empty version_2
 
 
 GPU = str(Path(DEBUG).parent / "gpu.yaml")

@@ -365,3 +365,83 @@ def test_exports_answer_like_train_py_validate_on_the_run(tiny_run, tmp_path):
         export(tiny_run, out, format, dtype="float32", check=False, log=lambda line: None)
         completions = greedy_completions(load_export(out, format), tokenizer, prompts, rollout_length(trained))
         assert tokenizer.batch_decode(completions, skip_special_tokens=True) == expected, format
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The agreement bound, the check's questions, and loading each format as the README says
+
+
+def test_the_bound_passes_an_export_that_keeps_the_policys_answers_and_fails_the_issues_one():
+    from qerl.export import Agreement
+
+    assert not Agreement(24, 4, policy_correct=16, export_correct=6, differing=list(range(20))).passed  # issue 52
+    assert Agreement(24, 10, policy_correct=16, export_correct=15, differing=list(range(14))).passed  # 15 >= 14.4
+    assert not Agreement(24, 10, policy_correct=16, export_correct=14, differing=list(range(14))).passed
+    assert Agreement(24, 0, policy_correct=0, export_correct=0, differing=list(range(24))).passed  # nothing to keep
+    assert not Agreement(24, 20, 0, 0, list(range(4)), min_identical=0.9).passed  # 20 < 21.6 identical
+
+
+def test_an_export_below_its_bound_exits_1_with_the_figures_and_its_folder_is_marked(tiny_run, tmp_path, capsys):
+    out = tmp_path / "nvfp4"
+    # a share of identical completions above 1 no export reaches: the failing path, whatever the completions
+    code = main(["--run", str(tiny_run), "--output", str(out), "--format", "merged-nvfp4", "--max-questions",
+                 str(QUESTIONS), "--max-new-tokens", str(TOKENS), "--dtype", "float32", "--min-identical", "1.01"])
+    assert code == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    report = json.loads((out / "export.json").read_text())["agreement"]
+    assert line.startswith(f"error: --format merged-nvfp4: the export answers {report['export_correct']} of "
+                           f"{QUESTIONS} check questions correctly, the trained policy {report['policy_correct']}; "
+                           f"{report['same_completion']}/{QUESTIONS} completions identical: below the bound")
+    assert "--format vllm keeps the LoRA in 16 bits" in line and line.endswith(f"{out} is marked (CHECK_FAILED).")
+    assert report["passed"] is False and (out / "CHECK_FAILED").read_text().strip() == line.removeprefix("error: ")
+    assert "Below the export's bound" in (out / "README.md").read_text()
+
+
+def test_a_run_without_validation_sources_is_checked_on_its_own_training_stream(tiny_run, tmp_path):
+    run = tmp_path / "version_0"
+    config = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    del config["data"]["val_sources"]
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.copytree(tiny_run / "adapter", run / "adapter")
+    trained = read_run(run)
+    tokenizer = load_tokenizer(trained.policy.model)
+    prompts, answers = validation_questions(trained, tokenizer)
+    assert len(prompts) == len(answers) == 24
+    texts = tokenizer.batch_decode(prompts)
+    assert all("What is" in t for t in texts) and len(set(texts)) > 1  # the run's arithmetic source, in its format
+
+
+def readme_loading_code() -> dict[str, str]:
+    """The README's Python blocks that load an export, keyed by the formats their first comment names."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(# --format .*?)```", readme, flags=re.S)
+    return {format: block for block in blocks for format in re.findall(r"--format ([\w-]+)", block.splitlines()[0])}
+
+
+@pytest.mark.parametrize("format", ["vllm", "merged-bf16", "merged-nvfp4"])
+def test_every_format_loads_in_transformers_as_the_readme_says(format, tiny_run, tmp_path):
+    code = readme_loading_code()
+    assert set(code) == {"vllm", "merged-bf16", "merged-nvfp4"}
+    out = tmp_path / format
+    export(tiny_run, out, format, check=False, log=lambda line: None)
+    scope = {"export": str(out)}
+    exec(code[format], scope)  # the README's own lines, as a user pastes them
+    model = scope["model"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+        expected = load_export(out, format)(input_ids=ids).logits.float()  # qerl's own loader: the NVFP4 layers
+    # the same weights: the README's way decompresses NVFP4 to bf16 where qerl dequantizes in float32
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+    if format == "vllm":  # the model card's transformers lines load it the same way
+        import re
+
+        card = re.findall(r"```python\n(.*?)```", (out / "README.md").read_text(), flags=re.S)[-1]
+        assert "PeftModel.from_pretrained" in card
+        scope = {}
+        exec(card, scope)
+        with torch.no_grad():
+            assert torch.equal(scope["model"](input_ids=ids).logits.float(), got)

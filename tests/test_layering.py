@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RL step", ("qerl.modules",)),
     ("callbacks", ("qerl.callbacks",)),
     ("run", ("qerl.run",)),
-    ("CLI", ("qerl.cli", "qerl.quantize", "qerl")),
+    ("CLI", ("qerl.cli", "qerl.quantize", "qerl.export", "qerl")),
     ("fixtures", ("qerl.testing",)),
 )
 

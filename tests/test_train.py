@@ -32,7 +32,8 @@ SCALARS = (
     "train/is_ratio_mean", "train/sampling_logp_diff_mean", "train/sampling_logp_diff_max", "train/is_raw_ratio_min",
     "train/is_raw_ratio_mean", "train/is_raw_ratio_max", "train/is_masked_frac", "train/is_masked_seq_frac",
     "train/off_policy_masked_seq_frac", "train/aqn_sigma", "train/lr", "perf/rollout_tokens_per_s", "perf/rollout_s",
-    "perf/train_s", "data/skipped_unreadable_line", "data/skipped_missing_answer", "data/skipped_too_long",
+    "perf/train_s", "perf/reward_s", "data/skipped_unreadable_line", "data/skipped_missing_answer",
+    "data/skipped_too_long",
 )
 AQN = ["--aqn.num_stages", "4"]
 KL = ["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.beta", "0.01"]

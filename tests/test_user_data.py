@@ -44,6 +44,9 @@ class Constant:
     def __call__(self, prompts, completions, **kwargs):
         return [self.value for _ in completions]
 
+def broken(prompts, completions, **kwargs):
+    raise KeyError("solution")
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if data_source == "mine" and ground_truth == "5" and extra_info["index"] == 7 else 0.0
 '''
@@ -83,6 +86,33 @@ def test_a_chat_jsonl_with_a_trl_reward_function_and_a_hanging_one_trains(user_d
     assert all(abs(total[s] - (math[s] + 2 * 0.25)) < 1e-6 for s in (0, 1))
     assert "{'role'" not in cli.datamodule.train_stream.tokenizer.decode(
         next(iter(cli.datamodule.train_dataloader()))["prompt_ids"][0])
+
+
+@pytest.mark.slow  # a Trainer fit
+def test_a_reward_failing_on_every_completion_stops_the_run_with_a_checkpoint_and_one_line(user_dir, tiny_model_dirs,
+                                                                                         monkeypatch, capsys, caplog):
+    import torch
+
+    from qerl.cli import main
+
+    monkeypatch.setattr(sys, "argv", [
+        "train.py", "fit", "--config", DEBUG, "--trainer.logger.init_args.save_dir", str(user_dir / "runs"),
+        "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.reward_funcs", "[my_rewards:broken]",
+        "--model.reward_failure_steps", "2", "--trainer.max_steps", "10"])
+    with pytest.warns(UserWarning, match="Reward function broken: KeyError"), pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 1
+    run = user_dir / "runs" / "debug" / "version_0"
+    err = capsys.readouterr()
+    assert "Traceback" not in err.err and (
+        "error: reward broken failed on all 4 completions of 2 batches in a row (KeyError: 'solution'): the run stops "
+        "rather than train on zeros. Fix the function (or raise model.reward_timeout_s for a slow one) and resume; "
+        "model.reward_failure_steps sets how many such batches stop a run.") in err.err.splitlines()
+    checkpoint = run / "checkpoints" / "interrupted.ckpt"
+    assert f"Stopped after step 1: checkpoint {checkpoint}" in caplog.text and f"--ckpt_path {checkpoint}" in caplog.text
+    assert torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"] == 1  # the whole first step
+    reward_s = scalars(events(run), "perf/reward_s")
+    assert list(reward_s) == [0] and reward_s[0] > 0  # the time scoring took, beside rollout_s and train_s
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ class StepProgressBar(TQDMProgressBar):
         self._count_steps(trainer)  # a resumed run continues inside its epoch: no epoch start comes
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
-        super().on_train_epoch_start(trainer)
+        # not Lightning's reset: it draws the bar at n=0 while ``initial`` is a resumed run's step (a negative rate)
         self._count_steps(trainer)
 
     def _count_steps(self, trainer: L.Trainer) -> None:

@@ -37,7 +37,7 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
         "KL to the base policy": [r"^train/kl$"],
     },
     "5 throughput and memory": {
-        "seconds per step (rollout, update)": [r"^perf/rollout_s$", r"^perf/train_s$"],
+        "seconds per step (rollout, rewards, update)": [r"^perf/rollout_s$", r"^perf/reward_s$", r"^perf/train_s$"],
         "rollout tokens per second": [r"^perf/rollout_tokens_per_s$"],
         "GPU memory (GiB): resident, rollout and update peaks": [r"^perf/resident_gb$", r"^perf/peak_rollout_gb$",
                                                                  r"^perf/peak_update_gb$"],

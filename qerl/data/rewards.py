@@ -9,6 +9,7 @@ soft length shaping.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Literal
 
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from qerl.data.answers import ANSWER_FORMATS, grade
+from qerl.data.reward_health import FailureStreak
 from qerl.data.timeout_pool import TimeoutPool
 from qerl.data.user_rewards import load_function, reward_key, reward_name, reward_style, row_arguments, score_one
 
@@ -101,7 +103,9 @@ class RewardSum:
 
     A user function runs in worker processes, each call under ``timeout_s``: one that hangs, raises or returns
     something that is not a number scores 0 for that completion, is counted in ``failures`` and reported once (the
-    first time each function fails), and never stops training. ``None`` (TRL: "no score here") scores 0 too.
+    first time each function fails), and training goes on. A reward (the math one included) that fails on every
+    completion of ``failure_steps`` batches in a row raises ``RewardsFailing`` (``reward_health``). ``None`` (TRL: "no
+    score here") scores 0 too. The time spent scoring is read, per step, with ``take_seconds``.
 
     Args:
         math: The math reward (``model.reward``), named ``math``.
@@ -111,10 +115,12 @@ class RewardSum:
             weight of 0 keeps ``train/accuracy`` but takes the math reward out of the total).
         timeout_s: Wall-clock limit of one user function call on one completion.
         num_workers: Processes that run the user functions.
+        failure_steps: Batches in a row on which a reward fails on every completion that stop the run (0: never).
     """
 
     def __init__(self, math: MathReward, functions: list[str | dict] | None = None,
-                 weights: list[float] | None = None, timeout_s: float = 10.0, num_workers: int = 2):
+                 weights: list[float] | None = None, timeout_s: float = 10.0, num_workers: int = 2,
+                 failure_steps: int = 3):
         self.math, self.specs = math, [reward_key(entry) for entry in functions or []]
         self.styles = [reward_style(load_function(spec), spec) for spec in self.specs]  # imported here: errors early
         names = [reward_name(load_function(spec)) for spec in self.specs]
@@ -127,35 +133,53 @@ class RewardSum:
             raise ValueError("model.reward_timeout_s must be > 0.")
         self.timeout_s, self.num_workers = timeout_s, num_workers
         self.failures: Counter[str] = Counter()  # "<name>/timeout" or "<name>/error" -> completions scored 0
+        self.streak = FailureStreak(failure_steps)
+        self._seconds = 0.0  # scoring time since the last take_seconds
         self._pool = TimeoutPool(score_one, num_workers=num_workers, timeout_s=timeout_s)  # processes start on use
 
     def __call__(self, completions: list[str], batch: dict, group_size: int
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(total [N], {name: scores [N]})`` for the N = B x G completions of a batch of B prompts (``answers``;
         ``questions``, ``sources`` and ``columns``, the row's own columns, where the batch has them)."""
+        start = time.perf_counter()
         n = len(batch["answers"])
         rows = [i for i in range(n) for _ in range(group_size)]  # the prompt of each completion
         answers = [batch["answers"][i] for i in rows]
         scores = {"math": self.math(completions, answers, **row_arguments(self.math, batch, group_size))}  # [N]
+        stats = self.math.last_stats
+        self._seconds += time.perf_counter() - start
+        self.streak.update("math", len(rows), stats["timeouts"] + stats["errors"],
+                           f"{stats['timeouts']} timeouts, {stats['errors']} errors")
         if self.specs:
+            start = time.perf_counter()
             prompts = batch.get("questions") or batch["prompts"]
             sources, columns = batch.get("sources") or [""] * n, batch.get("columns") or [{}] * n
             items = [(spec, style, prompts[i], completions[j], answers[j], sources[i], columns[i])
                      for spec, style in zip(self.specs, self.styles) for j, i in enumerate(rows)]
             results = self._pool.map(items)
+            self._seconds += time.perf_counter() - start
             for k, name in enumerate(self.names[1:]):
-                values = [self._value(name, *result) for result in results[k * len(rows) : (k + 1) * len(rows)]]
-                scores[name] = torch.tensor(values, dtype=torch.float32)
+                mine = results[k * len(rows) : (k + 1) * len(rows)]
+                scores[name] = torch.tensor([self._value(name, *result) for result in mine], dtype=torch.float32)
+                failed = [(status, result) for status, result in mine if status != "ok" or result != result]
+                self.streak.update(name, len(rows), len(failed), self._reason(*failed[-1]) if failed else "")
         total = sum(w * scores[name] for name, w in zip(self.names, self.weights))
         return total, scores
+
+    def take_seconds(self) -> float:
+        """Seconds spent scoring since the last call (the step's ``perf/reward_s``)."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def _reason(self, status: str, result) -> str:
+        return f"it took longer than {self.timeout_s} s" if status == "timeout" else (result or "returned NaN")
 
     def _value(self, name: str, status: str, result) -> float:
         if status == "ok" and (result is None or result == result):  # a number, or None: "no score"; NaN fails
             return 0.0 if result is None else result
         reason = "timeout" if status == "timeout" else "error"
         if not any(key.startswith(f"{name}/") for key in self.failures):
-            detail = f"it took longer than {self.timeout_s} s" if status == "timeout" else (result or "returned NaN")
-            rank_zero_warn(f"Reward function {name}: {detail}. That completion scores 0, as does every later failing "
+            rank_zero_warn(f"Reward function {name}: {self._reason(status, result)}. That completion scores 0, as does every later failing "
                            f"call (counted in train/rewards/{name}_failures); training goes on.")
         self.failures[f"{name}/{reason}"] += 1
         return 0.0

@@ -21,12 +21,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 _READY = "ready"
+_DIED = ("died", None)  # a worker's process is gone (what it worked on is sent again)
 _START_TIMEOUT_S = 300.0
 
 
@@ -79,7 +80,8 @@ class _Worker:
         self.since = 0.0
 
     def kill(self) -> None:
-        self.process.kill()
+        with contextlib.suppress(OSError):  # already gone
+            self.process.kill()
         self.process.wait(timeout=5)
         self.inbox.close()
         self.outbox.close()
@@ -101,24 +103,43 @@ class TimeoutPool:
         self._workers: list[_Worker] = []
 
     def map(self, items: Sequence[tuple]) -> list[tuple[str, Any]]:
-        """One ``("ok", result)``, ``("error", message)`` or ``("timeout", None)`` per item, in order."""
+        """One ``("ok", result)``, ``("error", message)`` or ``("timeout", None)`` per item, in order.
+
+        A worker found gone at any moment (between items, or while working on one) is replaced and its item sent
+        again, once: only an item whose worker dies twice scores ``("error", "worker process died")``."""
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self.fn))
         todo, results = deque(range(len(items))), [None] * len(items)
+        deaths: Counter[int] = Counter()  # item -> workers that died holding it
         while todo or any(w.item is not None for w in self._workers):
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 if w.ready and w.item is None and todo:
                     w.item, w.since = todo.popleft(), time.monotonic()
-                    w.outbox.send(items[w.item])
+                    try:
+                        w.outbox.send(items[w.item])
+                    except OSError:  # BrokenPipeError: the process is gone; the next one gets the item
+                        todo.appendleft(w.item)
+                        w.item = None
+                        self._replace(i)
             wait([w.inbox for w in self._workers], timeout=self._next_deadline())
             for i, w in enumerate(self._workers):
                 outcome, alive = self._poll(w)
+                if outcome == _DIED and w.item is not None:
+                    deaths[w.item] += 1
+                    if deaths[w.item] < 2:
+                        todo.appendleft(w.item)
+                        w.item, outcome = None, None
+                    else:
+                        outcome = ("error", "worker process died")
                 if outcome is not None and w.item is not None:
                     results[w.item], w.item = outcome, None
                 if not alive:  # dead or stuck: replace it; the new one starts while the others work
-                    w.kill()
-                    self._workers[i] = _Worker(self.fn)
+                    self._replace(i)
         return results
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self.fn)
 
     def _poll(self, w: _Worker) -> tuple[tuple[str, Any] | None, bool]:
         """``(result or None, worker still usable)`` for one worker, without blocking."""
@@ -131,9 +152,9 @@ class TimeoutPool:
                     return None, True
                 return message, True
         except (EOFError, OSError):
-            if not w.ready:
+            if not w.ready and w.process.wait(timeout=5) >= 0:  # it exited by itself (a signal is replaced)
                 raise RuntimeError(f"A TimeoutPool worker for {self.fn.__module__} died while starting.") from None
-            return ("error", "worker process died"), False
+            return _DIED, False
         if w.item is not None and now - w.since > self.timeout_s:
             return ("timeout", None), False
         if not w.ready and now - w.started > _START_TIMEOUT_S:

@@ -76,6 +76,8 @@ class GRPOModule(L.LightningModule):
             under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
         reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
         reward_timeout_s: wall-clock limit of one reward function call (one completion).
+        reward_failure_steps: a reward failing on every completion for this many batches in a row stops the run with
+            a checkpoint (0: never).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
@@ -120,6 +122,7 @@ class GRPOModule(L.LightningModule):
         reward_funcs: list[str | dict] | None = None,
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 10.0,
+        reward_failure_steps: int = 3,
         rollout: RolloutEngine | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
@@ -180,7 +183,8 @@ class GRPOModule(L.LightningModule):
         self.policy_config = policy
         self.loss = loss if loss is not None else DAPOLoss()
         self.reward = reward if reward is not None else MathReward()
-        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s)
+        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s,
+                                 failure_steps=reward_failure_steps)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
         self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
@@ -188,6 +192,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
                              f"max_new_tokens ({self.rollout.max_new_tokens}).")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
+        self.checkpoint_step = 0  # optimizer steps behind the weights loaded by validate/test --ckpt_path
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
@@ -432,6 +437,8 @@ class GRPOModule(L.LightningModule):
         failures = {f"train/rewards/{name}_failures": torch.tensor(float(n), device=self.device)
                     for name, n in self.rewards.failure_counts().items()}
         self.log_dict(failures, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx="sum")
+        self.log("perf/reward_s", self.rewards.take_seconds(), on_step=True, on_epoch=False, batch_size=batch_size,
+                 sync_dist=True, reduce_fx="max")
 
     def _log_skipped(self, skipped: dict[str, int] | None) -> None:
         """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
@@ -510,7 +517,8 @@ class GRPOModule(L.LightningModule):
                 logger.log_metrics({k: float(v) for k, v in values.items()}, step=logged_step(self.trainer) + 1)
         if self.hparams.eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
-            path = self.evaluator.write_jsonl(directory / f"{stage}_step{self.global_step}.jsonl",
+            step = self.global_step if in_fit else max(self.global_step, self.checkpoint_step)
+            path = self.evaluator.write_jsonl(directory / f"{stage}_step{step}.jsonl",
                                               self.trainer.is_global_zero)
             if path is not None:
                 self.print(f"{stage}: {len(self.evaluator.records)} completions (this rank) written to {path}")
@@ -549,6 +557,7 @@ class GRPOModule(L.LightningModule):
             save_adapter(self.policy, Path(log_dir) / "adapter")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.checkpoint_step = int(checkpoint.get("global_step", 0))  # validate/test restore no step count
         rng = own_rank_state(checkpoint.get("qerl_rng"))
         if rng:
             torch.set_rng_state(rng["torch"])

@@ -46,6 +46,8 @@ def test_an_interrupted_fit_leaves_a_checkpoint_and_the_resume_command_that_cont
     output = proc.communicate(timeout=300)[0]
     checkpoint = tmp_path / "runs/debug/version_0/checkpoints/interrupted.ckpt"
     assert checkpoint.exists(), output[-3000:]
+    assert proc.returncode == 128 + signum, output[-3000:]  # 130 / 143: `fit ... && export` does not go on
+    assert "Traceback" not in output, output[-3000:]
     assert f"--ckpt_path {checkpoint.relative_to(tmp_path)}" in output or f"--ckpt_path {checkpoint}" in output
     import torch
 
@@ -58,6 +60,9 @@ def test_an_interrupted_fit_leaves_a_checkpoint_and_the_resume_command_that_cont
         os.chdir(ROOT)
     assert cli.trainer.global_step == step + 1  # one more step after the interrupted ones
     assert Path(cli.trainer.log_dir).name == "version_0"  # logging into the same run
+    saved = checkpoint.parent
+    assert torch.load(saved / "last.ckpt", weights_only=False, map_location="cpu")["global_step"] == step + 1
+    assert not list(saved.glob("*-v1.ckpt"))  # last.ckpt is the newest state, no last-v1.ckpt beside a stale one
 
 
 def test_an_interrupted_validate_keeps_its_run_directory_and_the_scored_jsonl(tiny_model_dirs, tmp_path):

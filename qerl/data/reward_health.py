@@ -1,0 +1,36 @@
+"""A reward that fails on every completion, batch after batch, stops the run: training on its zeros teaches nothing
+and only a flat reward curve would show it. One function that fails now and then scores 0 there and training goes on
+(``RewardSum`` reports it); one that fails on everything for ``limit`` batches in a row raises ``RewardsFailing``,
+which the CLI turns into a checkpoint, the resume command and one ``error:`` line."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class RewardsFailing(RuntimeError):
+    """A reward failed (timed out or raised) on every completion of ``limit`` batches in a row."""
+
+
+class FailureStreak:
+    """Per reward, the batches in a row on which every completion failed to score.
+
+    Args:
+        limit: Batches in a row that stop the run (0: never stop).
+    """
+
+    def __init__(self, limit: int):
+        if limit < 0:
+            raise ValueError(f"model.reward_failure_steps={limit}: must be >= 0 (0 never stops the run).")
+        self.limit = limit
+        self.streaks: Counter[str] = Counter()
+
+    def update(self, name: str, completions: int, failed: int, reason: str) -> None:
+        """One batch of ``name``: ``failed`` of ``completions`` failed, the last of them because of ``reason``;
+        raises ``RewardsFailing`` when that makes ``limit`` batches in a row that failed entirely."""
+        self.streaks[name] = self.streaks[name] + 1 if completions and failed == completions else 0
+        if self.limit and self.streaks[name] >= self.limit:
+            raise RewardsFailing(
+                f"reward {name} failed on all {completions} completions of {self.limit} batches in a row ({reason}): "
+                "the run stops rather than train on zeros. Fix the function (or raise model.reward_timeout_s for a "
+                "slow one) and resume; model.reward_failure_steps sets how many such batches stop a run.")
