@@ -151,7 +151,7 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     from qerl.model.policy import lora_config, quiet_custom_layers
 
     base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
-    with quiet_custom_layers():
+    with quiet_custom_layers(base):
         policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
     policy.to(device)
     with torch.no_grad():
