@@ -32,6 +32,7 @@ from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
 from qerl.hub import hub_unavailable
 from qerl.modules.grpo_module import GRPOModule
+from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               resolve)
@@ -216,6 +217,8 @@ class QeRLCLI(LightningCLI):
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
         rollout = config.model.get("rollout") if trains else None
+        if trains and engine_kind(rollout) == "vllm" and (refusal := unsupported_policy(str(config.model.policy.model))):
+            parser.error(refusal)
         if trains and engine_kind(rollout) is None:
             if print_only:
                 name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]

@@ -112,6 +112,26 @@ def save_lora(policy, directory: Path) -> int:
     return max([config.r, *config.rank_pattern.values()])
 
 
+def unsupported_policy(model: str) -> str | None:
+    """Why ``VLLMRollout`` refuses the policy ``model`` (a directory or hub id, read for its config.json only), as one
+    line naming the alternative; None where it takes it (or the config cannot be read here: loading will say why).
+
+    Mixture-of-experts policies: vLLM has LoRA on fused-MoE layers (``FusedMoEWithLoRA``, since 0.11.2), but qerl has
+    not run it with NVFP4 compressed-tensors experts (whose modular MoE kernels its LoRA injection did not take in the
+    versions read) nor with qerl's per-expert adapter layout, so the CUDA-graph engine samples them instead.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None
+    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
+        return (f"model.rollout: VLLMRollout does not sample mixture-of-experts policies ({model} is "
+                f"{config.model_type}); use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    return None
+
+
 class VLLMRollout(RolloutEngine):
     """Samples with a vLLM engine inside the training process, receiving the adapter and norms every step.
 
@@ -280,6 +300,8 @@ class VLLMRollout(RolloutEngine):
         process_rank, world_size = rank_and_world_size()  # DDP (``rank`` is the adapter's)
         base = policy.get_base_model()
         path = resolve_model(self.model or base.config._name_or_path)
+        if refusal := unsupported_policy(path):  # (train.py refuses it before the model loads)
+            raise ValueError(refusal)
         quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())
         if quantized_policy and not is_nvfp4_checkpoint(path):
             log.warning("The policy is NVFP4 but vLLM loads %s, which is not an NVFP4 checkpoint: rollouts sample the "
