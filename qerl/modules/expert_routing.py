@@ -4,7 +4,7 @@ training forward's (``train/router_mismatch_frac``), and optionally replayed in 
 One object, handed to ``GRPOModule`` (``model.expert_routing``), sits at the step's two seams: ``sample`` wraps the
 engine's ``generate`` (an engine that can say where its tokens go records the choices), ``forward`` wraps each
 training forward of a micro-batch (its own choices are compared with the rollout's, or replaced by them). A dense
-policy, or an engine that cannot record (vLLM, captured CUDA graphs), leaves both as plain calls.
+policy, or an engine that cannot record (vLLM), leaves both as plain calls.
 
 Mismatch: over the generated tokens the rollout fed through the model (every completion token but the last) and every
 MoE layer, the fraction of (token, layer) pairs whose top-k expert set differs between the sampler and the update's
@@ -99,13 +99,9 @@ class ExpertRouting:
         return {"train/router_mismatch_frac": differing / pairs, "train/router_mismatch_token_frac": tokens_differing / tokens}
 
     def _records(self, engine, policy) -> bool:
-        """Whether this rollout's choices can be recorded: the policy has routers, the engine places its tokens
-        (the built-in engines), and its steps run eagerly (no captured graphs)."""
-        if not isinstance(engine, BuiltinRollout) and not _is_graph_engine(engine):
-            return False
-        if _is_graph_engine(engine) and engine._captures(next(policy.parameters()).device):
-            return False
-        return bool(routers(policy))
+        """Whether this rollout's choices can be recorded: the policy has routers and the engine places its tokens
+        (the built-in engines; the graph engine runs a MoE's steps eagerly)."""
+        return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and bool(routers(policy))
 
     def _aligned(self, rows: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """The rollout's choices of ``rows`` in the micro-batch's layout ``[layers, n, width, k]`` (``NOT_FED`` past

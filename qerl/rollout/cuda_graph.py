@@ -155,14 +155,15 @@ class CUDAGraphRollout(RolloutEngine):
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
                  routing: RoutingRecorder | None = None) -> Rollout:
-        """``routing``: told where each eager forward's tokens sit in the rollout (a MoE's expert choices are
-        recorded); captured steps run no Python, so it needs eager steps (the CPU)."""
+        """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded;
+        a MoE's steps run eagerly: captured steps run no Python)."""
         base = _base_model(policy)
         device = next(policy.parameters()).device
-        graphs = self._captures(device)
+        # a MoE's transformers step picks its experts on the host (a loop over the routed ones): it runs eagerly
+        graphs = self._captures(device) and not getattr(base.config, "num_experts", 0)
         if routing is not None and graphs:
-            raise ValueError("CUDAGraphRollout records a MoE's expert choices in eager steps only (CPU); captured "
-                             "steps would need the fused MoE step to write them.")
+            raise ValueError("CUDAGraphRollout records expert choices in eager steps only; captured steps would need "
+                             "a fused MoE step that writes them.")
         self._routing = routing
         self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
         if len(eos_ids) > MAX_EOS:
