@@ -32,9 +32,11 @@ class ExpertRouting:
     """How the update treats a mixture-of-experts policy's routing (nothing to do for a dense policy).
 
     Args:
-        replay: router replay: the training forward routes each generated and prompt token to the experts the rollout
+        replay: router replay: the training forward routes each prompt and generated token to the experts the rollout
             chose (weighted by the trained router's probabilities of them) instead of its own top-k. Off by default:
-            on the tiny CPU MoE the rollout and the update route alike but for AQN's noise (docs: the issue's table).
+            on a tiny MoE (``docs/experiments/moe_router_replay.py``) the routing differs only where AQN's noise moves
+            it, and replaying it closes a small part of the sampler / trainer log-prob gap that the loss's
+            importance weights correct anyway, while training a routing the clean policy would not take.
     """
 
     def __init__(self, replay: bool = False):
