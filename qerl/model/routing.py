@@ -89,24 +89,36 @@ class RoutingRecorder:
         return out
 
 
-@contextmanager
-def routed(model: nn.Module, replay: Tensor | None = None) -> Iterator[list[Tensor]]:
-    """Inside the block, every router of ``model`` appends its own top-k choice ``[tokens, k]`` of each forward to the
-    yielded list (layer after layer, forward after forward), and, with ``replay [layers, tokens, k]`` (one forward's
-    tokens, flattened as the router sees them), routes each token to the replayed experts instead where one is given
-    (``NOT_FED`` rows keep their own), weighted by the router's probabilities of those experts."""
-    found = list(routers(model).values())
-    if replay is not None and replay.shape[0] != len(found):
-        raise ValueError(f"router replay: {replay.shape[0]} layers of choices for {len(found)} routers.")
-    own: list[Tensor] = []
+class RoutingHooks:
+    """Forward hooks on every router of ``model`` until ``remove()``: each forward's own top-k choice ``[tokens, k]``
+    is appended to ``own`` (layer after layer) while ``collecting``; with ``replay [layers, tokens, k]`` set (one
+    forward's tokens, flattened as the routers see them), each token goes to its replayed experts instead where one is
+    given (``NOT_FED`` rows keep their own), weighted by the router's probabilities of those experts.
 
-    def hook_for(layer: int):
+    Installed across a forward and its backward, a decoder layer that gradient checkpointing recomputes in the
+    backward routes as its forward did (with ``collecting`` off by then, its choices are not counted twice)."""
+
+    def __init__(self, model: nn.Module):
+        found = list(routers(model).values())
+        self.layers = len(found)
+        self.own: list[Tensor] = []
+        self.collecting = True
+        self.replay: Tensor | None = None
+        self._handles = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(found)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, layer: int):
         def hook(module, args, output):
             logits, weights, index = output
-            own.append(index.detach())
-            if replay is None:
+            if self.collecting:
+                self.own.append(index.detach())
+            if self.replay is None:
                 return None
-            given = replay[layer].to(index.device)
+            given = self.replay[layer].to(index.device)
             index = torch.where(given[:, :1] >= 0, given, index)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, index)  # [tokens, k]
             if getattr(module, "norm_topk_prob", False):
@@ -114,9 +126,17 @@ def routed(model: nn.Module, replay: Tensor | None = None) -> Iterator[list[Tens
             return logits, probs.to(weights.dtype), index
         return hook
 
-    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(found)]
+
+@contextmanager
+def routed(model: nn.Module, replay: Tensor | None = None) -> Iterator[list[Tensor]]:
+    """``RoutingHooks`` on ``model`` inside the block (``replay``: see there); yields the list of the routers' own
+    choices."""
+    hooks = RoutingHooks(model)
+    if replay is not None and replay.shape[0] != hooks.layers:
+        hooks.remove()
+        raise ValueError(f"router replay: {replay.shape[0]} layers of choices for {hooks.layers} routers.")
+    hooks.replay = replay
     try:
-        yield own
+        yield hooks.own
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()

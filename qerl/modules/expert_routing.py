@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from qerl.model.experts import routers
-from qerl.model.routing import NOT_FED, RoutingRecorder, routed, topk_differs
+from qerl.model.routing import NOT_FED, RoutingHooks, RoutingRecorder, topk_differs
 from qerl.modules.micro_batches import right_align
 from qerl.rollout.base import Rollout
 from qerl.rollout.builtin import BuiltinRollout
@@ -47,6 +47,7 @@ class ExpertRouting:
         self._samples = 0  # rollouts since the last update (refills add some)
         self._counts = torch.zeros(3, dtype=torch.long)  # differing pairs, pairs, tokens differing in any layer
         self._tokens = 0
+        self._hooks: RoutingHooks | None = None  # on the policy during an update with recorded choices
 
     def sample(self, engine, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int,
                eos_ids: list[int]) -> Rollout:
@@ -63,9 +64,11 @@ class ExpertRouting:
         self._masks, self._completion_start = masks, rollout.prompt_mask.shape[1]
         return rollout
 
-    def start_update(self) -> None:
-        """The update of the rollouts sampled since the last one begins (refills: their layouts differ, so their
-        choices are dropped and a replay refused)."""
+    @contextlib.contextmanager
+    def update(self, model) -> Iterator[None]:
+        """Around the update of the rollouts sampled since the last one (refills: their layouts differ, so their
+        choices are dropped and a replay refused): the routers' hooks stay on ``model`` through every forward and
+        backward (a checkpointed layer recomputed in the backward routes as in its forward)."""
         if self._samples > 1:
             if self.replay:
                 raise ValueError("model.expert_routing.replay needs one rollout per step: set model.max_refill_rounds "
@@ -73,19 +76,33 @@ class ExpertRouting:
             self._choices = None
         self._samples = 0
         self._counts.zero_()
+        self._tokens = 0
+        self._hooks = RoutingHooks(model) if self._choices is not None else None
+        try:
+            yield
+        finally:
+            if self._hooks is not None:
+                self._hooks.remove()
+            self._hooks = None
 
     @contextlib.contextmanager
     def forward(self, model, rows: Tensor, ids: Tensor) -> Iterator[None]:
-        """Around one training forward of the rollout rows ``rows [n]`` as the micro-batch ``ids [n, T]`` holds them
-        (each row's real tokens moved to the front, ``qerl.modules.micro_batches.right_align``)."""
-        if self._choices is None:
+        """Around one training forward (inside ``update``) of the rollout rows ``rows [n]`` as the micro-batch
+        ``ids [n, T]`` holds them (each row's real tokens moved to the front, ``qerl.modules.micro_batches``)."""
+        hooks = self._hooks
+        if hooks is None:
             yield
             return
         choices, completion = self._aligned(rows.to(self._choices.device), ids.shape[1])  # [layers, n, T, k], [n, T]
-        with routed(model, choices.flatten(1, 2) if self.replay else None) as own:
+        hooks.replay = choices.flatten(1, 2) if self.replay else None  # kept for the backward's recomputation
+        hooks.own.clear()
+        hooks.collecting = True
+        try:
             yield
-        if torch.is_grad_enabled() and own:  # the policy-gradient forwards (not the old / reference log-probs)
-            mine = torch.stack(own[: choices.shape[0]]).view_as(choices)
+        finally:
+            hooks.collecting = False
+        if torch.is_grad_enabled() and hooks.own:  # the policy-gradient forwards (not the old / reference log-probs)
+            mine = torch.stack(hooks.own[: choices.shape[0]]).view_as(choices)
             compared = completion & (choices[..., 0] != NOT_FED)  # [n, T]: generated tokens the rollout fed
             differs = topk_differs(mine, choices) & compared  # [layers, n, T]
             self._counts += torch.stack([differs.sum(), compared.sum() * choices.shape[0],
@@ -95,7 +112,7 @@ class ExpertRouting:
     def metrics(self) -> dict[str, float]:
         """This step's mismatch fractions (empty when nothing was compared)."""
         differing, pairs, tokens_differing = self._counts.tolist()
-        tokens, self._tokens = self._tokens, 0
+        tokens = self._tokens
         if not pairs:
             return {}
         return {"train/router_mismatch_frac": differing / pairs, "train/router_mismatch_token_frac": tokens_differing / tokens}

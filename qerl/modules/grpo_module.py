@@ -246,8 +246,8 @@ class GRPOModule(L.LightningModule):
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
         lr = self.lr_schedulers().get_last_lr()[0]  # this step's LR: the update below steps the scheduler
         start = time.perf_counter()
-        self.expert_routing.start_update()
-        stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
+        with self.expert_routing.update(self.policy):  # MoE: the rollout's expert choices against the update's
+            stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
         memory["update"] = self._allocated_gb(torch.cuda.max_memory_allocated)
 
