@@ -93,6 +93,6 @@ def routers(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
         gate = getattr(module, "gate", None)
-        if isinstance(experts, (Experts, nn.ModuleList)) and gate is not None and not isinstance(gate, nn.Linear):
+        if isinstance(experts, Experts) and gate is not None:
             found[f"{name}.gate" if name else "gate"] = gate
     return found
