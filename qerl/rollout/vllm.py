@@ -116,9 +116,10 @@ def unsupported_policy(model: str) -> str | None:
     """Why ``VLLMRollout`` refuses the policy ``model`` (a directory or hub id, read for its config.json only), as one
     line naming the alternative; None where it takes it (or the config cannot be read here: loading will say why).
 
-    Mixture-of-experts policies: vLLM has LoRA on fused-MoE layers (``FusedMoEWithLoRA``, since 0.11.2), but qerl has
-    not run it with NVFP4 compressed-tensors experts (whose modular MoE kernels its LoRA injection did not take in the
-    versions read) nor with qerl's per-expert adapter layout, so the CUDA-graph engine samples them instead.
+    Mixture-of-experts policies: vLLM has LoRA on fused-MoE layers (``FusedMoEWithLoRA``, since 0.11.2, over its
+    Triton and Marlin expert kernels), but qerl has not run it on a GPU with NVFP4A16 compressed-tensors experts, qerl's
+    per-expert adapter (one LoRA per expert projection) and its norm writes; until a GPU test does, the CUDA-graph
+    engine samples them.
     """
     from transformers import AutoConfig
 
