@@ -10,6 +10,13 @@ projections are NVFP4 blocks of 16 along their input dim with gate and up sharin
 MLP), and LoRA reaches each expert's projections through the same peft layer as a dense model's
 (``qerl.model.lora_linear.LoraLinear``: adapters on packed storage, in standard PEFT format).
 
+Why not peft's LoRA on parameters (``target_parameters``, peft >= 0.17, what peft does for transformers' fused
+experts): its ``ParamWrapper`` adds ``einsum(B, A)`` for all E experts to the wrapped float parameter through a
+parametrization, so every forward materializes the dense ``[E, 2I, H]`` weight (805 MB per layer at Qwen3-30B-A3B in
+bf16) and the base must be a float tensor: packed NVFP4 codes and block scales cannot take ``W + delta``. Per-expert
+Linears keep the base packed, run each expert's LoRA on its routed tokens only, and write the per-expert adapter keys
+of the hub layout (``experts.{e}.gate_proj.lora_A``) that the fused-MoE LoRA loaders read.
+
 The forward takes what the router gives (``top_k_index`` / ``top_k_weights``, as transformers' experts do) and runs
 each expert that received tokens on those tokens only: a routed expert's weight is dequantized for its tokens, an
 expert no token chose costs nothing. This is the CPU reference path; the GPU's grouped kernels compute the same.
