@@ -14,8 +14,8 @@ Why not peft's LoRA on parameters (``target_parameters``, peft >= 0.17, what pef
 experts): its ``ParamWrapper`` adds ``einsum(B, A)`` for all E experts to the wrapped float parameter through a
 parametrization, so every forward materializes the dense ``[E, 2I, H]`` weight (805 MB per layer at Qwen3-30B-A3B in
 bf16) and the base must be a float tensor: packed NVFP4 codes and block scales cannot take ``W + delta``. Per-expert
-Linears keep the base packed, run each expert's LoRA on its routed tokens only, and write the per-expert adapter keys
-of the hub layout (``experts.{e}.gate_proj.lora_A``) that the fused-MoE LoRA loaders read.
+Linears keep the base packed, run each expert's LoRA on its routed tokens only, and write adapters with per-expert keys
+named as the hub checkpoint's projections (``experts.{e}.gate_proj.lora_A.weight``).
 
 The forward takes what the router gives (``top_k_index`` / ``top_k_weights``, as transformers' experts do) and runs
 each expert that received tokens on those tokens only: a routed expert's weight is dequantized for its tokens, an
