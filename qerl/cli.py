@@ -31,6 +31,7 @@ from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
 from qerl.hub import hub_unavailable
+from qerl.model.experts import routed_experts_of
 from qerl.modules.grpo_module import GRPOModule
 from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
@@ -162,6 +163,11 @@ class QeRLCLI(LightningCLI):
                 f"trainer.strategy={name}: not supported: every GPU decodes rollouts from the whole model, which "
                 "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
                 "one GPU in bf16.")
+        model = ((config.get("model") or {}).get("policy") or {}).get("model")
+        if name.startswith("ddp") and "find_unused_parameters_true" not in name and model and routed_experts_of(str(model)):
+            self._parser(self.subcommand).error(  # an expert no token of a rank chose leaves its LoRA without a gradient
+                f"trainer.strategy={name}: a mixture-of-experts policy trains the LoRA of experts some rank's tokens "
+                "may not reach; use trainer.strategy=ddp_find_unused_parameters_true.")
 
     def _check_refill(self, config) -> None:
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""

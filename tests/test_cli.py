@@ -187,7 +187,7 @@ def test_the_vllm_engines_share_is_planned_and_a_share_too_large_refused_before_
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_vllm_engine_refuses_a_mixture_of_experts_policy_naming_the_graph_engine(capsys, no_model_loads,
+def test_a_mixture_of_experts_policy_is_refused_by_vllm_and_by_plain_ddp_naming_the_fix(capsys, no_model_loads,
                                                                                      tiny_model_dirs, tmp_path,
                                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -195,6 +195,11 @@ def test_the_vllm_engine_refuses_a_mixture_of_experts_policy_naming_the_graph_en
                   "qerl.rollout.vllm.VLLMRollout"], capsys)
     assert line.startswith("error: model.rollout: VLLMRollout does not sample mixture-of-experts policies")
     assert line.endswith("use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    # under DDP an expert that none of a rank's tokens chose leaves its LoRA without a gradient on that rank
+    line = fails(["--model.policy.model", str(tiny_model_dirs["qwen3_moe"]), "--trainer.strategy", "ddp",
+                  "--trainer.devices", "2"], capsys)
+    assert line.startswith("error: trainer.strategy=ddp: a mixture-of-experts policy")
+    assert line.endswith("use trainer.strategy=ddp_find_unused_parameters_true.")
     assert not (tmp_path / "runs").exists()
 
 

@@ -58,6 +58,18 @@ class Experts(nn.ModuleList):
         return out
 
 
+def routed_experts_of(model: str) -> int:
+    """Routed experts per layer of the model ``model`` (a directory or hub id) by its config.json alone: 0 for a dense
+    model, or where the config cannot be read here (loading will say why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return 0
+    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """transformers' fused experts of a gated MoE (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)

@@ -37,6 +37,7 @@ import torch
 
 from qerl.hub import resolve_model
 from qerl.model.aqn import aqn_noise, takes_noise
+from qerl.model.experts import routed_experts_of
 from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
@@ -121,15 +122,9 @@ def unsupported_policy(model: str) -> str | None:
     per-expert adapter (one LoRA per expert projection) and its norm writes; until a GPU test does, the CUDA-graph
     engine samples them.
     """
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError):
-        return None
-    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
-        return (f"model.rollout: VLLMRollout does not sample mixture-of-experts policies ({model} is "
-                f"{config.model_type}); use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    if routed_experts_of(model):
+        return (f"model.rollout: VLLMRollout does not sample mixture-of-experts policies ({model} has routed "
+                "experts); use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
     return None
 
 
