@@ -164,8 +164,10 @@ class QeRLCLI(LightningCLI):
                 "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
                 "one GPU in bf16.")
         model = ((config.get("model") or {}).get("policy") or {}).get("model")
-        if name.startswith("ddp") and "find_unused_parameters_true" not in name and model and routed_experts_of(str(model)):
-            self._parser(self.subcommand).error(  # an expert no token of a rank chose leaves its LoRA without a gradient
+        plain_ddp = name.startswith("ddp") and "find_unused_parameters_true" not in name
+        if plain_ddp and model and routed_experts_of(str(model)):
+            # an expert that none of a rank's tokens chose leaves its LoRA without a gradient on that rank
+            self._parser(self.subcommand).error(
                 f"trainer.strategy={name}: a mixture-of-experts policy trains the LoRA of experts some rank's tokens "
                 "may not reach; use trainer.strategy=ddp_find_unused_parameters_true.")
 
@@ -223,7 +225,8 @@ class QeRLCLI(LightningCLI):
         if device_gb is not None and device_gb <= 0:
             parser.error(f"--memory_plan_device_gb={device_gb}: must be > 0 (GiB free on the device).")
         rollout = config.model.get("rollout") if trains else None
-        if trains and engine_kind(rollout) == "vllm" and (refusal := unsupported_policy(str(config.model.policy.model))):
+        refusal = unsupported_policy(str(config.model.policy.model)) if engine_kind(rollout) == "vllm" else None
+        if trains and refusal:
             parser.error(refusal)
         if trains and engine_kind(rollout) is None:
             if print_only:

@@ -38,7 +38,8 @@ SAFETY_MARGIN_FRACTION = 0.06  # of the free memory, left unplanned: allocator f
 #                                workspaces, CUDA graph pools and whatever else the plan does not count
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types whose attention normalizes each head of q and k (an RMSNorm of head_dim)
+# model types whose attention normalizes each head of q and k (an RMSNorm of head_dim)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,8 @@ def quiet_custom_layers(model: nn.Module | None = None):
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         if unfused:
-            stack.enter_context(mock.patch("peft.utils.transformers_weight_conversion.get_checkpoint_conversion_mapping",
-                                           lambda *args, **kwargs: None))
+            conversion = "peft.utils.transformers_weight_conversion.get_checkpoint_conversion_mapping"
+            stack.enter_context(mock.patch(conversion, lambda *args, **kwargs: None))
         yield
 
 

@@ -44,10 +44,12 @@ class RoutingRecorder:
 
     def __init__(self):
         self._placement: tuple[Tensor, Tensor] | None = None
-        self._records: list[list[tuple[Tensor, Tensor, Tensor]]] = []  # per router: (rows [b, r], columns [c], [b, c, k])
+        # per router: (rows [b, r], columns [c], choices [b, c, k])
+        self._records: list[list[tuple[Tensor, Tensor, Tensor]]] = []
 
     def place(self, rows: Tensor, columns: Tensor) -> None:
-        """The next forward's tokens ``[b, c]``: rollout rows ``rows`` (``[b]`` or ``[b, r]``), columns ``columns [c]``."""
+        """The next forward's tokens ``[b, c]``: rollout rows ``rows`` (``[b]`` or ``[b, r]``), columns
+        ``columns [c]``."""
         # copies: an engine moves its slots and advances its column in place
         self._placement = (rows.reshape(rows.shape[0], -1).clone(), columns.reshape(-1).clone())
 

@@ -115,7 +115,8 @@ class ExpertRouting:
         tokens = self._tokens
         if not pairs:
             return {}
-        return {"train/router_mismatch_frac": differing / pairs, "train/router_mismatch_token_frac": tokens_differing / tokens}
+        return {"train/router_mismatch_frac": differing / pairs,
+                "train/router_mismatch_token_frac": tokens_differing / tokens}
 
     def _records(self, engine, policy) -> bool:
         """Whether this rollout's choices can be recorded: the policy has routers and the engine places its tokens
@@ -129,7 +130,8 @@ class ExpertRouting:
         columns = torch.arange(masks.shape[1], device=masks.device).expand_as(masks)
         source, lengths = right_align(columns, masks, 0)  # [n, width]: each aligned position's rollout column
         if source.shape[1] != width:
-            raise RuntimeError(f"router replay: the micro-batch is {width} tokens wide, the rollout's rows {source.shape[1]}.")
+            raise RuntimeError(f"router replay: the micro-batch is {width} tokens wide, the rollout's rows "
+                               f"{source.shape[1]}.")
         inside = torch.arange(width, device=masks.device)[None] < lengths[:, None]
         source = source.to(self._choices.device)
         choices = self._choices[:, rows[:, None], source]  # [layers, n, width, k]

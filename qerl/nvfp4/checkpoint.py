@@ -32,7 +32,8 @@ def nvfp4_quantization_config(model: nn.Module) -> dict:
     Linear layers)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
-    dense = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or type(m).__name__.endswith("Router"))
+    dense = sorted(n for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__.endswith("Router"))
     config = QuantizationConfig(
         config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
         ignore=dense,

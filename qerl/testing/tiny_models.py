@@ -1,5 +1,5 @@
-"""Tiny random-init Llama, Llama 3, Qwen2, Qwen3 and Qwen3-MoE checkpoints (real transformers classes, real safetensors) for
-tests and demos.
+"""Tiny random-init Llama, Llama 3, Qwen2, Qwen3 and Qwen3-MoE checkpoints (real transformers classes, real
+safetensors) for tests and demos.
 
 Their vocabulary is the embedded model's, so the embedded tokenizer drives them; sizes are multiples of 16 so every
 Linear can be NVFP4.

@@ -71,7 +71,8 @@ def test_every_expert_is_quantized_alone_with_gate_and_up_sharing_its_global_sca
         gate, up, down = (dense[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
         expert = moe_nvfp4.get_submodule(f"{prefix}.{e}")
         gs = global_scale(gate, up)
-        for layer, weight, scale in ((expert.gate_proj, gate, gs), (expert.up_proj, up, gs), (expert.down_proj, down, None)):
+        for layer, weight, scale in ((expert.gate_proj, gate, gs), (expert.up_proj, up, gs),
+                                     (expert.down_proj, down, None)):
             expected = quantize(weight, scale)
             for key in NVFP4_KEYS:
                 assert torch.equal(getattr(layer, key).view(torch.uint8), expected[key].view(torch.uint8)), key
@@ -108,9 +109,11 @@ def test_a_checkpoint_with_fused_experts_loads_as_the_per_expert_one(moe_dir, mo
     loaded = load_model(str(tmp_path), "nvfp4", dtype=torch.float32)
     expected = moe_nvfp4.state_dict()
     assert sorted(loaded.state_dict()) == sorted(expected)
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
     for key, value in loaded.state_dict().items():
-        assert torch.equal(value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value,
-                           expected[key].view(torch.uint8) if value.dtype == torch.float8_e4m3fn else expected[key]), key
+        assert torch.equal(raw(value), raw(expected[key])), key
 
 
 def test_quantize_writes_llmcompressors_per_expert_layout_that_loads_back_equal(moe_dir, moe_nvfp4, tmp_path):
@@ -144,7 +147,8 @@ def test_lora_on_attention_and_every_expert_projection_router_frozen_adapter_rou
     touched = {n for n, p in policy.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert any(".experts." in n and "lora_A" in n for n in touched)
     save_adapter(policy, tmp_path / "adapter")
-    assert any(".experts.3.down_proj.lora_A.weight" in k for k in load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert any(".experts.3.down_proj.lora_A.weight" in k for k in saved)
     resumed = build_policy(str(moe_dir), "nvfp4", lora_rank=4, dtype="float32", adapter=str(tmp_path / "adapter"))
     with torch.no_grad():
         assert torch.equal(resumed(IDS).logits, policy(IDS).logits)

@@ -65,8 +65,8 @@ def fed(rollout, choices):
     return (choices[0, ..., 0] != NOT_FED) & mask  # (finished rows are fed pad tokens too: not compared)
 
 
-@pytest.mark.parametrize("engine", [BuiltinRollout(max_new_tokens=6), CUDAGraphRollout(max_new_tokens=6, check_every=2)],
-                         ids=["builtin", "cuda_graph"])
+@pytest.mark.parametrize("engine", [BuiltinRollout(max_new_tokens=6),
+                                    CUDAGraphRollout(max_new_tokens=6, check_every=2)], ids=["builtin", "cuda_graph"])
 def test_recorded_choices_are_the_routers_choices_at_each_tokens_place(policy, engine):
     rollout, choices = sample(engine, policy)
     assert choices.shape[:3] == (2, 6, rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1])
