@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from qerl.model.experts import Experts
-from qerl.model.policy import build_policy
 from qerl.model.routing import NOT_FED, RoutingRecorder, routed, topk_differs
 from qerl.rollout.builtin import BuiltinRollout, position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
@@ -24,13 +23,8 @@ def test_topk_differs_compares_sets_not_orders():
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_dirs):
-    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32")
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    return policy.eval()
+def policy(tiny_moe_policy):
+    return tiny_moe_policy.eval()
 
 
 def sample(engine, policy, noise: float = 0.0):

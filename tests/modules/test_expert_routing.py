@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl.model.policy import build_policy
 from qerl.modules.expert_routing import ExpertRouting
 from qerl.modules.micro_batches import micro_batches
 from qerl.rollout.builtin import BuiltinRollout
@@ -15,13 +14,8 @@ PROMPTS = [[5, 9, 11, 3, 4], [12, 13], [20, 21, 22]]
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_dirs):
-    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32")
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    return policy
+def policy(tiny_moe_policy):
+    return tiny_moe_policy
 
 
 def sampled(routing: ExpertRouting, policy, noise: float):
