@@ -33,8 +33,10 @@ from qerl.cli_errors import QeRLArgumentParser, checkpoint_path_problem, config_
 from qerl.data.prompts import MathPromptDataModule
 from qerl.data.reward_health import RewardsFailing
 from qerl.hub import hub_unavailable
+from qerl.model.experts import routed_experts_of
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_budget import budget_error, hold_to_budget
+from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               planning_device, resolve)
@@ -140,6 +142,13 @@ class QeRLCLI(LightningCLI):
                 f"trainer.strategy={name}: not supported: every GPU decodes rollouts from the whole model, which "
                 "sharded weights cannot do; use ddp (one process per GPU), and NVFP4 for a model that does not fit "
                 "one GPU in bf16.")
+        model = ((config.get("model") or {}).get("policy") or {}).get("model")
+        plain_ddp = name.startswith("ddp") and "find_unused_parameters_true" not in name
+        if plain_ddp and model and routed_experts_of(str(model)):
+            # an expert that none of a rank's tokens chose leaves its LoRA without a gradient on that rank
+            self._parser(self.subcommand).error(
+                f"trainer.strategy={name}: a mixture-of-experts policy trains the LoRA of experts some rank's tokens "
+                "may not reach; use trainer.strategy=ddp_find_unused_parameters_true.")
 
     def _check_refill(self, config) -> None:
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
@@ -204,6 +213,9 @@ class QeRLCLI(LightningCLI):
             except ValueError as error:
                 parser.error(str(error))
         rollout = config.model.get("rollout") if trains else None
+        refusal = unsupported_policy(str(config.model.policy.model)) if engine_kind(rollout) == "vllm" else None
+        if trains and refusal:
+            parser.error(refusal)
         if trains and engine_kind(rollout) is None:
             if print_only:
                 name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]

@@ -48,6 +48,20 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: save_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(ARCHITECTURES)}
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_policy(tiny_model_dirs):
+    """The tiny Qwen3-MoE as an NVFP4 + LoRA r4 policy (fp32 compute), LoRA B random so the adapters take part; one
+    per test module (tests change its mode and gradients)."""
+    from qerl.model.policy import build_policy
+
+    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    return policy
+
+
 @pytest.fixture(scope="session")
 def embedded_nvfp4_dir(tmp_path_factory) -> Path:
     """The embedded model written by the quantize entry point, as `python -m qerl.quantize` would."""

@@ -269,6 +269,22 @@ def test_the_vllm_engines_share_is_planned_and_a_share_too_large_refused_before_
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_mixture_of_experts_policy_is_refused_by_vllm_and_by_plain_ddp_naming_the_fix(capsys, no_model_loads,
+                                                                                     tiny_model_dirs, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = fails(["--model.policy.model", str(tiny_model_dirs["qwen3_moe"]), "--model.rollout.class_path",
+                  "qerl.rollout.vllm.VLLMRollout"], capsys)
+    assert line.startswith("error: model.rollout: VLLMRollout does not sample mixture-of-experts policies")
+    assert line.endswith("use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    # under DDP an expert that none of a rank's tokens chose leaves its LoRA without a gradient on that rank
+    line = fails(["--model.policy.model", str(tiny_model_dirs["qwen3_moe"]), "--trainer.strategy", "ddp",
+                  "--trainer.devices", "2"], capsys)
+    assert line.startswith("error: trainer.strategy=ddp: a mixture-of-experts policy")
+    assert line.endswith("use trainer.strategy=ddp_find_unused_parameters_true.")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_engines_get_expandable_segments_unless_the_allocator_is_configured(
         capsys, no_model_loads, tmp_path, monkeypatch):
     from qerl.cli import ALLOCATOR_SETTINGS, default_allocator_settings

@@ -20,7 +20,7 @@ from qerl.model.replace import replace_modules
 
 # transformers' classes whose forward is the one below (q/k/v projections, rotary, cache update, attention function,
 # o projection); Qwen2's also passes its sliding window
-REPLACED = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})  # Qwen3's: q/k RMSNorm per head first
+REPLACED = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention"})  # Qwen3: q/k norms
 ATTRIBUTES = ("config", "layer_idx", "layer_type", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
               "is_causal", "sliding_window")
 

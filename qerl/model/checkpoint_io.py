@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
 from qerl.model.attention import replace_attentions
+from qerl.model.experts import replace_fused_experts
 from qerl.model.gated_mlp import replace_gated_mlps
 from qerl.model.rms_norm import replace_rms_norms
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
@@ -49,10 +50,35 @@ class _TensorFiles:
         self.where = {k: h for h in self._handles for k in h.keys()}
 
     def __contains__(self, key: str) -> bool:
-        return key in self.where
+        return key in self.where or self._fused_expert(key) is not None
 
     def get(self, key: str) -> torch.Tensor:
-        return self.where[key].get_tensor(key)
+        if key in self.where:
+            return self.where[key].get_tensor(key)
+        fused = self._fused_expert(key)
+        if fused is None:
+            raise KeyError(key)
+        source, expert, rows = fused
+        return self.where[source].get_slice(source)[expert][rows].contiguous()
+
+    def _fused_expert(self, key: str) -> tuple[str, int, slice] | None:
+        """An expert projection's weight asked by its per-expert name (the hub's and llmcompressor's layout) from a
+        checkpoint that stores the layer's experts fused (transformers' ``experts.gate_up_proj [E, 2I, H]`` /
+        ``experts.down_proj [E, H, I]``): (fused key, expert, rows), or None."""
+        match = _EXPERT_KEY.fullmatch(key)
+        if match is None:
+            return None
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        source = f"{prefix}.down_proj" if proj == "down" else f"{prefix}.gate_up_proj"
+        if source not in self.where:
+            return None
+        if proj == "down":
+            return source, expert, slice(None)
+        inter = self.where[source].get_slice(source).get_shape()[1] // 2
+        return source, expert, slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
+
+
+_EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -76,6 +102,7 @@ def check_targets(path: str, targets: Iterable[str]) -> None:
         del config.quantization_config
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    replace_fused_experts(skeleton)  # the experts' projections as load_model makes them
     names = [n for n, _ in skeleton.named_modules() if n]
     if not any(matches_target(n, targets) for n in names):
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)})
@@ -120,6 +147,7 @@ def load_model(
         del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    replace_fused_experts(model)  # MoE: one Linear per expert projection, as the checkpoints store them
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches_target(n, targets)}
     if nvfp4 and not linears:
         raise ValueError(f"No Linear layer of {path} matches the NVFP4 targets {targets}.")

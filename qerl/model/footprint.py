@@ -6,7 +6,10 @@ The rollout's footprint lives with the engine (``qerl.rollout.footprint``), the 
 (``qerl.modules.footprint``); ``qerl.run.memory_plan`` sums them and chooses. Every coefficient is a named constant:
 counted from what the code allocates, not measured. Layers are assumed to be Llama/Qwen2/Qwen3-shaped (q, k, v, o,
 gate, up, down; SiLU-gated MLP; RMSNorm; Qwen3's per-head q/k RMSNorm), with the config's ``head_dim`` (Qwen3's is
-not hidden / heads).
+not hidden / heads). A mixture-of-experts layer (Qwen3-MoE) has ``experts`` gated MLPs of width
+``expert_intermediate`` in place of the one MLP (each expert's gate / up / down a projection of its own, with its own
+LoRA) and a bf16 router ``[experts, hidden]``; its ``intermediate`` is the routed width a token's activations have
+(``experts_per_token x expert_intermediate``), which the activation counts read.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ SAFETY_MARGIN_FRACTION = 0.06  # of the free memory, left unplanned: allocator f
 #                                workspaces, CUDA graph pools and whatever else the plan does not count
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORM_TYPES = ("qwen3",)  # model types whose attention normalizes each head of q and k (an RMSNorm of head_dim)
+# model types whose attention normalizes each head of q and k (an RMSNorm of head_dim)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     qk_norm: bool = False  # a per-head RMSNorm of q and of k in every layer (Qwen3)
+    experts: int = 0  # routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # top-k
+    expert_intermediate: int = 0  # one expert's MLP width
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -59,21 +66,38 @@ class ModelShape:
         Qwen3 has q/k norms)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         model_type = getattr(config, "model_type", "")
+        experts = getattr(config, "num_experts", 0) or 0
+        if experts and (getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1):
+            raise ValueError("the memory plan counts MoE models whose every layer is a MoE layer (no mlp_only_layers, "
+                             "decoder_sparse_step 1)")
+        top_k = getattr(config, "num_experts_per_tok", 0) if experts else 0
+        expert_width = config.moe_intermediate_size if experts else 0
         return cls(
-            layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers, hidden=config.hidden_size,
+            intermediate=top_k * expert_width if experts else config.intermediate_size,
             heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
             or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type in QK_NORM_TYPES,
+            qk_norm=model_type in QK_NORM_TYPES, experts=experts, experts_per_token=top_k,
+            expert_intermediate=expert_width,
         )
 
     def projection(self, name: str) -> tuple[int, int]:
-        """(out_features, in_features) of one projection of a decoder layer."""
+        """(out_features, in_features) of one projection of a decoder layer (of one expert's, for a MoE's MLP)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        inter = self.expert_intermediate if self.experts else self.intermediate
         return {"q_proj": (q, self.hidden), "k_proj": (kv, self.hidden), "v_proj": (kv, self.hidden),
-                "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
-                "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate)}[name]
+                "o_proj": (self.hidden, q), "gate_proj": (inter, self.hidden),
+                "up_proj": (inter, self.hidden), "down_proj": (self.hidden, inter)}[name]
+
+    def copies(self, name: str) -> int:
+        """How many of projection ``name`` a decoder layer holds: one per expert for a MoE's MLP projections."""
+        return self.experts if self.experts and name in PROJECTIONS[4:] else 1
+
+    def router_weights(self) -> int:
+        """The routers' weights over all layers (bf16, frozen)."""
+        return self.layers * self.experts * self.hidden
 
     def kv_bytes_per_token(self, element_bytes: int = DENSE_BYTES) -> int:
         """K and V of every layer for one position of one row (bf16; e4m3: 1 byte per element)."""
@@ -174,7 +198,8 @@ def _targeted(layers: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[str, b
 def lora_parameters(shape: ModelShape, settings: RunSettings) -> int:
     """LoRA parameters: r x (in + out) per targeted projection."""
     layers = layer_projections(shape, settings.lora_targets)
-    return sum(settings.lora_rank * sum(shape.projection(p)) for layer in layers for p, targeted in layer if targeted)
+    return sum(settings.lora_rank * sum(shape.projection(p)) * shape.copies(p)
+               for layer in layers for p, targeted in layer if targeted)
 
 
 def norm_channels(shape: ModelShape) -> int:
@@ -188,13 +213,14 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
     for layer in layer_projections(shape, settings.lora_targets):
         for p, targeted in layer:
             out, inp = shape.projection(p)
+            weights = out * inp * shape.copies(p)
             if nvfp4 and targeted:
-                quantized += out * inp
-                tensors += 1
+                quantized += weights
+                tensors += shape.copies(p)
                 if out % GEMV_ROW_MULTIPLE == 0 and inp % GEMV_COL_MULTIPLE == 0:
-                    gemv += out * inp
+                    gemv += weights
             else:
-                dense += out * inp
+                dense += weights
     embeddings = shape.vocab * shape.hidden
     bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.layers if shape.qkv_bias else 0
     lora = lora_parameters(shape, settings)
@@ -213,6 +239,9 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
     if not shape.tied_embeddings:
         out.append(Component("resident", "LM head (bf16)", embeddings * DENSE_BYTES))
     out.append(Component("resident", "norms and biases (bf16)", (norm_channels(shape) + bias) * DENSE_BYTES))
+    if shape.experts:
+        out.append(Component("resident", f"routers (bf16, {shape.experts} experts x hidden per layer)",
+                             shape.router_weights() * DENSE_BYTES))
     out.append(Component("resident", f"LoRA r={settings.lora_rank} (fp32, {lora / 1e6:.1f}M parameters)",
                          lora * LORA_PARAM_BYTES))
     out.append(Component("resident", "AdamW states of LoRA (2 x fp32)", lora * ADAM_STATE_BYTES))
@@ -231,8 +260,8 @@ def largest_layer_weights(shape: ModelShape, settings: RunSettings) -> int:
 def nvfp4_weights(shape: ModelShape, settings: RunSettings) -> int:
     if settings.quantization != "nvfp4":
         return 0
-    return sum(math.prod(shape.projection(p)) for layer in layer_projections(shape, settings.lora_targets)
-               for p, targeted in layer if targeted)
+    return sum(math.prod(shape.projection(p)) * shape.copies(p)
+               for layer in layer_projections(shape, settings.lora_targets) for p, targeted in layer if targeted)
 
 
 

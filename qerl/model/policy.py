@@ -58,10 +58,25 @@ def with_lora_layers(config):
 
 
 @contextlib.contextmanager
-def quiet_custom_layers():
-    """peft warns "Unsupported layer type" for any custom layer type, even one registered with it (NVFP4Linear)."""
-    with warnings.catch_warnings():
+def quiet_custom_layers(model: nn.Module | None = None):
+    """peft warns "Unsupported layer type" for any custom layer type, even one registered with it (NVFP4Linear).
+
+    And for a mixture-of-experts ``model`` as qerl loads it (per-expert Linears, ``qerl.model.experts``): peft under
+    transformers 5 rewrites the targets ``gate_proj`` / ``up_proj`` / ``down_proj`` of MoE model types into
+    ``target_parameters`` on transformers' fused expert tensors, and an adapter's per-expert keys into fused ones, by
+    the model type's checkpoint conversion (to load adapters trained on transformers 4). qerl's model has no fused
+    tensors: its experts are per-expert targets, as in transformers 4, so the conversion is skipped for it.
+    """
+    from unittest import mock
+
+    from qerl.model.experts import Experts
+
+    unfused = model is not None and any(isinstance(m, Experts) for m in model.modules())
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.filterwarnings("ignore", message="Unsupported layer type")
+        if unfused:
+            conversion = "peft.utils.transformers_weight_conversion.get_checkpoint_conversion_mapping"
+            stack.enter_context(mock.patch(conversion, lambda *args, **kwargs: None))
         yield
 
 
@@ -106,7 +121,7 @@ def build_policy(
     for p in base.parameters():
         p.requires_grad_(False)
     norms = norm_names(base) if train_norms else None
-    with quiet_custom_layers():
+    with quiet_custom_layers(base):
         if adapter is not None:
             config = with_lora_layers(LoraConfig.from_pretrained(adapter))
             policy = PeftModel.from_pretrained(base, adapter, config=config, is_trainable=True)

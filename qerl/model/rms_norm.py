@@ -16,7 +16,7 @@ from qerl.model.replace import replace_modules
 
 # transformers' classes whose forward is ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``
 # (Gemma's, for one, multiplies by 1 + weight: not replaced)
-REPLACED = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+REPLACED = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"})
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ from qerl.rollout.footprint import wave_kv_cache_bytes
 NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per channel (and one fp32 rstd per token)
 NORM_RSTD_BYTES = 4  # ... the rstd: counted for the per-head q/k norms (one per head and token), not per hidden row
 ATTENTION_LSE_BYTES = 4  # SDPA (flash / efficient) keeps one fp32 log-sum-exp per query head
+ROUTER_FP32_BUFFERS = 2  # [tokens, experts] fp32 a MoE router keeps: its logits and their softmax
 BACKWARD_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 gradients alive in a layer's MLP backward
 BACKWARD_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 gradients alive across a layer's backward (residual, norm, ...)
 FINAL_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 around the LM head: final norm input, output, gathered, grad
@@ -49,10 +50,14 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     # output is o's LoRA-A input too (qerl's Attention hands it over in the projection's layout: no copy)
     if shape.qk_norm:  # Qwen3's per-head q/k norms keep their inputs (q_proj's and k_proj's outputs) and their rstd
         total += (q + kv) * NORM_INPUT_BYTES + (shape.heads + shape.kv_heads) * NORM_RSTD_BYTES
-    total += H * b * (targeted["gate_proj"] or targeted["up_proj"])  # LoRA-A input of gate/up
+    routed = shape.experts_per_token or 1  # a MoE token's MLP runs in k experts, on k gathered copies of its input
+    total += H * b * routed * (targeted["gate_proj"] or targeted["up_proj"])  # LoRA-A input of gate/up
     total += 2 * I * b  # the fused SiLU product's two factors (gate, up); it recomputes silu(gate) in the backward
     total += I * b * targeted["down_proj"]  # down's LoRA-A input: the product
-    total += r * b * sum(targeted.values())  # each LoRA-B's input (x @ A.T)
+    total += r * b * sum(n * (routed if p in ("gate_proj", "up_proj", "down_proj") else 1)
+                         for p, n in targeted.items())  # each LoRA-B's input (x @ A.T)
+    if shape.experts:  # the router's fp32 logits and probabilities, and each expert's output for its routing weight
+        total += shape.experts * ROUTER_FP32_BUFFERS * 4 + routed * H * b
     return total
 
 

@@ -47,6 +47,7 @@ from qerl.hub import load_tokenizer
 from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
 from qerl.modules.dynamic_sampling import InformativeFraction, Sample, cat_samples, kept_groups, refill_size
 from qerl.modules.evaluation import Evaluator
+from qerl.modules.expert_routing import ExpertRouting
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.micro_batches import MicroBatch, micro_batches, plan_micro_batches
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
@@ -112,6 +113,8 @@ class GRPOModule(L.LightningModule):
         eval_greedy: decode each evaluation question greedily too (``val/<source>_acc``, pass@1).
         eval_seed: seed of the evaluation samples (separate from training's stream, which evaluation never moves).
         eval_jsonl: write every evaluation completion to ``<log_dir>/eval/<stage>_step<N>.jsonl``.
+        expert_routing: a mixture-of-experts policy's routing in the step (``ExpertRouting``: the rollout's expert
+            choices recorded, their mismatch logged, router replay); None: ``ExpertRouting()``. Dense policies: unused.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class GRPOModule(L.LightningModule):
         eval_greedy: bool = True,
         eval_seed: int = 1234,
         eval_jsonl: bool = True,
+        expert_routing: ExpertRouting | None = None,
     ):
         super().__init__()
         check_options("model", [
@@ -177,7 +181,7 @@ class GRPOModule(L.LightningModule):
             ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
         ])
         policy.validate()
-        self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage"])
+        self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage", "expert_routing"])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
@@ -193,6 +197,7 @@ class GRPOModule(L.LightningModule):
                              f"max_new_tokens ({self.rollout.max_new_tokens}).")
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
         self.checkpoint_step = 0  # optimizer steps behind the weights loaded by validate/test --ckpt_path
+        self.expert_routing = expert_routing if expert_routing is not None else ExpertRouting()
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
@@ -246,13 +251,17 @@ class GRPOModule(L.LightningModule):
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
         lr = self.lr_schedulers().get_last_lr()[0]  # this step's LR: the update below steps the scheduler
         start = time.perf_counter()
-        stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
+        with self.expert_routing.update(self.policy):  # MoE: the rollout's expert choices against the update's
+            stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
         train_s = time.perf_counter() - start
         memory["update"] = self._allocated_gb(torch.cuda.max_memory_allocated)
 
         self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
                        memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
         self._log_rewards(sample.per_reward, informative.numel())
+        routing = self.expert_routing.metrics()  # MoE: the rollout's expert choices against the update's
+        if routing:
+            self.log_dict(routing, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
         self._log_skipped(batch.get("skipped"))
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
@@ -263,8 +272,8 @@ class GRPOModule(L.LightningModule):
         """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
         G = self.hparams.group_size
         start = time.perf_counter()
-        rollout = self.rollout.generate(
-            self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
+        rollout = self.expert_routing.sample(
+            self.rollout, self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
         )
         rollout_s = time.perf_counter() - start
 
@@ -369,7 +378,8 @@ class GRPOModule(L.LightningModule):
         """Log-probs ``[n, L]`` (0 off the completions) of the completion tokens of the micro-batch's rows under the
         clean policy, and their entropy ``[K]`` (the K completion tokens, row by row) or None."""
         model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
-        with self._forward_context(model):  # positions 0..len-1 and a causal mask, as in the rollout
+        with self._forward_context(model), self.expert_routing.forward(model, batch.rows, batch.ids):
+            # positions 0..len-1 and a causal mask, as in the rollout
             hidden = model.get_decoder()(input_ids=batch.ids, use_cache=False).last_hidden_state  # [n, T, H]
         logprobs, entropy = token_logprobs(
             hidden[batch.row, batch.position][None],  # [1, K, H]: the LM head sees no padding

@@ -27,10 +27,13 @@ def is_nvfp4_checkpoint(path: str | Path) -> bool:
 
 
 def nvfp4_quantization_config(model: nn.Module) -> dict:
-    """The ``quantization_config`` that llmcompressor writes for ``NVFP4A16``, ignoring the layers left dense."""
+    """The ``quantization_config`` that llmcompressor writes for ``NVFP4A16``, ignoring the layers left dense and the
+    MoE routers (16-bit, as llmcompressor's MoE examples keep them with ``re:.*mlp.gate$``: vLLM builds them as
+    Linear layers)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
-    dense = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+    dense = sorted(n for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__.endswith("Router"))
     config = QuantizationConfig(
         config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
         ignore=dense,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
+from qerl.model.routing import RoutingRecorder
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 
 
@@ -53,7 +54,9 @@ class BuiltinRollout(RolloutEngine):
     """Samples with the policy being trained (see ``RolloutEngine`` for the arguments)."""
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 routing: RoutingRecorder | None = None) -> Rollout:
+        """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded)."""
         from transformers import DynamicCache
 
         device = next(policy.parameters()).device
@@ -70,6 +73,8 @@ class BuiltinRollout(RolloutEngine):
             with noisy_norms(policy, self.noise_std, self.noise_generator):
                 cache = DynamicCache()
                 positions = position_ids(mask)
+                if routing is not None:  # a prompt's prefill serves the G rows of its group
+                    routing.place(torch.arange(n, device=device).view(-1, group_size), torch.arange(ids.shape[1]))
                 out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
                 cache.batch_repeat_interleave(group_size)
@@ -87,6 +92,8 @@ class BuiltinRollout(RolloutEngine):
                         break
                     mask = torch.cat((mask, alive.long()[:, None]), dim=-1)
                     positions = positions[:, -1:] + 1
+                    if routing is not None:  # the token sampled last, at its column of [prompt | completion]
+                        routing.place(torch.arange(n, device=device), torch.tensor([ids.shape[1] + len(tokens) - 1]))
                     logits = policy(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                                     past_key_values=cache, use_cache=True).logits[:, -1]
         finally:

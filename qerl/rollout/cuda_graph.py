@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 
 from qerl.model.aqn import noisy_norms
+from qerl.model.routing import RoutingRecorder
 from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
@@ -143,6 +144,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graphs_captured = 0
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
+        self._routing: RoutingRecorder | None = None  # the current generate call's, if any
 
     # ------------------------------------------------------------------------------------------------------------
     def reset_generator(self) -> None:
@@ -151,10 +153,18 @@ class CUDAGraphRollout(RolloutEngine):
             self._generator.manual_seed(rank_seed(self.seed))
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 routing: RoutingRecorder | None = None) -> Rollout:
+        """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded;
+        a MoE's steps run eagerly: captured steps run no Python)."""
         base = _base_model(policy)
         device = next(policy.parameters()).device
-        graphs = self._captures(device)
+        # a MoE's transformers step picks its experts on the host (a loop over the routed ones): it runs eagerly
+        graphs = self._captures(device) and not getattr(base.config, "num_experts", 0)
+        if routing is not None and graphs:
+            raise ValueError("CUDAGraphRollout records expert choices in eager steps only; captured steps would need "
+                             "a fused MoE step that writes them.")
+        self._routing = routing
         self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
@@ -204,6 +214,7 @@ class CUDAGraphRollout(RolloutEngine):
                         buffer[rows, :wave_steps] = getattr(s, name)[:n, :wave_steps]
                     steps = max(steps, wave_steps)
         finally:
+            self._routing = None
             if was_training:
                 policy.train()
             if decoder is not None:
@@ -246,6 +257,9 @@ class CUDAGraphRollout(RolloutEngine):
         if decoder is not None:
             logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
         else:
+            if self._routing is not None:  # a prompt's prefill serves the G rows of its group
+                self._routing.place(first_row + torch.arange(N, device=device).view(B, group_size),
+                                    torch.arange(P, device=device))
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                             past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
@@ -414,6 +428,8 @@ class CUDAGraphRollout(RolloutEngine):
             logits = s.decoder.step(s.last[:b], s.pos[:b], cache.keys, cache.values, cache.position,
                                        mask[:, 0, 0], length)
         else:
+            if self._routing is not None:  # the slots' rows, at the cache column of the token they feed
+                self._routing.place(s.first_row + s.slot_row[:b], cache.position)
             out = policy(input_ids=s.last[:b, None], attention_mask=mask[:, :, :, :length],
                          position_ids=s.pos[:b, None], past_key_values=s.hf_cache, use_cache=True,
                          logits_to_keep=1)

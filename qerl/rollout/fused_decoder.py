@@ -339,6 +339,8 @@ class FusedDecoder:
 
     def __init__(self, model: nn.Module, kernels: Kernels):
         config = model.config
+        if getattr(config, "num_experts", 0):
+            raise Unsupported("mixture-of-experts layers (no fused MoE step yet)")
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
         if getattr(config, "hidden_act", "silu") != "silu":

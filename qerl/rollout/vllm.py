@@ -37,6 +37,7 @@ import torch
 
 from qerl.hub import resolve_model
 from qerl.model.aqn import aqn_noise, takes_noise
+from qerl.model.experts import routed_experts_of
 from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
@@ -110,6 +111,21 @@ def save_lora(policy, directory: Path) -> int:
     config.save_pretrained(str(directory))
     save_file(lora, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     return max([config.r, *config.rank_pattern.values()])
+
+
+def unsupported_policy(model: str) -> str | None:
+    """Why ``VLLMRollout`` refuses the policy ``model`` (a directory or hub id, read for its config.json only), as one
+    line naming the alternative; None where it takes it (or the config cannot be read here: loading will say why).
+
+    Mixture-of-experts policies: vLLM has LoRA on fused-MoE layers (``FusedMoEWithLoRA``, since 0.11.2, over its
+    Triton and Marlin expert kernels), but qerl has not run it on a GPU with NVFP4A16 compressed-tensors experts, qerl's
+    per-expert adapter (one LoRA per expert projection) and its norm writes; until a GPU test does, the CUDA-graph
+    engine samples them.
+    """
+    if routed_experts_of(model):
+        return (f"model.rollout: VLLMRollout does not sample mixture-of-experts policies ({model} has routed "
+                "experts); use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    return None
 
 
 class VLLMRollout(RolloutEngine):
@@ -280,6 +296,8 @@ class VLLMRollout(RolloutEngine):
         process_rank, world_size = rank_and_world_size()  # DDP (``rank`` is the adapter's)
         base = policy.get_base_model()
         path = resolve_model(self.model or base.config._name_or_path)
+        if refusal := unsupported_policy(path):  # (train.py refuses it before the model loads)
+            raise ValueError(refusal)
         quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())
         if quantized_policy and not is_nvfp4_checkpoint(path):
             log.warning("The policy is NVFP4 but vLLM loads %s, which is not an NVFP4 checkpoint: rollouts sample the "

@@ -59,7 +59,10 @@ LLAMA3 = {
 
 
 def model_config(name: str, **overrides):
-    """The transformers config of a shape named in ``QWEN25``, ``QWEN3`` or ``LLAMA3`` (``overrides`` win)."""
+    """The transformers config of a shape named in ``QWEN25``, ``QWEN3``, ``LLAMA3`` or ``QWEN3_MOE`` (``overrides``
+    win)."""
+    if name in QWEN3_MOE:
+        return moe_model_config(name, **overrides)
     if name in QWEN25:
         return qwen25_config(name, **overrides)
     if name in QWEN3:
@@ -78,7 +81,28 @@ def model_config(name: str, **overrides):
         return LlamaConfig(**{**dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
                                      tie_word_embeddings=False, rope_parameters=rope, bos_token_id=None,
                                      eos_token_id=None, pad_token_id=None), **shape, **overrides})
-    raise ValueError(f"name must be one of {sorted({**QWEN25, **QWEN3, **LLAMA3})}, got {name!r}.")
+    raise ValueError(f"name must be one of {sorted({**QWEN25, **QWEN3, **LLAMA3, **QWEN3_MOE})}, got {name!r}.")
+
+
+# Mixture-of-experts shapes, from the Qwen3-30B-A3B config.json (vocab 151936, head_dim 128, untied LM head, rope theta
+# 1e6, every layer's MLP 128 routed experts of width 768, top-8 with renormalized weights, no shared expert).
+QWEN3_MOE = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+}
+
+
+def moe_model_config(name: str, **overrides):
+    """The transformers ``Qwen3MoeConfig`` of a shape named in ``QWEN3_MOE`` (``overrides`` win)."""
+    from transformers import Qwen3MoeConfig
+
+    if name not in QWEN3_MOE:
+        raise ValueError(f"name must be one of {sorted(QWEN3_MOE)}, got {name!r}.")
+    return Qwen3MoeConfig(**{**dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+                                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                                    use_sliding_window=False, norm_topk_prob=True, decoder_sparse_step=1,
+                                    mlp_only_layers=[], bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                          **QWEN3_MOE[name], **overrides})
 
 
 def qwen25_config(name: str, **overrides):
@@ -111,6 +135,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     from transformers import AutoModelForCausalLM
 
     from qerl.model.attention import replace_attentions
+    from qerl.model.experts import replace_fused_experts
     from qerl.model.gated_mlp import replace_gated_mlps
     from qerl.model.rms_norm import replace_rms_norms
 
@@ -119,6 +144,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    replace_fused_experts(model)  # MoE: per-expert Linears, as load_model makes them
     if quantization == "nvfp4":
         for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
             if matches_target(name, targets):
@@ -155,7 +181,7 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     from qerl.model.policy import lora_config, quiet_custom_layers
 
     base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
-    with quiet_custom_layers():
+    with quiet_custom_layers(base):
         policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
     policy.to(device)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from qerl.model.checkpoint_io import load_model
 IDS = torch.tensor([[1, 520, 3000, 17, 9, 400, 2], [1, 77, 4000, 5, 300, 12, 2]])
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "llama3", "qwen3_moe"])
 def test_loaded_attention_is_qerls_and_decodes_with_a_cache_as_transformers(tiny_model_dirs, architecture):
     ours = load_model(str(tiny_model_dirs[architecture]), "bf16", dtype=torch.float32)
     theirs = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[architecture], dtype=torch.float32).eval()

@@ -454,3 +454,21 @@ def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
     assert planned_kv_bytes(shape, fp8, 8) * 2 == planned_kv_bytes(shape, settings, 8)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*fp8_e4m3"):
         CUDAGraphRollout(kv_cache_dtype="fp8")
+
+
+def test_a_moe_policy_samples_with_the_transformers_step_and_exact_logprobs(tmp_path):
+    """A mixture-of-experts policy (tiny Qwen3-MoE: NVFP4 experts with LoRA each): the fused step refuses it once, by
+    name, and the transformers step's log-probs (compaction and early stop included) equal a full forward's."""
+    path = save_tiny_model(tmp_path / "m", "qwen3_moe", vocab_size=64, hidden_size=64)
+    policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, seed=1, check_every=3, fused=True)
+    with pytest.warns(UserWarning, match=r"fused decoding off for this model \(mixture-of-experts"):
+        r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9])
+    assert not used_decoder(engine) and r.prompt_ids.shape[0] == 12
+    lp, entropy = recompute(policy, r, 0.7)
+    torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)

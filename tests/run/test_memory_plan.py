@@ -37,7 +37,8 @@ def tiny_settings(**overrides) -> RunSettings:
 
 
 @pytest.mark.parametrize(("architecture", "quantization"),
-                         [("qwen2", "nvfp4"), ("qwen2", "bf16"), ("qwen3", "nvfp4"), ("llama3", "nvfp4")])
+                         [("qwen2", "nvfp4"), ("qwen2", "bf16"), ("qwen3", "nvfp4"), ("llama3", "nvfp4"),
+                          ("qwen3_moe", "nvfp4"), ("qwen3_moe", "bf16")])
 def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_model_dirs, architecture, quantization):
     # Qwen3: head_dim (32) is not hidden / heads (16), and each layer has per-head q/k norms (trained too)
     policy = build_policy(str(tiny_model_dirs[architecture]), quantization, lora_rank=4, lora_alpha=8,
@@ -67,12 +68,16 @@ def test_weights_lora_and_adamw_states_are_what_a_real_policy_allocates(tiny_mod
     frozen_small = sum(p.nbytes for n, p in model.named_parameters()
                        if ("norm" in n and "modules_to_save" not in n) or n.endswith("bias"))
     assert component(plan, "norms and biases") == frozen_small
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]  # MoE: [experts, hidden]
+    assert [c.nbytes for c in plan.components if c.name.startswith("routers")] == (
+        [sum(p.nbytes for p in routers)] if routers else [])
 
     # one optimizer step: AdamW's states are allocated then
     lora = [p for n, p in policy.named_parameters() if p.requires_grad and "lora_" in n]
     norms = [p for n, p in policy.named_parameters() if p.requires_grad and "modules_to_save" in n]
     assert len(lora) + len(norms) == len(trainable_parameters(policy))
-    policy(input_ids=torch.tensor([[1, 5, 9, 2]])).logits.float().square().mean().backward()
+    ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(0))  # MoE: every expert routed
+    policy(input_ids=ids).logits.float().square().mean().backward()
     optimizer = torch.optim.AdamW(lora + norms)
     optimizer.step()
     states = lambda ps: sum(optimizer.state[p][k].nbytes for p in ps for k in ("exp_avg", "exp_avg_sq"))  # noqa: E731
@@ -444,3 +449,35 @@ def test_the_plan_is_within_ten_percent_of_the_h200_measurements_under_a_budget(
         assert plan["plan_wave_rows"] == row["plan_wave_rows"]
         if "budget_gb" in row:
             assert row["reserved_gb"] <= row["budget_gb"], row["spec"]
+
+
+def test_the_moe_parts_are_the_sizes_of_the_real_qwen3_30b_a3b():
+    # transformers' model of the shape on the meta device, its experts per expert as qerl loads them: every expert
+    # projection, router, norm and LoRA the plan counts is one of its tensors
+    from transformers import AutoModelForCausalLM
+
+    from qerl.model.experts import Experts, replace_fused_experts
+
+    config = model_config("qwen3-30b-a3b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (128, 2 * 768, 2048)  # transformers: fused
+    replace_fused_experts(model)
+    shape = ModelShape.from_config(config)
+    assert (shape.experts, shape.experts_per_token, shape.expert_intermediate) == (128, 8, 768)
+    assert shape.intermediate == 8 * 768  # the routed width of a token's activations
+    plan = plan_memory(shape, RunSettings(prompts=2, group_size=2, max_prompt_tokens=64, max_new_tokens=64,
+                                          quantization="bf16"))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert len(linears) == 48 * (4 + 128 * 3) and sum(isinstance(m, Experts) for m in model.modules()) == 48
+    assert component(plan, "bf16 linears") == sum(m.weight.nbytes for m in linears.values())
+    assert component(plan, "LoRA r=16") == 4 * 16 * sum(m.in_features + m.out_features for m in linears.values())
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert component(plan, "routers") == sum(p.nbytes for p in routers) == 48 * 128 * 2048 * 2
+    params = sum(p.nbytes for p in model.parameters())
+    assert params == sum(c.nbytes for c in plan.components if c.name.startswith(
+        ("bf16 linears", "embeddings", "LM head", "norms and biases", "routers")))  # nothing else in the model
+    assert 30.4e9 < params / 2 < 30.6e9  # the 30.5B parameters of the model card
+    nvfp4 = plan_memory(shape, RunSettings(prompts=2, group_size=2, max_prompt_tokens=64, max_new_tokens=64))
+    assert component(nvfp4, "NVFP4 linears in the decode GEMV's layout") == 0.625 * sum(
+        m.weight.numel() for m in linears.values())  # every projection, experts included, has the GEMV's shape

@@ -1,0 +1,117 @@
+"""A mixture-of-experts layer's routed experts as qerl runs them: one gated MLP per expert, each projection its own
+Linear (``NVFP4Linear`` for the frozen 4-bit base, ``nn.Linear`` for the 16-bit baseline).
+
+transformers 5.x keeps a Qwen3-MoE layer's experts as two fused 3-D parameters, ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]``, and converts the hub's per-expert checkpoints into them on load. ``load_model`` puts an
+``Experts`` in the place of that module instead, holding ``E`` experts with ``gate_proj [I, H]``, ``up_proj [I, H]``
+and ``down_proj [H, I]``: the per-expert layout of the hub checkpoints and of what llmcompressor writes for MoE
+(``mlp.experts.{e}.gate_proj.weight_packed`` ...), so checkpoints load and save without a conversion, every expert's
+projections are NVFP4 blocks of 16 along their input dim with gate and up sharing a global scale (as for a dense
+MLP), and LoRA reaches each expert's projections through the same peft layer as a dense model's
+(``qerl.model.lora_linear.LoraLinear``: adapters on packed storage, in standard PEFT format).
+
+Why not peft's LoRA on parameters (``target_parameters``, peft >= 0.17, what peft does for transformers' fused
+experts): its ``ParamWrapper`` adds ``einsum(B, A)`` for all E experts to the wrapped float parameter through a
+parametrization, so every forward materializes the dense ``[E, 2I, H]`` weight (805 MB per layer at Qwen3-30B-A3B in
+bf16) and the base must be a float tensor: packed NVFP4 codes and block scales cannot take ``W + delta``. Per-expert
+Linears keep the base packed, run each expert's LoRA on its routed tokens only, and write adapters with per-expert keys
+named as the hub checkpoint's projections (``experts.{e}.gate_proj.lora_A.weight``).
+
+The forward takes what the router gives (``top_k_index`` / ``top_k_weights``, as transformers' experts do) and runs
+each expert that received tokens on those tokens only: a routed expert's weight is dequantized for its tokens, an
+expert no token chose costs nothing. This is the CPU reference path; the GPU's grouped kernels compute the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.model.replace import replace_modules
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.ModuleList):
+    """The E routed experts of one MoE layer (see the module docstring); called as transformers' experts module is."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """``hidden_states [T, H]``, ``top_k_index [T, k]`` (expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``:
+        sum over each token's k experts of weight * expert(token)."""
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.bincount(top_k_index.flatten(), minlength=len(self)).nonzero().flatten().tolist()
+        for e in hit:
+            token, slot = torch.where(top_k_index == e)  # the tokens routed to expert e, and where in their top-k
+            y = self[e](hidden_states[token]) * top_k_weights[token, slot, None].to(hidden_states.dtype)
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def routed_experts_of(model: str) -> int:
+    """Routed experts per layer of the model ``model`` (a directory or hub id) by its config.json alone: 0 for a dense
+    model, or where the config cannot be read here (loading will say why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return 0
+    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts of a gated MoE (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
+            and not getattr(module, "is_transposed", False) and getattr(module, "has_gate", True)
+            and not getattr(module, "has_bias", False))
+
+
+def unfused_experts(module: nn.Module) -> Experts:
+    """An ``Experts`` of ``nn.Linear`` projections of the fused module's shape, on the fused module's device (meta when
+    the model is a skeleton), its weights the fused ones' slices."""
+    num, two_i, hidden = module.gate_up_proj.shape
+    inter = two_i // 2
+    dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
+
+    def linear(weight: torch.Tensor) -> nn.Linear:
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=dtype)
+        layer.weight = nn.Parameter(weight.detach().clone() if device.type != "meta" else
+                                    torch.empty(weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+        return layer
+
+    return Experts([ExpertMLP(linear(module.gate_up_proj[e, :inter]), linear(module.gate_up_proj[e, inter:]),
+                              linear(module.down_proj[e])) for e in range(num)])
+
+
+def replace_fused_experts(model: nn.Module) -> int:
+    """Put an ``Experts`` (per-expert ``nn.Linear``) in the place of every fused experts module; returns how many."""
+    return replace_modules(model, is_fused_experts, unfused_experts)
+
+
+def expert_count(model: nn.Module) -> int:
+    """How many routed experts ``model`` holds over all its layers (0 for a dense model)."""
+    return sum(len(m) for m in model.modules() if isinstance(m, Experts))
+
+
+def routers(model: nn.Module) -> dict[str, nn.Module]:
+    """The router of every MoE layer of ``model`` by module name: the ``gate`` beside an ``Experts`` (transformers'
+    top-k router, which returns ``(logits, top-k weights, top-k indices)``)."""
+    found = {}
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        gate = getattr(module, "gate", None)
+        if isinstance(experts, Experts) and gate is not None:
+            found[f"{name}.gate" if name else "gate"] = gate
+    return found
