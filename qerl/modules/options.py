@@ -37,3 +37,12 @@ class SamplingOptions:
         """One training rollout's spec: these options, the AQN noise of this step, the engine's training stream."""
         return SamplingSpec(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                             noise_sigma=noise_sigma, noise_generator=noise_generator, seed=self.seed)
+
+
+def max_steps_error(max_steps: int | None) -> str | None:
+    """The one ``trainer.max_steps`` rule (checked when the command line is parsed and when a module's optimizer is
+    made): the prompt stream is endless, and the LR and AQN schedules are laid out over the run's steps."""
+    if max_steps is None or max_steps < 1:
+        return (f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to train (the prompt stream "
+                "is endless, and the LR and AQN schedules need it).")
+    return None
