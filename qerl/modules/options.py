@@ -26,12 +26,10 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"model.sampling.max_new_tokens={self.max_new_tokens}: must be >= 1.")
-        if self.temperature <= 0:
-            raise ValueError(f"model.sampling.temperature={self.temperature}: must be > 0.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.sampling.top_p={self.top_p}: must be in (0, 1] (1.0 keeps every token).")
+        try:
+            self.training_spec(0.0, None)  # the spec's own checks
+        except ValueError as error:
+            raise ValueError(f"model.sampling: {error}") from None
 
     def training_spec(self, noise_sigma: float, noise_generator: torch.Generator | None) -> SamplingSpec:
         """One training rollout's spec: these options, the AQN noise of this step, the engine's training stream."""
