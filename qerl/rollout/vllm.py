@@ -126,7 +126,8 @@ class VLLMRollout(RolloutEngine):
         dtype: vLLM's compute dtype; ``auto`` takes the policy's.
         gpu_memory_utilization: fraction of the GPU's memory vLLM takes (its weights, LoRA slot, workspace and KV
             cache); training shares the GPU. ``None``: the memory plan's choice (``train.py fit`` on a GPU: the share
-            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``VLLMEngineSettings.unplanned()``.
+            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned,
+            ``VLLMEngineSettings.unplanned()``.
         max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None``: ``train.py fit`` sets
             ``data.max_prompt_tokens + model.sampling.max_new_tokens``; unplanned, the model's limit.
         max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
