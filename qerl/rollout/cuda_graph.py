@@ -227,7 +227,7 @@ class CUDAGraphRollout(RolloutEngine):
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
         decoder, cache = s.decoder, s.cache
-        cache.mode = "prefill"
+        cache.start_prefill()
         m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
         m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
         if decoder is not None:
@@ -360,7 +360,7 @@ class CUDAGraphRollout(RolloutEngine):
     def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
         cache = s.cache
-        cache.mode, cache.b, cache.L = "decode", b, length
+        cache.start_decode(b, length)
         mask = s.mask[:b]
         mask.index_fill_(3, cache.position, True)
         if s.decoder is not None:
