@@ -100,11 +100,15 @@ def quality(args) -> dict:
     from qerl.model.policy import PolicyConfig
     from qerl.modules.grpo_module import GRPOModule
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches
+    from qerl.modules.policy_update import logprobs_no_grad
+    from qerl.modules.options import SamplingOptions
     from qerl.rollout.cuda_graph import CUDAGraphRollout
+    from qerl.rollout.sampling_spec import SamplingSpec
 
     module = GRPOModule(policy=PolicyConfig(model="smollm2-135m-instruct", quantization="nvfp4", dtype="bfloat16",
                                             lora_rank=16, lora_alpha=32),
-                        rollout=CUDAGraphRollout(max_new_tokens=args.new_quality), group_size=8).to(args.device)
+                        rollout=CUDAGraphRollout(), sampling=SamplingOptions(max_new_tokens=args.new_quality),
+                        group_size=8).to(args.device)
     module.configure_model()
     tok = module.tokenizer
     prompts = [tok(format_prompt(tok, q, "boxed"), add_special_tokens=False)["input_ids"]
@@ -116,11 +120,12 @@ def quality(args) -> dict:
               "is_cap": 2.0,
               "rows": []}
     for kv, sigma in settings:
-        engine = CUDAGraphRollout(max_new_tokens=args.new_quality, seed=0, kv_cache_dtype=kv)
-        engine.set_noise(sigma, torch.Generator().manual_seed(0))  # (AQN draws on the CPU)
+        engine = CUDAGraphRollout(kv_cache_dtype=kv)
         module.rollout = engine
         t = time.perf_counter()
-        r = engine.generate(module.policy, prompts, 8, tok.pad_token_id or 0, eos)
+        spec = SamplingSpec(max_new_tokens=args.new_quality, noise_sigma=sigma,
+                            noise_generator=torch.Generator().manual_seed(0), seed=0)  # (AQN draws on the CPU)
+        r = engine.generate(module.policy, prompts, 8, tok.pad_token_id or 0, eos, spec)
         if module.device.type == "cuda":
             torch.cuda.synchronize()
         rollout_s = time.perf_counter() - t
@@ -128,7 +133,7 @@ def quality(args) -> dict:
         plan = plan_micro_batches(lengths, 16384, 10**6)
         chunks = micro_batches(r.prompt_ids, r.completion_ids, r.prompt_mask, r.completion_mask, plan,
                                tok.pad_token_id or 0, module.device)
-        trained = module._logprobs_no_grad(r, chunks)
+        trained = logprobs_no_grad(module.policy, r, chunks, module._update_settings())
         m = r.completion_mask.bool()
         gap = (trained - r.logprobs)[m].double()
         raw = gap.exp()

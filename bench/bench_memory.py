@@ -116,7 +116,7 @@ def recipe_settings(row: dict) -> dict:
     """prompts, group_size, prompt_tokens, new_tokens of the row as configured."""
     cli = configured(row)
     return {"prompts": cli.datamodule.batch_size, "group_size": cli.model.hparams.group_size,
-            "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.rollout.max_new_tokens}
+            "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.sampling.max_new_tokens}
 
 
 def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
@@ -149,7 +149,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
     from qerl.rollout.footprint import wave_kv_cache_bytes
     from qerl.run.memory_budget import within_budget
     from qerl.run.memory_plan import plan_memory
-    from qerl.run.resolve import engine_args, run_settings
+    from qerl.run.resolve import engine_settings, run_settings
     from qerl.testing.random_models import model_config
 
     cli = configured(row)
@@ -162,7 +162,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(model_config(row["model"], vocab_size=vocab))
     plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
-                       wave_rows=engine_args(cli.config.model.rollout).get("wave_rows"),
+                       wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
                        micro_batch_tokens=cli.config.model.micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
@@ -280,7 +280,7 @@ def main() -> None:
             if "error" not in result:
                 row.update(planned(row, vocab, free, total))
         if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
-            short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
+            short = ["--model.sampling.max_new_tokens", str(args.builtin_tokens)]
             fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})
             graphs = in_own_process(fit, row, model_dir, fixed, name + "_graphs_short", short)
             builtin = in_own_process(fit, row, model_dir, fixed, name + "_builtin_short",

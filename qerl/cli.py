@@ -25,16 +25,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
-from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.cli_errors import QeRLArgumentParser, checkpoint_path_problem, config_files, yaml_problem
-from qerl.data.prompts import MathPromptDataModule
+from qerl.data.prompts import MathPromptDataModule, refill_workers_error
 from qerl.data.reward_health import RewardsFailing
 from qerl.hub import hub_unavailable
+from qerl.model.aqn import AQNSchedule
 from qerl.model.experts import routed_experts_of
 from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.options import max_steps_error
 from qerl.run.memory_budget import budget_error, hold_to_budget
 from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
@@ -65,7 +66,8 @@ class QeRLCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(AdaptiveQuantizationNoise, "aqn")
+        parser.add_class_arguments(AQNSchedule, "aqn")  # the schedule the module builds each step's noise from
+        parser.link_arguments("aqn", "model.aqn", apply_on="instantiate")
         parser.add_lightning_class_args(RolloutSync, "rollout_sync")
         parser.add_lightning_class_args(EntropyLogger, "entropy_logging")
         parser.add_lightning_class_args(ScalarLayout, "scalar_layout")
@@ -117,12 +119,8 @@ class QeRLCLI(LightningCLI):
         rollout = (config.get("model") or {}).get("rollout") or {}
         default_allocator_settings(str(rollout.get("class_path", "") if hasattr(rollout, "get") else rollout))
         if self.subcommand == "fit":
-            max_steps = config.trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                self._parser(self.subcommand).error(
-                    f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to train (the prompt "
-                    "stream is endless, and the LR and AQN schedules need it). A recipe (configs/recipes/) sets "
-                    "the model and data only: put --config configs/gpu.yaml first, which sets the trainer.")
+            if error := max_steps_error(config.trainer.max_steps):
+                self._parser(self.subcommand).error(error)
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
@@ -154,9 +152,7 @@ class QeRLCLI(LightningCLI):
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
         model, data = config.get("model") or {}, config.get("data") or {}
         if self.subcommand == "fit" and model.get("max_refill_rounds") and data.get("num_workers"):
-            self._parser(self.subcommand).error(
-                f"data.num_workers={data.get('num_workers')}: refilling a batch (model.max_refill_rounds) draws "
-                "prompts from the training stream in the main process: set data.num_workers: 0.")
+            self._parser(self.subcommand).error(refill_workers_error(data.get("num_workers")))
 
     def instantiate_classes(self) -> None:
         # The classes are built from the resolved copy of the config (concrete values, qerl.run.resolve; the module's

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from qerl.run.renamed_options import renamed_hints
+
 
 class QeRLArgumentParser(LightningArgumentParser):
     """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo;
@@ -35,7 +37,7 @@ class QeRLArgumentParser(LightningArgumentParser):
             close = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6) if unknown not in options else []
             if close:
                 hints.append(f"did you mean {close[0]}?")
-        hints += init_arg_hints(message) + class_hints(message)
+        hints = renamed_hints(message) or hints + init_arg_hints(message) + class_hints(message)
         hint = f" ({'; '.join(hints)})" if hints else ""
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"error: {short_error(message)}{hint}\nAll options: {prog} --help\n")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from qerl.export.trained_run import TrainedRun
 from qerl.export.writers import end_of_turn_ids
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 
 TRAINING_QUESTIONS = 24  # questions drawn from the training stream when the run has no validation sources
 MIN_KEPT = 0.9  # the export's correct answers over the policy's, at least
@@ -81,10 +82,9 @@ def validation_questions(run: TrainedRun, tokenizer, max_questions: int | None =
 
 def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int) -> list[list[int]]:
     """Greedy completions (token ids up to and including EOS) with the engine ``train.py validate`` uses."""
-    engine = BuiltinRollout(max_new_tokens=max_new_tokens)
     eos = end_of_turn_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
-    with engine.sampling(greedy=True):
-        rollout = engine.generate(model, prompts, 1, tokenizer.pad_token_id, eos)
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, greedy=True, stream="separate")
+    rollout = BuiltinRollout().generate(model, prompts, 1, tokenizer.pad_token_id, eos, spec)
     return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
 
 

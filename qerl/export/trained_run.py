@@ -180,6 +180,7 @@ def load_trained_policy(run: TrainedRun, dtype: str = "float32", device: str = "
 
 
 def rollout_length(run: TrainedRun) -> int:
-    """The run's completion budget (``model.rollout.init_args.max_new_tokens``)."""
-    rollout = (run.config.get("model") or {}).get("rollout") or {}
-    return int((rollout.get("init_args") or {}).get("max_new_tokens", 256))
+    """The run's completion budget (``model.sampling.max_new_tokens``)."""
+    model = run.config.get("model") or {}
+    before = ((model.get("rollout") or {}).get("init_args") or {}).get("max_new_tokens")  # a run saved before the move
+    return int((model.get("sampling") or {}).get("max_new_tokens", before or 256))

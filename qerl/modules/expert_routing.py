@@ -26,6 +26,7 @@ from qerl.model.routing import NOT_FED, RoutingHooks, RoutingRecorder, topk_diff
 from qerl.modules.micro_batches import right_align
 from qerl.rollout.base import Rollout
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 
 
 class ExpertRouting:
@@ -50,15 +51,15 @@ class ExpertRouting:
         self._hooks: RoutingHooks | None = None  # on the policy during an update with recorded choices
 
     def sample(self, engine, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int,
-               eos_ids: list[int]) -> Rollout:
+               eos_ids: list[int], spec: SamplingSpec) -> Rollout:
         """``engine.generate(...)``, recording the expert choices where the policy has routers and the engine can."""
         recorder = RoutingRecorder() if self._records(engine, policy) else None
         self._samples += 1
         if recorder is None:
             self._choices = None
-            return engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids)
+            return engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
         with recorder.recording(policy):
-            rollout = engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids, routing=recorder)
+            rollout = engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=recorder)
         masks = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)
         self._choices = recorder.choices(*masks.shape)
         self._masks, self._completion_start = masks, rollout.prompt_mask.shape[1]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
@@ -44,16 +44,19 @@ import torch
 from qerl.model.aqn import noisy_norms
 from qerl.model.routing import RoutingRecorder
 from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
-from qerl.ranks import rank_seed
+from qerl.rollout.adapter_copies import AdapterCopies
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
-from qerl.rollout.footprint import bf16_copy_spare, wants_bf16_copy
+from qerl.rollout.engine_settings import GraphEngineSettings
+from qerl.rollout.footprint import wants_bf16_copy
+from qerl.rollout.graph_cache import GraphCache
 from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
-from qerl.rollout.kv_cache import SlotCache, free_bytes, head_dim, releases_kv_cache, total_bytes
+from qerl.rollout.kv_cache import SlotCache, head_dim
 from qerl.rollout.sampling import sample_rows
+from qerl.rollout.sampling_spec import SamplingSpec
 
 def _base_model(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -63,10 +66,6 @@ class CUDAGraphRollout(RolloutEngine):
     """Samples with the policy being trained, one CUDA graph replay per decode step (see the module docstring).
 
     Args:
-        max_new_tokens: completion budget; longer completions are truncated.
-        temperature: sampling temperature.
-        top_p: nucleus sampling threshold (1.0 keeps the full distribution).
-        seed: seed of the sampling generator.
         check_every: decode steps between the host's looks at how many rows are still running (each look is one
             GPU->CPU sync; it decides early stop and batch compaction).
         length_bucket: cache columns are attended in multiples of this many tokens (one graph per multiple).
@@ -85,20 +84,16 @@ class CUDAGraphRollout(RolloutEngine):
             rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
             (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
-            None: what the memory plan counted (``train.py`` decides it before the engine is built); an engine built
-            without a plan makes it when the rollout has more than 64 rows and the copy fits in free GPU memory with
-            the plan's margin to spare (``qerl.rollout.footprint.wants_bf16_copy``). Fused step only; bf16 models are
-            unaffected.
+            Fused step on CUDA only; bf16 models are unaffected.
         wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
-            one wave instead of the whole batch (None: the memory plan's, decided before the engine is built; all
-            rows in one wave where no plan is made). Each
-            row's sampling noise is a function of its output row and step, so the samples are the same whatever the
-            wave size.
+            one wave instead of the whole batch (None: every row in one wave). Each row's sampling noise is a function
+            of its output row and step, so the samples are the same whatever the wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
-            update can use the memory (False; the next rollout allocates it again). None: what the memory plan
-            assumed (decided before the engine is built); without a plan the engine's rule
-            (``qerl.rollout.kv_cache.releases_kv_cache``: free it on CUDA when it holds more than a twentieth of the
-            GPU's memory).
+            update can use the memory (False; the next rollout allocates it again).
+
+        ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
+        decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
+        without them takes ``GraphEngineSettings.unplanned()``.
         kv_cache_dtype: ``auto``: the KV cache in the model's dtype; ``fp8_e4m3``: one byte per element (vLLM's
             option of the same name, scale 1): half the cache memory (twice the rows per wave) and half the bytes
             each decode step's attention reads. K and V are rounded to e4m3, so the sampling policy moves a little
@@ -107,14 +102,12 @@ class CUDAGraphRollout(RolloutEngine):
             capability >= 8.9 (Ada, Hopper) for the fused step; any device otherwise.
     """
 
+    settings = GraphEngineSettings  # what the memory plan reads of this engine and plans for it
+
     def __init__(
         self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int = 0,
         check_every: int = 16,
-        length_bucket: int = 256,
+        length_bucket: int = GraphEngineSettings.length_bucket,
         min_bucket: int = 1,
         adapter_in_model_dtype: bool = True,
         fused: bool | None = None,
@@ -123,7 +116,10 @@ class CUDAGraphRollout(RolloutEngine):
         keep_kv_cache: bool | None = None,
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
     ):
-        super().__init__(max_new_tokens, temperature, top_p, seed)
+        super().__init__()
+        unplanned = GraphEngineSettings.unplanned()
+        wide_batch_bf16 = unplanned["wide_batch_bf16"] if wide_batch_bf16 is None else wide_batch_bf16
+        keep_kv_cache = unplanned["keep_kv_cache"] if keep_kv_cache is None else keep_kv_cache
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype={kv_cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}; use auto (the model's dtype) or fp8_e4m3.")
@@ -137,24 +133,16 @@ class CUDAGraphRollout(RolloutEngine):
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
-        self._shadows: dict[int, tuple] = {}  # id(LoRA parameter) -> (its module, attribute, its model-dtype copy)
+        self._adapters = AdapterCopies()
         self._state = None  # buffers of the current size, see _ensure_state
-        # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
-        # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.graphs_captured = 0
+        self._graph_cache = GraphCache()
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
         self._routing: RoutingRecorder | None = None  # the current generate call's, if any
 
     # ------------------------------------------------------------------------------------------------------------
-    def reset_generator(self) -> None:
-        """Restart the sampling stream from ``seed`` (tests compare runs with the same draws)."""
-        if self._generator is not None:
-            self._generator.manual_seed(rank_seed(self.seed))
-
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
-                 routing: RoutingRecorder | None = None) -> Rollout:
+                 spec: SamplingSpec, routing: RoutingRecorder | None = None) -> Rollout:
         """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded;
         a MoE's steps run eagerly: captured steps run no Python)."""
         base = _base_model(policy)
@@ -165,15 +153,15 @@ class CUDAGraphRollout(RolloutEngine):
             raise ValueError("CUDAGraphRollout records expert choices in eager steps only; captured steps would need "
                              "a fused MoE step that writes them.")
         self._routing = routing
-        self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
+        generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         register_decode_attention()
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
-        N, new = B * group_size, self.max_new_tokens
+        N, new = B * group_size, spec.max_new_tokens
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
-        key = torch.randint(0, 2**32, (2,), generator=self._generator, device=device)
+        key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
         wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
@@ -182,7 +170,7 @@ class CUDAGraphRollout(RolloutEngine):
                              f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
-        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, device)
+        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, spec, device)
         out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
         out["tokens_out"].fill_(pad_id)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
@@ -193,22 +181,20 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 0
         try:
             # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
-            with noisy_norms(policy, self.noise_std, self.noise_generator), decode_attention(base.config), \
+            with noisy_norms(policy, spec.noise_sigma, spec.noise_generator), decode_attention(base.config), \
                     self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
-                    pending = s.cache.nbytes if s.cache.storage is None else 0  # allocated after the copy
                     rows = wave_prompts * group_size
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device, pending),
-                                    rows=rows)
-                    self._drop_stale_graphs(decoder)
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows)
+                    self._graph_cache.drop_stale(decoder.key)
                 s.decoder = decoder
                 s.noise_key.copy_(key)
                 for first in range(0, B, wave_prompts):
                     prompts = slice(first, min(B, first + wave_prompts))
                     rows = slice(prompts.start * group_size, prompts.stop * group_size)
                     wave_steps = self._decode_wave(s, policy, ids[prompts], mask[prompts], group_size, pad_id,
-                                                   eos_ids, rows.start, graphs)
+                                                   eos_ids, rows.start, graphs, spec)
                     n = rows.stop - rows.start
                     for name, buffer in out.items():
                         buffer[rows, :wave_steps] = getattr(s, name)[:n, :wave_steps]
@@ -219,8 +205,8 @@ class CUDAGraphRollout(RolloutEngine):
                 policy.train()
             if decoder is not None:
                 decoder.release()
-            if releases_kv_cache(self.keep_kv_cache, s.cache.nbytes, total_bytes(device)):
-                s.cache.release()  # for the update (keep_kv_cache)
+            if not self.keep_kv_cache:
+                s.cache.release()  # for the update
         self._phase("done", steps - 1)
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
@@ -238,20 +224,20 @@ class CUDAGraphRollout(RolloutEngine):
         )
 
     def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
-                     first_row: int, graphs: bool) -> int:
+                     first_row: int, graphs: bool, spec: SamplingSpec) -> int:
         """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
         the decode steps run (the columns of ``s.tokens_out`` written)."""
         B, P = ids.shape
-        N, new = B * group_size, self.max_new_tokens
+        N, new = B * group_size, spec.max_new_tokens
         device = ids.device
         if s.cache.allocate():  # again, after the last rollout released it, at another address
             self._clear_graphs()
-        s.reset(mask, group_size, pad_id, eos_ids, self.max_new_tokens)
+        s.reset(mask, group_size, pad_id, eos_ids, new)
         s.first_row.fill_(first_row)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
         decoder, cache = s.decoder, s.cache
-        cache.mode = "prefill"
+        cache.start_prefill()
         m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
         m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
         if decoder is not None:
@@ -263,11 +249,11 @@ class CUDAGraphRollout(RolloutEngine):
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                             past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
-        self._record(s, logits.repeat_interleave(group_size, 0), N)
+        self._record(s, logits.repeat_interleave(group_size, 0), N, spec)
         del logits
         self._phase("decode")
         b, steps = N, 1
-        while steps < min(new, self._decode_limit()):
+        while steps < self._decode_limit(new):
             if steps % self.check_every == 0:
                 alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
@@ -277,7 +263,7 @@ class CUDAGraphRollout(RolloutEngine):
                     s.compact(b, P + steps - 1)
                     b = smaller
             length = min(s.length, -(-(P + steps) // self.length_bucket) * self.length_bucket)
-            self._run_step(s, policy, b, length, graphs)
+            self._run_step(s, policy, b, length, graphs, spec)
             steps += 1
         return steps
 
@@ -292,13 +278,13 @@ class CUDAGraphRollout(RolloutEngine):
         """The fused step's kernels on ``device``, picked once (PDL and the wgmma GEMV where supported)."""
         return Kernels.pick(device)
 
-    def _sample(self, logits, key, rows, step):
+    def _sample(self, logits, spec: SamplingSpec, key, rows, step):
         """The draw of one step (the fused sampling kernels where they apply)."""
-        return sample_rows(logits, self.temperature, self.top_p, key, rows, step)
+        return sample_rows(logits, spec.temperature, spec.top_p, key, rows, step)
 
-    def _decode_limit(self) -> int:
-        """Tokens to decode at most (``max_new_tokens``)."""
-        return self.max_new_tokens
+    def _decode_limit(self, max_new_tokens: int) -> int:
+        """Tokens to decode at most (the spec's ``max_new_tokens``)."""
+        return max_new_tokens
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
         """Told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
@@ -321,93 +307,59 @@ class CUDAGraphRollout(RolloutEngine):
         self._decoder = ((id(base), kernels), decoder)
         return decoder
 
-    def _drop_stale_graphs(self, decoder) -> None:
-        """Graphs of an earlier layout of what the step reads (this rollout's dense copy elsewhere, an adapter
-        toggled, ...) can never replay again: free them (their pool too when none is left)."""
-        stale = [k for k in self._graphs if k[4] is not None and k[4] != decoder.key(k[0])]
-        for k in stale:
-            del self._graphs[k]
-        if stale and not self._graphs:
-            self._clear_graphs()
+    @property
+    def graphs_captured(self) -> int:
+        """Decode steps captured over the engine's life (recaptures count)."""
+        return self._graph_cache.captured
 
     def _clear_graphs(self) -> None:
-        """Drop every captured graph, and their memory pool with them: a pool whose graphs are all gone cannot be
-        captured into again (the next capture gets a new one)."""
-        self._graphs.clear()
-        if getattr(self, "_pool", None) is not None:
-            self._pool = torch.cuda.graph_pool_handle()
+        self._graph_cache.clear()
 
-    def _wide_batch_bf16(self, decoder, rows: int, dtype, device, pending: int = 0) -> bool:
-        """Whether this rollout decodes its wide steps on a bf16 copy; ``pending``: bytes still to be allocated after
-        the copy (a KV cache released for the last update), which the copy must leave room for."""
-        if device.type != "cuda":
-            return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), None)
-        free = free_bytes(device) - pending
-        spare = bf16_copy_spare(total_bytes(device))  # the memory plan's margin, as it assumes
-        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), free, spare)
+    def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
+        """Whether this rollout decodes its wide steps on a bf16 copy: as ``wide_batch_bf16`` says, where there are
+        wide steps and NVFP4 weights to copy, on CUDA."""
+        on_cuda = 0 if device.type == "cuda" else None  # (the setting is decided: no free memory to weigh)
+        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), on_cuda)
 
-    @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):
-        """Give the LoRA layers copies of their matrices (of ``params``: the policy's ``named_parameters()``) in
-        ``dtype`` for the block (same buffers every call), in their parameters' places; put the parameters back after.
-        The parameters themselves stay untouched: changing a parameter's dtype through ``.data`` would drop its
-        autograd accumulator, and with it the gradient hooks DDP registered there (no all-reduce after a rollout)."""
-        swapped, copies, sources = [], [], []
-        if self.adapter_in_model_dtype:
-            for name, p in params:
-                if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
-                    shadow = self._shadows.get(id(p))  # (module holding p, its attribute, the copy)
-                    if shadow is None or shadow[0]._parameters.get(shadow[1]) is not p or shadow[2].dtype != dtype \
-                            or shadow[2].shape != p.shape or shadow[2].device != p.device:
-                        owner, attr = name.rsplit(".", 1)
-                        shadow = self._shadows[id(p)] = (policy.get_submodule(owner), attr, torch.nn.Parameter(
-                            torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False))
-                    module, attr, copy = shadow
-                    swapped.append((module, attr, p))
-                    copies.append(copy)
-                    sources.append(p.detach())
-            if copies:  # one multi-tensor kernel, not one per matrix (host time)
-                torch._foreach_copy_(copies, sources)
-            for (module, attr, _), copy in zip(swapped, copies):
-                module._parameters[attr] = copy
-        try:
-            yield
-        finally:
-            for module, attr, p in swapped:
-                module._parameters[attr] = p
+        """The LoRA matrices in ``dtype`` for the rollout, where ``adapter_in_model_dtype``."""
+        return self._adapters.swapped_in(policy, params, dtype) if self.adapter_in_model_dtype else nullcontext()
 
-    def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> DecodeState:
+    def _ensure_state(self, policy, base, params: list, rows: int, length: int, spec: SamplingSpec,
+                      device) -> DecodeState:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
         pointers = tuple(p.data_ptr() for _, p in params)
         dtype = base.get_input_embeddings().weight.dtype
         kv_dtype = cache_dtype(self.kv_cache_dtype, dtype)
-        key = (pointers, self.top_p, id(policy), kv_dtype)
+        key = (pointers, spec.top_p, id(policy), kv_dtype)
         s = self._state
-        if s is not None and s.key == key and s.rows >= rows and s.length >= length:
+        if s is not None and s.key == key and s.rows >= rows and s.length >= length \
+                and s.tokens_out.shape[1] >= spec.max_new_tokens:
             return s
         self._clear_graphs()
         self._state = None
+        new = spec.max_new_tokens
         if s is not None:  # keep the larger of the old and new sizes so alternating requests do not thrash
             if s.key == key:
-                rows, length = max(rows, s.rows), max(length, s.length)
+                rows, length, new = max(rows, s.rows), max(length, s.length), max(new, s.tokens_out.shape[1])
             del s
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim(config))
         cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated by each wave (see _decode_wave)
-        s = DecodeState.empty(key, cache, self.max_new_tokens, device)
+        s = DecodeState.empty(key, cache, new, device)
         self._state = s
         if device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
+            self._graph_cache.new_pool()
         return s
 
-    def _record(self, s: DecodeState, logits: torch.Tensor, b: int) -> None:
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
         rows = s.first_row + s.slot_row[:b]  # output rows: the noise follows the row, not its slot or wave
-        key = None if self.greedy else s.noise_key
-        token, logprob, entropy = self._sample(logits, key, rows, s.step)
+        key = None if spec.greedy else s.noise_key
+        token, logprob, entropy = self._sample(logits, spec, key, rows, s.step)
         done = s.finished[:b]
         token = torch.where(done, s.pad, token)
         index = (s.slot_row[:b], s.step.expand(b))
@@ -418,10 +370,10 @@ class CUDAGraphRollout(RolloutEngine):
         s.last[:b] = token
         s.step += 1
 
-    def _step(self, s: DecodeState, policy, b: int, length: int) -> None:
+    def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
         cache = s.cache
-        cache.mode, cache.b, cache.L = "decode", b, length
+        cache.start_decode(b, length)
         mask = s.mask[:b]
         mask.index_fill_(3, cache.position, True)
         if s.decoder is not None:
@@ -434,24 +386,21 @@ class CUDAGraphRollout(RolloutEngine):
                          position_ids=s.pos[:b, None], past_key_values=s.hf_cache, use_cache=True,
                          logits_to_keep=1)
             logits = out.logits[:, -1]
-        self._record(s, logits, b)
+        self._record(s, logits, b, spec)
         s.pos[:b] += 1
         cache.position += 1
 
-    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool) -> None:
+    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool, spec: SamplingSpec) -> None:
         decoder = s.decoder
-        graph_key = (b, length, self.temperature, self.greedy, decoder.key(b) if decoder is not None else None)
-        graph = self._graphs.get(graph_key) if graphs else None
+        # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
+        graph_key = (b, length, spec.temperature, spec.greedy, decoder.key(b) if decoder is not None else None)
+        graph = self._graph_cache.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()
             return
         if graphs:
             self._phase("capture")
-        self._step(s, policy, b, length)  # eager: the step itself, and the warm-up before a capture
+        self._step(s, policy, b, length, spec)  # eager: the step itself, and the warm-up before a capture
         if graphs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(s, policy, b, length)
-            self._graphs[graph_key] = graph
-            self.graphs_captured += 1
+            self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
             self._phase("captured")

@@ -62,7 +62,7 @@ def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: s
         raise torch.cuda.OutOfMemoryError(
             f"CUDAGraphRollout: the static KV cache for {rows} rows x {length} positions needs {nbytes / 2**30:.1f} "
             f"GiB, {free / 2**30:.1f} GiB are free on {where}. Lower data.batch_size, model.group_size or "
-            "model.rollout.init_args.max_new_tokens (or data.max_prompt_tokens), or use "
+            "model.sampling.max_new_tokens (or data.max_prompt_tokens), or use "
             "qerl.rollout.builtin.BuiltinRollout, whose cache grows with the longest live sequence.")
 
 
@@ -88,6 +88,15 @@ class SlotCache:
         # lives as long as the cache object (captured graphs read it), whether or not the storage is allocated
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.mode, self.b, self.L = "prefill", rows, length
+
+    def start_prefill(self) -> None:
+        """The next ``update`` of each layer writes a prompt's keys (``prefill`` above)."""
+        self.mode = "prefill"
+
+    def start_decode(self, rows: int, length: int) -> None:
+        """The next ``update`` of each layer is one decode step of rows 0..``rows``-1 attending to the first
+        ``length`` columns (``decode`` above)."""
+        self.mode, self.b, self.L = "decode", rows, length
 
     @property
     def nbytes(self) -> int:
