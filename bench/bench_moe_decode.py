@@ -31,6 +31,7 @@ from bench_rollout import copy_bandwidth, random_prompt
 
 from qerl.model.experts import Experts
 from qerl.rollout.kv_cache import head_dim
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, model_config
 
 NAME = "qwen3-30b-a3b"
@@ -82,15 +83,14 @@ def time_decode(policy, rows: int, new: int) -> dict:
     group = min(8, rows)
     gen = torch.Generator().manual_seed(rows)
     prompts = [random_prompt(policy, gen) for _ in range(rows // group)]
-    eng = rollout_hooks.engine(max_new_tokens=new, seed=0, check_every=16, fused=False)
-    timer = rollout_hooks.PhaseTimer(eng)
-    rollout_hooks.stop_after(eng, 2)
-    eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers, Triton compiles, GEMV repacks
-    rollout_hooks.stop_after(eng, None)
+    timer = rollout_hooks.PhaseTimer()
+    eng = rollout_hooks.engine(check_every=16, fused=False, phase_hook=timer)
+    spec = SamplingSpec(max_new_tokens=new, seed=0)
+    eng.generate(policy, prompts, group, 0, [], spec, stop_after=2)  # warm-up: buffers, Triton compiles, GEMV repacks
     torch.cuda.synchronize()
     with ExpertCounter(policy) as counter:
         t = time.perf_counter()
-        r = eng.generate(policy, prompts, group, 0, [])
+        r = eng.generate(policy, prompts, group, 0, [], spec)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     assert r.completion_ids.shape == (rows, new) and eng.graphs_captured == 0  # eager steps, fixed length

@@ -317,7 +317,7 @@ def test_two_ranks_on_fixed_rollouts_make_the_update_of_one_process_over_the_sam
 # A mixture-of-experts policy (tiny Qwen3-MoE: NVFP4 experts with LoRA each, the router frozen)
 
 GRAPH_ENGINE = ["--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
-                "--model.rollout.init_args.max_new_tokens", "4", "--model.rollout.init_args.fused", "true"]
+                "--model.sampling.max_new_tokens", "4", "--model.rollout.init_args.fused", "true"]
 
 
 @pytest.fixture(scope="module", params=["builtin", "cuda_graph"])

@@ -24,6 +24,7 @@ import torch
 from qerl.model.policy import build_policy
 from qerl.model.routing import NOT_FED, RoutingRecorder, routed, topk_differs
 from qerl.rollout.builtin import BuiltinRollout, position_ids
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.tiny_models import save_tiny_model
 
 SIGMAS = (0.0, 1e-4, 1e-3, 1e-2, 5e-2)
@@ -43,13 +44,14 @@ def trainer_logprobs(policy, rollout, replay=None):
 
 
 def measure(policy, sigma: float, seed: int) -> dict:
-    engine = BuiltinRollout(max_new_tokens=NEW, temperature=1.0, seed=seed)
-    engine.set_noise(sigma, torch.Generator().manual_seed(seed))
+    engine = BuiltinRollout()
+    spec = SamplingSpec(max_new_tokens=NEW, temperature=1.0, seed=seed, noise_sigma=sigma,
+                        noise_generator=torch.Generator().manual_seed(seed))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 40000, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(PROMPTS)]
     recorder = RoutingRecorder()
     with recorder.recording(policy):
-        rollout = engine.generate(policy, prompts, GROUP, 0, [2], routing=recorder)
+        rollout = engine.generate(policy, prompts, GROUP, 0, [2], spec, routing=recorder)
     P = rollout.prompt_ids.shape[1]
     choices = recorder.choices(rollout.prompt_ids.shape[0], P + rollout.completion_ids.shape[1])
     lp_own, own = trainer_logprobs(policy, rollout)

@@ -279,7 +279,7 @@ class DrGRPOLoss(PolicyLoss):
         super().__init__(eps_low=eps_low, eps_high=eps_high, beta=beta, correction=correction)
         if max_completion_length is None:
             raise ValueError("model.loss max_completion_length: DrGRPOLoss divides by N x max_completion_length; set "
-                             "--model.loss.init_args.max_completion_length to model.rollout.init_args.max_new_tokens.")
+                             "--model.loss.init_args.max_completion_length to model.sampling.max_new_tokens.")
         if max_completion_length < 1:
             raise ValueError(f"model.loss max_completion_length={max_completion_length}: must be >= 1 (the rollout's "
                              "max_new_tokens).")

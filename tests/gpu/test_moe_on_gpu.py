@@ -19,6 +19,7 @@ from qerl.nvfp4.checkpoint import NVFP4_KEYS
 from qerl.nvfp4.format import dequantize
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, model_config
 from qerl.testing.rollouts import recompute
 
@@ -70,11 +71,11 @@ def test_routed_nvfp4_experts_equal_float64_on_the_gpu(policy):
 
 
 def test_graph_engine_decodes_a_moe_eagerly_with_exact_logprobs_and_records_its_routing(policy, prompts):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, fused=True)
+    engine = CUDAGraphRollout(check_every=4, fused=True)
     recorder = RoutingRecorder()
     with warnings.catch_warnings(record=True) as caught, recorder.recording(policy):
         warnings.simplefilter("always")
-        r = engine.generate(policy, prompts, 4, 0, [], routing=recorder)
+        r = engine.generate(policy, prompts, 4, 0, [], SamplingSpec(max_new_tokens=24, seed=0), routing=recorder)
     assert [str(w.message) for w in caught if "fused decoding off" in str(w.message)]  # refused by name, once
     assert engine.graphs_captured == 0  # the MoE step runs eagerly
     assert float((r.logprobs - recompute(policy, r)[0]).abs().max()) < LOGPROB_ATOL

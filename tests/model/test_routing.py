@@ -10,6 +10,7 @@ import torch
 from qerl.model.experts import Experts
 from qerl.model.routing import NOT_FED, RoutingRecorder, routed, topk_differs
 from qerl.rollout.builtin import BuiltinRollout, position_ids
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 
 PAD, EOS = 0, 7
@@ -28,10 +29,10 @@ def policy(tiny_moe_policy):
 
 
 def sample(engine, policy, noise: float = 0.0):
-    engine.set_noise(noise, torch.Generator().manual_seed(3))
+    spec = SamplingSpec(max_new_tokens=6, noise_sigma=noise, noise_generator=torch.Generator().manual_seed(3))
     recorder = RoutingRecorder()
     with recorder.recording(policy):
-        rollout = engine.generate(policy, PROMPTS, 2, PAD, [EOS], routing=recorder)
+        rollout = engine.generate(policy, PROMPTS, 2, PAD, [EOS], spec, routing=recorder)
     width = rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
     return rollout, recorder.choices(rollout.prompt_ids.shape[0], width)  # [layers, N, P + L, k]
 
@@ -59,8 +60,8 @@ def fed(rollout, choices):
     return (choices[0, ..., 0] != NOT_FED) & mask  # (finished rows are fed pad tokens too: not compared)
 
 
-@pytest.mark.parametrize("engine", [BuiltinRollout(max_new_tokens=6),
-                                    CUDAGraphRollout(max_new_tokens=6, check_every=2)], ids=["builtin", "cuda_graph"])
+@pytest.mark.parametrize("engine", [BuiltinRollout(),
+                                    CUDAGraphRollout(check_every=2)], ids=["builtin", "cuda_graph"])
 def test_recorded_choices_are_the_routers_choices_at_each_tokens_place(policy, engine):
     rollout, choices = sample(engine, policy)
     assert choices.shape[:3] == (2, 6, rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1])
@@ -75,7 +76,7 @@ def test_recorded_choices_are_the_routers_choices_at_each_tokens_place(policy, e
 
 
 def test_router_replay_runs_the_rollouts_experts(policy):
-    rollout, choices = sample(BuiltinRollout(max_new_tokens=6), policy, noise=0.5)  # noise large enough to reroute
+    rollout, choices = sample(BuiltinRollout(), policy, noise=0.5)  # noise large enough to reroute
     where = fed(rollout, choices)
     own, ran = teacher_forced(policy, rollout)
     assert topk_differs(own, choices)[:, where].any()  # the clean forward would route some tokens elsewhere

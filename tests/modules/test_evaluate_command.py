@@ -64,7 +64,7 @@ def test_validate_scores_aime_amc_math500_with_lightevals_sampling_and_pass_at_k
                   "--config", str(ROOT / "configs" / "eval_lighteval.yaml"),
                   "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.policy.dtype", "float32",
                   "--model.policy.lora_rank", "4", "--data.val_sources", json.dumps(sources),
-                  "--model.eval_samples", "4", "--model.rollout.init_args.max_new_tokens", "6",
+                  "--model.eval_samples", "4", "--model.sampling.max_new_tokens", "6",
                   "--model.reward", "qerl.data.custom_reward.CustomRewardFunction",
                   "--model.reward.init_args.path", "parity.py", "--model.reward.init_args.num_workers", "1",
                   "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
@@ -107,7 +107,7 @@ def test_eval_gsm8k_reads_a_local_copy_as_its_comment_says(tiny_model_dirs, tmp_
     (tmp_path / path).write_text("".join(json.dumps(row) + "\n" for row in rows))
     cli_main(["validate", "--config", str(config), option, path, "--model.policy.model", str(tiny_model_dirs["llama"]),
               "--model.policy.dtype", "float32", "--model.policy.lora_rank", "4",
-              "--model.rollout", "qerl.rollout.builtin.BuiltinRollout", "--model.rollout.init_args.max_new_tokens", "2",
+              "--model.rollout", "qerl.rollout.builtin.BuiltinRollout", "--model.sampling.max_new_tokens", "2",
               "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
               "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
     log_dir = tmp_path / "runs" / "eval_gsm8k" / "version_0"

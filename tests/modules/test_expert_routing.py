@@ -9,6 +9,7 @@ import torch
 from qerl.modules.expert_routing import ExpertRouting
 from qerl.modules.micro_batches import micro_batches
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 
 PROMPTS = [[5, 9, 11, 3, 4], [12, 13], [20, 21, 22]]
 
@@ -19,9 +20,8 @@ def policy(tiny_moe_policy):
 
 
 def sampled(routing: ExpertRouting, policy, noise: float):
-    engine = BuiltinRollout(max_new_tokens=6, seed=2)
-    engine.set_noise(noise, torch.Generator().manual_seed(1))
-    return routing.sample(engine, policy, PROMPTS, 2, 0, [7])
+    spec = SamplingSpec(max_new_tokens=6, seed=2, noise_sigma=noise, noise_generator=torch.Generator().manual_seed(1))
+    return routing.sample(BuiltinRollout(), policy, PROMPTS, 2, 0, [7], spec)
 
 
 def update(routing: ExpertRouting, policy, rollout, checkpointing: bool) -> tuple[dict[str, torch.Tensor], dict]:
