@@ -68,7 +68,8 @@ CLASS_OPTIONS = {  # option -> (module of the classes it takes, their base class
 def class_hints(message: str) -> list[str]:
     """``use one of qerl.modules.loss.DAPOLoss, ...`` for a class option whose value names no class it takes."""
     option = re.match(r'\s*(?:Parser key ")?([\w.]+)"?:', message)
-    if not option or option[1] not in CLASS_OPTIONS or "class_path" in message and "not accepted" in message:
+    if not option or option[1] not in CLASS_OPTIONS or not message.lstrip().startswith('Parser key') \
+            or "class_path" in message and "not accepted" in message:
         return []
     module, base = CLASS_OPTIONS[option[1]]
     base = getattr(importlib.import_module(module), base)

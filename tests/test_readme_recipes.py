@@ -41,7 +41,7 @@ def least_gib(recipe: str, quantization: str) -> tuple[int, float]:
 
     from qerl.model.footprint import ModelShape
     from qerl.run.memory_plan import MemoryPlanError, plan_memory
-    from qerl.run.resolve import engine_args, run_settings
+    from qerl.run.resolve import engine_settings, run_settings
     from qerl.testing.random_models import model_config
 
     model, task = recipe.rsplit("_", 1)
@@ -52,7 +52,7 @@ def least_gib(recipe: str, quantization: str) -> tuple[int, float]:
     def plan(gib: int):
         try:
             return plan_memory(shape, settings, free_bytes=gib * GIB, total_bytes=gib * GIB,
-                               wave_rows=engine_args(cli.config.model.rollout).get("wave_rows"),
+                               wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
                                micro_batch_tokens=cli.config.model.micro_batch_tokens)
         except MemoryPlanError:
             return None

@@ -35,5 +35,7 @@ def test_every_engine_generates_from_a_spec():
     from qerl.rollout.vllm import VLLMRollout
 
     for engine in (BuiltinRollout, CUDAGraphRollout, VLLMRollout):
-        assert list(inspect.signature(engine.generate).parameters)[-1] == "spec", engine
+        parameters = list(inspect.signature(engine.generate).parameters)
+        assert parameters[:7] == ["self", "policy", "prompt_ids", "group_size", "pad_id", "eos_ids", "spec"], engine
+        assert set(parameters[7:]) <= {"routing"}, engine  # a MoE's expert-choice recorder, not a sampling setting
         assert not {"max_new_tokens", "temperature", "top_p", "seed"} & set(inspect.signature(engine).parameters)

@@ -22,5 +22,8 @@ def test_loaded_attention_is_qerls_and_decodes_with_a_cache_as_transformers(tiny
     assert [a.layer_idx for a in attentions] == list(range(len(attentions)))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        torch.testing.assert_close(ours(input_ids=IDS).logits, theirs(input_ids=IDS).logits, rtol=0, atol=0)
+        # a MoE's experts run as one Linear each here and as one fused 3D matmul in transformers: the sums' order
+        # differs with the thread count, so its logits agree to float32 rounding, the dense ones bit for bit
+        atol = 1e-5 if architecture == "qwen3_moe" else 0
+        torch.testing.assert_close(ours(input_ids=IDS).logits, theirs(input_ids=IDS).logits, rtol=0, atol=atol)
         assert torch.equal(ours.generate(IDS, **kw), theirs.generate(IDS, **kw))  # past_key_values.update per layer

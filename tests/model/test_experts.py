@@ -167,6 +167,7 @@ def test_aqn_perturbs_the_norms_of_the_moe_as_of_the_dense_model(tiny_model_dirs
 
 def test_the_random_qwen3_30b_a3b_builder_makes_a_working_moe_policy_at_a_small_size():
     from qerl.rollout.cuda_graph import CUDAGraphRollout
+    from qerl.rollout.sampling_spec import SamplingSpec
     from qerl.testing.random_models import build_random_policy, model_config
 
     config = model_config("qwen3-30b-a3b", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
@@ -174,5 +175,5 @@ def test_the_random_qwen3_30b_a3b_builder_makes_a_working_moe_policy_at_a_small_
     policy = build_random_policy(config, "nvfp4", lora_rank=4, device="cpu", kernel="torch")
     assert sum(isinstance(m, NVFP4Linear) for m in policy.modules()) == 2 * (4 + 8 * 3)
     assert expert_count(policy) == 16 and not any(p.device.type == "meta" for p in policy.parameters())
-    r = CUDAGraphRollout(max_new_tokens=4).generate(policy, [[5, 9, 11], [12, 13]], 2, 0, [])
+    r = CUDAGraphRollout().generate(policy, [[5, 9, 11], [12, 13]], 2, 0, [], SamplingSpec(max_new_tokens=4))
     assert r.completion_ids.shape == (4, 4) and torch.isfinite(r.logprobs).all()

@@ -475,9 +475,10 @@ def test_a_moe_policy_samples_with_the_transformers_step_and_exact_logprobs(tmp_
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, seed=1, check_every=3, fused=True)
+    engine = CUDAGraphRollout(check_every=3, fused=True)
+    spec = SamplingSpec(max_new_tokens=12, temperature=0.7, seed=1, stream="separate")
     with pytest.warns(UserWarning, match=r"fused decoding off for this model \(mixture-of-experts"):
-        r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9])
+        r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9], spec=spec)
     assert not used_decoder(engine) and r.prompt_ids.shape[0] == 12
     lp, entropy = recompute(policy, r, 0.7)
     torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
