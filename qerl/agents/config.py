@@ -1,0 +1,77 @@
+"""``model.agent``: the tools and environment of an episode and its limits, one config group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qerl.tools.environment import EnvironmentFactory, environment_tools, load_environment
+from qerl.tools.loading import Tool, check_unique, load_tools
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn episodes: the model calls tools (or acts on an environment) and continues after each result.
+
+    Without ``tools`` and ``environment`` an episode is one completion (single-turn RL).
+
+    Args:
+        tools: tool functions as TRL's ``tools=`` takes them: ``module:function``, ``path/to/file.py:function`` or
+            ``{class_path: module.Class, init_args: {...}}`` for a callable class with settings (e.g.
+            ``qerl.tools.python.PythonTool``).
+        environment: an environment class (TRL's ``environment_factory``): one instance per trajectory, ``reset(**row)``
+            from the dataset row, its public methods as tools, optional ``step(message)`` and ``get_reward()``.
+        chat_template: a template that shows tools when the model's own does not: ``qwen2_5`` (ChatML models) or a
+            ``.jinja`` file.
+        max_turns: assistant turns per trajectory; a trajectory still calling tools after it ends there.
+        max_tool_calls: tool calls per trajectory; a turn that would pass it ends the trajectory.
+        max_episode_tokens: tokens per trajectory, prompt + every turn + every observation (None: the prompt plus
+            ``max_turns`` times the rollout's max_new_tokens).
+        tool_output_chars: a tool's answer is cut to this many characters.
+        tool_timeout_s: wall-clock limit of one tool call.
+    """
+
+    tools: list[str | dict] | None = None
+    environment: str | dict | None = None
+    chat_template: str | None = None
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_episode_tokens: int | None = None
+    tool_output_chars: int = 2048
+    tool_timeout_s: float = 10.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+    def validate(self) -> None:
+        for name, value, ok, rule in [
+            ("max_turns", self.max_turns, self.max_turns >= 1, ">= 1"),
+            ("max_tool_calls", self.max_tool_calls, self.max_tool_calls >= 0, ">= 0"),
+            ("max_episode_tokens", self.max_episode_tokens, self.max_episode_tokens is None or self.max_episode_tokens
+             >= 2, ">= 2 or null"),
+            ("tool_output_chars", self.tool_output_chars, self.tool_output_chars >= 1, ">= 1"),
+            ("tool_timeout_s", self.tool_timeout_s, self.tool_timeout_s > 0, "> 0"),
+        ]:
+            if not ok:
+                raise ValueError(f"model.agent.{name}={value!r}: must be {rule}.")
+
+    def load(self) -> tuple[list[Tool], EnvironmentFactory | None]:
+        """The tools (loaded and described) and the environment's factory; ``ValueError`` naming the option."""
+        self.validate()
+        tools = load_tools(self.tools, "model.agent.tools")
+        environment = load_environment(self.environment, "model.agent.environment")
+        if environment is not None:
+            check_unique([*tools, *environment_tools(environment.make())], "model.agent.tools + environment")
+        return tools, environment
+
+
+def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict | None) -> list[dict] | None:
+    """The JSON schemas the prompts show (the data module's ``tools``), from ``model.agent``'s tools and environment."""
+    config = AgentConfig(tools=tools, environment=environment)
+    if not config.enabled:
+        return None
+    loaded, factory = config.load()
+    schemas = [t.schema for t in loaded]
+    if factory is not None:
+        schemas += [t.schema for t in environment_tools(factory.make())]
+    return schemas
