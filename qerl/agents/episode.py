@@ -18,6 +18,7 @@ observation tokens, which are context for the loss and never trained.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class Episodes(NamedTuple):
     texts: list[str]  # the whole episode after the prompt, special tokens kept (TensorBoard's samples)
     environment_rewards: Tensor | None  # [N] the environments' get_reward(), None without one that scores
     trajectories: list[Trajectory]
+    decode_s: float = 0.0  # wall time in the engine
+    tool_s: float = 0.0  # wall time waiting for tools and environments (every row's calls at once)
 
 
 def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], group_size: int,
@@ -112,8 +115,11 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
             trajectories.append(Trajectory(list(prompt), own, env))
     live = list(range(len(trajectories)))
     contexts, samples = [list(p) for p in prompt_ids], group_size
+    decode_s = tool_s = 0.0
     while live:
+        start = time.perf_counter()
         rollout = sample(contexts, samples, max_new_tokens)
+        decode_s += time.perf_counter() - start
         for k, i in enumerate(live):
             t = trajectories[i]
             n = int(rollout.completion_mask[k].sum())
@@ -126,9 +132,11 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
                 t.end = "max_episode_tokens"
             elif bool(rollout.truncated[k]):
                 t.end = "length"
+        start = time.perf_counter()
         calls = {i: read_turn(trajectories[i], tokenizer, call_format, config) for i in live
                  if trajectories[i].end is None}
         answers = run_calls(runner, calls, trajectories)
+        tool_s += time.perf_counter() - start
         live = []
         for i, messages in answers.items():
             t = trajectories[i]
@@ -141,7 +149,7 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
             t.add(ids, False)
             live.append(i)
         contexts, samples = [trajectories[i].prompt + trajectories[i].tokens for i in live], 1
-    return finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)
+    return finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)._replace(decode_s=decode_s, tool_s=tool_s)
 
 
 def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:
