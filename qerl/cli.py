@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
+from qerl.agents.config import agent_tool_schemas
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
 from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
@@ -75,6 +76,7 @@ def init_arg_hints(message: str) -> list[str]:
 def short_error(message: str) -> str:
     """The part of a jsonargparse error that says what is wrong: the first reason of a union's errors (not the
     ``None`` alternative's) with the option it concerns, or a type error as ``option=value: expected <type>``."""
+    message = re.sub(r"^Call to compute_fn of link .*? failed: ", "", message.strip(), flags=re.DOTALL)  # our own
     lines = [line for line in message.strip().splitlines() if line.strip()]
     key = re.match(r'Parser key "([\w.]+)":', lines[0].strip()) if lines else None
     reasons = []
@@ -127,6 +129,10 @@ class QeRLCLI(LightningCLI):
                  "memory plan is made only with this).",
         )
         parser.link_arguments("model.policy.model", "data.tokenizer")
+        # The prompts show model.agent's tools (their schemas, loaded and checked now) through its chat template.
+        parser.link_arguments(("model.agent.tools", "model.agent.environment", "model.agent.chat_template",
+                               "model.policy.model"), "data.tools", compute_fn=agent_tool_schemas)
+        parser.link_arguments("model.agent.chat_template", "data.chat_template")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
         parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it

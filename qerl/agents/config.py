@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from qerl.tools.chat_template import check_tool_support, with_chat_template
 from qerl.tools.environment import EnvironmentFactory, environment_tools, load_environment
 from qerl.tools.loading import Tool, check_unique, load_tools
 
@@ -65,13 +67,32 @@ class AgentConfig:
         return tools, environment
 
 
-def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict | None) -> list[dict] | None:
-    """The JSON schemas the prompts show (the data module's ``tools``), from ``model.agent``'s tools and environment."""
-    config = AgentConfig(tools=tools, environment=environment)
+def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict | None, chat_template: str | None = None,
+                       model: str | None = None) -> list[dict] | None:
+    """The JSON schemas the prompts show (the data module's ``tools``), from ``model.agent``'s tools and environment,
+    checked against ``model``'s chat template (or ``chat_template``) when its tokenizer is at hand."""
+    config = AgentConfig(tools=tools, environment=environment, chat_template=chat_template)
     if not config.enabled:
         return None
     loaded, factory = config.load()
     schemas = [t.schema for t in loaded]
     if factory is not None:
         schemas += [t.schema for t in environment_tools(factory.make())]
+    tokenizer = local_tokenizer(model)
+    if tokenizer is not None:
+        check_tool_support(with_chat_template(tokenizer, chat_template, "model.agent.chat_template"), schemas, model,
+                           "model.agent.chat_template")
     return schemas
+
+
+def local_tokenizer(model: str | None):
+    """``model``'s tokenizer when it loads without the network (the embedded model, a local directory, the hub
+    cache), else None: the model's own check reports what is missing."""
+    from qerl.hub import EMBEDDED_MODEL, hub_unavailable, load_tokenizer
+
+    if model is None or (model != EMBEDDED_MODEL and not Path(model).is_dir() and hub_unavailable(model) is not None):
+        return None
+    try:
+        return load_tokenizer(model)
+    except (OSError, ValueError):
+        return None

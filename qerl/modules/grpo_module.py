@@ -42,6 +42,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from qerl.agents.config import AgentConfig
+from qerl.agents.episode import Episodes
+from qerl.agents.metrics import episode_metrics, episode_sums, episode_text
+from qerl.agents.runner import EpisodeRunner
 from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
@@ -55,6 +59,7 @@ from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.ranks import gather_rank_states, own_rank_state
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.tools.chat_template import with_chat_template
 
 # the update's attention kernels: every SDPA kernel but cuDNN's (see GRPOModule._forward_context)
 UPDATE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -110,6 +115,8 @@ class GRPOModule(L.LightningModule):
         eval_greedy: decode each evaluation question greedily too (``val/<source>_acc``, pass@1).
         eval_seed: seed of the evaluation samples (separate from training's stream, which evaluation never moves).
         eval_jsonl: write every evaluation completion to ``<log_dir>/eval/<stage>_step<N>.jsonl``.
+        agent: multi-turn episodes with tools or an environment (see ``AgentConfig``); without tools and environment
+            each sample is one completion.
     """
 
     def __init__(
@@ -145,6 +152,7 @@ class GRPOModule(L.LightningModule):
         eval_greedy: bool = True,
         eval_seed: int = 1234,
         eval_jsonl: bool = True,
+        agent: AgentConfig = AgentConfig(),
     ):
         super().__init__()
         check_options("model", [
@@ -174,6 +182,8 @@ class GRPOModule(L.LightningModule):
             ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
         ])
         policy.validate()
+        agent.validate()
+        self.agent_config = agent
         self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage"])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
@@ -191,6 +201,8 @@ class GRPOModule(L.LightningModule):
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
+        self.episodes: EpisodeRunner | None = None  # built with the tokenizer when model.agent has tools
+        self._step_episodes: list[Episodes] = []  # this step's episodes (refills included), for the logs
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -203,8 +215,13 @@ class GRPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
+            # the tokenizer first: a chat template without tools fails before the weights load
+            self.tokenizer = with_chat_template(load_tokenizer(self.policy_config.model), self.agent_config.chat_template)
+            if self.agent_config.enabled:
+                datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+                self.episodes = EpisodeRunner(self.agent_config, self.tokenizer, self.policy_config.model,
+                                              getattr(datamodule, "chat_template_kwargs", None))
             self.policy = self.policy_config.build(self.device)
-            self.tokenizer = load_tokenizer(self.policy_config.model)
             # Every rank loads the same frozen weights: DDP need not broadcast them (nor can it: gloo has no fp8).
             self._ddp_params_and_buffers_to_ignore = [
                 n for n, p in self.named_parameters() if not p.requires_grad
@@ -232,7 +249,7 @@ class GRPOModule(L.LightningModule):
         advantages = self.advantage(rewards, G)  # [N]
         informative = informative_groups(rewards, G)  # [groups]
         kept = kept_groups(informative, batch_size) if self.hparams.dynamic_sampling else informative  # [groups]
-        loss_mask = rollout.completion_mask.clone()  # [N, L]
+        loss_mask = rollout.model_mask.clone()  # [N, L]: the model's own tokens (not tool results)
         if self.hparams.dynamic_sampling:
             loss_mask *= kept.repeat_interleave(G)[:, None]
         if self.hparams.mask_truncated:
@@ -252,25 +269,43 @@ class GRPOModule(L.LightningModule):
         self._warn_without_signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             self._log_samples(batch, completions, rewards)
-        return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
+        if self._step_episodes:
+            self._log_episodes(batch, rewards, log_text=bool(self.hparams.log_samples_every) and
+                               batch_idx % self.hparams.log_samples_every == 0)
+        return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.model_mask.bool()].cpu()}
 
     def _rollout_and_rewards(self, batch: dict) -> Sample:
         """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
         G = self.hparams.group_size
         start = time.perf_counter()
-        rollout = self.rollout.generate(
-            self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
-        )
+        episodes = None
+        if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
+            episodes = self.episodes.run(self._sampler(), batch, G, self._eos_ids(), self.tokenizer.pad_token_id,
+                                         self.rollout.max_new_tokens)
+            self._step_episodes.append(episodes)
+            rollout, completions = episodes.rollout, episodes.answers
+        else:
+            rollout = self.rollout.generate(
+                self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
+            )
+            completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rollout_s = time.perf_counter() - start
 
-        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rewards, per_reward = self.rewards(completions, batch, G)  # [N] weighted total, {name: [N]}
         rewards = rewards.to(self.device)  # [N]
+        if episodes is not None and episodes.environment_rewards is not None:  # the environment owns its scale
+            rewards += episodes.environment_rewards.to(rewards)
+            per_reward = {**per_reward, self.episodes.environment.name: episodes.environment_rewards}
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer,
                                         self.hparams.overlong_penalty).to(rewards)
         return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
+
+    def _sampler(self):
+        """The engine's ``generate`` for the episode loop: contexts, samples per context, new tokens per turn."""
+        pad, eos = self.tokenizer.pad_token_id, self._eos_ids()
+        return lambda contexts, samples, max_new_tokens: self.rollout.generate(self.policy, contexts, samples, pad, eos)
 
     def _refill(self, sample: Sample, batch_size: int) -> tuple[Sample, int]:
         """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
@@ -321,7 +356,7 @@ class GRPOModule(L.LightningModule):
         row_list = rows.tolist()
         chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
                                rollout.completion_mask, [[row_list[i] for i in batch] for batch in plan],
-                               self.tokenizer.pad_token_id or 0, self.device)
+                               self.tokenizer.pad_token_id or 0, self.device, rollout.model_mask)
         old = self._logprobs_no_grad(rollout, chunks) if self.hparams.num_iterations > 1 else None
         ref = None
         if self.loss.beta > 0:
@@ -408,7 +443,7 @@ class GRPOModule(L.LightningModule):
     def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr,
                   update_tokens, memory: dict[str, float], kept: Tensor, batch_size: int, refill_rounds: int) -> None:
         # sums over this rank's rows, reduced over the ranks: every rank holds the global batch's metrics
-        sums = step_sums(rewards, self.hparams.group_size, correct, informative, entropy, rollout.completion_mask,
+        sums = step_sums(rewards, self.hparams.group_size, correct, informative, entropy, rollout.model_mask,
                          rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s,
                          kept_groups=kept, batch_groups=batch_size, refill_rounds=refill_rounds)
         maxima = {"rollout_s": rollout_s, "train_s": train_s}
@@ -423,6 +458,26 @@ class GRPOModule(L.LightningModule):
         # The progress bar shows the two numbers a user watches.
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
         self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
+
+    def _log_episodes(self, batch: dict, rewards: Tensor, log_text: bool) -> None:
+        """The step's episodes: ``agent/...`` scalars (summed over the ranks) and, with ``log_text``, one whole episode
+        as the ``episodes`` text."""
+        episodes, self._step_episodes = self._step_episodes, []
+        sums = {}
+        for e in episodes:
+            for key, value in episode_sums(e).items():
+                sums[key] = sums.get(key, 0.0) + value
+        keys = sorted(sums)
+        total = self._all_reduce_sum(torch.tensor([sums[k] for k in keys], device=self.device, dtype=torch.float64))
+        metrics = episode_metrics(dict(zip(keys, total.tolist())), sum(e.decode_s for e in episodes),
+                                  sum(e.tool_s for e in episodes))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rewards))
+        experiment = getattr(self.logger, "experiment", None)
+        if log_text and hasattr(experiment, "add_text"):
+            G = self.hparams.group_size
+            text = "\n\n---\n\n".join(episode_text(batch["prompts"][0], episodes[0], j, float(rewards[j]))
+                                        for j in range(min(G, 2)))
+            experiment.add_text("episodes", text, logged_step(self.trainer))
 
     def _log_rewards(self, per_reward: dict[str, Tensor], batch_size: int) -> None:
         """Each reward's mean as ``train/rewards/<name>`` (beside the weighted total, ``train/reward``), and how many

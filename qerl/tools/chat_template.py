@@ -6,7 +6,7 @@ opening. They are the template's suffix after a fixed two-message conversation, 
 (the template must render earlier messages the same whatever follows them, which the Qwen2.5 / Qwen3 / Llama 3
 templates do).
 
-``model.chat_template`` replaces a template that does not show tools: a name qerl ships (``qwen2_5``: Qwen2.5-Instruct's
+``model.agent.chat_template`` replaces a template that does not show tools: a name qerl ships (``qwen2_5``: Qwen2.5-Instruct's
 template, as the ``Qwen/Qwen2.5-*-Instruct`` tokenizers carry it; it works for every ChatML model, SmolLM2 included)
 or a path to a ``.jinja`` file.
 """
@@ -19,7 +19,7 @@ TEMPLATES = {"qwen2_5": Path(__file__).with_name("templates") / "qwen2_5.jinja"}
 PROBE = [{"role": "user", "content": "?"}]
 
 
-def read_chat_template(value: str | None, option: str = "model.chat_template") -> str | None:
+def read_chat_template(value: str | None, option: str = "model.agent.chat_template") -> str | None:
     """The template text ``value`` names: a name in ``TEMPLATES`` or a ``.jinja`` file; None keeps the tokenizer's."""
     if value is None:
         return None
@@ -30,15 +30,15 @@ def read_chat_template(value: str | None, option: str = "model.chat_template") -
     return path.read_text()
 
 
-def with_chat_template(tokenizer, chat_template: str | None):
+def with_chat_template(tokenizer, chat_template: str | None, option: str = "model.agent.chat_template"):
     """``tokenizer`` with the template ``chat_template`` names (``read_chat_template``) when one is given."""
-    text = read_chat_template(chat_template)
+    text = read_chat_template(chat_template, option)
     if text is not None:
         tokenizer.chat_template = text
     return tokenizer
 
 
-def check_tool_support(tokenizer, schemas: list[dict], model: str, option: str = "model.chat_template") -> None:
+def check_tool_support(tokenizer, schemas: list[dict], model: str, option: str = "model.agent.chat_template") -> None:
     """A ``ValueError`` when the template renders the same prompt with and without the tools: the model would never
     see them."""
     plain = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
@@ -75,7 +75,7 @@ def observation_ids(tokenizer, messages: list[dict], end_ids: list[int], tools: 
     if ends:  # the model's turn stops at its end-of-turn token; what the template adds after it belongs here
         prefix = prefix[: ends[-1] + 1]
     if full[: len(prefix)] != prefix:
-        raise ValueError("model.chat_template: appending a tool result changes how the earlier turns render, so the "
+        raise ValueError("model.agent.chat_template: appending a tool result changes how the earlier turns render, so the "
                          "model's own tokens cannot be kept. Fix: a template that renders earlier turns the same "
                          "whatever follows (e.g. qwen2_5).")
     return full[len(prefix):]

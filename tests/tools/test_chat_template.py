@@ -19,13 +19,13 @@ def tokenizer():
 
 
 def test_smollm2_template_without_tools_is_refused_with_the_fix(tokenizer):
-    with pytest.raises(ValueError, match="model.chat_template: the chat template of 'smollm2-135m-instruct' does not "
-                                         "show tools.*set model.chat_template: qwen2_5"):
+    with pytest.raises(ValueError, match="model.agent.chat_template: the chat template of 'smollm2-135m-instruct' does not "
+                                         "show tools.*set model.agent.chat_template: qwen2_5"):
         check_tool_support(tokenizer, SCHEMAS, EMBEDDED_MODEL)
 
 
 def test_unknown_template_name_is_refused():
-    with pytest.raises(ValueError, match="model.chat_template='qwen9'"):
+    with pytest.raises(ValueError, match="model.agent.chat_template=.qwen9."):
         with_chat_template(load_tokenizer(EMBEDDED_MODEL), "qwen9")
 
 
