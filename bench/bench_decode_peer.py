@@ -144,6 +144,7 @@ def qerl_arm(model_dir: str, quantization: str, adapter_dir: str, opts: dict) ->
     import torch
 
     from qerl.model.policy import build_policy
+    from qerl.rollout.sampling_spec import SamplingSpec
 
     start = time.perf_counter()
     policy = build_policy(model_dir, quantization, lora_rank=16, lora_alpha=16.0, train_norms=False, device="cuda",
@@ -152,13 +153,14 @@ def qerl_arm(model_dir: str, quantization: str, adapter_dir: str, opts: dict) ->
     vocab = policy.config.vocab_size
     for rows in opts["rows"]:
         prompts, group = prompts_for(rows, vocab)
-        eng = rollout_hooks.engine(max_new_tokens=opts["long"], seed=0)
+        eng = rollout_hooks.engine()
         timer = rollout_hooks.PhaseTimer(eng)
+        spec = SamplingSpec(max_new_tokens=opts["long"], seed=0)
 
         def run(new: int):
             rollout_hooks.stop_after(eng, new)
             with torch.no_grad():
-                done = eng.generate(policy, prompts, group, 0, [])
+                done = eng.generate(policy, prompts, group, 0, [], spec)
             assert done.completion_ids.shape == (rows, new)
 
         run(opts["long"])  # warm-up: the graphs of every length bucket

@@ -77,7 +77,7 @@ def fit(args, name: str, overrides: list[str]) -> dict[str, list[float]]:
         "fit", "--config", args.config, "--trainer.accelerator", args.accelerator,
         "--model.policy.dtype", "bfloat16", "--model.policy.quantization", args.quantization,
         "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
-        "--model.rollout.init_args.max_new_tokens", "200", "--model.group_size", "8", "--data.batch_size", "16",
+        "--model.sampling.max_new_tokens", "200", "--model.group_size", "8", "--data.batch_size", "16",
         "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps * 10),
         "--model.log_samples_every", "0", "--trainer.logger.init_args.save_dir", f"{args.work}/runs",
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",

@@ -100,11 +100,14 @@ def quality(args) -> dict:
     from qerl.model.policy import PolicyConfig
     from qerl.modules.grpo_module import GRPOModule
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches
+    from qerl.modules.options import SamplingOptions
     from qerl.rollout.cuda_graph import CUDAGraphRollout
+    from qerl.rollout.sampling_spec import SamplingSpec
 
     module = GRPOModule(policy=PolicyConfig(model="smollm2-135m-instruct", quantization="nvfp4", dtype="bfloat16",
                                             lora_rank=16, lora_alpha=32),
-                        rollout=CUDAGraphRollout(max_new_tokens=args.new_quality), group_size=8).to(args.device)
+                        rollout=CUDAGraphRollout(), sampling=SamplingOptions(max_new_tokens=args.new_quality),
+                        group_size=8).to(args.device)
     module.configure_model()
     tok = module.tokenizer
     prompts = [tok(format_prompt(tok, q, "boxed"), add_special_tokens=False)["input_ids"]
@@ -116,11 +119,12 @@ def quality(args) -> dict:
               "is_cap": 2.0,
               "rows": []}
     for kv, sigma in settings:
-        engine = CUDAGraphRollout(max_new_tokens=args.new_quality, seed=0, kv_cache_dtype=kv)
-        engine.set_noise(sigma, torch.Generator().manual_seed(0))  # (AQN draws on the CPU)
+        engine = CUDAGraphRollout(kv_cache_dtype=kv)
         module.rollout = engine
         t = time.perf_counter()
-        r = engine.generate(module.policy, prompts, 8, tok.pad_token_id or 0, eos)
+        spec = SamplingSpec(max_new_tokens=args.new_quality, noise_sigma=sigma,
+                            noise_generator=torch.Generator().manual_seed(0), seed=0)  # (AQN draws on the CPU)
+        r = engine.generate(module.policy, prompts, 8, tok.pad_token_id or 0, eos, spec)
         if module.device.type == "cuda":
             torch.cuda.synchronize()
         rollout_s = time.perf_counter() - t

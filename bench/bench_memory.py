@@ -114,7 +114,7 @@ def recipe_settings(row: dict) -> dict:
     """prompts, group_size, prompt_tokens, new_tokens of the row as configured."""
     cli = configured(row)
     return {"prompts": cli.datamodule.batch_size, "group_size": cli.model.hparams.group_size,
-            "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.rollout.max_new_tokens}
+            "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.sampling.max_new_tokens}
 
 
 def write_prompts(work: Path, tokenizer_dir: str, prompt_tokens: int) -> Path:
@@ -263,7 +263,7 @@ def main() -> None:
             if "error" not in result:
                 row.update(planned(row, vocab, free, total))
         if args.builtin_tokens and row["quantization"] == "nvfp4" and "error" not in result:
-            short = ["--model.rollout.init_args.max_new_tokens", str(args.builtin_tokens)]
+            short = ["--model.sampling.max_new_tokens", str(args.builtin_tokens)]
             fixed = argparse.Namespace(**{**vars(args), "lengths": "fixed", "steps": 2})
             graphs = in_own_process(fit, row, model_dir, fixed, name + "_graphs_short", short)
             builtin = in_own_process(fit, row, model_dir, fixed, name + "_builtin_short",

@@ -69,7 +69,7 @@ def throughput(gpus: int, model_dir: Path, args, log_root: Path) -> dict:
     engine = ("forced_lengths.ForcedLengthRollout" if args.lengths == "lognormal"
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     log_dir = fit(gpus, model_dir, log_root, f"throughput_{gpus}gpu", [
-        "--model.rollout.class_path", engine, "--model.rollout.init_args.max_new_tokens", str(args.new_tokens),
+        "--model.rollout.class_path", engine, "--model.sampling.max_new_tokens", str(args.new_tokens),
         "--data.batch_size", str(args.prompts), "--model.mask_truncated", "false", "--model.dynamic_sampling", "false",
         "--trainer.max_steps", str(args.steps)], args.overrides)
     series = scalars(log_dir)
@@ -89,7 +89,7 @@ def same_update(gpus: int, model_dir: Path, args, log_root: Path) -> dict:
     from safetensors.torch import load_file
 
     options = ["--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
-               "--model.rollout.init_args.max_new_tokens", "64", "--model.reward.class_path",
+               "--model.sampling.max_new_tokens", "64", "--model.reward.class_path",
                "qerl.testing.fixed_rollouts.HashReward", "--trainer.max_steps", "1",
                "--model.lr", "1e-4", "--model.warmup_ratio", "0", "--model.weight_decay", "0", "--aqn.enabled", "false",
                "--trainer.enable_checkpointing", "true", "--trainer.callbacks",  # the checkpoint exports the adapter

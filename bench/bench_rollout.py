@@ -32,6 +32,7 @@ import torch
 
 from qerl.testing.random_models import build_random_policy, model_config
 from qerl.rollout.kv_cache import kv_cache_bytes
+from qerl.rollout.sampling_spec import SamplingSpec
 
 PROMPT = 256
 T0 = time.time()
@@ -80,13 +81,14 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     prompts = [random_prompt(policy) for _ in range(batch)]
     counts = {}
     for steps in (4, 12):
-        eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
+        eng = rollout_hooks.engine(use_graphs=False, fused=fused)
         rollout_hooks.stop_after(eng, 2)
-        eng.generate(policy, prompts, 1, 0, [])  # warm-up (Triton compiles, repacks)
+        spec = SamplingSpec(max_new_tokens=64, seed=0)
+        eng.generate(policy, prompts, 1, 0, [], spec)  # warm-up (Triton compiles, repacks)
         rollout_hooks.stop_after(eng, steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(policy, prompts, 1, 0, [])
+            eng.generate(policy, prompts, 1, 0, [], spec)
             torch.cuda.synchronize()
         counts[steps] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
     return (counts[12] - counts[4]) / 8
@@ -100,17 +102,17 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [random_prompt(policy, gen) for _ in range(batch // group)]
-    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, max_new_tokens=new, seed=0,
-                               check_every=16, fused=fused,
+    eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, check_every=16, fused=fused,
                                wide_batch_bf16=wide_batch_bf16, **options)
     timer = rollout_hooks.PhaseTimer(eng)
     torch.cuda.reset_peak_memory_stats()
     rollout_hooks.stop_after(eng, 16)
-    eng.generate(policy, prompts, group, 0, [])  # warm-up: buffers and the graph(s)
+    spec = SamplingSpec(max_new_tokens=new, seed=0)
+    eng.generate(policy, prompts, group, 0, [], spec)  # warm-up: buffers and the graph(s)
     rollout_hooks.stop_after(eng, None)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    r = eng.generate(policy, prompts, group, 0, [])  # EOS ignored: fixed length
+    r = eng.generate(policy, prompts, group, 0, [], spec)  # EOS ignored: fixed length
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     assert r.completion_ids.shape == (batch, new)

@@ -97,7 +97,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
         "--model.policy.gradient_checkpointing", str(args.checkpointing).lower(),
         "--model.rollout.class_path", engine,
-        "--model.rollout.init_args.max_new_tokens", str(args.new_tokens),
+        "--model.sampling.max_new_tokens", str(args.new_tokens),
         "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
         "--model.micro_batch_size", str(args.micro_batch), *budget, *kv, "--model.mask_truncated", "false",
         "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",

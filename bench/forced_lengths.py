@@ -1,10 +1,10 @@
 """A rollout engine for benchmarks whose completions end at lengths drawn from a fixed distribution.
 
 Random weights rarely sample EOS, so nearly every completion of a benchmark would run to ``max_new_tokens``; real
-policies stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This engine
-is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median ``length_median``,
-shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each rank's own); draws above ``max_new_tokens`` are
-truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
+policies stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This
+engine is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median
+``length_median``, shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each
+rank's own); draws above the spec's ``max_new_tokens`` are truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
 
     --model.rollout.class_path forced_lengths.ForcedLengthRollout   (bench/ on the Python path)
 
@@ -67,25 +67,25 @@ class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
         self._eos_id = 0
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
-        rows = len(prompt_ids) * group_size
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec):
+        rows, new = len(prompt_ids) * group_size, spec.max_new_tokens
         lengths = self.draw(rows)
-        lengths[lengths > self.max_new_tokens] = self.max_new_tokens + 1  # never reached: truncated
+        lengths[lengths > new] = new + 1  # never reached: truncated
         device = next(policy.parameters()).device
         if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
             self._targets = torch.zeros(max(rows, 1), dtype=torch.long, device=device)
             self._clear_graphs()
-        self._targets.fill_(self.max_new_tokens + 1)
+        self._targets.fill_(new + 1)
         self._targets[:rows].copy_(lengths)
         self._eos_id = eos_ids[0]
-        return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids)
+        return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
 
-    def _record(self, s: DecodeState, logits: torch.Tensor, b: int) -> None:
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec) -> None:
         target = self._targets.index_select(0, s.first_row + s.slot_row[:b])  # [b] drawn length of each row
         last = s.step + 1 >= target  # the token sampled now is the row's last
         logits = logits.clone()
         logits[:, self._eos_id] = torch.where(last, 1e4, -1e4).to(logits.dtype)
-        super()._record(s, logits, b)
+        super()._record(s, logits, b, spec)
 
 
 class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):
@@ -96,14 +96,14 @@ class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):
         self._row_lengths = iter(())
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids):
-        lengths = self.draw(len(prompt_ids) * group_size).clamp(max=self.max_new_tokens)
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec):
+        lengths = self.draw(len(prompt_ids) * group_size).clamp(max=spec.max_new_tokens)
         self._row_lengths = iter(lengths.tolist())
         # one request per row (a group's rows one after another: the layout of group_size samples per prompt)
         rows = [list(p) for p in prompt_ids for _ in range(group_size)]
-        return super().generate(policy, rows, 1, pad_id, eos_ids)
+        return super().generate(policy, rows, 1, pad_id, eos_ids, spec)
 
-    def _sampling_params(self, group_size, eos_ids, **overrides):
+    def _sampling_params(self, group_size, eos_ids, spec, seeds, **overrides):
         length = next(self._row_lengths)
-        return super()._sampling_params(group_size, eos_ids, **{**overrides, "min_tokens": length,
-                                                                "max_tokens": length})
+        return super()._sampling_params(group_size, eos_ids, spec, seeds, **{**overrides, "min_tokens": length,
+                                                                            "max_tokens": length})

@@ -19,6 +19,7 @@ import torch
 import rollout_hooks
 from torch.profiler import ProfilerActivity, profile
 
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, qwen25_config
 
 
@@ -27,13 +28,14 @@ def kernel_table(policy, batch: int, fused: bool = True) -> dict:
     prompts = [[int(x) for x in torch.randint(0, 150000, (256,))] for _ in range(batch // group)]
     per = {}
     for steps in (4, 12):
-        eng = rollout_hooks.engine(use_graphs=False, max_new_tokens=64, seed=0, fused=fused)
+        eng = rollout_hooks.engine(use_graphs=False, fused=fused)
         rollout_hooks.stop_after(eng, 3)
-        eng.generate(policy, prompts, group, 0, [])
+        spec = SamplingSpec(max_new_tokens=64, seed=0)
+        eng.generate(policy, prompts, group, 0, [], spec)
         rollout_hooks.stop_after(eng, steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(policy, prompts, group, 0, [])
+            eng.generate(policy, prompts, group, 0, [], spec)
             torch.cuda.synchronize()
         agg = collections.defaultdict(lambda: [0, 0.0])
         for e in prof.events():

@@ -26,14 +26,15 @@ from lightning.pytorch.utilities import rank_zero_only
 from qerl.agents.config import agent_tool_schemas
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
-from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
 from qerl.data.prompts import MathPromptDataModule
 from qerl.hub import hub_unavailable
+from qerl.model.aqn import AQNSchedule
 from qerl.modules.grpo_module import GRPOModule
 from qerl.run.memory_plan import MemoryPlanError
+from qerl.run.renamed_options import renamed_hints
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               resolve)
 
@@ -52,7 +53,7 @@ class QeRLArgumentParser(LightningArgumentParser):
             close = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6) if unknown not in options else []
             if close:
                 hints.append(f"did you mean {close[0]}?")
-        hints += init_arg_hints(message)
+        hints = renamed_hints(message) or hints + init_arg_hints(message)
         hint = f" ({'; '.join(hints)})" if hints else ""
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"error: {short_error(message)}{hint}\nAll options: {prog} --help\n")
@@ -109,7 +110,8 @@ class QeRLCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(AdaptiveQuantizationNoise, "aqn")
+        parser.add_class_arguments(AQNSchedule, "aqn")  # the schedule the module builds each step's noise from
+        parser.link_arguments("aqn", "model.aqn", apply_on="instantiate")
         parser.add_lightning_class_args(RolloutSync, "rollout_sync")
         parser.add_lightning_class_args(EntropyLogger, "entropy_logging")
         parser.add_lightning_class_args(ScalarLayout, "scalar_layout")

@@ -41,6 +41,7 @@ from qerl.nvfp4.format import dequantize
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.quantize import exit_status, quantize_checkpoint
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.rollout.vllm import vllm_lora_rank
 
 FORMATS = ("vllm", "merged-bf16", "merged-nvfp4")
@@ -245,10 +246,10 @@ def validation_questions(run: TrainedRun, tokenizer, max_questions: int | None =
 
 def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int) -> list[list[int]]:
     """Greedy completions (token ids up to and including EOS) with the engine ``train.py validate`` uses."""
-    engine = BuiltinRollout(max_new_tokens=max_new_tokens)
+    engine = BuiltinRollout()
     eos = sorted({tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))} - {None})
-    with engine.sampling(greedy=True):
-        rollout = engine.generate(model, prompts, 1, tokenizer.pad_token_id, eos)
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, greedy=True, stream="separate")
+    rollout = engine.generate(model, prompts, 1, tokenizer.pad_token_id, eos, spec)
     return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
 
 
@@ -257,9 +258,9 @@ def _as_list(value) -> list:
 
 
 def rollout_length(run: TrainedRun) -> int:
-    """The run's completion budget (``model.rollout.init_args.max_new_tokens``)."""
-    rollout = (run.config.get("model") or {}).get("rollout") or {}
-    return int((rollout.get("init_args") or {}).get("max_new_tokens", 256))
+    """The run's completion budget (``model.sampling.max_new_tokens``)."""
+    sampling = (run.config.get("model") or {}).get("sampling") or {}
+    return int(sampling.get("max_new_tokens", 256))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -76,6 +76,19 @@ def test_a_misspelled_key_in_a_config_file_suggests_the_closest_valid_one(capsys
     assert fails(["--config", str(typo)], capsys).endswith("(did you mean --model.warmup_ratio?)")
 
 
+@pytest.mark.parametrize(("engine", "old"), [("qerl.rollout.builtin.BuiltinRollout", "max_new_tokens"),
+                                           ("qerl.rollout.cuda_graph.CUDAGraphRollout", "temperature"),
+                                           ("qerl.rollout.cuda_graph.CUDAGraphRollout", "top_p"),
+                                           ("qerl.rollout.builtin.BuiltinRollout", "seed")])
+def test_a_moved_sampling_option_names_its_new_key(engine, old, capsys, no_model_loads, tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text(f"model:\n  rollout:\n    class_path: {engine}\n    init_args:\n      {old}: 1\n")
+    line = fails(["--config", str(config)], capsys)
+    assert line.endswith(f"(did you mean model.sampling.{old}? model.rollout.init_args.{old} moved there)"), line
+    line = fails(["--model.rollout", engine, f"--model.rollout.init_args.{old}", "1"], capsys)
+    assert f"did you mean model.sampling.{old}?" in line, line
+
+
 def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "Q1", "answer": "#### 1"}\n{"question": "Q2", "answer": \nnot json\n')
@@ -223,10 +236,10 @@ def test_a_run_that_cannot_fit_is_refused_before_loading_naming_the_option(capsy
                                                                            tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = fails(["--model.policy.model", str(tiny_model_dirs["qwen2"]), "--memory_plan_device_gb", "0.05",
-                  "--model.rollout.init_args.max_new_tokens", "100000"], capsys)
-    assert line.startswith("error: memory plan: model.rollout.init_args.max_new_tokens=100000 with "
+                  "--model.sampling.max_new_tokens", "100000"], capsys)
+    assert line.startswith("error: memory plan: model.sampling.max_new_tokens=100000 with "
                            "data.max_prompt_tokens=128 needs "), line
-    assert "with all 4 rows at once" in line and "model.rollout.init_args.max_new_tokens to <= " in line
+    assert "with all 4 rows at once" in line and "model.sampling.max_new_tokens to <= " in line
     assert not (tmp_path / "runs").exists()
     assert fails(["--model.policy.model", str(tiny_model_dirs["qwen2"]), "--memory_plan_device_gb", "0"],
                  capsys).startswith("error: --memory_plan_device_gb=0.0: must be > 0")

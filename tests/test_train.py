@@ -167,8 +167,7 @@ def test_adapter_export_and_checkpoint_hold_only_trainable_weights(runs):
     assert set(ckpt["state_dict"]) == expected  # LoRA + trained norms only: no frozen base weight
     assert all(".lora_" in k or ".modules_to_save." in k for k in ckpt["state_dict"])
     assert ckpt["global_step"] == 2
-    assert {"qerl_rng", "qerl_rollout", "optimizer_states", "lr_schedulers"} <= set(ckpt)
-    assert any("AdaptiveQuantizationNoise" in k for k in ckpt["callbacks"])
+    assert {"qerl_rng", "qerl_rollout", "qerl_aqn", "optimizer_states", "lr_schedulers"} <= set(ckpt)
     assert ckpt["MathPromptDataModule"]["train_stream"]["ranks"][0]["rounds"]  # the stream position
     for name, value in run["weights"].items():
         assert torch.equal(ckpt["state_dict"][f"policy.{name}"], value)
@@ -250,7 +249,7 @@ def test_ddp_on_two_cpu_processes_trains_and_checkpoints_every_rank(ddp_runs):
     assert checkpoint["global_step"] == 4
     assert (straight / "adapter" / "adapter_model.safetensors").exists()
     assert scalars(events(straight), "train/reward").keys() == {0, 1, 2, 3}
-    aqn = next(v for k, v in checkpoint["callbacks"].items() if "AdaptiveQuantizationNoise" in k)["ranks"]
+    aqn = checkpoint["qerl_aqn"]["ranks"]
     sampling = checkpoint["qerl_rollout"]["ranks"]
     stream = checkpoint["MathPromptDataModule"]["train_stream"]["ranks"]
     assert len(aqn) == len(sampling) == len(stream) == len(checkpoint["qerl_rng"]["ranks"]) == 2
@@ -294,7 +293,7 @@ def test_two_ranks_on_fixed_rollouts_make_the_update_of_one_process_over_the_sam
         cmd = [sys.executable, "train.py", "fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]),
                "--trainer.devices", str(devices), "--trainer.max_steps", "1", "--data.batch_size", str(batch_size),
                "--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
-               "--model.rollout.init_args.max_new_tokens", "12", "--model.reward.class_path",
+               "--model.sampling.max_new_tokens", "12", "--model.reward.class_path",
                "qerl.testing.fixed_rollouts.HashReward", "--model.group_size", "4", "--model.micro_batch_size", "3",
                "--model.weight_decay", "0", "--model.max_grad_norm", "0", "--aqn.enabled", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", version,

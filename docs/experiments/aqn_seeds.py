@@ -157,7 +157,7 @@ def plan(args, config: dict) -> list[Job]:
             run_args = [
                 "fit", *common,
                 "--seed_everything", str(seed), "--aqn.seed", str(seed), "--data.seed", str(seed),
-                "--model.rollout.init_args.seed", str(seed), "--data.sources", json.dumps(seeded_sources(config, seed)),
+                "--model.sampling.seed", str(seed), "--data.sources", json.dumps(seeded_sources(config, seed)),
                 "--model.policy.quantization", quantization, "--aqn.enabled", str(aqn).lower(), "--model.lr", repr(lr),
                 "--trainer.logger.init_args.save_dir", str(work / arm),
                 "--trainer.logger.init_args.name", f"seed_{seed}", "--trainer.logger.init_args.version", "0",

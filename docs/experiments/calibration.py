@@ -34,6 +34,7 @@ from qerl.data.sources import ArithmeticSource
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.checkpoint_io import load_model
 from qerl.rollout.builtin import BuiltinRollout, left_pad, position_ids
+from qerl.rollout.sampling_spec import SamplingSpec
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 
@@ -58,8 +59,8 @@ def eos_ids(tokenizer) -> list[int]:
 @torch.no_grad()
 def sampled_sequences(model, tokenizer, prompt_ids, new_tokens: int, seed: int):
     """``(ids [N, P+L], mask, P, completion_mask [N, L])``: one T=1 completion per prompt from ``model``."""
-    r = BuiltinRollout(max_new_tokens=new_tokens, temperature=1.0, seed=seed).generate(
-        model, prompt_ids, 1, tokenizer.pad_token_id, eos_ids(tokenizer))
+    spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    r = BuiltinRollout().generate(model, prompt_ids, 1, tokenizer.pad_token_id, eos_ids(tokenizer), spec)
     return (torch.cat((r.prompt_ids, r.completion_ids), 1), torch.cat((r.prompt_mask, r.completion_mask), 1),
             r.prompt_ids.shape[1], r.completion_mask)
 
@@ -78,17 +79,16 @@ def kl_per_prompt(reference_logp, logp, completion_mask) -> list[float]:
 
 
 def greedy_accuracy(model, tokenizer, prompt_ids, answers, new_tokens: int) -> dict[str, list[float]]:
-    engine = BuiltinRollout(max_new_tokens=new_tokens)
-    with engine.sampling(greedy=True):
-        r = engine.generate(model, prompt_ids, 1, tokenizer.pad_token_id, eos_ids(tokenizer))
+    spec = SamplingSpec(max_new_tokens=new_tokens, greedy=True, stream="separate")
+    r = BuiltinRollout().generate(model, prompt_ids, 1, tokenizer.pad_token_id, eos_ids(tokenizer), spec)
     texts = tokenizer.batch_decode(r.completion_ids, skip_special_tokens=True)
     return {name: [float(grade(t, a, "boxed", fallback)[0] == "correct") for t, a in zip(texts, answers)]
             for name, fallback in (("strict", False), ("flexible", True))}
 
 
 def rollout_entropy(model, tokenizer, prompt_ids, samples: int, new_tokens: int, seed: int) -> list[float]:
-    r = BuiltinRollout(max_new_tokens=new_tokens, temperature=1.0, seed=seed).generate(
-        model, prompt_ids, samples, tokenizer.pad_token_id, eos_ids(tokenizer))
+    spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    r = BuiltinRollout().generate(model, prompt_ids, samples, tokenizer.pad_token_id, eos_ids(tokenizer), spec)
     per_row = (r.entropy.sum(-1) / r.completion_mask.sum(-1).clamp(min=1)).view(-1, samples)
     return per_row.mean(-1).tolist()  # one value per prompt
 

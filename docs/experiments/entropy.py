@@ -31,6 +31,7 @@ from qerl.model.aqn import aqn_sigma
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.policy import build_policy
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 
 
 def scheduled_sigmas(sigma_start: float = 1e-2, sigma_end: float = 1e-4, num_stages: int = 10) -> list[float]:
@@ -39,11 +40,12 @@ def scheduled_sigmas(sigma_start: float = 1e-2, sigma_end: float = 1e-4, num_sta
 
 
 def measure(policy, tokenizer, prompt_ids, answers, sigma: float, seed: int, samples: int, new_tokens: int) -> dict:
-    engine = BuiltinRollout(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
-    engine.set_noise(sigma, torch.Generator().manual_seed(10_000 + seed))
+    engine = BuiltinRollout()
     eos = sorted({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")})
     start = time.perf_counter()
-    rollout = engine.generate(policy, prompt_ids, samples, tokenizer.pad_token_id, eos)
+    spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, seed=seed, noise_sigma=sigma,
+                        noise_generator=torch.Generator().manual_seed(10_000 + seed))
+    rollout = engine.generate(policy, prompt_ids, samples, tokenizer.pad_token_id, eos, spec)
     seconds = time.perf_counter() - start
     mask = rollout.completion_mask.bool()
     texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -66,9 +68,10 @@ def teacher_forced(policies: dict, tokenizer, prompt_ids, sigmas, seed: int, sam
     from qerl.rollout.builtin import position_ids
 
     first = next(iter(policies.values()))
-    engine = BuiltinRollout(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    engine = BuiltinRollout()
     eos = sorted({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")})
-    r = engine.generate(first, prompt_ids, samples, tokenizer.pad_token_id, eos)
+    spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    r = engine.generate(first, prompt_ids, samples, tokenizer.pad_token_id, eos, spec)
     ids = torch.cat((r.prompt_ids, r.completion_ids), 1)
     mask = torch.cat((r.prompt_mask, r.completion_mask), 1)
     P, out = r.prompt_ids.shape[1], []

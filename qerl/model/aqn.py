@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,43 @@ def aqn_sigma(step: int, total_steps: int, sigma_start: float = 1e-2, sigma_end:
     if num_stages == 2:
         return sigma_start
     return sigma_start * (sigma_end / sigma_start) ** ((stage - 1) / (num_stages - 2))
+
+
+@dataclass(frozen=True)
+class AQNSchedule:
+    """Adaptive Quantization Noise annealed over ``num_stages`` equal stages of the run's optimizer steps (the YAML's
+    ``aqn:`` section). Under DDP every rank follows the same schedule and draws its own noise (its generator starts
+    from ``rank_seed(seed, rank)``).
+
+    Args:
+        sigma_start: noise std of stage 1 (stage 0 is noise-free).
+        sigma_end: noise std of the last stage.
+        num_stages: K, the number of stages (>= 2).
+        enabled: False turns AQN off (sigma 0 throughout; the stage is still logged).
+        seed: seed of the noise generator.
+    """
+
+    sigma_start: float = 1e-2
+    sigma_end: float = 1e-4
+    num_stages: int = 10
+    enabled: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_stages < 2:
+            raise ValueError(f"aqn.num_stages (K) must be >= 2 (stage 0 is noise-free), got {self.num_stages}.")
+        if self.sigma_start < 0 or self.sigma_end <= 0 and self.enabled:
+            raise ValueError(f"aqn.sigma_start must be >= 0 and aqn.sigma_end > 0, got {self.sigma_start}, "
+                             f"{self.sigma_end}.")
+
+    def sigma(self, step: int, total_steps: int) -> float:
+        """The noise std at optimizer step ``step`` of ``total_steps``."""
+        if not self.enabled:
+            return 0.0
+        return aqn_sigma(step, total_steps, self.sigma_start, self.sigma_end, self.num_stages)
+
+    def stage(self, step: int, total_steps: int) -> int:
+        return aqn_stage(step, total_steps, self.num_stages)
 
 
 def aqn_noise(weight: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:

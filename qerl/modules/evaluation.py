@@ -3,8 +3,8 @@ breakdown and a JSONL of every completion.
 
 ``GRPOModule.validation_step`` / ``test_step`` hand each batch to an ``Evaluator``:
 
-    prompts [B] --engine.sampling(greedy)--> 1 completion each  --reward.check--> correct [B]  (pass@1)
-                --engine.sampling(T, seed)--> k completions each --reward.check--> correct [B*k] (mean@k)
+    prompts [B] --generate(greedy spec)--> 1 completion each  --reward.check--> correct [B]  (pass@1)
+                --generate(T, seed spec)--> k completions each --reward.check--> correct [B*k] (mean@k)
     -> MeanMetric per key (``<source>_acc``, ``<source>_mean@k``, ``<source>_level3_acc``, ``<source>_algebra_acc``)
     -> records (question, completion, extracted answer, reference, verdict, source, level, subject)
 
@@ -13,9 +13,10 @@ reward's format counts: ``<source>_acc``, ``<source>_mean@k`` and the breakdowns
 the text when no answer is marked: ``<source>_acc_flexible``, ``<source>_mean@k_flexible``).
 
 The rollout engine samples the policy with its adapter (the built-in engines sample the PeftModel itself; an external
-engine is synced by ``RolloutSync`` before validation), never with AQN noise, and from its own random stream so
-evaluating does not change what training samples. At the end of an evaluation run ``compute`` gives the metric
-values (synced across ranks by torchmetrics) and ``write_jsonl`` the records of all ranks (written by rank 0).
+engine is synced by ``RolloutSync`` before validation), never with AQN noise, and from a separate random stream (its
+own ``SamplingSpec``) so evaluating does not change what training samples. At the end of an evaluation run ``compute``
+gives the metric values (synced across ranks by torchmetrics) and ``write_jsonl`` the records of all ranks (written by
+rank 0).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from torchmetrics import MeanMetric
 
 from qerl.data.answers import extract_answer
 from qerl.data.rewards import MathReward
+from qerl.modules.options import SamplingOptions
 from qerl.rollout.base import RolloutEngine
+from qerl.rollout.sampling_spec import SamplingSpec
 
 
 def metric_name(text: str) -> str:
@@ -48,13 +51,16 @@ class Evaluator(nn.Module):
         temperature: sampling temperature of the k samples.
         greedy: also decode greedily for pass@1 (``<source>_acc``).
         seed: seed of the evaluation random stream (the same seed gives the same samples).
+        sampling: training's sampling options: the completion budget and top-p evaluation shares with training.
     """
 
-    def __init__(self, samples: int = 0, temperature: float = 1.0, greedy: bool = True, seed: int = 1234):
+    def __init__(self, samples: int = 0, temperature: float = 1.0, greedy: bool = True, seed: int = 1234,
+                 sampling: SamplingOptions = SamplingOptions()):
         super().__init__()
         if samples < 0 or temperature <= 0 or (samples == 0 and not greedy):
             raise ValueError("Evaluation needs samples >= 0, temperature > 0, and greedy or samples > 0.")
         self.samples, self.temperature, self.greedy, self.seed = samples, temperature, greedy, seed
+        self.sampling = sampling
         self.metrics = nn.ModuleDict()
         self.records: list[dict] = []
         self._names: dict[tuple[str, int], str] = {}  # (source label, dataloader) -> metric prefix
@@ -92,7 +98,7 @@ class Evaluator(nn.Module):
         dataloader_idx: int = 0,
     ) -> None:
         """Evaluate one batch: greedy and/or k samples per question; update the metrics and keep the records."""
-        modes = ([("greedy", 1, dict(greedy=True))] if self.greedy else []) + (
+        modes = ([("greedy", 1, dict(greedy=True, temperature=self.sampling.temperature))] if self.greedy else []) + (
             [("sampled", self.samples, dict(temperature=self.temperature))] if self.samples else [])
         device = next(policy.parameters()).device
         n = len(batch["prompt_ids"])
@@ -101,8 +107,9 @@ class Evaluator(nn.Module):
         questions = batch.get("questions") or batch["prompts"]
         for mode, k, settings in modes:
             # Each call its own seed: batches differ, and the same batch always draws the same samples.
-            with engine.sampling(seed=self.seed + self._calls, **settings):
-                rollout = engine.generate(policy, batch["prompt_ids"], k, pad_id, eos_ids)
+            spec = SamplingSpec(max_new_tokens=self.sampling.max_new_tokens, top_p=self.sampling.top_p,
+                                seed=self.seed + self._calls, stream="separate", **settings)
+            rollout = engine.generate(policy, batch["prompt_ids"], k, pad_id, eos_ids, spec)
             self._calls += 1
             completions = decode(rollout.completion_ids)
             references = [a for a in batch["answers"] for _ in range(k)]

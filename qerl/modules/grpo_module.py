@@ -30,6 +30,7 @@ completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_int
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import math
 import textwrap
 import time
@@ -56,9 +57,12 @@ from qerl.modules.micro_batches import MicroBatch, micro_batches, plan_micro_bat
 from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
 from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
 from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
-from qerl.ranks import gather_rank_states, own_rank_state
+from qerl.model.aqn import AQNSchedule
+from qerl.modules.options import SamplingOptions
+from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.tools.chat_template import with_chat_template
 
 # the update's attention kernels: every SDPA kernel but cuDNN's (see GRPOModule._forward_context)
@@ -82,6 +86,9 @@ class GRPOModule(L.LightningModule):
         reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
         reward_timeout_s: wall-clock limit of one reward function call (one completion).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
+        sampling: how training samples (``SamplingOptions``: max_new_tokens, temperature, top_p, seed); the module
+            hands them to the engine with every rollout, with this step's AQN noise.
+        aqn: the Adaptive Quantization Noise schedule (the YAML's ``aqn:`` section; None: no noise).
         group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
         micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
@@ -105,7 +112,7 @@ class GRPOModule(L.LightningModule):
             rollouts per step, until the step holds ``data.batch_size`` groups whose rewards differ (DAPO's dynamic
             sampling as published); each refill draws ``missing / (running fraction of informative groups)`` prompts,
             at most ``data.batch_size``. 0: only drop. Needs ``data.num_workers: 0``.
-        mask_truncated: completions cut by ``max_new_tokens`` get no loss (DAPO's overlong filtering).
+        mask_truncated: completions cut by ``sampling.max_new_tokens`` get no loss (DAPO's overlong filtering).
         overlong_buffer: DAPO soft overlong punishment over the last ``overlong_buffer`` tokens (0 disables).
         overlong_penalty: the punishment at the maximum length.
         logprob_chunk_size: tokens per chunk of the LM head in the loss (memory vs speed).
@@ -128,6 +135,8 @@ class GRPOModule(L.LightningModule):
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 10.0,
         rollout: RolloutEngine | None = None,
+        sampling: SamplingOptions = SamplingOptions(),
+        aqn: AQNSchedule | None = None,
         group_size: int = 8,
         micro_batch_size: int = 8,
         micro_batch_tokens: int | Literal["auto"] | None = None,
@@ -184,7 +193,7 @@ class GRPOModule(L.LightningModule):
         policy.validate()
         agent.validate()
         self.agent_config = agent
-        self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage"])
+        self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage", "aqn"])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
@@ -194,10 +203,13 @@ class GRPOModule(L.LightningModule):
         self.rollout = rollout if rollout is not None else BuiltinRollout()
         self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
         self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
-        if overlong_buffer >= self.rollout.max_new_tokens:
-            raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than the rollout's "
-                             f"max_new_tokens ({self.rollout.max_new_tokens}).")
-        self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed)
+        if overlong_buffer >= sampling.max_new_tokens:
+            raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than "
+                             f"model.sampling.max_new_tokens ({sampling.max_new_tokens}).")
+        self.sampling = sampling
+        self.aqn = aqn if aqn is not None else AQNSchedule(enabled=False)
+        self.noise_generator = torch.Generator().manual_seed(self.aqn.seed)  # checkpointed: a resume draws the same
+        self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed, sampling)
         self._batches_without_signal, self._warned_no_signal = 0, False
         self.policy = None
         self.tokenizer = None
@@ -205,6 +217,8 @@ class GRPOModule(L.LightningModule):
         self._step_episodes: list[Episodes] = []  # this step's episodes (refills included), for the logs
 
     def setup(self, stage: str) -> None:
+        # Runs once the process knows its rank, before a checkpoint's state is loaded.
+        self.noise_generator.manual_seed(rank_seed(self.aqn.seed, self.trainer.global_rank))
         datamodule = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and self.hparams.max_refill_rounds and not hasattr(datamodule, "draw_prompts"):
             raise ValueError(f"model.max_refill_rounds={self.hparams.max_refill_rounds}: refills draw prompts from the "
@@ -236,11 +250,12 @@ class GRPOModule(L.LightningModule):
 
         # (1) rollout: G samples per prompt from the rollout policy (NVFP4 + AQN noise), with sampling log-probs;
         # (2) rewards: answer checking and the user's functions, weighted, then DAPO's soft overlong punishment
-        sample = self._rollout_and_rewards(batch)
+        spec = self._training_spec()
+        sample = self._rollout_and_rewards(batch, spec)
         # DAPO's dynamic sampling as published: more prompts of the stream until B groups carry signal
         batch_size, refill_rounds = len(batch["prompt_ids"]), 0
         if self.hparams.max_refill_rounds:
-            sample, refill_rounds = self._refill(sample, batch_size)
+            sample, refill_rounds = self._refill(sample, batch_size, spec)
         rollout, completions, rewards, _, correct, rollout_s = sample
         memory["rollout"] = self._allocated_gb(torch.cuda.max_memory_allocated, engine_asleep=False)  # peak: awake
 
@@ -274,19 +289,27 @@ class GRPOModule(L.LightningModule):
                                batch_idx % self.hparams.log_samples_every == 0)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.model_mask.bool()].cpu()}
 
-    def _rollout_and_rewards(self, batch: dict) -> Sample:
+    def _training_spec(self) -> SamplingSpec:
+        """This step's sampling: the module's options and the AQN schedule's sigma at this optimizer step (logged)."""
+        step, total = self.global_step, self.trainer.max_steps
+        sigma = self.aqn.sigma(step, total)
+        self.log("train/aqn_sigma", sigma, on_step=True, on_epoch=False, batch_size=1)
+        self.log("train/aqn_stage", float(self.aqn.stage(step, total)), on_step=True, on_epoch=False, batch_size=1)
+        return self.sampling.training_spec(sigma, self.noise_generator)
+
+    def _rollout_and_rewards(self, batch: dict, spec: SamplingSpec) -> Sample:
         """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
         G = self.hparams.group_size
         start = time.perf_counter()
         episodes = None
         if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
-            episodes = self.episodes.run(self._sampler(), batch, G, self._eos_ids(), self.tokenizer.pad_token_id,
-                                         self.rollout.max_new_tokens)
+            episodes = self.episodes.run(self._sampler(spec), batch, G, self._eos_ids(), self.tokenizer.pad_token_id,
+                                         spec.max_new_tokens)
             self._step_episodes.append(episodes)
             rollout, completions = episodes.rollout, episodes.answers
         else:
             rollout = self.rollout.generate(
-                self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids()
+                self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids(), spec
             )
             completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rollout_s = time.perf_counter() - start
@@ -298,16 +321,17 @@ class GRPOModule(L.LightningModule):
             per_reward = {**per_reward, self.episodes.environment.name: episodes.environment_rewards}
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
-            rewards += overlong_penalty(rollout.lengths, self.rollout.max_new_tokens, self.hparams.overlong_buffer,
+            rewards += overlong_penalty(rollout.lengths, spec.max_new_tokens, self.hparams.overlong_buffer,
                                         self.hparams.overlong_penalty).to(rewards)
         return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
 
-    def _sampler(self):
+    def _sampler(self, spec: SamplingSpec):
         """The engine's ``generate`` for the episode loop: contexts, samples per context, new tokens per turn."""
         pad, eos = self.tokenizer.pad_token_id, self._eos_ids()
-        return lambda contexts, samples, max_new_tokens: self.rollout.generate(self.policy, contexts, samples, pad, eos)
+        return lambda contexts, samples, max_new_tokens: self.rollout.generate(
+            self.policy, contexts, samples, pad, eos, replace(spec, max_new_tokens=max_new_tokens))
 
-    def _refill(self, sample: Sample, batch_size: int) -> tuple[Sample, int]:
+    def _refill(self, sample: Sample, batch_size: int, spec: SamplingSpec) -> tuple[Sample, int]:
         """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
         groups have rewards that differ; each refill sized from the running fraction of such groups. Returns every
         rollout as one ``Sample`` (rows in sampling order) and the number of refills."""
@@ -317,7 +341,7 @@ class GRPOModule(L.LightningModule):
         rounds = 0
         while found < batch_size and rounds < self.hparams.max_refill_rounds:
             n = refill_size(batch_size - found, self.informative_fraction.value, batch_size)
-            samples.append(self._rollout_and_rewards(self.trainer.datamodule.draw_prompts(n)))
+            samples.append(self._rollout_and_rewards(self.trainer.datamodule.draw_prompts(n), spec))
             new = int(informative_groups(samples[-1].rewards, G).sum())
             self.informative_fraction.update(new, n)
             found, rounds = found + new, rounds + 1
@@ -405,7 +429,7 @@ class GRPOModule(L.LightningModule):
             hidden[batch.row, batch.position][None],  # [1, K, H]: the LM head sees no padding
             model.get_output_embeddings().weight,
             batch.targets[None],
-            temperature=self.rollout.temperature,
+            temperature=self.sampling.temperature,
             chunk_size=self.hparams.logprob_chunk_size,
             with_entropy=with_entropy,
         )
@@ -597,6 +621,7 @@ class GRPOModule(L.LightningModule):
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None})
         checkpoint["qerl_rollout"] = self.rollout.state_dict()  # sampling generator: a resume draws the same samples
+        checkpoint["qerl_aqn"] = gather_rank_states({"generator": self.noise_generator.get_state()})
         # the refills' sizing: a resume draws as many prompts as the uninterrupted run
         checkpoint["qerl_informative_fraction"] = gather_rank_states(self.informative_fraction.state_dict())
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
@@ -611,6 +636,9 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if "qerl_rollout" in checkpoint:
             self.rollout.load_state_dict(checkpoint["qerl_rollout"])
+        noise = own_rank_state(checkpoint.get("qerl_aqn"))
+        if noise is not None:  # else this rank was not in the saved run: its stream starts from its seed
+            self.noise_generator.set_state(noise["generator"])
         fraction = own_rank_state(checkpoint.get("qerl_informative_fraction"))
         if fraction:
             self.informative_fraction.load_state_dict(fraction)

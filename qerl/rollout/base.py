@@ -9,21 +9,20 @@ Three engines sit behind it:
 - ``VLLMRollout`` (``qerl.rollout.vllm``, the scale-up path) samples with a colocated vLLM that receives the adapter
   and the trained norms every step.
 
-Pick one by ``class_path`` in the config. Every engine applies Adaptive Quantization Noise (AQN) to its rollout
-model's RMSNorm weights itself, because only the engine knows where its norm weights live; all draw the noise with
-``qerl.model.aqn.aqn_noise``.
+Pick one by ``class_path`` in the config; how to sample (a ``SamplingSpec``) comes with every ``generate``. Every
+engine applies the spec's Adaptive Quantization Noise (AQN) to its rollout model's RMSNorm weights itself, because
+only the engine knows where its norm weights live; all draw the noise with ``qerl.model.aqn.aqn_noise``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
+from qerl.rollout.sampling_spec import SamplingSpec
 
 
 class Rollout(NamedTuple):
@@ -60,68 +59,24 @@ def cut_at_eos(completion: Tensor, eos: Tensor, pad_id: int) -> tuple[Tensor, Te
 
 class RolloutEngine:
     """Samples completions for a batch of prompts. Subclasses implement ``generate`` and, if they hold their own copy
-    of the weights, ``sync``.
+    of the weights, ``sync``. How to sample comes with every call (a ``SamplingSpec``); the engine keeps what it owns:
+    its weights copy, caches and graphs, and the position of its training random stream (for resume)."""
 
-    Args:
-        max_new_tokens: completion budget; longer completions are truncated (and masked by the trainer if asked).
-        temperature: sampling temperature (the loss recomputes log-probs at the same temperature).
-        top_p: nucleus sampling threshold (1.0 keeps the full distribution, which keeps the IS ratio exact).
-        seed: seed of the sampling generator (under DDP each rank's stream starts from its own ``rank_seed``).
-    """
-
-    def __init__(self, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}.")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
-        self.greedy = False  # argmax decoding instead of sampling (evaluation; see ``sampling``)
-        self.noise_std = 0.0  # AQN sigma for the next rollouts, set by the AQN callback
-        self.noise_generator: torch.Generator | None = None
-        self._generator: torch.Generator | None = None  # the sampling generator, created on the policy's device
+    def __init__(self):
+        self._generator: torch.Generator | None = None  # the training stream, created on the policy's device
         self._generator_state: tuple[str, torch.Tensor] | None = None  # (device type, state) from a checkpoint
 
-    def set_noise(self, std: float, generator: torch.Generator | None = None) -> None:
-        """Fresh N(0, std^2) channel noise is added to every RMSNorm weight for each following rollout."""
-        self.noise_std, self.noise_generator = float(std), generator
-
-    @contextmanager
-    def sampling(self, temperature: float | None = None, greedy: bool = False, seed: int | None = None) -> Iterator[None]:
-        """Sample differently inside the block (evaluation): another ``temperature``, or ``greedy`` (argmax) decoding,
-        always without AQN noise, and from a separate random stream started at ``seed`` (default: the engine's).
-        On exit the training settings come back and the training stream continues exactly where it was, so
-        evaluating never changes what training samples."""
-        if temperature is not None and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature} (use greedy=True for argmax decoding).")
-        saved = (self.temperature, self.greedy, self.noise_std, self.noise_generator)
-        generator, pending = self._generator, self._generator_state
-        state = generator.get_state() if generator is not None else None
-        if generator is not None:
-            generator.manual_seed(rank_seed(self.seed if seed is None else seed))
-        self.seed, training_seed = (self.seed if seed is None else seed), self.seed  # a stream made inside uses it
-        self.temperature = saved[0] if temperature is None else temperature
-        self.greedy, self.noise_std, self.noise_generator = greedy, 0.0, None
-        try:
-            yield
-        finally:
-            self.temperature, self.greedy, self.noise_std, self.noise_generator = saved
-            self.seed = training_seed
-            if generator is None:
-                # Made inside the block: the next rollout makes the training one (from seed, or a checkpoint's state).
-                self._generator, self._generator_state = None, pending
-            else:
-                self._generator = generator
-                generator.set_state(state)
-
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec) -> Rollout:
         raise NotImplementedError
 
-    def _sampling_generator(self, device: torch.device) -> torch.Generator:
-        """The sampling generator on ``device``: seeded with ``seed``, or set to a checkpoint's state when resuming."""
+    def _sampling_generator(self, spec: SamplingSpec, device: torch.device) -> torch.Generator:
+        """The generator ``spec`` samples from on ``device``: the training stream (seeded with ``spec.seed``, or set to
+        a checkpoint's state when resuming), or a fresh one from ``spec.seed`` for a ``separate`` stream."""
+        if spec.stream == "separate":
+            return torch.Generator(device=device).manual_seed(rank_seed(spec.seed))
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(rank_seed(self.seed))
+            self._generator = torch.Generator(device=device).manual_seed(rank_seed(spec.seed))
             if self._generator_state is not None and self._generator_state[0] == device.type:
                 self._generator.set_state(self._generator_state[1])
             self._generator_state = None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from qerl.model.aqn import noisy_norms
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
+from qerl.rollout.sampling_spec import SamplingSpec
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,14 +51,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 class BuiltinRollout(RolloutEngine):
-    """Samples with the policy being trained (see ``RolloutEngine`` for the arguments)."""
+    """Samples with the policy being trained."""
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec) -> Rollout:
         from transformers import DynamicCache
 
         device = next(policy.parameters()).device
-        self._sampling_generator(device)
+        generator = self._sampling_generator(spec, device)
         # Prefill each prompt once, then copy its KV cache to the G samples of its group.
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         n = ids.shape[0] * group_size
@@ -67,7 +69,7 @@ class BuiltinRollout(RolloutEngine):
         was_training = policy.training
         policy.eval()
         try:
-            with noisy_norms(policy, self.noise_std, self.noise_generator):
+            with noisy_norms(policy, spec.noise_sigma, spec.noise_generator):
                 cache = DynamicCache()
                 positions = position_ids(mask)
                 out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -75,8 +77,8 @@ class BuiltinRollout(RolloutEngine):
                 cache.batch_repeat_interleave(group_size)
                 ids, mask, positions = (t.repeat_interleave(group_size, dim=0) for t in (ids, mask, positions))
                 logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)
-                for _ in range(self.max_new_tokens):
-                    token, logprob, entropy = sample(logits, self.temperature, self.top_p, self._generator, self.greedy)
+                for _ in range(spec.max_new_tokens):
+                    token, logprob, entropy = sample(logits, spec.temperature, spec.top_p, generator, spec.greedy)
                     token = token.masked_fill(finished, pad_id)
                     alive = ~finished
                     tokens.append(token)

@@ -43,7 +43,6 @@ import torch
 
 from qerl.model.aqn import noisy_norms
 from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
-from qerl.ranks import rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
@@ -53,6 +52,7 @@ from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
 from qerl.rollout.kv_cache import SlotCache, free_bytes, head_dim, releases_kv_cache, total_bytes
 from qerl.rollout.sampling import sample_rows
+from qerl.rollout.sampling_spec import SamplingSpec
 
 def _base_model(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -62,10 +62,6 @@ class CUDAGraphRollout(RolloutEngine):
     """Samples with the policy being trained, one CUDA graph replay per decode step (see the module docstring).
 
     Args:
-        max_new_tokens: completion budget; longer completions are truncated.
-        temperature: sampling temperature.
-        top_p: nucleus sampling threshold (1.0 keeps the full distribution).
-        seed: seed of the sampling generator.
         check_every: decode steps between the host's looks at how many rows are still running (each look is one
             GPU->CPU sync; it decides early stop and batch compaction).
         length_bucket: cache columns are attended in multiples of this many tokens (one graph per multiple).
@@ -108,10 +104,6 @@ class CUDAGraphRollout(RolloutEngine):
 
     def __init__(
         self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int = 0,
         check_every: int = 16,
         length_bucket: int = 256,
         min_bucket: int = 1,
@@ -122,7 +114,7 @@ class CUDAGraphRollout(RolloutEngine):
         keep_kv_cache: bool | None = None,
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
     ):
-        super().__init__(max_new_tokens, temperature, top_p, seed)
+        super().__init__()
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype={kv_cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}; use auto (the model's dtype) or fp8_e4m3.")
@@ -145,25 +137,21 @@ class CUDAGraphRollout(RolloutEngine):
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
 
     # ------------------------------------------------------------------------------------------------------------
-    def reset_generator(self) -> None:
-        """Restart the sampling stream from ``seed`` (tests compare runs with the same draws)."""
-        if self._generator is not None:
-            self._generator.manual_seed(rank_seed(self.seed))
-
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec) -> Rollout:
         base = _base_model(policy)
         device = next(policy.parameters()).device
         graphs = self._captures(device)
-        self._sampling_generator(device)  # (the graphs never read it: the noise key is drawn once per rollout)
+        generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         register_decode_attention()
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
-        N, new = B * group_size, self.max_new_tokens
+        N, new = B * group_size, spec.max_new_tokens
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
-        key = torch.randint(0, 2**32, (2,), generator=self._generator, device=device)
+        key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
         wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
         decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
@@ -172,7 +160,7 @@ class CUDAGraphRollout(RolloutEngine):
                              f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
-        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, device)
+        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, spec, device)
         out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
         out["tokens_out"].fill_(pad_id)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
@@ -183,7 +171,7 @@ class CUDAGraphRollout(RolloutEngine):
         steps = 0
         try:
             # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
-            with noisy_norms(policy, self.noise_std, self.noise_generator), decode_attention(base.config), \
+            with noisy_norms(policy, spec.noise_sigma, spec.noise_generator), decode_attention(base.config), \
                     self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
@@ -198,7 +186,7 @@ class CUDAGraphRollout(RolloutEngine):
                     prompts = slice(first, min(B, first + wave_prompts))
                     rows = slice(prompts.start * group_size, prompts.stop * group_size)
                     wave_steps = self._decode_wave(s, policy, ids[prompts], mask[prompts], group_size, pad_id,
-                                                   eos_ids, rows.start, graphs)
+                                                   eos_ids, rows.start, graphs, spec)
                     n = rows.stop - rows.start
                     for name, buffer in out.items():
                         buffer[rows, :wave_steps] = getattr(s, name)[:n, :wave_steps]
@@ -227,15 +215,15 @@ class CUDAGraphRollout(RolloutEngine):
         )
 
     def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
-                     first_row: int, graphs: bool) -> int:
+                     first_row: int, graphs: bool, spec: SamplingSpec) -> int:
         """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
         the decode steps run (the columns of ``s.tokens_out`` written)."""
         B, P = ids.shape
-        N, new = B * group_size, self.max_new_tokens
+        N, new = B * group_size, spec.max_new_tokens
         device = ids.device
         if s.cache.allocate():  # again, after the last rollout released it, at another address
             self._clear_graphs()
-        s.reset(mask, group_size, pad_id, eos_ids, self.max_new_tokens)
+        s.reset(mask, group_size, pad_id, eos_ids, new)
         s.first_row.fill_(first_row)
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
@@ -249,11 +237,11 @@ class CUDAGraphRollout(RolloutEngine):
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                             past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
-        self._record(s, logits.repeat_interleave(group_size, 0), N)
+        self._record(s, logits.repeat_interleave(group_size, 0), N, spec)
         del logits
         self._phase("decode")
         b, steps = N, 1
-        while steps < min(new, self._decode_limit()):
+        while steps < self._decode_limit(new):
             if steps % self.check_every == 0:
                 alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
@@ -263,7 +251,7 @@ class CUDAGraphRollout(RolloutEngine):
                     s.compact(b, P + steps - 1)
                     b = smaller
             length = min(s.length, -(-(P + steps) // self.length_bucket) * self.length_bucket)
-            self._run_step(s, policy, b, length, graphs)
+            self._run_step(s, policy, b, length, graphs, spec)
             steps += 1
         return steps
 
@@ -278,13 +266,13 @@ class CUDAGraphRollout(RolloutEngine):
         """The fused step's kernels on ``device``, picked once (PDL and the wgmma GEMV where supported)."""
         return Kernels.pick(device)
 
-    def _sample(self, logits, key, rows, step):
+    def _sample(self, logits, spec: SamplingSpec, key, rows, step):
         """The draw of one step (the fused sampling kernels where they apply)."""
-        return sample_rows(logits, self.temperature, self.top_p, key, rows, step)
+        return sample_rows(logits, spec.temperature, spec.top_p, key, rows, step)
 
-    def _decode_limit(self) -> int:
-        """Tokens to decode at most (``max_new_tokens``)."""
-        return self.max_new_tokens
+    def _decode_limit(self, max_new_tokens: int) -> int:
+        """Tokens to decode at most (the spec's ``max_new_tokens``)."""
+        return max_new_tokens
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
         """Told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
@@ -362,38 +350,41 @@ class CUDAGraphRollout(RolloutEngine):
             for module, attr, p in swapped:
                 module._parameters[attr] = p
 
-    def _ensure_state(self, policy, base, params: list, rows: int, length: int, device) -> DecodeState:
+    def _ensure_state(self, policy, base, params: list, rows: int, length: int, spec: SamplingSpec,
+                      device) -> DecodeState:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
         pointers = tuple(p.data_ptr() for _, p in params)
         dtype = base.get_input_embeddings().weight.dtype
         kv_dtype = cache_dtype(self.kv_cache_dtype, dtype)
-        key = (pointers, self.top_p, id(policy), kv_dtype)
+        key = (pointers, spec.top_p, id(policy), kv_dtype)
         s = self._state
-        if s is not None and s.key == key and s.rows >= rows and s.length >= length:
+        if s is not None and s.key == key and s.rows >= rows and s.length >= length \
+                and s.tokens_out.shape[1] >= spec.max_new_tokens:
             return s
         self._clear_graphs()
         self._state = None
+        new = spec.max_new_tokens
         if s is not None:  # keep the larger of the old and new sizes so alternating requests do not thrash
             if s.key == key:
-                rows, length = max(rows, s.rows), max(length, s.length)
+                rows, length, new = max(rows, s.rows), max(length, s.length), max(new, s.tokens_out.shape[1])
             del s
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim(config))
         cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated by each wave (see _decode_wave)
-        s = DecodeState.empty(key, cache, self.max_new_tokens, device)
+        s = DecodeState.empty(key, cache, new, device)
         self._state = s
         if device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         return s
 
-    def _record(self, s: DecodeState, logits: torch.Tensor, b: int) -> None:
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec) -> None:
         """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
         rows = s.first_row + s.slot_row[:b]  # output rows: the noise follows the row, not its slot or wave
-        key = None if self.greedy else s.noise_key
-        token, logprob, entropy = self._sample(logits, key, rows, s.step)
+        key = None if spec.greedy else s.noise_key
+        token, logprob, entropy = self._sample(logits, spec, key, rows, s.step)
         done = s.finished[:b]
         token = torch.where(done, s.pad, token)
         index = (s.slot_row[:b], s.step.expand(b))
@@ -404,7 +395,7 @@ class CUDAGraphRollout(RolloutEngine):
         s.last[:b] = token
         s.step += 1
 
-    def _step(self, s: DecodeState, policy, b: int, length: int) -> None:
+    def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
         cache = s.cache
         cache.mode, cache.b, cache.L = "decode", b, length
@@ -418,24 +409,25 @@ class CUDAGraphRollout(RolloutEngine):
                          position_ids=s.pos[:b, None], past_key_values=s.hf_cache, use_cache=True,
                          logits_to_keep=1)
             logits = out.logits[:, -1]
-        self._record(s, logits, b)
+        self._record(s, logits, b, spec)
         s.pos[:b] += 1
         cache.position += 1
 
-    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool) -> None:
+    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool, spec: SamplingSpec) -> None:
         decoder = s.decoder
-        graph_key = (b, length, self.temperature, self.greedy, decoder.key(b) if decoder is not None else None)
+        # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
+        graph_key = (b, length, spec.temperature, spec.greedy, decoder.key(b) if decoder is not None else None)
         graph = self._graphs.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()
             return
         if graphs:
             self._phase("capture")
-        self._step(s, policy, b, length)  # eager: the step itself, and the warm-up before a capture
+        self._step(s, policy, b, length, spec)  # eager: the step itself, and the warm-up before a capture
         if graphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(s, policy, b, length)
+                self._step(s, policy, b, length, spec)
             self._graphs[graph_key] = graph
             self.graphs_captured += 1
             self._phase("captured")

@@ -43,6 +43,7 @@ from qerl.nvfp4.linear import NVFP4Linear
 from qerl.ranks import rank_and_world_size, rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad
+from qerl.rollout.sampling_spec import SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ def save_lora(policy, directory: Path) -> int:
 class VLLMRollout(RolloutEngine):
     """Samples with a vLLM engine inside the training process, receiving the adapter and norms every step.
 
-    Select it in YAML with ``model.rollout.class_path: qerl.rollout.vllm.VLLMRollout`` (see ``RolloutEngine`` for
-    ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
+    Select it in YAML with ``model.rollout.class_path: qerl.rollout.vllm.VLLMRollout`` (how to sample comes with each
+    ``generate``, a ``SamplingSpec``).
 
     Args:
         model: the model directory vLLM loads; ``None`` takes the policy's (``model.policy.model``). For an NVFP4
@@ -127,7 +128,7 @@ class VLLMRollout(RolloutEngine):
             cache); training shares the GPU. ``None``: the memory plan's choice (``train.py fit`` on a GPU: the share
             that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``UNPLANNED_UTILIZATION``.
         max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None``: ``train.py fit`` sets
-            ``data.max_prompt_tokens + max_new_tokens``; unplanned, the model's limit.
+            ``data.max_prompt_tokens + model.sampling.max_new_tokens``; unplanned, the model's limit.
         max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
         sleep: on CUDA, put vLLM to sleep (level 1: weights to CPU, KV cache freed) after each rollout so the training
             phase has the GPU memory; woken before the next rollout.
@@ -138,10 +139,6 @@ class VLLMRollout(RolloutEngine):
 
     def __init__(
         self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int = 0,
         model: str | None = None,
         dtype: str = "auto",
         gpu_memory_utilization: float | None = None,
@@ -152,7 +149,7 @@ class VLLMRollout(RolloutEngine):
         enable_prefix_caching: bool = True,
         engine_kwargs: dict | None = None,
     ):
-        super().__init__(max_new_tokens, temperature, top_p, seed)
+        super().__init__()
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(INSTALL_HINT)
         if dtype != "auto" and dtype not in DTYPES:
@@ -160,8 +157,6 @@ class VLLMRollout(RolloutEngine):
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"model.rollout.init_args.gpu_memory_utilization must be in (0, 1] (or null: the memory "
                              f"plan chooses), got {gpu_memory_utilization}.")
-        if max_model_len is not None and max_model_len <= max_new_tokens:
-            raise ValueError(f"max_model_len ({max_model_len}) must exceed max_new_tokens ({max_new_tokens}).")
         if max_lora_rank is not None:
             vllm_lora_rank(1, max_lora_rank)
         self.model, self.dtype = model, dtype
@@ -178,21 +173,32 @@ class VLLMRollout(RolloutEngine):
         self._clean_norms: dict[str, torch.Tensor] = {}  # trained norm weights, keyed by vLLM parameter name
         self._pending_norms = False
         self._seeds: random.Random | None = None  # per-request seeds, distinct across prompts, steps and ranks
+        self._seeds_state: tuple | None = None  # the stream's state from a checkpoint, applied when it is made
 
     # ------------------------------------------------------------------------------------------------------------
     def rank_state(self) -> dict:
         """The per-request seed stream too, so that a resumed run sends vLLM the seeds the uninterrupted run would."""
-        return {**super().rank_state(), "seeds": self._request_seeds().getstate()}
+        seeds = self._seeds.getstate() if self._seeds is not None else self._seeds_state
+        return {**super().rank_state(), "seeds": seeds}
 
     def load_rank_state(self, state: dict) -> None:
         super().load_rank_state(state)
         if state.get("seeds") is not None:
-            self._request_seeds().setstate(state["seeds"])
+            if self._seeds is None:
+                self._seeds_state = state["seeds"]
+            else:
+                self._seeds.setstate(state["seeds"])
 
-    def _request_seeds(self) -> random.Random:
-        """The per-request seed stream, made on first use (by then this process knows its DDP rank)."""
+    def _request_seeds(self, spec: SamplingSpec) -> random.Random:
+        """The per-request seed stream of ``spec``: the training one, made on first use (by then this process knows
+        its DDP rank) or set to a checkpoint's state; or a fresh one from ``spec.seed`` for a ``separate`` stream."""
+        if spec.stream == "separate":
+            return random.Random(rank_seed(spec.seed))
         if self._seeds is None:
-            self._seeds = random.Random(rank_seed(self.seed))
+            self._seeds = random.Random(rank_seed(spec.seed))
+            if self._seeds_state is not None:
+                self._seeds.setstate(self._seeds_state)
+            self._seeds_state = None
         return self._seeds
 
     def sync(self, policy) -> None:
@@ -209,13 +215,14 @@ class VLLMRollout(RolloutEngine):
             self._start(policy, rank)
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int]) -> Rollout:
+    def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec) -> Rollout:
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
         if self.llm is None or self._adapter_dir is None:
             self.sync(policy)
-        self._check_lengths(prompt_ids)
+        self._check_lengths(prompt_ids, spec.max_new_tokens)
         if self._asleep:
             # vLLM wakes by mapping its pool back with its own allocator (cumem), outside PyTorch's: the blocks the
             # update freed but PyTorch's caching allocator still reserves would leave it short. Hand them back first.
@@ -224,11 +231,12 @@ class VLLMRollout(RolloutEngine):
             self._asleep, self._sleeping_bytes = False, 0
             self._pending_lora = True  # reload the adapter from RAM (cheap) rather than trust slots restored by wake
         self._push_pending()
-        noisy = self.noise_std > 0 and bool(self._clean_norms)
+        noisy = spec.noise_sigma > 0 and bool(self._clean_norms)
         try:
             if noisy:
-                self._write_norms(self._noisy_norms())
-            params = [self._sampling_params(group_size, eos_ids) for _ in prompt_ids]
+                self._write_norms(self._noisy_norms(spec))
+            seeds = self._request_seeds(spec)
+            params = [self._sampling_params(group_size, eos_ids, spec, seeds) for _ in prompt_ids]
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
                 params,
@@ -250,20 +258,21 @@ class VLLMRollout(RolloutEngine):
         # VLLM_ENABLE_V1_MULTIPROCESSING=1 moves it to a process of its own)
         return self._sleeping_bytes if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else 0
 
-    def _sampling_params(self, group_size: int, eos_ids: list[int], **overrides):
-        """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples (``overrides``: other values, e.g. a
-        benchmark's forced lengths)."""
+    def _sampling_params(self, group_size: int, eos_ids: list[int], spec: SamplingSpec, seeds: random.Random,
+                         **overrides):
+        """vLLM's ``SamplingParams`` of one prompt's ``group_size`` samples, its seed drawn from ``seeds``
+        (``overrides``: other values, e.g. a benchmark's forced lengths)."""
         from vllm import SamplingParams
 
         return SamplingParams(**{
             "n": group_size,
-            "temperature": 0.0 if self.greedy else self.temperature,  # vLLM decodes greedily at 0
-            "top_p": 1.0 if self.greedy else self.top_p,
-            "max_tokens": self.max_new_tokens,
+            "temperature": 0.0 if spec.greedy else spec.temperature,  # vLLM decodes greedily at 0
+            "top_p": 1.0 if spec.greedy else spec.top_p,
+            "max_tokens": spec.max_new_tokens,
             "stop_token_ids": list(eos_ids),
             "ignore_eos": True,  # stop on exactly the trainer's eos_ids, not also on vLLM's own idea of EOS
             "logprobs": 0,
-            "seed": self._request_seeds().randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
+            "seed": seeds.randrange(2**31 - group_size),  # vLLM gives sample j of a group seed + j
             "skip_special_tokens": False,
             "detokenize": False,
             **overrides,
@@ -290,7 +299,7 @@ class VLLMRollout(RolloutEngine):
         kwargs = dict(
             model=path,
             dtype=dtype,
-            seed=self.seed,
+            seed=0,  # every request carries its own seed (_sampling_params): the engine's draws none of them
             enable_lora=True,
             max_lora_rank=self._lora_rank,
             max_loras=1,
@@ -333,9 +342,10 @@ class VLLMRollout(RolloutEngine):
             self._write_norms(self._clean_norms)
             self._pending_norms = False
 
-    def _noisy_norms(self) -> dict[str, torch.Tensor]:
-        """Trained weight + fresh N(0, sigma^2) per channel, drawn in fp32 from the AQN callback's generator."""
-        return {name: weight + aqn_noise(weight, self.noise_std, self.noise_generator) if takes_noise(name) else weight
+    def _noisy_norms(self, spec: SamplingSpec) -> dict[str, torch.Tensor]:
+        """Trained weight + fresh N(0, sigma^2) per channel, drawn in fp32 from the spec's noise generator."""
+        sigma, generator = spec.noise_sigma, spec.noise_generator
+        return {name: weight + aqn_noise(weight, sigma, generator) if takes_noise(name) else weight
                 for name, weight in self._clean_norms.items()}
 
     def _write_norms(self, weights: dict[str, torch.Tensor]) -> None:
@@ -350,15 +360,15 @@ class VLLMRollout(RolloutEngine):
         self.llm.apply_model(write)
         self.llm.reset_prefix_cache()
 
-    def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
+    def _check_lengths(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
         longest = max(len(p) for p in prompt_ids)
         if min(len(p) for p in prompt_ids) == 0:
             raise ValueError("VLLMRollout got an empty prompt.")
-        if self.max_model_len is not None and longest + self.max_new_tokens > self.max_model_len:
+        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
             raise ValueError(
-                f"A prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} exceeds vLLM's max_model_len="
+                f"A prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds vLLM's max_model_len="
                 f"{self.max_model_len}: raise model.rollout.init_args.max_model_len (up to the model's context), lower "
-                "max_new_tokens or the data's prompt length limit."
+                "model.sampling.max_new_tokens or the data's prompt length limit."
             )
 
     @staticmethod

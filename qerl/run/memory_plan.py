@@ -32,7 +32,7 @@ from qerl.rollout.vllm_footprint import (UTILIZATION_STEP, fixed_bytes, kv_rows_
 MICRO_BATCH_TOKENS_MULTIPLE = 256  # a chosen micro-batch budget is rounded down to this (never below the longest row)
 
 # The options a refusal names (as a user writes them in a config or on the command line).
-OPT_NEW = "model.rollout.init_args.max_new_tokens"
+OPT_NEW = "model.sampling.max_new_tokens"
 OPT_PROMPT = "data.max_prompt_tokens"
 OPT_PROMPTS = "data.batch_size"
 OPT_GROUP = "model.group_size"

@@ -11,7 +11,7 @@ What is decided (each only where the config leaves it open):
     model.rollout.init_args.wave_rows             None: the plan's wave (no device: None, every row at once)
     model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
     model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
-    model.rollout.init_args.max_model_len         None (vLLM): data.max_prompt_tokens + max_new_tokens
+    model.rollout.init_args.max_model_len         None (vLLM): data.max_prompt_tokens + model.sampling.max_new_tokens
     model.rollout.init_args.gpu_memory_utilization  None (vLLM): the plan's share for vLLM (no device: None)
 
 The built-in engines (``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) and the vLLM engine
@@ -29,6 +29,7 @@ import torch
 
 from qerl.hub import load_config
 from qerl.model.footprint import GIB, ModelShape, RunSettings
+from qerl.modules.options import SamplingOptions
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.vllm import VLLMRollout, vllm_lora_rank
@@ -129,16 +130,23 @@ def engine_args(rollout) -> dict:
     return args
 
 
+def sampling_options(model) -> SamplingOptions:
+    """The parsed ``model.sampling`` section as the module will get it (its defaults where the config has none)."""
+    given = model.get("sampling")
+    return SamplingOptions(**(dict(given.items()) if given is not None else {}))
+
+
 def run_settings(config) -> RunSettings:
     """What the memory plan needs of a parsed config (one subcommand's namespace) with a planned engine."""
     model, data, policy = config.model, config.data, config.model.policy
     kind = engine_kind(model.get("rollout"))
     graphs = kind == "cuda_graph"  # decodes in waves, keeps or frees its static cache
     engine = engine_args(model.get("rollout"))
+    new_tokens = sampling_options(model).max_new_tokens
     if kind == "vllm":
         return RunSettings(
             prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
-            max_new_tokens=engine["max_new_tokens"], quantization=policy.quantization, lora_rank=policy.lora_rank,
+            max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
             lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
             micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
             logprob_chunk_size=model.logprob_chunk_size, engine="vllm", waves=False, length_bucket=1,
@@ -148,7 +156,7 @@ def run_settings(config) -> RunSettings:
             lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine["max_lora_rank"]), sleep=bool(engine["sleep"]))
     return RunSettings(
         prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
-        max_new_tokens=engine["max_new_tokens"], quantization=policy.quantization, lora_rank=policy.lora_rank,
+        max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
         micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
         logprob_chunk_size=model.logprob_chunk_size, engine="cuda_graph" if graphs else "builtin", waves=graphs,

@@ -3,7 +3,7 @@ launch order or the mma.sync GEMV, the torch sampling expression instead of the 
 decoding at, and a callable told each phase of a call. The engine itself has none of these options (a user never
 sets them); it picks each of them in one method (its seams), which this subclass answers from its switches.
 
-    engine = ComparisonRollout(use_graphs=False, pdl=False, max_new_tokens=64)   # bench/bench_rollout.py, tests/gpu
+    engine = ComparisonRollout(use_graphs=False, pdl=False, stop_after=64)   # bench/bench_rollout.py, tests/gpu
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ class ComparisonRollout(CUDAGraphRollout):
     def _kernels(self, device) -> Kernels:
         return Kernels.pick(device, self.pdl, self.wgmma)
 
-    def _sample(self, logits, key, rows, step):
-        return sample_rows(logits, self.temperature, self.top_p, key, rows, step, self.fused_sampling)
+    def _sample(self, logits, spec, key, rows, step):
+        return sample_rows(logits, spec.temperature, spec.top_p, key, rows, step, self.fused_sampling)
 
-    def _decode_limit(self) -> int:
-        return min(self.max_new_tokens, self.stop_after or self.max_new_tokens)
+    def _decode_limit(self, max_new_tokens: int) -> int:
+        return min(max_new_tokens, self.stop_after or max_new_tokens)
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
         if self.phase_hook is not None:

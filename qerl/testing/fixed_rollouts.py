@@ -28,27 +28,26 @@ def stable_hash(*parts) -> int:
 
 
 class FixedRollout(RolloutEngine):
-    """G completions per prompt of ``min_tokens..max_new_tokens`` random tokens (ids below ``vocab_limit``), a function
-    of the prompt's ids and the sample index only.
+    """G completions per prompt of ``min_tokens..spec.max_new_tokens`` random tokens (ids below ``vocab_limit``), a
+    function of the prompt's ids and the sample index only.
 
     Args:
         min_tokens: the shortest completion.
         vocab_limit: token ids are drawn below this (keeps clear of the special tokens at the end of a vocabulary).
-        **kwargs: ``RolloutEngine``'s arguments (``max_new_tokens``, ``temperature``).
     """
 
-    def __init__(self, min_tokens: int = 8, vocab_limit: int = 32000, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, min_tokens: int = 8, vocab_limit: int = 32000):
+        super().__init__()
         self.min_tokens, self.vocab_limit = min_tokens, vocab_limit
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids) -> Rollout:
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec) -> Rollout:
         device = next(policy.parameters()).device
         completions = []
         for prompt in prompt_ids:
             for j in range(group_size):
                 g = torch.Generator().manual_seed(stable_hash(tuple(prompt), j))
-                n = int(torch.randint(self.min_tokens, self.max_new_tokens + 1, (), generator=g))
+                n = int(torch.randint(self.min_tokens, spec.max_new_tokens + 1, (), generator=g))
                 completions.append(torch.randint(0, self.vocab_limit, (n,), generator=g).tolist())
         prompts = [p for p in prompt_ids for _ in range(group_size)]
         prompt_ids_t, prompt_mask = left_pad(prompts, pad_id, device)
@@ -65,7 +64,7 @@ class FixedRollout(RolloutEngine):
         logprobs, entropy = [], []
         for start in range(0, len(completions), 8):  # the policy's own log-probs, a few rows at a time
             part = Rollout(*(t[start:start + 8] for t in rollout))
-            lp, ent = recompute(policy, part, self.temperature)
+            lp, ent = recompute(policy, part, spec.temperature)
             logprobs.append(lp.float())
             entropy.append(ent.float())
         return rollout._replace(logprobs=torch.cat(logprobs), entropy=torch.cat(entropy))

@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
         cli = cli_main([
             "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.policy.model", str(model),
             "--model.agent.tools", "[qerl.tools.calculator:calculator]", "--model.agent.environment", ENV,
-            "--model.agent.max_turns", "3", "--model.rollout.init_args.max_new_tokens", "8",
+            "--model.agent.max_turns", "3", "--model.sampling.max_new_tokens", "8",
             "--trainer.max_steps", "3", "--data.max_prompt_tokens", "512",
             "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.version", version, *extra])
         weights = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters() if p.requires_grad}

@@ -11,6 +11,7 @@ from qerl.agents.episode import run_episodes
 from qerl.model.policy import build_policy
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_agents import save_tiny_chat_model
 from qerl.hub import load_tokenizer
@@ -52,11 +53,11 @@ def prompts(tokenizer, questions):
 @pytest.mark.parametrize("engine", [BuiltinRollout, CUDAGraphRollout])
 def test_multi_turn_logprobs_equal_full_recomputation(chat_model, engine):
     policy, tokenizer = chat_model
-    rollout_engine = engine(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
-    eos = [tokenizer.eos_token_id]
+    rollout_engine, eos = engine(), [tokenizer.eos_token_id]
 
     def sample(contexts, samples, max_new_tokens):
-        return rollout_engine.generate(policy, contexts, samples, tokenizer.pad_token_id, eos)
+        spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=TEMPERATURE, seed=3)
+        return rollout_engine.generate(policy, contexts, samples, tokenizer.pad_token_id, eos, spec)
 
     episodes = run_episodes(sample, prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
                             eos, tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10,

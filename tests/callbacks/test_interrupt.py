@@ -39,7 +39,7 @@ def wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float 
 def test_an_interrupted_fit_leaves_a_checkpoint_and_the_resume_command_that_continues(tiny_model_dirs, tmp_path,
                                                                                      signum):
     args = ["fit", "--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--trainer.max_steps",
-            "10000", "--trainer.logger.init_args.save_dir", "runs", "--model.rollout.init_args.max_new_tokens", "16"]
+            "10000", "--trainer.logger.init_args.save_dir", "runs", "--model.sampling.max_new_tokens", "16"]
     proc = start(tmp_path, *args)
     wait_for("runs/debug/version_0/checkpoints/epoch=0-step=1.ckpt", tmp_path, proc)  # the first step is done
     proc.send_signal(signum)

@@ -61,7 +61,7 @@ def arguments(work: Path, out: Path, config: Path, model: Path, *extra: str) -> 
     return [
         "--device", "cpu", "--arms", "nvfp4_aqn", "--seeds", "0", "--steps", str(STEPS), "--threads", "1",
         "--config", str(config), "--work", str(work), "--out", str(out), "--poll", "0.2", "--",
-        "--model.policy.model", str(model), "--model.rollout.init_args.max_new_tokens", "4",
+        "--model.policy.model", str(model), "--model.sampling.max_new_tokens", "4",
         "--model.group_size", "2", "--data.batch_size", "2", "--model.micro_batch_size", "4",
         "--trainer.val_check_interval", "1", "--data.val_batch_size", "4", "--data.val_sources", json.dumps(heldout),
         "--trainer.enable_progress_bar", "false", *extra,

@@ -7,12 +7,14 @@ tied embeddings; Llama 3: llama3 rope scaling), small enough for seconds per tes
 """
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 from qerl.model.aqn import rms_norms
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, model_config
 from qerl.testing.rollouts import recompute
 
@@ -42,10 +44,11 @@ def prompts():
 
 
 def generate(policy, prompts, group, **options):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, **options)
+    engine = CUDAGraphRollout(check_every=4, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = engine.generate(policy, prompts, group, 0, [])
+        spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+        r = engine.generate(policy, prompts, group, 0, [], spec)
     assert not [w for w in caught if "fused decoding off" in str(w.message)], [str(w.message) for w in caught]
     assert engine.graphs_captured >= 1
     return r
@@ -59,22 +62,21 @@ def test_fused_graph_rollout_logprobs_equal_a_full_recomputation(policy, prompts
 
 
 def test_lora_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
-    a = engine.generate(policy, prompts, 4, 0, [])
+    engine = CUDAGraphRollout(check_every=4)
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    a = engine.generate(policy, prompts, 4, 0, [], spec)
     lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
     trained = lora_b.detach().clone()
     with torch.no_grad():
         lora_b.add_(0.5)
-    engine.reset_generator()
-    b = engine.generate(policy, prompts, 4, 0, [])
+    b = engine.generate(policy, prompts, 4, 0, [], spec)
     assert not torch.equal(a.logprobs, b.logprobs)
     assert float((b.logprobs - recompute(policy, b)[0]).abs().max()) < LOGPROB_ATOL
     with torch.no_grad():
         lora_b.copy_(trained)
     clean = [m.weight.detach().clone() for m in rms_norms(policy)]
-    engine.set_noise(0.05, torch.Generator().manual_seed(1))
-    engine.reset_generator()
-    noisy = engine.generate(policy, prompts, 4, 0, [])
+    noisy_spec = replace(spec, noise_sigma=0.05, noise_generator=torch.Generator().manual_seed(1))
+    noisy = engine.generate(policy, prompts, 4, 0, [], noisy_spec)
     assert not torch.equal(noisy.logprobs, a.logprobs)
     assert all(torch.equal(m.weight, w) for m, w in zip(rms_norms(policy), clean))
 

@@ -6,12 +6,15 @@ The policy is a random-init Qwen2.5-shaped model, small enough for seconds per t
 decoder's Triton kernels and the NVFP4 GEMV run as in a real rollout.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from qerl.model.aqn import rms_norms
 from qerl.nvfp4.kernels import pdl
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.testing.random_models import build_random_policy, qwen25_config
 from qerl.testing.rollouts import recompute
@@ -49,25 +52,26 @@ def max_logprob_error(policy, rollout) -> float:
 
 
 def test_graph_replay_samples_the_eager_tokens(policy, prompts):
-    graphs = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
-    a = graphs.generate(policy, prompts, 4, 0, [])
-    e = eager_engine(max_new_tokens=24, seed=0, check_every=4).generate(policy, prompts, 4, 0, [])
+    graphs = CUDAGraphRollout(check_every=4)
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    a = graphs.generate(policy, prompts, 4, 0, [], spec)
+    e = eager_engine(check_every=4).generate(policy, prompts, 4, 0, [], spec)
     assert graphs.graphs_captured >= 1
     assert torch.equal(a.completion_ids, e.completion_ids)
     torch.testing.assert_close(a.logprobs, e.logprobs, atol=1e-5, rtol=0)
-    graphs.reset_generator()
-    again = graphs.generate(policy, prompts, 4, 0, [])
+    again = graphs.generate(policy, prompts, 4, 0, [], spec)
     assert torch.equal(a.completion_ids, again.completion_ids) and torch.equal(a.logprobs, again.logprobs)
 
 
 @pytest.mark.parametrize("wgmma", [None, False], ids=["default-gemv", "mma-sync-gemv"])
 def test_logprobs_equal_a_full_recomputation(policy, prompts, wgmma):
-    engine = ComparisonRollout(max_new_tokens=24, seed=0, check_every=4, wgmma=wgmma)  # False: other GPUs' loop
-    assert max_logprob_error(policy, engine.generate(policy, prompts, 4, 0, [])) < LOGPROB_ATOL
+    engine = ComparisonRollout(check_every=4, wgmma=wgmma)  # False: other GPUs' loop
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    assert max_logprob_error(policy, engine.generate(policy, prompts, 4, 0, [], spec)) < LOGPROB_ATOL
     # prompts of 175 tokens in all: the fused prefill's GEMMs above 128 rows (each group dequantized into one stack)
     gen = torch.Generator().manual_seed(1)
     long = [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (60, 70, 45)]
-    r = CUDAGraphRollout(max_new_tokens=16, seed=0).generate(policy, long, 2, 0, [])
+    r = CUDAGraphRollout().generate(policy, long, 2, 0, [], SamplingSpec(max_new_tokens=16, seed=0))
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
 
 
@@ -75,8 +79,9 @@ def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
     """kv_cache_dtype fp8_e4m3 under graphs, waves of 64 and 96 rows (the bf16 copy above 64): the log-probs are those
     of a full forward whose attention reads the e4m3-rounded K/V; the unrounded policy's are further away."""
     for group in (4, 32):
-        engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, kv_cache_dtype="fp8_e4m3")
-        r = engine.generate(policy, prompts, group, 0, [])
+        engine = CUDAGraphRollout(check_every=4, kv_cache_dtype="fp8_e4m3")
+        spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+        r = engine.generate(policy, prompts, group, 0, [], spec)
         assert engine._state.cache.dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1
         m = r.completion_mask.bool()
         err = (r.logprobs - recompute(policy, r, kv_cache_dtype=torch.float8_e4m3fn)[0]).abs()[m]
@@ -85,16 +90,18 @@ def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
 
 
 def test_compaction_keeps_logprobs_exact(policy, prompts):
-    engine = CUDAGraphRollout(max_new_tokens=64, seed=1, check_every=2)
-    r = engine.generate(policy, prompts, 8, 0, list(range(100, 108)))  # many EOS ids: rows finish early
+    engine = CUDAGraphRollout(check_every=2)
+    spec = SamplingSpec(max_new_tokens=64, seed=1, stream="separate")
+    r = engine.generate(policy, prompts, 8, 0, list(range(100, 108)), spec)  # many EOS ids: rows finish early
     assert len({k[0] for k in engine._graphs}) > 1  # decoded in more than one batch bucket
     assert int(r.lengths.min()) < 64
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
 
 
 def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4, wide_batch_bf16=True)
-    r = engine.generate(policy, prompts, 32, 0, [])  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
+    engine = CUDAGraphRollout(check_every=4, wide_batch_bf16=True)
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    r = engine.generate(policy, prompts, 32, 0, [], spec)  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
     gemms = [layer[g].gemm for layer in engine._decoder[1].layers for g in ("qkv", "o", "gu", "down")]
     assert all(g._dequantized is None for g in gemms)  # released after the rollout
@@ -102,35 +109,32 @@ def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
     # ones (all of them: 96 rows never compact below 64) freed
     junk = [torch.empty(g.dequantized_bytes(torch.bfloat16), dtype=torch.uint8, device="cuda") for g in gemms]
     before = engine.graphs_captured
-    r2 = engine.generate(policy, prompts, 32, 0, [])
+    r2 = engine.generate(policy, prompts, 32, 0, [], spec)
     del junk
     assert engine.graphs_captured > before and len(engine._graphs) == engine.graphs_captured - before
     assert max_logprob_error(policy, r2) < LOGPROB_ATOL
 
 
 def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
-    engine = CUDAGraphRollout(max_new_tokens=24, seed=0, check_every=4)
-    a = engine.generate(policy, prompts, 4, 0, [])
+    engine = CUDAGraphRollout(check_every=4)
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    a = engine.generate(policy, prompts, 4, 0, [], spec)
     captured = engine.graphs_captured
     lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
     trained = lora_b.detach().clone()
     with torch.no_grad():
         lora_b.add_(0.5)  # what an optimizer step does: same storage
-    engine.reset_generator()
-    d = engine.generate(policy, prompts, 4, 0, [])
+    d = engine.generate(policy, prompts, 4, 0, [], spec)
     with torch.no_grad():
         lora_b.copy_(trained)
     assert not torch.equal(a.logprobs, d.logprobs)
     clean = [m.weight.detach().clone() for m in rms_norms(policy)]
-    engine.set_noise(0.1, torch.Generator().manual_seed(0))
-    engine.reset_generator()
-    noisy = engine.generate(policy, prompts, 4, 0, [])
-    engine.set_noise(0.0)
+    noisy_spec = replace(spec, noise_sigma=0.1, noise_generator=torch.Generator().manual_seed(0))
+    noisy = engine.generate(policy, prompts, 4, 0, [], noisy_spec)
     assert not torch.equal(a.logprobs, noisy.logprobs)  # applied inside the replayed graphs
     assert all(torch.equal(m.weight, w) for m, w in zip(rms_norms(policy), clean))  # and removed exactly
     assert engine.graphs_captured == captured  # neither needed a new capture
-    engine.reset_generator()
-    b = engine.generate(policy, prompts, 4, 0, [])
+    b = engine.generate(policy, prompts, 4, 0, [], spec)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
 
 
@@ -138,8 +142,9 @@ def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
 def test_pdl_changes_when_kernels_start_never_what_they_compute(policy, prompts):
     runs = {}
     for on in (False, True):
-        engine = ComparisonRollout(max_new_tokens=40, seed=2, check_every=4, pdl=on)  # the comparison switch
-        runs[on] = engine.generate(policy, prompts, 8, 0, list(range(100, 104)))
+        engine = ComparisonRollout(check_every=4, pdl=on)  # the comparison switch
+        spec = SamplingSpec(max_new_tokens=40, seed=2, stream="separate")
+        runs[on] = engine.generate(policy, prompts, 8, 0, list(range(100, 104)), spec)
     assert torch.equal(runs[True].completion_ids, runs[False].completion_ids)
     assert torch.equal(runs[True].logprobs, runs[False].logprobs)
 
@@ -160,28 +165,28 @@ def test_waves_and_a_released_cache_keep_the_samples_under_graphs(policy, prompt
     """Waves of two groups sample like one wave: the same noise per row (bf16 sums differ with the batch shape, so a
     near tie may flip a token and the rest of its row: most rows, not all, are equal); a released cache comes back
     and the same engine repeats itself exactly."""
-    one = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=4, keep_kv_cache=True)
-    waves = CUDAGraphRollout(max_new_tokens=40, seed=5, check_every=2, wave_rows=8, keep_kv_cache=False)
+    one = CUDAGraphRollout(check_every=4, keep_kv_cache=True)
+    waves = CUDAGraphRollout(check_every=2, wave_rows=8, keep_kv_cache=False)
     eos = list(range(100, 108))
-    a, b = one.generate(policy, prompts, 4, 0, eos), waves.generate(policy, prompts, 4, 0, eos)
+    spec = SamplingSpec(max_new_tokens=40, seed=5, stream="separate")
+    a, b = one.generate(policy, prompts, 4, 0, eos, spec), waves.generate(policy, prompts, 4, 0, eos, spec)
     assert waves._state.cache.storage is None and waves._state.rows == 8
     first = (a.completion_ids[:, :8] == b.completion_ids[:, :8]).all(-1)
     assert int(first.sum()) >= 9, first  # 12 rows; keyed by slot instead of row, about none would agree
     assert max_logprob_error(policy, b) < LOGPROB_ATOL
-    waves.reset_generator()
-    again = waves.generate(policy, prompts, 4, 0, eos)  # the cache allocated again; graphs recaptured if it moved
+    again = waves.generate(policy, prompts, 4, 0, eos, spec)  # the cache allocated again; graphs recaptured if it moved
     assert torch.equal(again.completion_ids, b.completion_ids) and torch.equal(again.logprobs, b.logprobs)
 
 
 def test_evaluation_blocks_on_a_fresh_engine_capture_again(policy, prompts):
-    """Validation without training: each batch samples inside its own ``sampling()`` block on an engine that has no
+    """Validation without training: each batch samples greedily from a separate stream on an engine that has no
     training stream yet; the graphs (which never read the generator) are kept and replayed, not captured into a
     pool whose graphs were dropped."""
-    engine = CUDAGraphRollout(max_new_tokens=12, seed=0)
+    engine = CUDAGraphRollout()
     results = []
     for _ in range(2):
-        with engine.sampling(greedy=True):
-            results.append(engine.generate(policy, prompts, 1, 0, []))
+        spec = SamplingSpec(max_new_tokens=12, greedy=True, seed=0, stream="separate")
+        results.append(engine.generate(policy, prompts, 1, 0, [], spec))
     assert torch.equal(results[0].completion_ids, results[1].completion_ids)
     assert engine.graphs_captured >= 1 and len(engine._graphs) == engine.graphs_captured
 

@@ -13,10 +13,11 @@ a minute once). Run on an H100 with vLLM 0.26.0 (docs/vllm.md, "Versions").
 """
 
 import importlib.util
-import random
 
 import pytest
 import torch
+
+from qerl.rollout.sampling_spec import SamplingSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -50,8 +51,7 @@ def engine(policy):
     from qerl.rollout.vllm import VLLMRollout
 
     # tokens in and out only: the random checkpoint has no tokenizer
-    engine = VLLMRollout(max_new_tokens=MAX_NEW, seed=0, max_model_len=128, gpu_memory_utilization=0.3,
-                         engine_kwargs={"skip_tokenizer_init": True})
+    engine = VLLMRollout(max_model_len=128, gpu_memory_utilization=0.3, engine_kwargs={"skip_tokenizer_init": True})
     engine.sync(policy)
     return engine
 
@@ -68,9 +68,11 @@ PROMPTS = [[int(t) for t in torch.randint(1, VOCAB, (n,), generator=torch.Genera
            for n in (7, 30, 12, 64)]
 
 
-def sample(engine, policy, seed: int = 123):
-    engine._seeds = random.Random(seed)  # the same request seeds: the same draws
-    return engine.generate(policy, PROMPTS, G, 0, [])
+def sample(engine, policy, seed: int = 123, sigma: float = 0.0, noise_seed: int = 0):
+    """The same request seeds for the same ``seed`` (a separate stream): the same draws."""
+    spec = SamplingSpec(max_new_tokens=MAX_NEW, seed=seed, stream="separate", noise_sigma=sigma,
+                        noise_generator=torch.Generator().manual_seed(noise_seed))
+    return engine.generate(policy, PROMPTS, G, 0, [], spec)
 
 
 def gap(policy, rollout) -> float:
@@ -108,12 +110,10 @@ def test_vllm_samples_the_nvfp4_policy_with_its_adapter(engine, policy):
 def test_aqn_noise_moves_vllms_logprobs_and_is_removed(engine, policy):
     clean = sample(engine, policy)
     for sigma in (1e-2, 1e-1):
-        engine.set_noise(sigma, torch.Generator().manual_seed(3))
-        noisy = sample(engine, policy)
+        noisy = sample(engine, policy, sigma=sigma, noise_seed=3)
         moved = float((noisy.logprobs - clean.logprobs).abs().mean())
         print(f"sigma {sigma:g}: mean |log-prob change| {moved:.3e}")
         assert moved > 5e-3  # over twice the round trip's bound below
-    engine.set_noise(0.0)
     off = sample(engine, policy)
     assert torch.equal(off.completion_ids, clean.completion_ids)
     assert mean_change(off, clean) < 2e-3  # sigma 1e-2 moves them by ~1e-2
@@ -124,14 +124,12 @@ def test_many_steps_do_not_leak_gpu_memory(engine, policy):
     for step in range(12):
         randomize_adapter(policy, step)
         engine.sync(policy)
-        engine.set_noise(1e-2, torch.Generator().manual_seed(step))
-        sample(engine, policy, seed=step)
+        sample(engine, policy, seed=step, sigma=1e-2, noise_seed=step)
         torch.cuda.empty_cache()
         free.append(torch.cuda.mem_get_info()[0])
         # asleep: PyTorch still counts vLLM's unmapped pool; without it, what it counts is on the GPU
         in_use = torch.cuda.mem_get_info()[1] - free[-1]
         assert 0 < engine.sleeping_bytes() <= torch.cuda.memory_allocated()
         assert torch.cuda.memory_allocated() - engine.sleeping_bytes() <= in_use
-    engine.set_noise(0.0)
     print("free GiB after each step:", [round(f / 2**30, 2) for f in free])
     assert min(free[4:]) >= free[2] - 2**28  # steady after the first steps (within 256 MiB)

@@ -13,12 +13,13 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
 from qerl.data.prompts import format_prompt
-from qerl.model.aqn import aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
+from qerl.model.aqn import AQNSchedule, aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
 from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.options import SamplingOptions
 from qerl.model.policy import PolicyConfig, build_policy, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.sampling_spec import SamplingSpec
 
 QUESTIONS = ("What is 2 + 3?", "Tom has 7 apples and eats 4. How many are left?")
 
@@ -43,9 +44,9 @@ def policy(tiny_model_dirs):
 
 
 def rollout(policy, prompt_ids, sigma: float, noise_seed: int = 1, max_new_tokens: int = 6):
-    engine = BuiltinRollout(max_new_tokens=max_new_tokens, seed=0)  # a fresh engine: the same sampling draws
-    engine.set_noise(sigma, torch.Generator().manual_seed(noise_seed))
-    return engine.generate(policy, prompt_ids, 2, pad_id=2, eos_ids=[2])
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, noise_sigma=sigma,
+                        noise_generator=torch.Generator().manual_seed(noise_seed), seed=0, stream="separate")
+    return BuiltinRollout().generate(policy, prompt_ids, 2, pad_id=2, eos_ids=[2], spec=spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -84,13 +85,13 @@ def test_fewer_than_two_stages_is_an_error(k):
     with pytest.raises(ValueError, match="num_stages"):
         aqn_sigma(5, 10, 1e-2, 1e-4, k)
     with pytest.raises(ValueError, match=r"aqn\.num_stages"):
-        AdaptiveQuantizationNoise(num_stages=k)
+        AQNSchedule(num_stages=k)
 
 
-def test_callback_follows_schedule_and_can_be_disabled():
-    cb = AdaptiveQuantizationNoise(sigma_start=1e-2, sigma_end=1e-4, num_stages=10)
-    assert [cb.sigma(s, 100) for s in (0, 9, 10, 95)] == [aqn_sigma(s, 100) for s in (0, 9, 10, 95)]
-    off = AdaptiveQuantizationNoise(enabled=False)
+def test_schedule_follows_aqn_sigma_and_can_be_disabled():
+    schedule = AQNSchedule(sigma_start=1e-2, sigma_end=1e-4, num_stages=10)
+    assert [schedule.sigma(s, 100) for s in (0, 9, 10, 95)] == [aqn_sigma(s, 100) for s in (0, 9, 10, 95)]
+    off = AQNSchedule(enabled=False)
     assert all(off.sigma(s, 100) == 0.0 for s in range(100))
 
 
@@ -229,12 +230,14 @@ class _HashReward:
 
 
 def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_ids):
-    """Inside a real training_step with sigma > 0: the loss gets log-probs equal to a clean recomputation, while the
-    sampling log-probs (noisy policy) are far from them."""
+    """Inside a real training_step with the schedule's sigma > 0 (its second stage: step 1 of 2): the module hands the
+    engine that sigma, and the loss gets log-probs equal to a clean recomputation, while the sampling log-probs (noisy
+    policy) are far from them."""
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(tiny_model_dirs["qwen2"]), dtype="float32", lora_rank=4, lora_alpha=8),
-        reward=_HashReward(), rollout=BuiltinRollout(max_new_tokens=4), group_size=2, micro_batch_size=4,
+        reward=_HashReward(), rollout=BuiltinRollout(), sampling=SamplingOptions(max_new_tokens=4),
+        aqn=AQNSchedule(sigma_start=0.05, sigma_end=0.05, num_stages=2), group_size=2, micro_batch_size=4,
         lr=0.0, max_grad_norm=0.0, mask_truncated=False, log_samples_every=0,
     )  # lr 0: the optimizer step leaves the weights as they were, so they can be compared after fit
     module.tokenizer = tokenizer
@@ -243,6 +246,7 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     generate, loss_forward, logprobs_of = module.rollout.generate, module.loss.forward, module._logprobs
 
     def spy_generate(*args, **kwargs):
+        captured["sigma"] = args[-1].noise_sigma
         captured["rollout"] = generate(*args, **kwargs)
         return captured["rollout"]
 
@@ -255,11 +259,11 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
         return logprobs_of(rollout, batch, *args, **kwargs)
 
     module.rollout.generate, module.loss.forward, module._logprobs = spy_generate, spy_loss, spy_logprobs
-    module.rollout.set_noise(0.05, torch.Generator().manual_seed(0))
     batch = {"prompts": list(QUESTIONS), "prompt_ids": prompt_ids, "answers": ["5", "3"]}
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
+    trainer.fit(module, train_dataloaders=DataLoader([batch, batch], batch_size=None, collate_fn=lambda b: b))
+    assert captured["sigma"] == 0.05  # the last step's
 
     ro = captured["rollout"]
     rows = captured["batch"].rows

@@ -12,7 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from qerl.callbacks.noise_annealing import AdaptiveQuantizationNoise
+from qerl.model.aqn import AQNSchedule
+from qerl.modules.options import SamplingOptions
 from qerl.data.prompts import MathPromptDataModule
 from qerl.modules.dynamic_sampling import InformativeFraction, cat_rollouts, kept_groups, refill_size
 from qerl.modules.grpo_module import GRPOModule
@@ -117,7 +118,8 @@ def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None, num_workers
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
-        reward=QuarterReward(), rollout=BuiltinRollout(max_new_tokens=3, seed=7), group_size=G,
+        reward=QuarterReward(), rollout=BuiltinRollout(), sampling=SamplingOptions(max_new_tokens=3, seed=7),
+        aqn=AQNSchedule(num_stages=4), group_size=G,
         dynamic_sampling=True, max_refill_rounds=max_refill_rounds, log_samples_every=0, mask_truncated=False,
         lr=1e-2,
     )
@@ -126,8 +128,7 @@ def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None, num_workers
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root,
-        callbacks=[recorder, AdaptiveQuantizationNoise(num_stages=4),
-                   ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1)],
+        callbacks=[recorder, ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1)],
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=False)  # our own checkpoint
     weights = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}

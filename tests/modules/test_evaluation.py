@@ -16,6 +16,7 @@ from qerl.data.prompts import PromptStream, collate
 from qerl.data.rewards import MathReward
 from qerl.data.sources import GSM8K, MATH500, ArithmeticSource
 from qerl.modules.evaluation import Evaluator, metric_name
+from qerl.modules.options import SamplingOptions
 from qerl.model.policy import build_policy, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout, sample
@@ -42,10 +43,10 @@ class ScriptedRollout(RolloutEngine):
     """Returns a given text for each prompt (``texts[tuple(prompt_ids)]``): the scorer without a model."""
 
     def __init__(self, texts: dict):
-        super().__init__(max_new_tokens=1)
+        super().__init__()
         self.texts, self.decoded = texts, []
 
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids) -> Rollout:
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec) -> Rollout:
         n = len(prompt_ids) * group_size
         self.decoded = [self.texts[tuple(p)] for p in prompt_ids for _ in range(group_size)]
         ids = torch.arange(n)[:, None]  # row j decodes to self.decoded[j]
@@ -158,12 +159,12 @@ def evaluate(policy, engine, reward, batch_list, tokenizer, **kwargs) -> Evaluat
 def test_a_changed_adapter_changes_the_outputs(tiny_model_dirs, tokenizer, reward, engine):
     policy = tiny_policy(tiny_model_dirs["llama"])
     data = arithmetic_batches(tokenizer)
-    rollout = ENGINES[engine](max_new_tokens=6)
-    before = [r["completion"] for r in evaluate(policy, rollout, reward, data, tokenizer).records]
+    rollout, six = ENGINES[engine](), SamplingOptions(max_new_tokens=6)
+    before = [r["completion"] for r in evaluate(policy, rollout, reward, data, tokenizer, sampling=six).records]
     with torch.no_grad():
         for p in trainable_parameters(policy):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
-    after = [r["completion"] for r in evaluate(policy, rollout, reward, data, tokenizer).records]
+    after = [r["completion"] for r in evaluate(policy, rollout, reward, data, tokenizer, sampling=six).records]
     assert len(before) == len(after) == 6
     assert sum(a != b for a, b in zip(before, after)) >= 3  # greedy decoding of another policy
 
@@ -171,8 +172,8 @@ def test_a_changed_adapter_changes_the_outputs(tiny_model_dirs, tokenizer, rewar
 def test_greedy_is_deterministic_and_the_same_on_both_engines(tiny_model_dirs, tokenizer, reward):
     policy = tiny_policy(tiny_model_dirs["qwen2"])
     data = arithmetic_batches(tokenizer)
-    runs = [[(r["completion"], r["length"]) for r in evaluate(policy, ENGINES[e](max_new_tokens=6, seed=s), reward,
-                                                              data, tokenizer).records]
+    runs = [[(r["completion"], r["length"]) for r in evaluate(policy, ENGINES[e](), reward, data, tokenizer,
+                                                              sampling=SamplingOptions(6, seed=s)).records]
             for e, s in [("builtin", 0), ("builtin", 1), ("cuda_graph", 2)]]
     assert runs[0] == runs[1] == runs[2]
     logits = torch.randn(5, 11)
@@ -181,21 +182,19 @@ def test_greedy_is_deterministic_and_the_same_on_both_engines(tiny_model_dirs, t
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_evaluation_leaves_the_training_stream_alone(tiny_model_dirs, tokenizer, reward, engine):
-    """Training samples the same tokens whether or not an evaluation (greedy and sampled) ran in between, and the
-    engine's settings (temperature, noise) come back."""
+    """Training samples the same tokens whether or not an evaluation (greedy and sampled) ran in between."""
     policy = tiny_policy(tiny_model_dirs["llama"])
     prompts = arithmetic_batches(tokenizer, rows=2, batch_size=2)[0]["prompt_ids"]
-    engines = [ENGINES[engine](max_new_tokens=5, temperature=1.3, seed=3) for _ in range(2)]
-    noise = [torch.Generator().manual_seed(9) for _ in range(2)]
+    options = SamplingOptions(max_new_tokens=5, temperature=1.3, seed=3)
     outs = []
-    for i, rollout in enumerate(engines):
-        rollout.set_noise(1e-2, noise[i])
-        first = rollout.generate(policy, prompts, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    for i in range(2):
+        rollout, noise = ENGINES[engine](), torch.Generator().manual_seed(9)
+        spec = options.training_spec(1e-2, noise)
+        first = rollout.generate(policy, prompts, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id], spec)
         if i == 1:
             evaluate(policy, rollout, reward, arithmetic_batches(tokenizer, 2, 2), tokenizer, samples=3,
-                     temperature=0.7)
-            assert (rollout.temperature, rollout.greedy, rollout.noise_std) == (1.3, False, 1e-2)
-        second = rollout.generate(policy, prompts, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+                     temperature=0.7, sampling=options)
+        second = rollout.generate(policy, prompts, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id], spec)
         outs.append((first.completion_ids, second.completion_ids))
     assert torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0], outs[0][1])  # the stream moves: the equality above is not trivial
@@ -204,8 +203,8 @@ def test_evaluation_leaves_the_training_stream_alone(tiny_model_dirs, tokenizer,
 def test_jsonl_has_one_line_per_question_and_sample(tiny_model_dirs, tokenizer, reward, tmp_path):
     policy = tiny_policy(tiny_model_dirs["llama"])
     data = arithmetic_batches(tokenizer, rows=5, batch_size=2)
-    evaluator = evaluate(policy, BuiltinRollout(max_new_tokens=4), reward, data, tokenizer, samples=3,
-                         temperature=1.0)
+    evaluator = evaluate(policy, BuiltinRollout(), reward, data, tokenizer, samples=3, temperature=1.0,
+                         sampling=SamplingOptions(max_new_tokens=4))
     values = evaluator.compute()
     path = evaluator.write_jsonl(tmp_path / "eval" / "val.jsonl")
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -248,7 +247,7 @@ def cli_args(model_dir, tmp_path, engine="qerl.rollout.builtin.BuiltinRollout"):
     return [
         "--model.policy.model", str(model_dir), "--model.policy.dtype", "float32", "--model.policy.lora_rank", "4",
         "--model.group_size", "2", "--model.eval_samples", "2",
-        "--model.rollout.class_path", engine, "--model.rollout.init_args.max_new_tokens", "4",
+        "--model.rollout.class_path", engine, "--model.sampling.max_new_tokens", "4",
         "--model.reward.class_path", "qerl.data.rewards.MathReward", "--model.reward.init_args.num_workers", "1",
         "--data.batch_size", "2", "--data.val_sources", json.dumps(val),
         "--trainer.logger.class_path", "lightning.pytorch.loggers.TensorBoardLogger",

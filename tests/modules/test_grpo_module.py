@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from qerl.cli import cli_main
 from qerl.modules.grpo_module import GRPOModule, warmup_cosine
+from qerl.modules.options import SamplingOptions
 from qerl.model.policy import PolicyConfig, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 
@@ -71,7 +72,8 @@ def make_module(model_dir, tokenizer, reward=None, max_new_tokens=2, **hparams) 
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
-        reward=reward or HashReward(), rollout=BuiltinRollout(max_new_tokens=max_new_tokens), **hparams,
+        reward=reward or HashReward(), rollout=BuiltinRollout(),
+        sampling=SamplingOptions(max_new_tokens=max_new_tokens), **hparams,
     )
     module.tokenizer = tokenizer
     module.configure_model()
@@ -278,7 +280,7 @@ def _padded_logprobs(module, rollout):
                                  use_cache=False).last_hidden_state
     P = rollout.prompt_ids.shape[1]
     logprobs, entropy = token_logprobs(hidden[:, P - 1 : -1], model.get_output_embeddings().weight,
-                                       rollout.completion_ids, temperature=module.rollout.temperature)
+                                       rollout.completion_ids, temperature=module.sampling.temperature)
     return logprobs * rollout.completion_mask, entropy[rollout.completion_mask.bool()]
 
 
@@ -288,7 +290,8 @@ def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, to
 
     module = make_module(qwen2, tokenizer, max_new_tokens=5, micro_batch_size=3, micro_batch_tokens=budget)
     with torch.no_grad():
-        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id,
+                                          [tokenizer.eos_token_id], module.sampling.training_spec(0.0, None))
     # completions of different lengths (EOS is rare in a random model): 5, 1, 3, 2, ... tokens
     lengths = torch.tensor([5, 1, 3, 2, 4, 5, 1, 2])
     completion_mask = (torch.arange(5)[None] < lengths[:, None]).long()
@@ -371,7 +374,8 @@ def test_the_update_forward_never_runs_cudnn_attention(qwen2, tokenizer, prompt_
 
     module = make_module(qwen2, tokenizer, max_new_tokens=3)
     with torch.no_grad():
-        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id,
+                                          [tokenizer.eos_token_id], module.sampling.training_spec(0.0, None))
     seen = []
     decoder = module.policy.get_base_model().get_decoder()
     hook = decoder.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(

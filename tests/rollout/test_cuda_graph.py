@@ -1,5 +1,7 @@
 """CPU checks of the graph engine's device-independent logic (the same step function runs eagerly on CPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.rollout.kv_cache import check_kv_cache_fits, kv_cache_bytes
+from qerl.rollout.sampling_spec import SamplingSpec
 
 PAD, EOS = 0, 7
 
@@ -41,8 +44,9 @@ def used_decoder(engine) -> bool:
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_logprobs_equal_full_forward_recomputation(policy, top_p, fused):
-    engine = CUDAGraphRollout(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=1, check_every=3, fused=fused)
-    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9])
+    engine = CUDAGraphRollout(check_every=3, fused=fused)
+    spec = SamplingSpec(max_new_tokens=12, temperature=0.7, top_p=top_p, seed=1, stream="separate")
+    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9], spec=spec)
     assert used_decoder(engine) == fused
     assert r.completion_ids.shape == r.logprobs.shape == r.entropy.shape and r.prompt_ids.shape[0] == 12
     lp, entropy = recompute(policy, r, 0.7)
@@ -67,11 +71,12 @@ def test_compaction_and_early_stop_keep_rows_exact(policy, fused, monkeypatch):
     from qerl.rollout.decode_state import DecodeState
 
     eos = list(range(40, 48))
-    engine = CUDAGraphRollout(max_new_tokens=40, temperature=1.0, seed=3, check_every=2, fused=fused)
+    engine = CUDAGraphRollout(check_every=2, fused=fused)
     calls = []
     original = DecodeState.compact
     monkeypatch.setattr(DecodeState, "compact", lambda s, b, written: (calls.append(b), original(s, b, written))[1])
-    r = engine.generate(policy, PROMPTS, group_size=5, pad_id=PAD, eos_ids=eos)
+    spec = SamplingSpec(max_new_tokens=40, temperature=1.0, seed=3, stream="separate")
+    r = engine.generate(policy, PROMPTS, group_size=5, pad_id=PAD, eos_ids=eos, spec=spec)
     assert calls, "no compaction happened"
     assert r.completion_ids.shape[1] == int(r.lengths.max())
     lp, entropy = recompute(policy, r, 1.0)
@@ -80,20 +85,18 @@ def test_compaction_and_early_stop_keep_rows_exact(policy, fused, monkeypatch):
 
 
 def test_state_is_reused_and_lora_change_is_live(policy, fused):
-    engine = CUDAGraphRollout(max_new_tokens=6, seed=0, fused=fused)
-    a = engine.generate(policy, PROMPTS, 2, PAD, [])
+    engine = CUDAGraphRollout(fused=fused)
+    spec = SamplingSpec(max_new_tokens=6, seed=0, stream="separate")
+    a = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     state = engine._state
-    engine.reset_generator()
-    b = engine.generate(policy, PROMPTS[:2], 2, PAD, [])  # smaller request: same buffers
+    b = engine.generate(policy, PROMPTS[:2], 2, PAD, [], spec)  # smaller request: same buffers
     assert engine._state is state and a.truncated.all() and a.completion_ids.shape[1] == 6
-    engine.reset_generator()
-    c = engine.generate(policy, PROMPTS, 2, PAD, [])
+    c = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.logprobs, c.logprobs)
     lora_b = next(p for n, p in policy.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         lora_b.add_(0.5)  # what an optimizer step does: same storage
-    engine.reset_generator()
-    d = engine.generate(policy, PROMPTS, 2, PAD, [])
+    d = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     with torch.no_grad():
         lora_b.sub_(0.5)
     assert engine._state is state
@@ -101,8 +104,9 @@ def test_state_is_reused_and_lora_change_is_live(policy, fused):
 
 
 def test_kv_cache_size_is_known_before_allocation_and_refused_when_too_big(policy):
-    engine = CUDAGraphRollout(max_new_tokens=6, seed=0)
-    engine.generate(policy, PROMPTS, 2, PAD, [])
+    engine = CUDAGraphRollout()
+    spec = SamplingSpec(max_new_tokens=6, seed=0, stream="separate")
+    engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     s, base = engine._state, policy.get_base_model()
     cache = s.cache
     allocated = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
@@ -115,15 +119,14 @@ def test_kv_cache_size_is_known_before_allocation_and_refused_when_too_big(polic
 
 def test_noise_applied_for_rollout_and_removed_exactly(policy, fused):
     clean = [m.weight.detach().clone() for m in rms_norms(policy)]
-    engine = CUDAGraphRollout(max_new_tokens=5, seed=0, fused=fused)
-    a = engine.generate(policy, PROMPTS, 2, PAD, [])
-    engine.set_noise(0.5, torch.Generator().manual_seed(0))
-    engine.reset_generator()
-    b = engine.generate(policy, PROMPTS, 2, PAD, [])
+    engine = CUDAGraphRollout(fused=fused)
+    spec = SamplingSpec(max_new_tokens=5, seed=0, stream="separate")
+    a = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
+    noisy = replace(spec, noise_sigma=0.5, noise_generator=torch.Generator().manual_seed(0))
+    b = engine.generate(policy, PROMPTS, 2, PAD, [], noisy)
     assert not torch.allclose(a.logprobs, b.logprobs)
     for m, w in zip(rms_norms(policy), clean):
         assert torch.equal(m.weight, w)
-    engine.set_noise(0.0)
 
 
 def test_random_nvfp4_builder_makes_a_working_policy():
@@ -135,7 +138,7 @@ def test_random_nvfp4_builder_makes_a_working_policy():
     policy = build_random_policy(config, "nvfp4", lora_rank=4, device="cpu", kernel="torch")
     assert sum(isinstance(m, NVFP4Linear) for m in policy.modules()) == 14
     assert not any(p.device.type == "meta" for p in policy.parameters())
-    r = CUDAGraphRollout(max_new_tokens=4).generate(policy, PROMPTS, 2, PAD, [])
+    r = CUDAGraphRollout().generate(policy, PROMPTS, 2, PAD, [], SamplingSpec(max_new_tokens=4))
     assert r.completion_ids.shape == (6, 4) and torch.isfinite(r.logprobs).all()
 
 
@@ -156,8 +159,9 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
             p.normal_(std=0.05)
     before = [(p.data_ptr(), p.dtype) for p in lora]
     accumulators = [grad_accumulator(p) for p in lora]
-    engine = CUDAGraphRollout(max_new_tokens=4)
-    r = engine.generate(policy, PROMPTS, 2, PAD, [])
+    engine = CUDAGraphRollout()
+    spec = SamplingSpec(max_new_tokens=4, stream="separate")
+    r = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
     assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators))
     assert all(p in set(policy.parameters()) for p in lora)  # the modules hold the parameters again
@@ -166,8 +170,7 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
     copies = [copy for _, _, copy in engine._shadows.values()]
     with torch.no_grad():
         lora[-1].add_(0.5)
-    engine.reset_generator()
-    again = engine.generate(policy, PROMPTS, 2, PAD, [])
+    again = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
     assert all(a is b for a, b in zip([copy for _, _, copy in engine._shadows.values()], copies))
     assert torch.equal(copies[-1], lora[-1].detach().to(torch.bfloat16))  # the copy follows the trained weight
     assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators)) and not torch.equal(again.logprobs, r.logprobs)
@@ -175,12 +178,12 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
 
 def test_fused_step_follows_the_adapter_state(policy):
     """With the adapter disabled (peft's context) the fused step samples the base model: LoRA off, original norms."""
-    engine = CUDAGraphRollout(max_new_tokens=8, temperature=0.7, seed=3, fused=True)
-    with_adapter = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+    engine = CUDAGraphRollout(fused=True)
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.7, seed=3, stream="separate")
+    with_adapter = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[], spec=spec)
     key = engine._state.decoder.key()
-    engine.reset_generator()
     with policy.disable_adapter():
-        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[], spec=spec)
         lp, entropy = recompute(policy, r, 0.7)
     assert used_decoder(engine) and engine._state.decoder.key() != key
     torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
@@ -227,8 +230,9 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     assert not wants_bf16_copy(None, 128, 13 * gib, 14 * gib)  # fits, but not with 2 GiB to spare
     assert wants_bf16_copy(True, 128, 13 * gib, 1 * gib) and not wants_bf16_copy(False, 128, 13 * gib, 80 * gib)
     assert not wants_bf16_copy(True, 128, 0, 80 * gib) and not wants_bf16_copy(True, 128, 13 * gib, None)  # bf16 / CPU
-    engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
-    engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+    engine = CUDAGraphRollout(fused=True)
+    spec = SamplingSpec(max_new_tokens=4, stream="separate")
+    engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[], spec=spec)
     decoder = engine._state.decoder
     assert not engine._wide_batch_bf16(decoder, 200, torch.bfloat16, torch.device("cpu"))
     narrow = decoder.key(1)
@@ -250,7 +254,7 @@ def test_unsupported_model_falls_back_with_a_warning(policy):
     try:
         with pytest.raises(Unsupported, match="hidden_act"):
             FusedDecoder(base, Kernels(fast=False))
-        engine = CUDAGraphRollout(max_new_tokens=4, fused=True)
+        engine = CUDAGraphRollout(fused=True)
         with pytest.warns(UserWarning, match="fused decoding off"):
             engine._fused_decoder(base, torch.device("cpu"))
     finally:
@@ -374,14 +378,14 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
 def test_training_mode_is_kept_and_does_not_change_the_rollout(policy, fused):
     """A policy in training mode (the LightningModule's) samples what it samples in eval mode (no dropout: the
     transformers step switches to eval and back, the fused step has none) and is left in training mode."""
-    engine = CUDAGraphRollout(max_new_tokens=6, temperature=0.7, seed=5, fused=fused)
+    engine = CUDAGraphRollout(fused=fused)
     mode = policy.training
     try:
         policy.eval()
-        ref = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        spec = SamplingSpec(max_new_tokens=6, temperature=0.7, seed=5, stream="separate")
+        ref = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[], spec=spec)
         policy.train()
-        engine.reset_generator()
-        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[])
+        r = engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[], spec=spec)
         assert policy.training and all(m.training for m in policy.modules())
         assert torch.equal(r.completion_ids, ref.completion_ids) and torch.equal(r.logprobs, ref.logprobs)
     finally:
@@ -394,8 +398,9 @@ def test_waves_and_compaction_sample_the_same_rows(policy, fused):
     eos = list(range(40, 48))  # rows finish early, so compaction moves rows between slots
 
     def run(**options):
-        engine = CUDAGraphRollout(max_new_tokens=24, temperature=1.0, seed=11, fused=fused, **options)
-        return engine.generate(policy, PROMPTS, group_size=3, pad_id=PAD, eos_ids=eos)
+        engine = CUDAGraphRollout(fused=fused, **options)
+        spec = SamplingSpec(max_new_tokens=24, temperature=1.0, seed=11, stream="separate")
+        return engine.generate(policy, PROMPTS, group_size=3, pad_id=PAD, eos_ids=eos, spec=spec)
 
     one = run(check_every=4)
     assert not torch.equal(one.completion_ids[0], one.completion_ids[1])  # a group's rows differ
@@ -408,15 +413,17 @@ def test_waves_and_compaction_sample_the_same_rows(policy, fused):
 
 
 def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
-    engine = CUDAGraphRollout(max_new_tokens=5, seed=0, wave_rows=2)
+    engine = CUDAGraphRollout(wave_rows=2)
     with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.group_size=3\)"):
-        engine.generate(policy, PROMPTS, 3, PAD, [])
+        spec = SamplingSpec(max_new_tokens=5, seed=0, stream="separate")
+        engine.generate(policy, PROMPTS, 3, PAD, [], spec)
     with pytest.raises(ValueError, match="wave_rows must be >= 1"):
         CUDAGraphRollout(wave_rows=0)
-    kept = CUDAGraphRollout(max_new_tokens=5, seed=4, wave_rows=4)
-    freed = CUDAGraphRollout(max_new_tokens=5, seed=4, wave_rows=4, keep_kv_cache=False)
+    kept = CUDAGraphRollout(wave_rows=4)
+    freed = CUDAGraphRollout(wave_rows=4, keep_kv_cache=False)
     for _ in range(2):  # the second rollout allocates the released cache again
-        a, b = kept.generate(policy, PROMPTS, 2, PAD, []), freed.generate(policy, PROMPTS, 2, PAD, [])
+        spec2 = SamplingSpec(max_new_tokens=5, seed=4, stream="separate")
+        a, b = kept.generate(policy, PROMPTS, 2, PAD, [], spec2), freed.generate(policy, PROMPTS, 2, PAD, [], spec2)
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert kept._state.cache.storage is not None and freed._state.cache.storage is None
     assert kept._state.rows == 4  # the cache holds one wave (two groups of 2), not the 6 rows
@@ -425,9 +432,9 @@ def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
 def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
     """kv_cache_dtype fp8_e4m3: one byte per cache element, and the log-probs returned are those of the policy whose
     attention reads K and V rounded to e4m3 (a full forward through such a cache), not the unrounded policy's."""
-    engine = CUDAGraphRollout(max_new_tokens=10, temperature=0.8, seed=2, check_every=3, fused=fused,
-                              kv_cache_dtype="fp8_e4m3")
-    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS])
+    engine = CUDAGraphRollout(check_every=3, fused=fused, kv_cache_dtype="fp8_e4m3")
+    spec = SamplingSpec(max_new_tokens=10, temperature=0.8, seed=2, stream="separate")
+    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS], spec=spec)
     assert used_decoder(engine) == fused
     cache = engine._state.cache
     assert cache.storage.dtype == torch.float8_e4m3fn and cache.storage.element_size() == 1

@@ -10,7 +10,6 @@ answers with ``train.py validate``'s.
 import importlib.util
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from qerl.rollout import vllm as vllm_rollout
+from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.rollout.vllm import VLLMRollout, policy_norms, vllm_lora_rank
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -57,8 +57,8 @@ def test_noisy_norms_are_clean_plus_the_shared_aqn_noise():
 
     engine = VLLMRollout()
     engine._clean_norms = {"model.norm.weight": torch.linspace(0.5, 1.5, 64, dtype=torch.bfloat16)}
-    engine.set_noise(0.01, torch.Generator().manual_seed(2))
-    noisy = engine._noisy_norms()["model.norm.weight"]
+    noisy = engine._noisy_norms(SamplingSpec(noise_sigma=0.01, noise_generator=torch.Generator().manual_seed(2)))
+    noisy = noisy["model.norm.weight"]
     clean = engine._clean_norms["model.norm.weight"]
     assert torch.equal(noisy, clean + aqn_noise(clean, 0.01, torch.Generator().manual_seed(2)))
 
@@ -68,13 +68,14 @@ def test_seed_stream_survives_a_checkpoint():
     """A resumed run must send vLLM the per-request seeds the uninterrupted run would have sent."""
     from qerl.rollout.vllm import VLLMRollout
 
-    engine = VLLMRollout(seed=3)
-    engine._request_seeds().random()
+    training = SamplingSpec(seed=3)
+    engine = VLLMRollout()
+    engine._request_seeds(training).random()
     state = engine.state_dict()
-    expected = engine._request_seeds().random()
-    resumed = VLLMRollout(seed=3)
+    expected = engine._request_seeds(training).random()
+    resumed = VLLMRollout()
     resumed.load_state_dict(state)
-    assert resumed._request_seeds().random() == expected
+    assert resumed._request_seeds(training).random() == expected
 
 
 def test_vllm_outputs_become_a_builtin_layout_rollout():
@@ -132,14 +133,15 @@ def prompts(tokenizer):
 def engine(policy):
     if not HAS_VLLM:
         pytest.skip("vLLM not installed")
-    engine = VLLMRollout(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=0, max_model_len=256, enforce_eager=True)
+    engine = VLLMRollout(max_model_len=256, enforce_eager=True)
     engine.sync(policy)
     return engine
 
 
-def sample(engine, policy, prompts, tokenizer, seed=123):
-    engine._seeds = random.Random(seed)  # same request seeds: same uniforms for the sampler
-    return engine.generate(policy, prompts, G, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+def sample(engine, policy, prompts, tokenizer, seed=123, **noise):
+    """Same ``seed``, same request seeds (a separate stream): same uniforms for the sampler."""
+    spec = SamplingSpec(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=seed, stream="separate", **noise)
+    return engine.generate(policy, prompts, G, tokenizer.pad_token_id, [tokenizer.eos_token_id], spec)
 
 
 @torch.no_grad()
@@ -182,12 +184,8 @@ def test_logprobs_match_the_policy_and_layout_matches_builtin(engine, policy, pr
 def test_completions_stop_at_a_stop_id_and_keep_it(engine, policy, prompts, tokenizer):
     period = tokenizer.convert_tokens_to_ids(".")  # a second "EOS" that comes within 48 tokens
     eos = [tokenizer.eos_token_id, period]
-    engine._seeds = random.Random(5)
-    engine.max_new_tokens = 48
-    try:
-        rollout = engine.generate(policy, prompts, 4, tokenizer.pad_token_id, eos)
-    finally:
-        engine.max_new_tokens = MAX_NEW
+    spec = SamplingSpec(max_new_tokens=48, temperature=TEMPERATURE, seed=5, stream="separate")
+    rollout = engine.generate(policy, prompts, 4, tokenizer.pad_token_id, eos, spec)
     ended = ~rollout.truncated
     assert ended.any()
     last = rollout.completion_ids.gather(1, (rollout.lengths - 1)[:, None]).squeeze(1)
@@ -235,8 +233,8 @@ def test_aqn_noise_reaches_vllm_norms_and_is_removed(engine, policy, prompts, to
         assert seen and all(torch.equal(w, clean) for w in seen)  # the trained norm, not the base's
         seen.clear()
         sigma = 0.05
-        engine.set_noise(sigma, torch.Generator().manual_seed(7))
-        noisy = sample(engine, policy, prompts, tokenizer)
+        noisy = sample(engine, policy, prompts, tokenizer, noise_sigma=sigma,
+                       noise_generator=torch.Generator().manual_seed(7))
         replay = torch.Generator().manual_seed(7)  # the engine draws per norm, in its order: layer 0's input norm first
         expected_z = torch.randn(clean.shape, generator=replay) * sigma
         assert next(iter(engine._clean_norms)) == name + ".weight"
@@ -244,11 +242,9 @@ def test_aqn_noise_reaches_vllm_norms_and_is_removed(engine, policy, prompts, to
         assert not torch.equal(noisy.logprobs, baseline.logprobs)
         vllm_weight = engine.llm.apply_model(lambda m: m.get_submodule(name).weight.detach().clone())[0]
         assert torch.equal(vllm_weight, clean)  # clean weights restored after the rollout
-        engine.set_noise(0.0)
         off = sample(engine, policy, prompts, tokenizer)
         assert torch.equal(off.completion_ids, baseline.completion_ids) and torch.equal(off.logprobs, baseline.logprobs)
     finally:
-        engine.set_noise(0.0)
         for h in handles:
             h.remove()
 
@@ -256,8 +252,9 @@ def test_aqn_noise_reaches_vllm_norms_and_is_removed(engine, policy, prompts, to
 @needs_vllm
 @pytest.mark.slow
 def test_prompt_too_long_for_max_model_len(engine, policy, tokenizer):
+    spec = SamplingSpec(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=0)
     with pytest.raises(ValueError, match="exceeds vLLM's max_model_len=256"):
-        engine.generate(policy, [[1] * 250], G, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        engine.generate(policy, [[1] * 250], G, tokenizer.pad_token_id, [tokenizer.eos_token_id], spec)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -277,7 +274,7 @@ def fit_run(tmp_path, name: str, *overrides: str) -> Path:
     train_py(tmp_path, "fit", "--config", str(ROOT / "configs" / "smoke.yaml"), "--trainer.max_steps", "2",
              "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
              "--data.batch_size", "2", "--model.group_size", "2", "--model.policy.quantization", "bf16",
-             "--model.rollout.init_args.max_new_tokens", "8", *overrides)
+             "--model.sampling.max_new_tokens", "8", *overrides)
     return next((tmp_path / name).glob("version_*"))
 
 
@@ -304,7 +301,7 @@ def builtin_run(tmp_path_factory) -> Path:
     val = [{"class_path": "qerl.data.sources.ArithmeticSource",
             "init_args": {"seed": 1234, "num_rows": VAL_QUESTIONS}}]
     return fit_run(tmp_path_factory.mktemp("fit"), "builtin", "--model.lr", "2e-3", "--model.warmup_ratio", "0",
-                   "--model.group_size", "4", "--model.rollout.init_args.max_new_tokens", str(VAL_TOKENS),
+                   "--model.group_size", "4", "--model.sampling.max_new_tokens", str(VAL_TOKENS),
                    "--data.val_sources", json.dumps(val))
 
 

@@ -263,7 +263,7 @@ def test_a_rollout_that_cannot_fit_one_group_is_refused_with_the_largest_length_
     with pytest.raises(MemoryPlanError) as error:
         plan_memory(shape, settings, free, micro_batch_tokens="auto")
     message = str(error.value)
-    assert message.startswith("memory plan: model.rollout.init_args.max_new_tokens=4096 with data.max_prompt_tokens"
+    assert message.startswith("memory plan: model.sampling.max_new_tokens=4096 with data.max_prompt_tokens"
                               "=1024 needs ") and "at one group per wave (8 rows)" in message
     new = int(message.split("max_new_tokens to <= ")[1].split(" ")[0])
     assert fits(shape, replace(settings, max_new_tokens=new), free, micro_batch_tokens="auto")
@@ -300,7 +300,7 @@ def test_a_row_too_long_to_update_asks_for_checkpointing_and_the_weights_alone_f
     settings = RunSettings(prompts=8, group_size=8, max_prompt_tokens=1024, max_new_tokens=4096)
     with pytest.raises(MemoryPlanError, match=r"the update of the longest row alone \(5120 tokens.*: set "
                                               r"model.policy.gradient_checkpointing true or lower "
-                                              r"model.rollout.init_args.max_new_tokens to <= \d+ \(now 4096\)"):
+                                              r"model.sampling.max_new_tokens to <= \d+ \(now 4096\)"):
         plan_memory(shape, settings, H100_FREE, micro_batch_tokens="auto")
     with pytest.raises(MemoryPlanError, match=r"the frozen weights and the LoRA state alone need 62.5 GiB, .*: set "
                                               r"model.policy.quantization nvfp4\.$"):
@@ -312,7 +312,7 @@ def test_an_engine_without_waves_is_refused_with_fewer_prompts():
     settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048,
                            gradient_checkpointing=True, engine="builtin", waves=False)
     with pytest.raises(MemoryPlanError, match=r"with all 128 rows at once .*: lower data.batch_size to <= (\d+) "
-                                              r"\(now 16\) or model.rollout.init_args.max_new_tokens to <= \d+"):
+                                              r"\(now 16\) or model.sampling.max_new_tokens to <= \d+"):
         plan_memory(shape, settings, H100_FREE)
 
 

@@ -94,7 +94,7 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
         for name in VLLM_OPTIONS:
             assert getattr(engine, name) == getattr(resolution, name) == getattr(resolution.plan, name) is not None
         assert 0 < engine.gpu_memory_utilization < 1
-        assert engine.max_model_len == cli.config.data.max_prompt_tokens + engine.max_new_tokens
+        assert engine.max_model_len == cli.config.data.max_prompt_tokens + module.sampling.max_new_tokens
         assert resolution.plan.vllm_kv_rows >= 1 and resolution.plan.peak_bytes <= 79 * 2**30
     # nothing was assigned to the built objects after construction
     assert assigned == []
@@ -102,7 +102,7 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
     assert attributes(engine) == built["engine"]
     assert not hasattr(module, "planned_micro_batch_tokens")
     # and the settings the plan read are the config's, which stays as the user wrote it
-    assert run_settings(cli.config).max_new_tokens == engine.max_new_tokens
+    assert run_settings(cli.config).max_new_tokens == module.sampling.max_new_tokens
 
 
 def test_nothing_is_decided_for_memory_without_a_device(no_model_loads, tiny_model_dirs, tmp_path, monkeypatch):
@@ -140,6 +140,7 @@ def test_without_a_device_the_vllm_engine_gets_the_runs_length_and_no_share(no_m
         "--model.rollout.class_path", VLLM])
     engine = cli.model.rollout
     assert cli.resolution.plan is None
-    assert engine.max_model_len == cli.config.data.max_prompt_tokens + engine.max_new_tokens  # no device needed
+    # no device needed
+    assert engine.max_model_len == cli.config.data.max_prompt_tokens + cli.model.sampling.max_new_tokens
     assert engine.gpu_memory_utilization is None  # vLLM's CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE
     assert cli.config.model.rollout.init_args.max_model_len is None  # the config stays as the user wrote it
