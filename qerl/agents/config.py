@@ -79,19 +79,27 @@ def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict |
     if factory is not None:
         schemas += [t.schema for t in environment_tools(factory.make())]
     tokenizer = local_tokenizer(model)
-    if tokenizer is not None:
+    if tokenizer is not None and (tokenizer.chat_template or chat_template):  # none at all: the data module says so
         check_tool_support(with_chat_template(tokenizer, chat_template, "model.agent.chat_template"), schemas, model,
                            "model.agent.chat_template")
     return schemas
 
 
 def local_tokenizer(model: str | None):
-    """``model``'s tokenizer when it loads without the network (the embedded model, a local directory, the hub
-    cache), else None: the model's own check reports what is missing."""
-    from qerl.hub import EMBEDDED_MODEL, hub_unavailable, load_tokenizer
+    """``model``'s tokenizer when it is on this machine (the embedded model, a local directory, the Hugging Face cache),
+    else None (no network at parse time: the module checks the template again when it loads the tokenizer)."""
+    from huggingface_hub import try_to_load_from_cache
 
-    if model is None or (model != EMBEDDED_MODEL and not Path(model).is_dir() and hub_unavailable(model) is not None):
+    from qerl.hub import EMBEDDED_MODEL, load_tokenizer
+
+    if model is None:
         return None
+    if model != EMBEDDED_MODEL and not Path(model).is_dir():
+        try:
+            if not isinstance(try_to_load_from_cache(model, "tokenizer_config.json"), str):
+                return None
+        except ValueError:  # not a hub id either: the CLI's own check names the problem
+            return None
     try:
         return load_tokenizer(model)
     except (OSError, ValueError):
