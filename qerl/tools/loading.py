@@ -12,12 +12,11 @@ Every mistake is one ``ValueError`` naming the option, the entry and the fix.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+from qerl.user_code import LOAD_ERRORS, import_named, split_name
 
 TRL_TOOL = ("a function with type hints on every argument and a Google-style docstring with an 'Args:' line per "
             "argument (what TRL's tools= takes)")
@@ -42,21 +41,12 @@ def load_object(entry: str | dict, option: str) -> tuple[object, dict | None]:
         entry, init_args = entry["class_path"], dict(entry.get("init_args") or {})
     if not isinstance(entry, str):
         raise ValueError(f"{option}={entry!r}: give 'module:name', 'path/to/file.py:name' or {{class_path: ...}}.")
-    module_name, sep, name = entry.rpartition(":") if ":" in entry else entry.rpartition(".")
-    if not sep or not module_name or not name:
+    parts = split_name(entry)
+    if parts is None:
         raise ValueError(f"{option}={entry!r}: name it as 'module:name' or 'path/to/file.py:name'.")
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser().resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            spec = importlib.util.spec_from_file_location(f"qerl_user_tools_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        return getattr(module, name), init_args
-    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as error:
+        return import_named(*parts, prefix="qerl_user_tools"), init_args
+    except LOAD_ERRORS as error:
         raise ValueError(f"{option}={entry!r} cannot be loaded ({type(error).__name__}: {error}). Fix: a module on "
                          "PYTHONPATH ('my_tools:fn') or a file ('path/to/my_tools.py:fn').") from None
 
