@@ -38,6 +38,7 @@ from qerl.tools.loading import Tool
 # why a trajectory ended; the first two are the model's own ends, the others limits
 ENDS = ("answer", "environment", "length", "max_turns", "max_tool_calls", "max_episode_tokens")
 
+STEP = "step"  # an environment's step runs as a call of its own: at once with the others, under the timeout
 CUT = ("length", "max_episode_tokens")  # cut mid-turn or left without room: DAPO's truncated completions
 
 # (contexts, samples per context, max new tokens) -> the engine's Rollout of len(contexts) * samples rows
@@ -159,40 +160,47 @@ def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:
     return len(t.prompt) + max_new_tokens * config.max_turns
 
 
-def read_turn(t: Trajectory, tokenizer, call_format: str, config: AgentConfig) -> list[ToolCall] | str:
-    """What follows the model's finished turn: its tool calls, or the environment's reply (a str); sets ``t.end`` when
-    the episode ends here."""
+def read_turn(t: Trajectory, tokenizer, call_format: str, config: AgentConfig) -> tuple[list[ToolCall], bool]:
+    """What follows the model's finished turn: its tool calls, or (True) a call of the environment's ``step`` with
+    the turn's text; sets ``t.end`` when the episode ends here."""
     text = tokenizer.decode(t.last_turn[:-1], skip_special_tokens=False)  # the end-of-turn token dropped
-    calls = parse_tool_calls(text, call_format)
+    calls, stepping = parse_tool_calls(text, call_format), False
     if not calls:
-        step = environment_step(t.environment)
-        reply = step(tokenizer.decode(t.last_turn, skip_special_tokens=True)) if step is not None else None
-        if reply is None:
-            t.end = "environment" if step is not None else "answer"
-            return []
-        calls = reply
+        if environment_step(t.environment) is None:
+            t.end = "answer"
+            return [], False
+        calls, stepping = [ToolCall(STEP, {"message": tokenizer.decode(t.last_turn, skip_special_tokens=True)})], True
     if t.turns >= config.max_turns:
         t.end = "max_turns"
-    elif not isinstance(calls, str) and t.tool_calls + len(calls) > config.max_tool_calls:
+    elif not stepping and t.tool_calls + len(calls) > config.max_tool_calls:
         t.end = "max_tool_calls"
-    return calls
+    return calls, stepping
 
 
-def run_calls(runner: ToolRunner, calls: dict[int, list[ToolCall] | str],
+def run_calls(runner: ToolRunner, calls: dict[int, tuple[list[ToolCall], bool]],
               trajectories: list[Trajectory]) -> dict[int, list[dict]]:
-    """Every live row's tool calls at once; each row's observation messages (tool results, or the environment's user
-    message), its counts updated."""
-    jobs = [(i, call) for i, row in calls.items() if trajectories[i].end is None and not isinstance(row, str)
-            for call in row]
-    results: list[ToolResult] = runner.run_all([(call, trajectories[i].tools) for i, call in jobs])
-    messages: dict[int, list[dict]] = {i: ([{"role": "user", "content": row}] if isinstance(row, str) else [])
-                                       for i, row in calls.items()}
-    for (i, _), result in zip(jobs, results):
+    """Every live row's tool calls and environment steps at once; each row's observation messages (tool results, or
+    the environment's user message), its counts and ends updated."""
+    jobs = []
+    for i, (row, stepping) in calls.items():
         t = trajectories[i]
-        t.tool_calls += 1
-        t.tool_seconds += result.seconds
+        if t.end is None:
+            tools = {STEP: environment_step(t.environment)} if stepping else t.tools
+            jobs += [(i, call, stepping, tools) for call in row]
+    results: list[ToolResult] = runner.run_all([(call, tools) for _, call, _, tools in jobs])
+    messages: dict[int, list[dict]] = {i: [] for i in calls}
+    for (i, _, stepping, _), result in zip(jobs, results):
+        t = trajectories[i]
         if result.error is not None:
             t.errors[result.error] += 1
+        if stepping:  # the environment's reply is the next user message; None (or a failure) ends the episode
+            if result.error is not None or result.value is None:
+                t.end = "environment"
+            else:
+                messages[i].append({"role": "user", "content": result.content})
+            continue
+        t.tool_calls += 1
+        t.tool_seconds += result.seconds
         messages[i].append(result.message())
     return messages
 

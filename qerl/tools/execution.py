@@ -22,12 +22,14 @@ ERROR_KINDS = ("unparseable", "unknown_tool", "bad_arguments", "raised", "timeou
 
 @dataclass(frozen=True)
 class ToolResult:
-    """A call's answer as the model reads it, the kind of failure (None: the tool answered) and its wall time."""
+    """A call's answer as the model reads it, the kind of failure (None: the tool answered), its wall time and what the
+    tool returned (None on a failure)."""
 
     name: str
     content: str
     error: str | None
     seconds: float
+    value: object = None
 
     def message(self) -> dict:
         return {"role": "tool", "name": self.name, "content": self.content}
@@ -62,7 +64,7 @@ class ToolRunner:
         name, kind, value = job.call.name, *job.wait()
         if kind is None:
             try:
-                return ToolResult(name, truncate(str(value), self.output_chars), None, job.seconds)
+                return ToolResult(name, truncate(str(value), self.output_chars), None, job.seconds, value)
             except Exception as error:  # noqa: BLE001 - the result's __str__ is the user's code
                 kind, value = "unprintable", f"the result of {name!r} cannot be printed ({type(error).__name__})"
         return ToolResult(name, truncate(f"Error: {value}", self.output_chars), kind, job.seconds)

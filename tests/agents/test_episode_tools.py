@@ -12,6 +12,7 @@ from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.rollout.base import Rollout
 from qerl.rollout.builtin import left_pad
 from qerl.tools.chat_template import with_chat_template
+from qerl.tools.environment import EnvironmentFactory
 from qerl.tools.loading import load_tools
 
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456 + 654321"}}\n</tool_call>'
@@ -97,3 +98,26 @@ def test_token_and_call_budgets(tokenizer):
     for t in by_tokens.trajectories:
         assert t.end == "max_episode_tokens" and len(t.prompt) + len(t.tokens) <= budget
     assert by_tokens.rollout.truncated.all()
+
+
+class Broken:
+    """An environment whose step fails: the episode ends there, the failure is counted, the run goes on."""
+
+    def reset(self, **row) -> None:
+        pass
+
+    def step(self, message: str) -> str | None:
+        raise RuntimeError("the game crashed")
+
+
+def test_an_environment_step_that_raises_ends_its_episode(tokenizer):
+    SCRIPTS["plain"] = ["Hello there."]
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "plain"}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        episodes = run_episodes(scripted_sampler(tokenizer, []), [prompt], [{}], 2, tokenizer,
+                                [tokenizer.eos_token_id], tokenizer.pad_token_id, AgentConfig(), [],
+                                EnvironmentFactory(Broken), MAX_NEW_TOKENS, "qwen")
+    finally:
+        del SCRIPTS["plain"]
+    assert [(t.end, t.turns, dict(t.errors)) for t in episodes.trajectories] == [("environment", 1, {"raised": 1})] * 2
