@@ -40,7 +40,9 @@ def with_chat_template(tokenizer, chat_template: str | None, option: str = "mode
 
 def check_tool_support(tokenizer, schemas: list[dict], model: str, option: str = "model.agent.chat_template") -> None:
     """A ``ValueError`` when the template renders the same prompt with and without the tools: the model would never
-    see them."""
+    see them. No tools (an environment the model answers in text): nothing to show."""
+    if not schemas:
+        return
     plain = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
     shown = tokenizer.apply_chat_template(PROBE, tools=schemas, tokenize=False, add_generation_prompt=True)
     if plain == shown:
