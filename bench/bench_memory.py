@@ -146,7 +146,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
     from qerl.model.footprint import ModelShape
     from qerl.rollout.footprint import wave_kv_cache_bytes
     from qerl.run.memory_plan import plan_memory
-    from qerl.run.resolve import engine_args, run_settings
+    from qerl.run.resolve import engine_settings, run_settings
     from qerl.testing.random_models import model_config
 
     cli = configured(row)
@@ -157,7 +157,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
         settings = dataclasses.replace(settings, keep_kv_cache=row["kv_cache_kept"])
     shape = ModelShape.from_config(model_config(row["model"], vocab_size=vocab))
     plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
-                       wave_rows=engine_args(cli.config.model.rollout).get("wave_rows"),
+                       wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
                        micro_batch_tokens=cli.config.model.micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)

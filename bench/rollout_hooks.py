@@ -11,8 +11,10 @@ from qerl.testing.comparison_rollout import ComparisonRollout
 
 def engine(use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
            fused_sampling: bool = True, **options) -> ComparisonRollout:
-    """A ``CUDAGraphRollout(**options)`` with the comparison switches set (None: the engine's own choice)."""
-    return ComparisonRollout(use_graphs=use_graphs, pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, **options)
+    """A ``CUDAGraphRollout(**options)`` with the comparison switches set (None: the engine's own choice); without
+    ``wide_batch_bf16`` the wide steps run on the bf16 copy where it fits."""
+    return ComparisonRollout(use_graphs=use_graphs, pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling,
+                             copy_if_fits=True, **options)
 
 
 def stop_after(eng: ComparisonRollout, tokens: int | None) -> None:

@@ -93,8 +93,8 @@ class GRPOModule(L.LightningModule):
         micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
         micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
             longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone;
-            ``auto``: the largest budget the memory plan fits in the free GPU memory, decided before the module is
-            built (``qerl.run``; ``micro_batch_size`` alone where no plan runs: on CPU). A sequence longer than the
+            ``auto`` (config only): the largest budget the memory plan fits in the free GPU memory, made concrete
+            before the module is built (``qerl.run.resolve``; None where no plan runs: on CPU). A sequence longer than the
             budget still gets a micro-batch of its own.
         num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
         lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
@@ -167,8 +167,10 @@ class GRPOModule(L.LightningModule):
         check_options("model", [
             ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
             ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
-            ("micro_batch_tokens", micro_batch_tokens,
-             micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
+            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens != "auto",
+             "a number here: train.py makes auto concrete before the module is built (qerl.run.resolve); in code "
+             "give a budget or None"),
+            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
              ">= 1, auto (the memory plan chooses) or null for micro_batch_size alone"),
             ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
             ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
@@ -374,9 +376,7 @@ class GRPOModule(L.LightningModule):
         # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
         # over zero rows fails), every one's inputs on the device before the first forward.
         lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
-        budget = self.hparams.micro_batch_tokens  # ``auto`` is made concrete before the module is built (qerl.run)
-        budget = None if budget == "auto" else budget  # (a module built without the CLI: rows alone, as on CPU)
-        plan = plan_micro_batches(lengths, budget, self.hparams.micro_batch_size)
+        plan = plan_micro_batches(lengths, self.hparams.micro_batch_tokens, self.hparams.micro_batch_size)
         row_list = rows.tolist()
         chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
                                rollout.completion_mask, [[row_list[i] for i in batch] for batch in plan],

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
+from qerl.rollout.engine_settings import EngineSettings
 from qerl.rollout.sampling_spec import SamplingSpec
 
 
@@ -61,6 +62,8 @@ class RolloutEngine:
     """Samples completions for a batch of prompts. Subclasses implement ``generate`` and, if they hold their own copy
     of the weights, ``sync``. How to sample comes with every call (a ``SamplingSpec``); the engine keeps what it owns:
     its weights copy, caches and graphs, and the position of its training random stream (for resume)."""
+
+    settings = EngineSettings  # what the memory plan reads of the engine and plans for it (nothing here)
 
     def __init__(self):
         self._generator: torch.Generator | None = None  # the training stream, created on the policy's device

@@ -47,10 +47,11 @@ from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
-from qerl.rollout.footprint import bf16_copy_spare, wants_bf16_copy
+from qerl.rollout.engine_settings import GraphEngineSettings
+from qerl.rollout.footprint import wants_bf16_copy
 from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
-from qerl.rollout.kv_cache import SlotCache, free_bytes, head_dim, releases_kv_cache, total_bytes
+from qerl.rollout.kv_cache import SlotCache, head_dim
 from qerl.rollout.sampling import sample_rows
 from qerl.rollout.sampling_spec import SamplingSpec
 
@@ -80,20 +81,16 @@ class CUDAGraphRollout(RolloutEngine):
             rollout starts and freed when it ends (one pass at memory speed; 2 bytes per weight meanwhile). Without it
             (False, or no room) the groups of >= 20M weights run the token-block wgmma GEMV on sm_90 and the others
             are dequantized per call: somewhat slower steps, no extra memory (docs/performance.md has the numbers).
-            None: what the memory plan counted (``train.py`` decides it before the engine is built); an engine built
-            without a plan makes it when the rollout has more than 64 rows and the copy fits in free GPU memory with
-            the plan's margin to spare (``qerl.rollout.footprint.wants_bf16_copy``). Fused step only; bf16 models are
-            unaffected.
+            Fused step on CUDA only; bf16 models are unaffected.
         wave_rows: decode at most this many rows at once (whole groups), wave after wave, so that the KV cache holds
-            one wave instead of the whole batch (None: the memory plan's, decided before the engine is built; all
-            rows in one wave where no plan is made). Each
-            row's sampling noise is a function of its output row and step, so the samples are the same whatever the
-            wave size.
+            one wave instead of the whole batch (None: every row in one wave). Each row's sampling noise is a function
+            of its output row and step, so the samples are the same whatever the wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
-            update can use the memory (False; the next rollout allocates it again). None: what the memory plan
-            assumed (decided before the engine is built); without a plan the engine's rule
-            (``qerl.rollout.kv_cache.releases_kv_cache``: free it on CUDA when it holds more than a twentieth of the
-            GPU's memory).
+            update can use the memory (False; the next rollout allocates it again).
+
+        ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
+        decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
+        without them takes ``GraphEngineSettings.unplanned()``.
         kv_cache_dtype: ``auto``: the KV cache in the model's dtype; ``fp8_e4m3``: one byte per element (vLLM's
             option of the same name, scale 1): half the cache memory (twice the rows per wave) and half the bytes
             each decode step's attention reads. K and V are rounded to e4m3, so the sampling policy moves a little
@@ -102,10 +99,12 @@ class CUDAGraphRollout(RolloutEngine):
             capability >= 8.9 (Ada, Hopper) for the fused step; any device otherwise.
     """
 
+    settings = GraphEngineSettings  # what the memory plan reads of this engine and plans for it
+
     def __init__(
         self,
         check_every: int = 16,
-        length_bucket: int = 256,
+        length_bucket: int = GraphEngineSettings.length_bucket,
         min_bucket: int = 1,
         adapter_in_model_dtype: bool = True,
         fused: bool | None = None,
@@ -115,6 +114,9 @@ class CUDAGraphRollout(RolloutEngine):
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
     ):
         super().__init__()
+        unplanned = GraphEngineSettings.unplanned()
+        wide_batch_bf16 = unplanned["wide_batch_bf16"] if wide_batch_bf16 is None else wide_batch_bf16
+        keep_kv_cache = unplanned["keep_kv_cache"] if keep_kv_cache is None else keep_kv_cache
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype={kv_cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}; use auto (the model's dtype) or fp8_e4m3.")
@@ -175,10 +177,8 @@ class CUDAGraphRollout(RolloutEngine):
                     self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
-                    pending = s.cache.nbytes if s.cache.storage is None else 0  # allocated after the copy
                     rows = wave_prompts * group_size
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device, pending),
-                                    rows=rows)
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows)
                     self._drop_stale_graphs(decoder)
                 s.decoder = decoder
                 s.noise_key.copy_(key)
@@ -196,8 +196,8 @@ class CUDAGraphRollout(RolloutEngine):
                 policy.train()
             if decoder is not None:
                 decoder.release()
-            if releases_kv_cache(self.keep_kv_cache, s.cache.nbytes, total_bytes(device)):
-                s.cache.release()  # for the update (keep_kv_cache)
+            if not self.keep_kv_cache:
+                s.cache.release()  # for the update
         self._phase("done", steps - 1)
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
@@ -311,14 +311,11 @@ class CUDAGraphRollout(RolloutEngine):
         if getattr(self, "_pool", None) is not None:
             self._pool = torch.cuda.graph_pool_handle()
 
-    def _wide_batch_bf16(self, decoder, rows: int, dtype, device, pending: int = 0) -> bool:
-        """Whether this rollout decodes its wide steps on a bf16 copy; ``pending``: bytes still to be allocated after
-        the copy (a KV cache released for the last update), which the copy must leave room for."""
-        if device.type != "cuda":
-            return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), None)
-        free = free_bytes(device) - pending
-        spare = bf16_copy_spare(total_bytes(device))  # the memory plan's margin, as it assumes
-        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), free, spare)
+    def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
+        """Whether this rollout decodes its wide steps on a bf16 copy: as ``wide_batch_bf16`` says, where there are
+        wide steps and NVFP4 weights to copy, on CUDA."""
+        on_cuda = 0 if device.type == "cuda" else None  # (the setting is decided: no free memory to weigh)
+        return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), on_cuda)
 
     @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):

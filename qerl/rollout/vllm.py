@@ -43,6 +43,7 @@ from qerl.nvfp4.linear import NVFP4Linear
 from qerl.ranks import rank_and_world_size, rank_seed
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import left_pad
+from qerl.rollout.engine_settings import VLLMEngineSettings
 from qerl.rollout.sampling_spec import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ INSTALL_HINT = (
     "qerl.rollout.builtin.BuiltinRollout."
 )
 _ADAPTER_NAME, _ADAPTER_ID = "qerl", 1
-UNPLANNED_UTILIZATION = 0.4  # vLLM's share when no memory plan chose one (an engine built outside train.py fit)
 
 
 def vllm_lora_rank(rank: int, max_lora_rank: int | None = None) -> int:
@@ -126,7 +126,7 @@ class VLLMRollout(RolloutEngine):
         dtype: vLLM's compute dtype; ``auto`` takes the policy's.
         gpu_memory_utilization: fraction of the GPU's memory vLLM takes (its weights, LoRA slot, workspace and KV
             cache); training shares the GPU. ``None``: the memory plan's choice (``train.py fit`` on a GPU: the share
-            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``UNPLANNED_UTILIZATION``.
+            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``VLLMEngineSettings.unplanned()``.
         max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None``: ``train.py fit`` sets
             ``data.max_prompt_tokens + model.sampling.max_new_tokens``; unplanned, the model's limit.
         max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
@@ -137,6 +137,8 @@ class VLLMRollout(RolloutEngine):
         engine_kwargs: further keyword arguments for ``vllm.LLM`` (e.g. ``{"kv_cache_dtype": "fp8"}``).
     """
 
+    settings = VLLMEngineSettings  # what the memory plan reads of this engine and plans for it
+
     def __init__(
         self,
         model: str | None = None,
@@ -144,7 +146,7 @@ class VLLMRollout(RolloutEngine):
         gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
         max_lora_rank: int | None = None,
-        sleep: bool = True,
+        sleep: bool = VLLMEngineSettings.sleep,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         engine_kwargs: dict | None = None,
@@ -160,6 +162,8 @@ class VLLMRollout(RolloutEngine):
         if max_lora_rank is not None:
             vllm_lora_rank(1, max_lora_rank)
         self.model, self.dtype = model, dtype
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = VLLMEngineSettings.unplanned()["gpu_memory_utilization"]
         self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
         self.max_lora_rank = max_lora_rank
         self.sleep, self.enforce_eager, self.enable_prefix_caching = sleep, enforce_eager, enable_prefix_caching
@@ -304,7 +308,7 @@ class VLLMRollout(RolloutEngine):
             max_lora_rank=self._lora_rank,
             max_loras=1,
             max_model_len=self.max_model_len,
-            gpu_memory_utilization=self.gpu_memory_utilization or UNPLANNED_UTILIZATION,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             logprobs_mode="processed_logprobs",  # log-probs after temperature / top-p: those of the sampling policy

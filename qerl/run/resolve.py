@@ -7,21 +7,23 @@ values and nobody writes into them afterwards.
 
 What is decided (each only where the config leaves it open):
 
-    model.micro_batch_tokens                      ``auto``: the plan's budget (no device: None, rows alone)
-    model.rollout.init_args.wave_rows             None: the plan's wave (no device: None, every row at once)
+    model.micro_batch_tokens                      ``auto``: the plan's budget (no plan: None, rows alone)
+    model.rollout.init_args.wave_rows             None: the plan's wave (no plan: None, every row at once)
     model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
     model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
     model.rollout.init_args.max_model_len         None (vLLM): data.max_prompt_tokens + model.sampling.max_new_tokens
-    model.rollout.init_args.gpu_memory_utilization  None (vLLM): the plan's share for vLLM (no device: None)
+    model.rollout.init_args.gpu_memory_utilization  None (vLLM): the plan's share for vLLM
 
-The built-in engines (``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) and the vLLM engine
-(``VLLMRollout``) are planned; another engine's config is left as it is.
+Where no plan is made (no device, a model the plan does not know, validate / test) the engine's planned values are
+its settings' ``unplanned()`` ones: every value the module and the engine are built with is concrete. What an engine
+plans and reads is its class's ``settings`` type (``qerl.rollout.engine_settings``). The built-in engines
+(``BuiltinRollout``, ``CUDAGraphRollout`` and its subclasses) and the vLLM engine (``VLLMRollout``) are planned;
+another engine's config is left as it is.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -32,17 +34,19 @@ from qerl.model.footprint import GIB, ModelShape, RunSettings
 from qerl.modules.options import SamplingOptions
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.engine_settings import EngineSettings, GraphEngineSettings, VLLMEngineSettings
 from qerl.rollout.vllm import VLLMRollout, vllm_lora_rank
 from qerl.rollout.vllm_footprint import max_model_len_error
 from qerl.run.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 
-ENGINE_OPTIONS = ("wave_rows", "wide_batch_bf16", "keep_kv_cache")  # what the resolution gives a graph engine
-VLLM_OPTIONS = ("gpu_memory_utilization", "max_model_len")  # what it gives the vLLM engine
+ENGINE_OPTIONS = GraphEngineSettings.PLANNED  # what the resolution gives a graph engine
+VLLM_OPTIONS = VLLMEngineSettings.PLANNED  # what it gives the vLLM engine
+UNPLANNED_GRAPH, UNPLANNED_VLLM = GraphEngineSettings.unplanned(), VLLMEngineSettings.unplanned()
 
 
 @dataclass(frozen=True)
 class Resolution:
-    """The values the resolution decided for one run (None where the config's value stays as it is).
+    """The values the resolution decided for one run; without a plan, the engines' ``unplanned()`` ones.
 
     Args:
         micro_batch_tokens: the update's token budget for ``micro_batch_tokens: auto`` (None: rows alone).
@@ -50,29 +54,30 @@ class Resolution:
         wide_batch_bf16: whether the graph engine decodes wide steps on a bf16 weight copy.
         keep_kv_cache: whether the graph engine keeps its KV cache through the update.
         gpu_memory_utilization: the vLLM engine's share of the GPU.
-        max_model_len: the vLLM engine's longest prompt + completion.
-        plan: the memory plan the values come from (None: no device to plan for).
+        max_model_len: the vLLM engine's longest prompt + completion (None: vLLM's limit for the model).
+        plan: the memory plan the values come from (None: no plan was made).
     """
 
     micro_batch_tokens: int | None = None
-    wave_rows: int | None = None
-    wide_batch_bf16: bool | None = None
-    keep_kv_cache: bool | None = None
-    gpu_memory_utilization: float | None = None
+    wave_rows: int | None = UNPLANNED_GRAPH["wave_rows"]
+    wide_batch_bf16: bool = UNPLANNED_GRAPH["wide_batch_bf16"]
+    keep_kv_cache: bool = UNPLANNED_GRAPH["keep_kv_cache"]
+    gpu_memory_utilization: float = UNPLANNED_VLLM["gpu_memory_utilization"]
     max_model_len: int | None = None
     plan: MemoryPlan | None = None
 
     def apply(self, config) -> dict:
         """Write the decided values into the parsed ``config`` (a jsonargparse namespace of one subcommand) where it
-        leaves them open; values the user set stay. Returns what was written, by option."""
+        leaves them open; values the user set stay. Returns what was written, by option. Afterwards no planned value
+        of the config is ``auto`` or unset (except ``wave_rows`` None: one wave, and vLLM's own length limit)."""
         model, written = config.model, {}
         if model.get("micro_batch_tokens") == "auto":
             model.micro_batch_tokens = written["model.micro_batch_tokens"] = self.micro_batch_tokens
         kind = engine_kind(model.get("rollout"))
         if kind in ("cuda_graph", "vllm"):
             args = model.rollout.init_args
-            for name in ENGINE_OPTIONS if kind == "cuda_graph" else VLLM_OPTIONS:
-                if args.get(name) is None and getattr(self, name) is not None:
+            for name in engine_class(model.rollout).settings.of(args).open():
+                if getattr(self, name) is not None:
                     args[name] = written[f"model.rollout.init_args.{name}"] = getattr(self, name)
         return written
 
@@ -118,16 +123,11 @@ def engine_kind(rollout) -> str | None:
     return None
 
 
-def engine_args(rollout) -> dict:
-    """The engine's init arguments as it will be built: the config's, over its signature's defaults."""
-    args = {}
-    for cls in reversed(engine_class(rollout).__mro__):  # a subclass passes its base's arguments on as **kwargs
-        if "__init__" in vars(cls) and cls is not object:
-            args.update({name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-                         if p.default is not inspect.Parameter.empty})
+def engine_settings(rollout) -> EngineSettings:
+    """What the memory plan reads of the engine a parsed ``model.rollout`` builds: its class's ``settings`` type over
+    the config's ``init_args``."""
     given = rollout.get("init_args") if rollout is not None and not isinstance(rollout, str) else None
-    args.update(dict(given.items()) if given is not None else {})
-    return args
+    return engine_class(rollout).settings.of(given)
 
 
 def sampling_options(model) -> SamplingOptions:
@@ -141,7 +141,7 @@ def run_settings(config) -> RunSettings:
     model, data, policy = config.model, config.data, config.model.policy
     kind = engine_kind(model.get("rollout"))
     graphs = kind == "cuda_graph"  # decodes in waves, keeps or frees its static cache
-    engine = engine_args(model.get("rollout"))
+    engine = engine_settings(model.get("rollout"))
     new_tokens = sampling_options(model).max_new_tokens
     if kind == "vllm":
         return RunSettings(
@@ -151,19 +151,19 @@ def run_settings(config) -> RunSettings:
             micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
             logprob_chunk_size=model.logprob_chunk_size, engine="vllm", waves=False, length_bucket=1,
             wide_batch_bf16=False, keep_kv_cache=False,
-            kv_cache_dtype=str((engine.get("engine_kwargs") or {}).get("kv_cache_dtype", "auto")),
-            gpu_memory_utilization=engine["gpu_memory_utilization"], max_model_len=engine["max_model_len"],
-            lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine["max_lora_rank"]), sleep=bool(engine["sleep"]))
+            kv_cache_dtype=str((engine.engine_kwargs or {}).get("kv_cache_dtype", "auto")),
+            gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
+            lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine.max_lora_rank), sleep=bool(engine.sleep))
     return RunSettings(
         prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
         max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
         micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
         logprob_chunk_size=model.logprob_chunk_size, engine="cuda_graph" if graphs else "builtin", waves=graphs,
-        length_bucket=engine["length_bucket"] if graphs else 1,
-        wide_batch_bf16=engine["wide_batch_bf16"] if graphs else False,
-        keep_kv_cache=engine["keep_kv_cache"] if graphs else False,
-        kv_cache_dtype=engine["kv_cache_dtype"] if graphs else "auto",
+        length_bucket=engine.length_bucket if graphs else 1,
+        wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
+        keep_kv_cache=engine.keep_kv_cache if graphs else False,
+        kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto",
     )
 
 
@@ -234,16 +234,14 @@ def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes:
     Raises:
         MemoryPlanError: the settings cannot fit the device (the message names the option to lower).
     """
-    engine = engine_args(config.model.get("rollout"))
+    engine = engine_settings(config.model.get("rollout"))
     graphs, vllm = settings.engine == "cuda_graph", settings.engine == "vllm"
     micro_batch_tokens = config.model.get("micro_batch_tokens")
     if vllm and max_model_len_error(settings):
         raise MemoryPlanError(max_model_len_error(settings))
-    if shape is None:  # no device (or no plan for this model): nothing chosen for memory; the engines' own rules
-        if free_bytes is None and graphs:  # without a GPU a graph engine keeps its cache and makes no bf16 copy
-            return Resolution(wide_batch_bf16=False, keep_kv_cache=True)
+    if shape is None:  # no device (or no plan for this model): the engines' unplanned values
         return Resolution(max_model_len=settings.longest_row if vllm else None)  # lengths need no device
-    plan = plan_memory(shape, settings, free_bytes, wave_rows=engine.get("wave_rows") if graphs else None,
+    plan = plan_memory(shape, settings, free_bytes, wave_rows=engine.wave_rows if graphs else None,
                        micro_batch_tokens=micro_batch_tokens, total_bytes=total_bytes)
     if vllm:
         return Resolution(micro_batch_tokens=plan.micro_batch_tokens, plan=plan, max_model_len=plan.max_model_len,

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.footprint import bf16_copy_spare, wants_bf16_copy
 from qerl.rollout.kernel_choice import Kernels
+from qerl.rollout.kv_cache import free_bytes, total_bytes
 from qerl.rollout.sampling import sample_rows
 
 
@@ -25,12 +27,15 @@ class ComparisonRollout(CUDAGraphRollout):
         fused_sampling: the fused sampling kernels (False: the torch expression with the same noise).
         stop_after: decode at most this many tokens (warm-ups and profiles).
         phase_hook: called with each phase of a call and the decode steps run so far (a timer).
+        copy_if_fits: where ``wide_batch_bf16`` is not given, make the bf16 copy of wide steps whenever it fits in
+            the free GPU memory with the plan's margin (what a memory plan would decide for a timed rollout alone).
         **options: ``CUDAGraphRollout``'s arguments.
     """
 
     def __init__(self, use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
                  fused_sampling: bool = True, stop_after: int | None = None,
-                 phase_hook: Callable[[str, int], None] | None = None, **options):
+                 phase_hook: Callable[[str, int], None] | None = None, copy_if_fits: bool = False, **options):
+        self.copy_if_fits = copy_if_fits and options.get("wide_batch_bf16") is None
         super().__init__(**options)
         self.use_graphs, self.pdl, self.wgmma, self.fused_sampling = use_graphs, pdl, wgmma, fused_sampling
         self.stop_after, self.phase_hook = stop_after, phase_hook
@@ -43,6 +48,12 @@ class ComparisonRollout(CUDAGraphRollout):
 
     def _sample(self, logits, spec, key, rows, step):
         return sample_rows(logits, spec.temperature, spec.top_p, key, rows, step, self.fused_sampling)
+
+    def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
+        if not (self.copy_if_fits and device.type == "cuda"):
+            return super()._wide_batch_bf16(decoder, rows, dtype, device)
+        spare = bf16_copy_spare(total_bytes(device))
+        return wants_bf16_copy(None, rows, decoder.dequantized_bytes(dtype, rows), free_bytes(device), spare)
 
     def _decode_limit(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.stop_after or max_new_tokens)

@@ -57,7 +57,7 @@ def generate(policy, prompts, group, **options):
 def test_fused_graph_rollout_logprobs_equal_a_full_recomputation(policy, prompts):
     r = generate(policy, prompts, 4)
     assert float((r.logprobs - recompute(policy, r)[0]).abs().max()) < LOGPROB_ATOL
-    wide = generate(policy, prompts, 32)  # 96 rows: above the GEMV's batch
+    wide = generate(policy, prompts, 32, wide_batch_bf16=True)  # 96 rows: above the GEMV's batch, on the bf16 copy
     assert float((wide.logprobs - recompute(policy, wide)[0]).abs().max()) < LOGPROB_ATOL
 
 

@@ -79,7 +79,7 @@ def test_fp8_kv_cache_rollout_is_the_policy_over_an_e4m3_cache(policy, prompts):
     """kv_cache_dtype fp8_e4m3 under graphs, waves of 64 and 96 rows (the bf16 copy above 64): the log-probs are those
     of a full forward whose attention reads the e4m3-rounded K/V; the unrounded policy's are further away."""
     for group in (4, 32):
-        engine = CUDAGraphRollout(check_every=4, kv_cache_dtype="fp8_e4m3")
+        engine = CUDAGraphRollout(check_every=4, kv_cache_dtype="fp8_e4m3", wide_batch_bf16=True)
         spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
         r = engine.generate(policy, prompts, group, 0, [], spec)
         assert engine._state.cache.dtype == torch.float8_e4m3fn and engine.graphs_captured >= 1

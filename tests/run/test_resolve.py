@@ -15,7 +15,8 @@ from qerl.modules.grpo_module import GRPOModule
 from qerl.rollout import vllm as vllm_rollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.vllm import VLLMRollout
-from qerl.run.resolve import ENGINE_OPTIONS, VLLM_OPTIONS, engine_args, planning_device, run_settings
+from qerl.rollout.engine_settings import VLLMEngineSettings
+from qerl.run.resolve import ENGINE_OPTIONS, VLLM_OPTIONS, engine_settings, planning_device, run_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
@@ -85,9 +86,9 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
                                                  else cli.config.model.micro_batch_tokens)
     assert module.hparams.micro_batch_tokens != "auto"
     if isinstance(engine, CUDAGraphRollout):
-        written = engine_args(cli.config.model.rollout)  # the config as the user wrote it
+        written = engine_settings(cli.config.model.rollout)  # the config as the user wrote it
         for name in ENGINE_OPTIONS:
-            expected = getattr(resolution, name) if written[name] is None else written[name]
+            expected = getattr(resolution, name) if getattr(written, name) is None else getattr(written, name)
             assert getattr(engine, name) == expected is not None, name
         assert engine.wave_rows == resolution.plan.wave_rows and engine.wave_rows % module.hparams.group_size == 0
     if isinstance(engine, VLLMRollout):  # the plan's share and length, within (0, 1] and the recipe's longest row
@@ -117,6 +118,43 @@ def test_nothing_is_decided_for_memory_without_a_device(no_model_loads, tiny_mod
     assert cli.config.model.micro_batch_tokens == "auto"
 
 
+def test_an_evaluation_run_builds_concrete_planned_values_too(no_model_loads, tiny_model_dirs, tmp_path, monkeypatch):
+    """No plan is made for validate: the engine still gets its unplanned values from the resolution (said on the
+    config it is built from), and ``auto`` never reaches the module."""
+    from qerl.rollout.engine_settings import GraphEngineSettings
+
+    monkeypatch.chdir(tmp_path)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+        "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
+        "--model.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
+        "--trainer.max_steps", "-1"])  # (as validate parses it: nothing trains)
+    engine, unplanned = cli.model.rollout, GraphEngineSettings.unplanned()
+    assert {name: getattr(engine, name) for name in ENGINE_OPTIONS} == unplanned
+    assert cli.model.hparams.micro_batch_tokens is None
+
+
+def test_the_module_and_engines_never_decide_a_planned_value():
+    """``auto`` is refused by a module built in code (only the resolution makes it concrete); an engine built in code
+    takes its settings' unplanned values once; no engine reads the device's memory to decide one at run time."""
+    import inspect
+
+    import pytest
+
+    from qerl.model.policy import PolicyConfig
+    from qerl.rollout import cuda_graph, vllm
+    from qerl.rollout.cuda_graph import CUDAGraphRollout
+    from qerl.rollout.engine_settings import GraphEngineSettings, VLLMEngineSettings
+
+    with pytest.raises(ValueError, match="model.micro_batch_tokens='auto'"):
+        GRPOModule(policy=PolicyConfig(), micro_batch_tokens="auto")
+    engine = CUDAGraphRollout()
+    assert {name: getattr(engine, name) for name in ENGINE_OPTIONS} == GraphEngineSettings.unplanned()
+    assert CUDAGraphRollout.settings is GraphEngineSettings and vllm.VLLMRollout.settings is VLLMEngineSettings
+    source = inspect.getsource(cuda_graph)
+    assert not any(rule in source for rule in ("free_bytes(", "total_bytes(", "releases_kv_cache(", "mem_get_info"))
+    assert "or UNPLANNED" not in inspect.getsource(vllm)
+
+
 def test_the_planning_device_follows_the_trainers_options(monkeypatch):
     from jsonargparse import Namespace
 
@@ -142,5 +180,6 @@ def test_without_a_device_the_vllm_engine_gets_the_runs_length_and_no_share(no_m
     assert cli.resolution.plan is None
     # no device needed
     assert engine.max_model_len == cli.config.data.max_prompt_tokens + cli.model.sampling.max_new_tokens
-    assert engine.gpu_memory_utilization is None  # vLLM's CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE
+    # unplanned share (vLLM's CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE)
+    assert engine.gpu_memory_utilization == VLLMEngineSettings.unplanned()["gpu_memory_utilization"]
     assert cli.config.model.rollout.init_args.max_model_len is None  # the config stays as the user wrote it
