@@ -1,10 +1,15 @@
 """``model.agent`` made concrete for a run: its tools loaded, its environment's factory, the tokenizer's call format,
-checked against the chat template; ``run`` plays one batch's episodes."""
+checked against the chat template; ``run`` plays one batch's episodes; ``EpisodeEngine`` plays them for evaluation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from qerl.agents.config import AgentConfig
 from qerl.agents.episode import Episodes, Sampler, run_episodes
+from qerl.rollout.base import Rollout
 from qerl.tools.chat_template import call_format, check_tool_support
 from qerl.tools.environment import environment_tools
 
@@ -36,3 +41,38 @@ class EpisodeRunner:
         return run_episodes(sample, batch["prompt_ids"], rows, group_size, self.tokenizer, eos_ids, pad_id,
                             self.config, self.tools, self.environment, max_new_tokens, self.call_format,
                             self.schemas, self.template_kwargs)
+
+
+class EpisodeEngine:
+    """A rollout engine whose ``generate`` plays whole episodes of ``batch``'s prompts, each row's completion the
+    model's last turn: evaluation scores an agent through the unchanged ``Evaluator``.
+
+    Args:
+        runner: the run's episodes.
+        engine: the rollout engine that samples each turn.
+        batch: the evaluation batch (its ``columns`` reset the environments).
+    """
+
+    def __init__(self, runner: EpisodeRunner, engine, batch: dict):
+        self.runner, self.engine, self.batch = runner, engine, batch
+
+    def generate(self, policy, prompt_ids, group_size: int, pad_id: int, eos_ids: list[int], spec) -> Rollout:
+        calls = iter(range(1 << 30))
+
+        def sample(contexts, samples, max_new_tokens):
+            # an evaluation spec starts its own stream at its seed on every call: each turn gets a seed of its own
+            seed = spec.seed + 7919 * next(calls) if spec.stream == "separate" else spec.seed
+            return self.engine.generate(policy, contexts, samples, pad_id, eos_ids,
+                                        replace(spec, max_new_tokens=max_new_tokens, seed=seed))
+
+        episodes = self.runner.run(sample, {**self.batch, "prompt_ids": prompt_ids}, group_size, eos_ids, pad_id,
+                                   spec.max_new_tokens)
+        r, turns = episodes.rollout, [t.last_turn for t in episodes.trajectories]
+        ids = torch.full((len(turns), max(1, max(map(len, turns)))), pad_id, dtype=torch.long)
+        for row, turn in enumerate(turns):
+            ids[row, :len(turn)] = torch.tensor(turn, dtype=torch.long)
+        ids = ids.to(r.completion_ids.device)
+        mask = (torch.arange(ids.shape[1], device=ids.device)[None] < torch.tensor(
+            [len(t) for t in turns], device=ids.device)[:, None]).long()
+        return Rollout(r.prompt_ids, r.prompt_mask, ids, mask, torch.zeros(ids.shape, device=ids.device),
+                       torch.zeros(ids.shape, device=ids.device), r.truncated)

@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from qerl.agents.config import AgentConfig
 from qerl.agents.episode import Episodes
 from qerl.agents.metrics import episode_metrics, episode_sums, episode_text
-from qerl.agents.runner import EpisodeRunner
+from qerl.agents.runner import EpisodeEngine, EpisodeRunner
 from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
@@ -570,8 +570,9 @@ class GRPOModule(L.LightningModule):
         # (an engine's KV buffers, CUDA-graph state, kept across calls) could never be updated by a later training
         # rollout. Plain no_grad avoids that.
         with torch.inference_mode(False), torch.no_grad():
+            engine = self.rollout if self.episodes is None else EpisodeEngine(self.episodes, self.rollout, batch)
             self.evaluator.step(
-                self.policy, self.rollout, self.reward, batch,
+                self.policy, engine, self.reward, batch,
                 lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                 self.tokenizer.pad_token_id, self._eos_ids(), dataloader_idx,
             )

@@ -1,6 +1,7 @@
 """``train.py fit`` with an agent on a tiny chat model: multi-turn episodes train, the agent's TensorBoard tags and
 whole-episode samples are written, and a run resumed from a mid-run checkpoint ends with the straight run's weights."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,24 @@ def test_resumed_run_ends_with_the_weights_of_the_straight_run(runs):
     assert straight["weights"].keys() == resumed["weights"].keys()
     for name, value in straight["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_validation_plays_whole_episodes_and_scores_the_last_turn(tmp_path, monkeypatch):
+    import qerl.agents.runner
+
+    model = save_tiny_chat_model(tmp_path / "model", "qwen2")
+    monkeypatch.chdir(tmp_path)
+    played, real = [], qerl.agents.runner.run_episodes
+    monkeypatch.setattr(qerl.agents.runner, "run_episodes", lambda *a, **k: played.append(real(*a, **k)) or played[-1])
+    val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 2, "seed": 3}}]'
+    cli_main(["validate", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.policy.model", str(model),
+              "--model.agent.environment", ENV, "--model.agent.max_turns", "3", "--model.sampling.max_new_tokens", "8",
+              "--model.eval_samples", "2", "--data.val_sources", val, "--data.max_prompt_tokens", "512",
+              "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    records = [json.loads(line) for line in (tmp_path / "debug" / "version_0" / "eval" / "val_step0.jsonl").open()]
+    assert len(records) == 2 * (1 + 2)  # greedy + 2 samples per question
+    assert not any("Go on." in r["completion"] for r in records)  # the last turn, not the environment's messages
+    turns = [t.turns for e in played for t in e.trajectories]
+    assert len(turns) == 6 and max(turns) > 1
+    last = [e.answers for e in played]  # what the reward read: each trajectory's last turn
+    assert sorted(r["completion"] for r in records) == sorted(a for answers in last for a in answers)
