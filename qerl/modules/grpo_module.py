@@ -180,6 +180,9 @@ class GRPOModule(L.LightningModule):
             ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
             ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
             ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
+            ("overlong_buffer", overlong_buffer, overlong_buffer == 0 or not agent.enabled,
+             "0 with model.agent (an episode's length is its turns and tool outputs: bound it with "
+             "model.agent.max_episode_tokens)"),
             ("max_refill_rounds", max_refill_rounds, max_refill_rounds >= 0,
              ">= 0 (0: drop uninformative groups only)"),
             ("max_refill_rounds", max_refill_rounds, max_refill_rounds == 0 or dynamic_sampling,
