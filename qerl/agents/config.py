@@ -67,6 +67,15 @@ class AgentConfig:
         return tools, environment
 
 
+def longest_context(max_prompt_tokens: int, max_new_tokens: int, tools: list | None, environment: str | dict | None,
+                    max_turns: int, max_episode_tokens: int | None) -> int:
+    """The longest prompt an engine is handed: the prompt itself in single-turn RL; with an agent, a trajectory's
+    whole context before its last turn (its token budget, ``max_episode_tokens`` or the default of ``token_limit``)."""
+    if not tools and environment is None:
+        return max_prompt_tokens
+    return max_episode_tokens if max_episode_tokens is not None else max_prompt_tokens + max_turns * max_new_tokens
+
+
 def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict | None, chat_template: str | None = None,
                        model: str | None = None) -> list[dict] | None:
     """The JSON schemas the prompts show (the data module's ``tools``), from ``model.agent``'s tools and environment,
