@@ -118,16 +118,17 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
     contexts, samples = [list(p) for p in prompt_ids], group_size
     decode_s = tool_s = 0.0
     while live:
+        room = max(room_left(trajectories[i], config, max_new_tokens) for i in live)
         start = time.perf_counter()
-        rollout = sample(contexts, samples, max_new_tokens)
+        rollout = sample(contexts, samples, max(1, min(max_new_tokens, room)))  # none decodes far past its budget
         decode_s += time.perf_counter() - start
+        lengths = rollout.completion_mask.sum(-1).tolist()
+        ids, logprobs, entropy = (x.cpu() for x in (rollout.completion_ids, rollout.logprobs, rollout.entropy))
         for k, i in enumerate(live):
             t = trajectories[i]
-            n = int(rollout.completion_mask[k].sum())
-            room = max(0, token_limit(t, config, max_new_tokens) - len(t.prompt) - len(t.tokens))
-            t.last_turn = rollout.completion_ids[k, :min(n, room)].tolist()
-            t.add(t.last_turn, True, rollout.logprobs[k, :len(t.last_turn)].tolist(),
-                  rollout.entropy[k, :len(t.last_turn)].tolist())
+            n, room = lengths[k], room_left(t, config, max_new_tokens)
+            t.last_turn = ids[k, :min(n, room)].tolist()
+            t.add(t.last_turn, True, logprobs[k, :len(t.last_turn)].tolist(), entropy[k, :len(t.last_turn)].tolist())
             t.turns += 1
             if n > room:
                 t.end = "max_episode_tokens"
@@ -144,8 +145,8 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
             if t.end is not None:
                 continue
             ids = observation_ids(tokenizer, messages, eos_ids, tool_schemas, template_kwargs)
-            if len(t.prompt) + len(t.tokens) + len(ids) >= token_limit(t, config, max_new_tokens):  # no room left for the model to answer
-                t.end = "max_episode_tokens"
+            if len(t.prompt) + len(t.tokens) + len(ids) >= token_limit(t, config, max_new_tokens):
+                t.end = "max_episode_tokens"  # no room left for the model to answer
                 continue
             t.add(ids, False)
             live.append(i)
@@ -158,6 +159,11 @@ def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:
     if config.max_episode_tokens is not None:
         return config.max_episode_tokens
     return len(t.prompt) + max_new_tokens * config.max_turns
+
+
+def room_left(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:
+    """Tokens the trajectory may still add."""
+    return max(0, token_limit(t, config, max_new_tokens) - len(t.prompt) - len(t.tokens))
 
 
 def read_turn(t: Trajectory, tokenizer, call_format: str, config: AgentConfig) -> tuple[list[ToolCall], bool]:

@@ -6,9 +6,9 @@ opening. They are the template's suffix after a fixed two-message conversation, 
 (the template must render earlier messages the same whatever follows them, which the Qwen2.5 / Qwen3 / Llama 3
 templates do).
 
-``model.agent.chat_template`` replaces a template that does not show tools: a name qerl ships (``qwen2_5``: Qwen2.5-Instruct's
-template, as the ``Qwen/Qwen2.5-*-Instruct`` tokenizers carry it; it works for every ChatML model, SmolLM2 included)
-or a path to a ``.jinja`` file.
+``model.agent.chat_template`` replaces a template that does not show tools: a name qerl ships (``qwen2_5``:
+Qwen2.5-Instruct's template, as the ``Qwen/Qwen2.5-*-Instruct`` tokenizers carry it; it works for every ChatML model,
+SmolLM2 included) or a path to a ``.jinja`` file.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def observation_ids(tokenizer, messages: list[dict], end_ids: list[int], tools: 
     if ends:  # the model's turn stops at its end-of-turn token; what the template adds after it belongs here
         prefix = prefix[: ends[-1] + 1]
     if full[: len(prefix)] != prefix:
-        raise ValueError("model.agent.chat_template: appending a tool result changes how the earlier turns render, so the "
-                         "model's own tokens cannot be kept. Fix: a template that renders earlier turns the same "
+        raise ValueError("model.agent.chat_template: appending a tool result changes how the earlier turns render, so "
+                         "the model's own tokens cannot be kept. Fix: a template that renders earlier turns the same "
                          "whatever follows (e.g. qwen2_5).")
     return full[len(prefix):]

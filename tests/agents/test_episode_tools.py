@@ -60,7 +60,8 @@ def test_tool_calls_errors_and_limits(tokenizer):
                   for q in questions]
     calls = []
     episodes = run_episodes(scripted_sampler(tokenizer, calls), prompt_ids, [{}] * 4, 1, tokenizer,
-                            [tokenizer.eos_token_id], tokenizer.pad_token_id, AgentConfig(max_turns=3, max_episode_tokens=4096), tools, None,
+                            [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                            AgentConfig(max_turns=3, max_episode_tokens=4096), tools, None,
                             MAX_NEW_TOKENS, "qwen", [t.schema for t in tools])
     used, failed, looping, rambling = episodes.trajectories
     assert [t.end for t in episodes.trajectories] == ["answer", "answer", "max_turns", "length"]

@@ -19,8 +19,8 @@ def tokenizer():
 
 
 def test_smollm2_template_without_tools_is_refused_with_the_fix(tokenizer):
-    with pytest.raises(ValueError, match="model.agent.chat_template: the chat template of 'smollm2-135m-instruct' does not "
-                                         "show tools.*set model.agent.chat_template: qwen2_5"):
+    with pytest.raises(ValueError, match="model.agent.chat_template: the chat template of 'smollm2-135m-instruct' "
+                                         "does not show tools.*set model.agent.chat_template: qwen2_5"):
         check_tool_support(tokenizer, SCHEMAS, EMBEDDED_MODEL)
 
 
