@@ -38,3 +38,18 @@ def save_tiny_chat_model(directory: str | Path, architecture: str = "qwen2", end
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+class GoOn:
+    """An environment for episode tests: answers the model's first two replies with a user message, then ends; scores
+    the replies it saw."""
+
+    def reset(self, **row) -> None:
+        self.replies = 0
+
+    def step(self, message: str) -> str | None:
+        self.replies += 1
+        return None if self.replies >= 3 else f"Go on ({self.replies})."
+
+    def get_reward(self) -> float:
+        return float(self.replies)

@@ -13,25 +13,11 @@ from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.rollouts import recompute
-from qerl.testing.tiny_agents import save_tiny_chat_model
+from qerl.testing.tiny_agents import GoOn, save_tiny_chat_model
 from qerl.hub import load_tokenizer
 from qerl.tools.environment import EnvironmentFactory
 
 TEMPERATURE = 0.7
-
-
-class GoOn:
-    """Answers every plain reply with a user message until the third, then ends; scores the turns it saw."""
-
-    def reset(self, **row) -> None:
-        self.replies = 0
-
-    def step(self, message: str) -> str | None:
-        self.replies += 1
-        return None if self.replies >= 3 else f"Go on ({self.replies})."
-
-    def get_reward(self) -> float:
-        return float(self.replies)
 
 
 @pytest.fixture(scope="module")

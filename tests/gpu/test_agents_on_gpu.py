@@ -12,20 +12,11 @@ from qerl.model.policy import build_policy
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.rollouts import recompute
-from qerl.testing.tiny_agents import save_tiny_chat_model
+from qerl.testing.tiny_agents import GoOn, save_tiny_chat_model
 from qerl.tools.environment import EnvironmentFactory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LOGPROB_ATOL = 0.03  # bf16: as tests/gpu/test_rollout_on_gpu.py
-
-
-class GoOn:
-    def reset(self, **row) -> None:
-        self.replies = 0
-
-    def step(self, message: str) -> str | None:
-        self.replies += 1
-        return None if self.replies >= 3 else f"Go on ({self.replies})."
 
 
 def test_graph_engine_multi_turn_logprobs_equal_full_recomputation(tmp_path):
