@@ -153,14 +153,13 @@ def qerl_arm(model_dir: str, quantization: str, adapter_dir: str, opts: dict) ->
     vocab = policy.config.vocab_size
     for rows in opts["rows"]:
         prompts, group = prompts_for(rows, vocab)
-        eng = rollout_hooks.engine()
-        timer = rollout_hooks.PhaseTimer(eng)
+        timer = rollout_hooks.PhaseTimer()
+        eng = rollout_hooks.engine(phase_hook=timer)
         spec = SamplingSpec(max_new_tokens=opts["long"], seed=0)
 
         def run(new: int):
-            rollout_hooks.stop_after(eng, new)
             with torch.no_grad():
-                done = eng.generate(policy, prompts, group, 0, [], spec)
+                done = eng.generate(policy, prompts, group, 0, [], spec, stop_after=new)
             assert done.completion_ids.shape == (rows, new)
 
         run(opts["long"])  # warm-up: the graphs of every length bucket

@@ -100,6 +100,7 @@ def quality(args) -> dict:
     from qerl.model.policy import PolicyConfig
     from qerl.modules.grpo_module import GRPOModule
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches
+    from qerl.modules.policy_update import logprobs_no_grad
     from qerl.modules.options import SamplingOptions
     from qerl.rollout.cuda_graph import CUDAGraphRollout
     from qerl.rollout.sampling_spec import SamplingSpec
@@ -132,7 +133,7 @@ def quality(args) -> dict:
         plan = plan_micro_batches(lengths, 16384, 10**6)
         chunks = micro_batches(r.prompt_ids, r.completion_ids, r.prompt_mask, r.completion_mask, plan,
                                tok.pad_token_id or 0, module.device)
-        trained = module._logprobs_no_grad(r, chunks)
+        trained = logprobs_no_grad(module.policy, r, chunks, module._update_settings())
         m = r.completion_mask.bool()
         gap = (trained - r.logprobs)[m].double()
         raw = gap.exp()

@@ -82,13 +82,11 @@ def kernels_per_step(policy, fused: bool, batch: int = 1) -> float:
     counts = {}
     for steps in (4, 12):
         eng = rollout_hooks.engine(use_graphs=False, fused=fused)
-        rollout_hooks.stop_after(eng, 2)
         spec = SamplingSpec(max_new_tokens=64, seed=0)
-        eng.generate(policy, prompts, 1, 0, [], spec)  # warm-up (Triton compiles, repacks)
-        rollout_hooks.stop_after(eng, steps)
+        eng.generate(policy, prompts, 1, 0, [], spec, stop_after=2)  # warm-up (Triton compiles, repacks)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(policy, prompts, 1, 0, [], spec)
+            eng.generate(policy, prompts, 1, 0, [], spec, stop_after=steps)
             torch.cuda.synchronize()
         counts[steps] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
     return (counts[12] - counts[4]) / 8
@@ -102,14 +100,12 @@ def time_engine(policy, batch: int, new: int, fused: bool = True, pdl: bool | No
     group = min(8, batch)
     gen = torch.Generator().manual_seed(batch)  # the same prompts for every engine setting at this batch
     prompts = [random_prompt(policy, gen) for _ in range(batch // group)]
+    timer = rollout_hooks.PhaseTimer()
     eng = rollout_hooks.engine(pdl=pdl, wgmma=wgmma, fused_sampling=fused_sampling, check_every=16, fused=fused,
-                               wide_batch_bf16=wide_batch_bf16, **options)
-    timer = rollout_hooks.PhaseTimer(eng)
+                               wide_batch_bf16=wide_batch_bf16, phase_hook=timer, **options)
     torch.cuda.reset_peak_memory_stats()
-    rollout_hooks.stop_after(eng, 16)
     spec = SamplingSpec(max_new_tokens=new, seed=0)
-    eng.generate(policy, prompts, group, 0, [], spec)  # warm-up: buffers and the graph(s)
-    rollout_hooks.stop_after(eng, None)
+    eng.generate(policy, prompts, group, 0, [], spec, stop_after=16)  # warm-up: buffers and the graph(s)
     torch.cuda.synchronize()
     t = time.perf_counter()
     r = eng.generate(policy, prompts, group, 0, [], spec)  # EOS ignored: fixed length

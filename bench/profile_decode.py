@@ -29,13 +29,11 @@ def kernel_table(policy, batch: int, fused: bool = True) -> dict:
     per = {}
     for steps in (4, 12):
         eng = rollout_hooks.engine(use_graphs=False, fused=fused)
-        rollout_hooks.stop_after(eng, 3)
         spec = SamplingSpec(max_new_tokens=64, seed=0)
-        eng.generate(policy, prompts, group, 0, [], spec)
-        rollout_hooks.stop_after(eng, steps)
+        eng.generate(policy, prompts, group, 0, [], spec, stop_after=3)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(policy, prompts, group, 0, [], spec)
+            eng.generate(policy, prompts, group, 0, [], spec, stop_after=steps)
             torch.cuda.synchronize()
         agg = collections.defaultdict(lambda: [0, 0.0])
         for e in prof.events():

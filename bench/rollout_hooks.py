@@ -1,6 +1,7 @@
 """The benchmarks' handles on ``CUDAGraphRollout``: its comparison switches (eager steps, the plain launch order, the
 mma.sync GEMV, the torch sampling expression) and its timing, through ``qerl.testing.comparison_rollout``, the
-engine's subclass that takes them when it is built; users never set these."""
+engine's subclass that takes them when it is built (a timer too: build the ``PhaseTimer`` first and hand it over as
+``phase_hook``); users never set these."""
 
 from __future__ import annotations
 
@@ -17,18 +18,12 @@ def engine(use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool 
                              copy_if_fits=True, **options)
 
 
-def stop_after(eng: ComparisonRollout, tokens: int | None) -> None:
-    """Stop decoding after ``tokens`` tokens (warm-ups and profiles; None: the engine's ``max_new_tokens``)."""
-    eng.stop_after = tokens
-
-
 class PhaseTimer:
-    """CUDA events at the phases of each call of the engine it is attached to: :meth:`timing` of the last call gives
-    prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps that captured a graph (capture_ms,
-    capture_steps: each also decodes its token, eagerly)."""
+    """CUDA events at the phases of each call of the engine it is handed to (``engine(phase_hook=timer)``):
+    :meth:`timing` of the last call gives prefill_ms, decode_ms, decode_steps, and the part of them spent in the steps
+    that captured a graph (capture_ms, capture_steps: each also decodes its token, eagerly)."""
 
-    def __init__(self, eng: ComparisonRollout):
-        eng.phase_hook = self
+    def __init__(self):
         self.events: dict[str, torch.cuda.Event] = {}
         self.captures: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.decode_steps = 0

@@ -29,10 +29,11 @@ from qerl.callbacks.interrupt import GracefulInterrupt
 from qerl.callbacks.progress import StepProgressBar
 from qerl.callbacks.rollout_sync import RolloutSync
 from qerl.callbacks.scalar_layout import ScalarLayout
-from qerl.data.prompts import MathPromptDataModule
+from qerl.data.prompts import MathPromptDataModule, refill_workers_error
 from qerl.hub import hub_unavailable
 from qerl.model.aqn import AQNSchedule
 from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.options import max_steps_error
 from qerl.run.memory_plan import MemoryPlanError
 from qerl.run.renamed_options import renamed_hints
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
@@ -151,10 +152,8 @@ class QeRLCLI(LightningCLI):
         rollout = (config.get("model") or {}).get("rollout") or {}
         default_allocator_settings(str(rollout.get("class_path", "") if hasattr(rollout, "get") else rollout))
         if self.subcommand == "fit":
-            max_steps = config.trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                self._parser(self.subcommand).error(f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to "
-                                  "train (the prompt stream is endless, and the LR and AQN schedules need it).")
+            if error := max_steps_error(config.trainer.max_steps):
+                self._parser(self.subcommand).error(error)
             version = resume_version(config.get("ckpt_path"), config.trainer.logger)
             if version is not None:
                 config.trainer.logger.init_args.version = version
@@ -174,9 +173,7 @@ class QeRLCLI(LightningCLI):
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
         model, data = config.get("model") or {}, config.get("data") or {}
         if self.subcommand == "fit" and model.get("max_refill_rounds") and data.get("num_workers"):
-            self._parser(self.subcommand).error(
-                f"data.num_workers={data.get('num_workers')}: refilling a batch (model.max_refill_rounds) draws "
-                "prompts from the training stream in the main process: set data.num_workers: 0.")
+            self._parser(self.subcommand).error(refill_workers_error(data.get("num_workers")))
 
     def instantiate_classes(self) -> None:
         # The classes are built from the resolved copy of the config (concrete values, qerl.run.resolve; the module's

@@ -35,6 +35,7 @@ def fails(args: list[str], capsys) -> str:
      "model.loss eps_low=1.5: must be in [0, 1)"),
     (["--data.batch_size", "0"], "data.batch_size=0: must be >= 1"),
     (["--aqn.num_stages", "1"], "aqn.num_stages (K) must be >= 2"),
+    (["--model.sampling.temperature", "0"], "model.sampling: temperature must be > 0"),
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
     (["--model.reward_funcs", "[no_such_module:fn]"], "reward function 'no_such_module:fn' cannot be loaded"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
+import torch
+
 from qerl.agents.episode import ENDS, Episodes
 from qerl.tools.execution import ERROR_KINDS
 
@@ -47,3 +49,24 @@ def episode_text(prompt: str, episodes: Episodes, row: int, reward: float) -> st
     head = (f"**reward {reward:.2f}** | {t.turns} turns, {t.tool_calls} tool calls"
             f"{', errors ' + dict(t.errors).__repr__() if t.errors else ''} | ended: {t.end}")
     return f"{head}\n\n{textwrap.indent(prompt + episodes.texts[row], '    ')}"
+
+
+def log_episodes(module, episodes: list[Episodes], prompt: str, rewards, reduce_sum, step: int, text: bool) -> None:
+    """A step's episodes (its rollout and refills) on ``module``'s logger: ``agent/...`` scalars, summed over the ranks
+    by ``reduce_sum`` (a collective: every rank calls it), and with ``text`` the first prompt's first two episodes as
+    the ``episodes`` text at ``step``."""
+    sums: dict[str, float] = {}
+    for e in episodes:
+        for key, value in episode_sums(e).items():
+            sums[key] = sums.get(key, 0.0) + value
+    keys = sorted(sums)
+    total = reduce_sum(torch.tensor([sums[k] for k in keys], device=module.device, dtype=torch.float64))
+    metrics = episode_metrics(dict(zip(keys, total.tolist())), sum(e.decode_s for e in episodes),
+                              sum(e.tool_s for e in episodes))
+    module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rewards))
+    experiment = getattr(module.logger, "experiment", None)
+    if text and hasattr(experiment, "add_text"):
+        first = episodes[0]
+        rows = range(min(2, len(first.trajectories)))
+        experiment.add_text("episodes", "\n\n---\n\n".join(episode_text(prompt, first, j, float(rewards[j]))
+                                                             for j in rows), step)

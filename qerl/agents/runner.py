@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from qerl.agents.config import AgentConfig
-from qerl.agents.episode import Episodes, Sampler, run_episodes
+from qerl.agents.episode import Episodes, run_episodes
 from qerl.rollout.base import Rollout
 from qerl.tools.chat_template import call_format, check_tool_support
 from qerl.tools.environment import environment_tools
@@ -33,13 +33,21 @@ class EpisodeRunner:
         check_tool_support(tokenizer, self.schemas, model)
         self.call_format = call_format(tokenizer)
 
-    def run(self, sample: Sampler, batch: dict, group_size: int, eos_ids: list[int], pad_id: int,
-            max_new_tokens: int) -> Episodes:
+    def play(self, engine, policy, batch: dict, group_size: int, pad_id: int, eos_ids: list[int], spec) -> Episodes:
         """``group_size`` episodes of each prompt of ``batch`` (its ``prompt_ids`` rendered with the tools; its
-        ``columns`` reset the environments)."""
+        ``columns`` reset the environments), every turn sampled by ``engine`` with ``spec`` (its ``max_new_tokens``
+        per turn)."""
+        calls = iter(range(1 << 30))
+
+        def sample(contexts, samples, max_new_tokens):
+            # a separate stream starts at its seed on every call (evaluation): each turn gets a seed of its own
+            seed = spec.seed + 7919 * next(calls) if spec.stream == "separate" else spec.seed
+            return engine.generate(policy, contexts, samples, pad_id, eos_ids,
+                                   replace(spec, max_new_tokens=max_new_tokens, seed=seed))
+
         rows = batch.get("columns") or [{} for _ in batch["prompt_ids"]]
         return run_episodes(sample, batch["prompt_ids"], rows, group_size, self.tokenizer, eos_ids, pad_id,
-                            self.config, self.tools, self.environment, max_new_tokens, self.call_format,
+                            self.config, self.tools, self.environment, spec.max_new_tokens, self.call_format,
                             self.schemas, self.template_kwargs)
 
 
@@ -57,16 +65,8 @@ class EpisodeEngine:
         self.runner, self.engine, self.batch = runner, engine, batch
 
     def generate(self, policy, prompt_ids, group_size: int, pad_id: int, eos_ids: list[int], spec) -> Rollout:
-        calls = iter(range(1 << 30))
-
-        def sample(contexts, samples, max_new_tokens):
-            # an evaluation spec starts its own stream at its seed on every call: each turn gets a seed of its own
-            seed = spec.seed + 7919 * next(calls) if spec.stream == "separate" else spec.seed
-            return self.engine.generate(policy, contexts, samples, pad_id, eos_ids,
-                                        replace(spec, max_new_tokens=max_new_tokens, seed=seed))
-
-        episodes = self.runner.run(sample, {**self.batch, "prompt_ids": prompt_ids}, group_size, eos_ids, pad_id,
-                                   spec.max_new_tokens)
+        episodes = self.runner.play(self.engine, policy, {**self.batch, "prompt_ids": prompt_ids}, group_size, pad_id,
+                                    eos_ids, spec)
         r, turns = episodes.rollout, [t.last_turn for t in episodes.trajectories]
         ids = torch.full((len(turns), max(1, max(map(len, turns)))), pad_id, dtype=torch.long)
         for row, turn in enumerate(turns):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Literal
 
@@ -295,6 +295,13 @@ def _chain(first: list[dict], rest: Iterator[dict]) -> Iterator[dict]:
     yield from rest
 
 
+def refill_workers_error(num_workers: int) -> str:
+    """The one ``data.num_workers`` rule of refills (checked when the command line is parsed and when the data module
+    hands its prompts over)."""
+    return (f"data.num_workers={num_workers}: refilling a batch (model.max_refill_rounds) draws prompts from the "
+            "training stream in the main process: set data.num_workers: 0.")
+
+
 def collate(items: list[dict], with_state: bool = True) -> dict:
     """Items -> a batch: ``prompts`` (chat text), ``prompt_ids`` (ragged lists, unpadded), ``answers``, ``sources``,
     for evaluation breakdowns ``questions`` (raw text or messages), ``levels`` and ``subjects`` (``None`` entries if
@@ -468,13 +475,16 @@ class MathPromptDataModule(L.LightningDataModule):
             batch["skipped"] = {reason: stats.get(reason, 0) for reason in SKIPPED_COUNTERS}  # for the logger
         return batch
 
-    def draw_prompts(self, n: int) -> dict:
-        """``n`` more training prompts of this rank's stream, right after the ones drawn so far, as a batch (without
-        ``stream_state``): dynamic sampling's refill. They count as consumed at once, so a checkpoint written after
-        this step resumes past them."""
+    def refill_prompts(self) -> Callable[[int], dict]:
+        """Dynamic sampling's source of more prompts, handed to the module once: called with ``n``, the next ``n``
+        training prompts of this rank's stream, right after the ones drawn so far, as a batch (without
+        ``stream_state``). They count as consumed at once, so a checkpoint written after this step resumes past
+        them."""
         if self.num_workers:
-            raise ValueError(f"data.num_workers={self.num_workers}: refilling a batch (model.max_refill_rounds) draws "
-                             "prompts from the training stream in the main process: set data.num_workers: 0.")
+            raise ValueError(refill_workers_error(self.num_workers))
+        return self._draw_prompts
+
+    def _draw_prompts(self, n: int) -> dict:
         return collate(self.train_stream.take(n), with_state=False)
 
     @property

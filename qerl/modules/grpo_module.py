@@ -29,46 +29,36 @@ completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_int
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
 import math
-import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qerl.agents.config import AgentConfig
 from qerl.agents.episode import Episodes
-from qerl.agents.metrics import episode_metrics, episode_sums, episode_text
+from qerl.agents.metrics import log_episodes
 from qerl.agents.runner import EpisodeEngine, EpisodeRunner
 from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
+from qerl.model.aqn import AQNSchedule
+from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
 from qerl.modules.advantages import Advantage, GroupAdvantage, informative_groups
 from qerl.modules.dynamic_sampling import InformativeFraction, Sample, cat_samples, kept_groups, refill_size
 from qerl.modules.evaluation import Evaluator
-from qerl.modules.logprobs import token_logprobs
-from qerl.modules.micro_batches import MicroBatch, micro_batches, plan_micro_batches
-from qerl.modules.loss import DAPOLoss, LossStats, PolicyLoss, global_token_weights
-from qerl.modules.step_metrics import all_reduce, step_metrics, step_sums
-from qerl.model.policy import PolicyConfig, save_adapter, trainable_parameters
-from qerl.model.aqn import AQNSchedule
-from qerl.modules.options import SamplingOptions
+from qerl.modules.loss import DAPOLoss, PolicyLoss
+from qerl.modules.options import SamplingOptions, max_steps_error
+from qerl.modules.policy_update import UpdateSettings, UpdateSteps, policy_update
+from qerl.modules.step_logging import StepLogger, logged_step
 from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
-from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.base import RolloutEngine
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.tools.chat_template import with_chat_template
-
-# the update's attention kernels: every SDPA kernel but cuDNN's (see GRPOModule._forward_context)
-UPDATE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-NO_SIGNAL_STEPS = 5  # batches in a row with no informative group before the warning: a few can happen by chance
-
 
 class GRPOModule(L.LightningModule):
     """The policy, its loss and the RL step.
@@ -215,7 +205,8 @@ class GRPOModule(L.LightningModule):
         self.aqn = aqn if aqn is not None else AQNSchedule(enabled=False)
         self.noise_generator = torch.Generator().manual_seed(self.aqn.seed)  # checkpointed: a resume draws the same
         self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed, sampling)
-        self._batches_without_signal, self._warned_no_signal = 0, False
+        self.step_logger = StepLogger(group_size, num_iterations, with_kl=self.loss.beta > 0)
+        self.refill_prompts: Callable[[int], dict] | None = None  # the data module's, handed over at fit's setup
         self.policy = None
         self.tokenizer = None
         self.episodes: EpisodeRunner | None = None  # built with the tokenizer when model.agent has tools
@@ -224,13 +215,13 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # Runs once the process knows its rank, before a checkpoint's state is loaded.
         self.noise_generator.manual_seed(rank_seed(self.aqn.seed, self.trainer.global_rank))
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if stage == "fit" and self.hparams.max_refill_rounds and not hasattr(datamodule, "draw_prompts"):
-            raise ValueError(f"model.max_refill_rounds={self.hparams.max_refill_rounds}: refills draw prompts from the "
-                             "data module's stream, and this run has none that can (use MathPromptDataModule).")
-        if stage == "fit" and self.hparams.max_refill_rounds and getattr(datamodule, "num_workers", 0):
-            raise ValueError(f"data.num_workers={datamodule.num_workers}: refilling a batch (model.max_refill_rounds) "
-                             "draws prompts from the training stream in the main process: set data.num_workers: 0.")
+        if stage == "fit" and self.hparams.max_refill_rounds:  # the refills' prompts: the data module's, taken once
+            datamodule = getattr(self.trainer, "datamodule", None)
+            if not hasattr(datamodule, "refill_prompts"):
+                raise ValueError(f"model.max_refill_rounds={self.hparams.max_refill_rounds}: refills draw prompts "
+                                 "from the data module's stream, and this run has none that can (use "
+                                 "MathPromptDataModule).")
+            self.refill_prompts = datamodule.refill_prompts()
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -278,20 +269,27 @@ class GRPOModule(L.LightningModule):
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
         lr = self.lr_schedulers().get_last_lr()[0]  # this step's LR: the update below steps the scheduler
         start = time.perf_counter()
-        stats, entropy, update_tokens = self._policy_update(rollout, advantages, loss_mask)
+        opt = self.optimizers()
+        steps = UpdateSteps(opt, self.lr_schedulers(), self.manual_backward, self._all_reduce_sum,
+                            lambda norm: self.clip_gradients(opt, gradient_clip_val=norm, gradient_clip_algorithm="norm"),
+                            self.trainer.world_size)
+        stats, entropy, update_tokens = policy_update(self.policy, self.loss, rollout, advantages, loss_mask,
+                                                      self._update_settings(), steps)
         train_s = time.perf_counter() - start
         memory["update"] = self._allocated_gb(torch.cuda.max_memory_allocated)
 
-        self._log_step(rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
-                       memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
-        self._log_rewards(sample.per_reward, informative.numel())
-        self._log_skipped(batch.get("skipped"))
-        self._warn_without_signal(bool(informative.any()))
+        log = self.step_logger
+        log.step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr, update_tokens,
+                 memory, kept=kept, batch_size=batch_size, refill_rounds=refill_rounds)
+        log.rewards(self, sample.per_reward, self.rewards.failure_counts(), informative.numel())
+        log.skipped(self, batch.get("skipped"))
+        log.signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
-            self._log_samples(batch, completions, rewards)
+            log.samples(self, batch, completions, rewards)
         if self._step_episodes:
-            self._log_episodes(batch, rewards, log_text=bool(self.hparams.log_samples_every) and
-                               batch_idx % self.hparams.log_samples_every == 0)
+            episodes, self._step_episodes = self._step_episodes, []
+            log_episodes(self, episodes, batch["prompts"][0], rewards, self._all_reduce_sum, logged_step(self.trainer),
+                         bool(self.hparams.log_samples_every) and batch_idx % self.hparams.log_samples_every == 0)
         return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.model_mask.bool()].cpu()}
 
     def _training_spec(self) -> SamplingSpec:
@@ -308,8 +306,8 @@ class GRPOModule(L.LightningModule):
         start = time.perf_counter()
         episodes = None
         if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
-            episodes = self.episodes.run(self._sampler(spec), batch, G, self._eos_ids(), self.tokenizer.pad_token_id,
-                                         spec.max_new_tokens)
+            episodes = self.episodes.play(self.rollout, self.policy, batch, G, self.tokenizer.pad_token_id,
+                                          self._eos_ids(), spec)
             self._step_episodes.append(episodes)
             rollout, completions = episodes.rollout, episodes.answers
         else:
@@ -330,12 +328,6 @@ class GRPOModule(L.LightningModule):
                                         self.hparams.overlong_penalty).to(rewards)
         return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
 
-    def _sampler(self, spec: SamplingSpec):
-        """The engine's ``generate`` for the episode loop: contexts, samples per context, new tokens per turn."""
-        pad, eos = self.tokenizer.pad_token_id, self._eos_ids()
-        return lambda contexts, samples, max_new_tokens: self.rollout.generate(
-            self.policy, contexts, samples, pad, eos, replace(spec, max_new_tokens=max_new_tokens))
-
     def _refill(self, sample: Sample, batch_size: int, spec: SamplingSpec) -> tuple[Sample, int]:
         """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
         groups have rewards that differ; each refill sized from the running fraction of such groups. Returns every
@@ -346,7 +338,7 @@ class GRPOModule(L.LightningModule):
         rounds = 0
         while found < batch_size and rounds < self.hparams.max_refill_rounds:
             n = refill_size(batch_size - found, self.informative_fraction.value, batch_size)
-            samples.append(self._rollout_and_rewards(self.trainer.datamodule.draw_prompts(n), spec))
+            samples.append(self._rollout_and_rewards(self.refill_prompts(n), spec))
             new = int(informative_groups(samples[-1].rewards, G).sum())
             self.informative_fraction.update(new, n)
             found, rounds = found + new, rounds + 1
@@ -365,188 +357,16 @@ class GRPOModule(L.LightningModule):
         torch.cuda.reset_peak_memory_stats(self.device)
         return allocated
 
-    # ------------------------------------------------------------------------------------------------------------
-    def _policy_update(self, rollout: Rollout, advantages: Tensor, loss_mask: Tensor
-                       ) -> tuple[list[LossStats], Tensor, int]:
-        """``num_iterations`` optimizer steps over the rows that carry loss; returns the loss stats of the last
-        iteration, the per-token entropy of the clean policy on the sampled completions (first iteration) and the
-        number of real tokens (prompt + completion) each iteration ran through the policy."""
-        opt, scheduler = self.optimizers(), self.lr_schedulers()
-        rows = loss_mask.sum(-1).nonzero().squeeze(-1)  # rows with any loss token: the others cost nothing
-        weights = torch.zeros_like(loss_mask, dtype=torch.float32)  # [N, L], over the whole accumulated batch
-        weights[rows] = global_token_weights(self.loss, loss_mask[rows], self.trainer.world_size,
-                                             self._all_reduce_sum)  # DDP: normalised over every rank's rows
-        # Micro-batches of rows of similar length within the token budget (none when no row has loss: a forward
-        # over zero rows fails), every one's inputs on the device before the first forward.
-        lengths = (rollout.prompt_mask.sum(-1) + rollout.completion_mask.sum(-1))[rows].tolist()
-        plan = plan_micro_batches(lengths, self.hparams.micro_batch_tokens, self.hparams.micro_batch_size)
-        row_list = rows.tolist()
-        chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
-                               rollout.completion_mask, [[row_list[i] for i in batch] for batch in plan],
-                               self.tokenizer.pad_token_id or 0, self.device, rollout.model_mask)
-        old = self._logprobs_no_grad(rollout, chunks) if self.hparams.num_iterations > 1 else None
-        ref = None
-        if self.loss.beta > 0:
-            with self.policy.disable_adapter():
-                ref = self._logprobs_no_grad(rollout, chunks)
-        entropies, stats = [], []
-        if not chunks and self.trainer.world_size > 1:  # still join the other ranks' gradient all-reduce
-            self.manual_backward(sum(p.sum() for p in trainable_parameters(self.policy)) * 0.0)
-        for iteration in range(self.hparams.num_iterations):
-            stats = []
-            for i, batch in enumerate(chunks):
-                last, idx = i == len(chunks) - 1, batch.rows
-                with opt.toggle_model(sync_grad=last):  # one gradient all-reduce per step under DDP
-                    logprobs, entropy = self._logprobs(rollout, batch, with_entropy=iteration == 0)
-                    loss, st = self.loss(
-                        logprobs,
-                        logprobs.detach() if old is None else old[idx],
-                        advantages[idx],
-                        loss_mask[idx],
-                        weights[idx],
-                        rollout_logprobs=rollout.logprobs[idx],
-                        ref_logprobs=None if ref is None else ref[idx],
-                    )
-                    with sdpa_kernel(UPDATE_ATTENTION):  # checkpointed layers recompute the forward's attention
-                        self.manual_backward(loss)
-                stats.append(st)
-                if entropy is not None:
-                    entropies.append(entropy)
-            if self.hparams.max_grad_norm > 0:
-                self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            scheduler.step()
-        if not rows.numel():
-            stats = [LossStats(*(torch.zeros((), device=self.device) for _ in LossStats._fields))]
-        entropy = torch.cat(entropies) if entropies else torch.zeros(0, device=self.device)
-        return stats, entropy, sum(lengths)
-
-    def _logprobs(self, rollout: Rollout, batch: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-probs ``[n, L]`` (0 off the completions) of the completion tokens of the micro-batch's rows under the
-        clean policy, and their entropy ``[K]`` (the K completion tokens, row by row) or None."""
-        model = self.policy.get_base_model()  # the transformers model with the LoRA layers injected
-        with self._forward_context(model):  # positions 0..len-1 and a causal mask, as in the rollout
-            hidden = model.get_decoder()(input_ids=batch.ids, use_cache=False).last_hidden_state  # [n, T, H]
-        logprobs, entropy = token_logprobs(
-            hidden[batch.row, batch.position][None],  # [1, K, H]: the LM head sees no padding
-            model.get_output_embeddings().weight,
-            batch.targets[None],
-            temperature=self.sampling.temperature,
-            chunk_size=self.hparams.logprob_chunk_size,
-            with_entropy=with_entropy,
-        )
-        out = logprobs.new_zeros(batch.rows.shape[0], rollout.completion_mask.shape[1])
-        out = out.index_put((batch.row, batch.col), logprobs[0])  # [n, L]
-        return out, None if entropy is None else entropy[0]
-
-    @staticmethod
-    def _forward_context(model) -> contextlib.ExitStack:
-        """The update's forward runs the LoRA matrices, trained in fp32 (peft upcasts them), in the model's 16-bit
-        dtype, as the rollout runs them (else every adapter call upcasts its input and runs fp32 GEMMs and casts), and
-        its attention on any SDPA kernel but cuDNN's: cuDNN builds an execution plan for every new shape (milliseconds
-        of host time per call), and each step's micro-batches come in new shapes."""
-        stack = contextlib.ExitStack()
-        dtype = model.get_input_embeddings().weight.dtype
-        if dtype in (torch.bfloat16, torch.float16):
-            stack.enter_context(torch.autocast(model.device.type, dtype=dtype))
-        stack.enter_context(sdpa_kernel(UPDATE_ATTENTION))
-        return stack
-
-    @torch.no_grad()
-    def _logprobs_no_grad(self, rollout: Rollout, chunks: list[MicroBatch]) -> Tensor:
-        out = torch.zeros_like(rollout.logprobs)
-        for batch in chunks:
-            out[batch.rows] = self._logprobs(rollout, batch, with_entropy=False)[0]
-        return out
+    def _update_settings(self) -> UpdateSettings:
+        h = self.hparams
+        return UpdateSettings(h.micro_batch_size, h.micro_batch_tokens, h.num_iterations, h.logprob_chunk_size,
+                              h.max_grad_norm, self.sampling.temperature, self.tokenizer.pad_token_id or 0)
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
         eos = getattr(self.policy.get_base_model().generation_config, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return sorted(i for i in ids if i is not None)
-
-    # ------------------------------------------------------------------------------------------------------------
-    def _log_step(self, rollout, rewards, correct, informative, stats, entropy, rollout_s, train_s, lr,
-                  update_tokens, memory: dict[str, float], kept: Tensor, batch_size: int, refill_rounds: int) -> None:
-        # sums over this rank's rows, reduced over the ranks: every rank holds the global batch's metrics
-        sums = step_sums(rewards, self.hparams.group_size, correct, informative, entropy, rollout.model_mask,
-                         rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s,
-                         kept_groups=kept, batch_groups=batch_size, refill_rounds=refill_rounds)
-        maxima = {"rollout_s": rollout_s, "train_s": train_s}
-        if self.device.type == "cuda":
-            maxima.update({"resident_gb" if k == "resident" else f"peak_{k}_gb": v for k, v in memory.items()})
-        metrics = step_metrics(*all_reduce(sums, maxima), self.hparams.num_iterations)
-        metrics["train/lr"] = lr
-        if self.loss.beta == 0:
-            del metrics["train/kl"]
-        batch_size = informative.numel()
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        # The progress bar shows the two numbers a user watches.
-        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
-        self.log("entropy", metrics["train/entropy"], prog_bar=True, logger=False, batch_size=batch_size)
-
-    def _log_episodes(self, batch: dict, rewards: Tensor, log_text: bool) -> None:
-        """The step's episodes: ``agent/...`` scalars (summed over the ranks) and, with ``log_text``, one whole episode
-        as the ``episodes`` text."""
-        episodes, self._step_episodes = self._step_episodes, []
-        sums = {}
-        for e in episodes:
-            for key, value in episode_sums(e).items():
-                sums[key] = sums.get(key, 0.0) + value
-        keys = sorted(sums)
-        total = self._all_reduce_sum(torch.tensor([sums[k] for k in keys], device=self.device, dtype=torch.float64))
-        metrics = episode_metrics(dict(zip(keys, total.tolist())), sum(e.decode_s for e in episodes),
-                                  sum(e.tool_s for e in episodes))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rewards))
-        experiment = getattr(self.logger, "experiment", None)
-        if log_text and hasattr(experiment, "add_text"):
-            G = self.hparams.group_size
-            text = "\n\n---\n\n".join(episode_text(batch["prompts"][0], episodes[0], j, float(rewards[j]))
-                                        for j in range(min(G, 2)))
-            experiment.add_text("episodes", text, logged_step(self.trainer))
-
-    def _log_rewards(self, per_reward: dict[str, Tensor], batch_size: int) -> None:
-        """Each reward's mean as ``train/rewards/<name>`` (beside the weighted total, ``train/reward``), and how many
-        completions each user function failed to score so far."""
-        means = {f"train/rewards/{name}": scores.mean().to(self.device) for name, scores in per_reward.items()}
-        self.log_dict(means, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
-        failures = {f"train/rewards/{name}_failures": torch.tensor(float(n), device=self.device)
-                    for name, n in self.rewards.failure_counts().items()}
-        self.log_dict(failures, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx="sum")
-
-    def _log_skipped(self, skipped: dict[str, int] | None) -> None:
-        """The data stream's skip counts per reason (``data/skipped_unreadable_line``, ...), when the batch has them."""
-        if skipped:
-            self.log_dict({f"data/skipped_{reason}": float(n) for reason, n in skipped.items()}, on_step=True,
-                          on_epoch=False, batch_size=1)
-
-    def _warn_without_signal(self, any_signal: bool) -> None:
-        """Warn once when every group of ``NO_SIGNAL_STEPS`` batches in a row had equal rewards: no gradient at all."""
-        self._batches_without_signal = 0 if any_signal else self._batches_without_signal + 1
-        if self._batches_without_signal == NO_SIGNAL_STEPS and not self._warned_no_signal:
-            self._warned_no_signal = True
-            rank_zero_warn(
-                f"No learning signal for {NO_SIGNAL_STEPS} steps in a row: in every group all "
-                f"{self.hparams.group_size} completions got the same reward, so every advantage and the gradient are "
-                "0 (train/zero_std_groups_frac = 1). train/accuracy near 0 means the task is too hard or no "
-                "completion states its answer the way model.reward's answer_format expects (the prompt asks for "
-                "data.answer_format; max_new_tokens may cut the answer off); near 1 means it is too easy. Fix: "
-                "easier or harder data, a larger model.group_size, or a matching answer format."
-            )
-
-    def _log_samples(self, batch, completions, rewards) -> None:
-        experiment = getattr(self.logger, "experiment", None)
-        if not hasattr(experiment, "add_text"):
-            return
-        G = self.hparams.group_size
-        lines = []
-        for i, prompt in enumerate(batch["prompts"][:2]):
-            for j in range(min(G, 2)):
-                k = i * G + j
-                lines.append(f"**reward {rewards[k].item():.2f}** | answer `{batch['answers'][i]}`\n\n"
-                             f"{textwrap.indent(prompt, '    ')}\n\n{textwrap.indent(completions[k][:1000], '    ')}")
-        experiment.add_text("samples", "\n\n---\n\n".join(lines), logged_step(self.trainer))
 
     # ------------------------------------------------------------------------------------------------------------
     # Evaluation: one Evaluator pass per batch, metrics and the JSONL at the end of the run.
@@ -608,8 +428,8 @@ class GRPOModule(L.LightningModule):
             params, lr=self.hparams.lr, betas=tuple(self.hparams.betas), weight_decay=self.hparams.weight_decay
         )
         total = self.trainer.max_steps
-        if total is None or total < 1:
-            raise ValueError("Set trainer.max_steps: the prompt stream is endless and the LR/AQN schedules need it.")
+        if error := max_steps_error(total):
+            raise ValueError(error)
         warmup = int(self.hparams.warmup_ratio * total)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: warmup_cosine(step, total, warmup, self.hparams.min_lr_ratio)
@@ -661,9 +481,3 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) ->
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def logged_step(trainer: L.Trainer) -> int:
-    """The x-axis value Lightning gives this batch's ``self.log`` scalars (batches, not optimizer steps; at
-    ``on_train_batch_end`` ``trainer.global_step`` is already past this batch's update), so extras line up with them."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped

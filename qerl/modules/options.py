@@ -26,14 +26,21 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"model.sampling.max_new_tokens={self.max_new_tokens}: must be >= 1.")
-        if self.temperature <= 0:
-            raise ValueError(f"model.sampling.temperature={self.temperature}: must be > 0.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.sampling.top_p={self.top_p}: must be in (0, 1] (1.0 keeps every token).")
+        try:
+            self.training_spec(0.0, None)  # the spec's own checks
+        except ValueError as error:
+            raise ValueError(f"model.sampling: {error}") from None
 
     def training_spec(self, noise_sigma: float, noise_generator: torch.Generator | None) -> SamplingSpec:
         """One training rollout's spec: these options, the AQN noise of this step, the engine's training stream."""
         return SamplingSpec(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                             noise_sigma=noise_sigma, noise_generator=noise_generator, seed=self.seed)
+
+
+def max_steps_error(max_steps: int | None) -> str | None:
+    """The one ``trainer.max_steps`` rule (checked when the command line is parsed and when a module's optimizer is
+    made): the prompt stream is endless, and the LR and AQN schedules are laid out over the run's steps."""
+    if max_steps is None or max_steps < 1:
+        return (f"trainer.max_steps={max_steps}: set it to the number of optimizer steps to train (the prompt stream "
+                "is endless, and the LR and AQN schedules need it).")
+    return None

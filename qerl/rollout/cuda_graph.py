@@ -36,19 +36,21 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
 
 from qerl.model.aqn import noisy_norms
 from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
+from qerl.rollout.adapter_copies import AdapterCopies
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
 from qerl.rollout.engine_settings import GraphEngineSettings
 from qerl.rollout.footprint import wants_bf16_copy
+from qerl.rollout.graph_cache import GraphCache
 from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
 from qerl.rollout.kv_cache import SlotCache, head_dim
@@ -130,12 +132,9 @@ class CUDAGraphRollout(RolloutEngine):
         self.adapter_in_model_dtype = adapter_in_model_dtype
         self.fused = fused
         self.wide_batch_bf16 = wide_batch_bf16
-        self._shadows: dict[int, tuple] = {}  # id(LoRA parameter) -> (its module, attribute, its model-dtype copy)
+        self._adapters = AdapterCopies()
         self._state = None  # buffers of the current size, see _ensure_state
-        # (batch bucket, length bucket, temperature, greedy) -> graph: the sampling settings are baked into a capture,
-        # so evaluation (greedy, another temperature) gets its own graphs and training's stay valid.
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.graphs_captured = 0
+        self._graph_cache = GraphCache()
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
 
     # ------------------------------------------------------------------------------------------------------------
@@ -179,7 +178,7 @@ class CUDAGraphRollout(RolloutEngine):
                     dtype = base.get_input_embeddings().weight.dtype
                     rows = wave_prompts * group_size
                     decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows)
-                    self._drop_stale_graphs(decoder)
+                    self._graph_cache.drop_stale(decoder.key)
                 s.decoder = decoder
                 s.noise_key.copy_(key)
                 for first in range(0, B, wave_prompts):
@@ -228,7 +227,7 @@ class CUDAGraphRollout(RolloutEngine):
         buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
         decoder, cache = s.decoder, s.cache
-        cache.mode = "prefill"
+        cache.start_prefill()
         m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
         m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
         if decoder is not None:
@@ -295,21 +294,13 @@ class CUDAGraphRollout(RolloutEngine):
         self._decoder = ((id(base), kernels), decoder)
         return decoder
 
-    def _drop_stale_graphs(self, decoder) -> None:
-        """Graphs of an earlier layout of what the step reads (this rollout's dense copy elsewhere, an adapter
-        toggled, ...) can never replay again: free them (their pool too when none is left)."""
-        stale = [k for k in self._graphs if k[4] is not None and k[4] != decoder.key(k[0])]
-        for k in stale:
-            del self._graphs[k]
-        if stale and not self._graphs:
-            self._clear_graphs()
+    @property
+    def graphs_captured(self) -> int:
+        """Decode steps captured over the engine's life (recaptures count)."""
+        return self._graph_cache.captured
 
     def _clear_graphs(self) -> None:
-        """Drop every captured graph, and their memory pool with them: a pool whose graphs are all gone cannot be
-        captured into again (the next capture gets a new one)."""
-        self._graphs.clear()
-        if getattr(self, "_pool", None) is not None:
-            self._pool = torch.cuda.graph_pool_handle()
+        self._graph_cache.clear()
 
     def _wide_batch_bf16(self, decoder, rows: int, dtype, device) -> bool:
         """Whether this rollout decodes its wide steps on a bf16 copy: as ``wide_batch_bf16`` says, where there are
@@ -317,35 +308,9 @@ class CUDAGraphRollout(RolloutEngine):
         on_cuda = 0 if device.type == "cuda" else None  # (the setting is decided: no free memory to weigh)
         return wants_bf16_copy(self.wide_batch_bf16, rows, decoder.dequantized_bytes(dtype, rows), on_cuda)
 
-    @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):
-        """Give the LoRA layers copies of their matrices (of ``params``: the policy's ``named_parameters()``) in
-        ``dtype`` for the block (same buffers every call), in their parameters' places; put the parameters back after.
-        The parameters themselves stay untouched: changing a parameter's dtype through ``.data`` would drop its
-        autograd accumulator, and with it the gradient hooks DDP registered there (no all-reduce after a rollout)."""
-        swapped, copies, sources = [], [], []
-        if self.adapter_in_model_dtype:
-            for name, p in params:
-                if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
-                    shadow = self._shadows.get(id(p))  # (module holding p, its attribute, the copy)
-                    if shadow is None or shadow[0]._parameters.get(shadow[1]) is not p or shadow[2].dtype != dtype \
-                            or shadow[2].shape != p.shape or shadow[2].device != p.device:
-                        owner, attr = name.rsplit(".", 1)
-                        shadow = self._shadows[id(p)] = (policy.get_submodule(owner), attr, torch.nn.Parameter(
-                            torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False))
-                    module, attr, copy = shadow
-                    swapped.append((module, attr, p))
-                    copies.append(copy)
-                    sources.append(p.detach())
-            if copies:  # one multi-tensor kernel, not one per matrix (host time)
-                torch._foreach_copy_(copies, sources)
-            for (module, attr, _), copy in zip(swapped, copies):
-                module._parameters[attr] = copy
-        try:
-            yield
-        finally:
-            for module, attr, p in swapped:
-                module._parameters[attr] = p
+        """The LoRA matrices in ``dtype`` for the rollout, where ``adapter_in_model_dtype``."""
+        return self._adapters.swapped_in(policy, params, dtype) if self.adapter_in_model_dtype else nullcontext()
 
     def _ensure_state(self, policy, base, params: list, rows: int, length: int, spec: SamplingSpec,
                       device) -> DecodeState:
@@ -374,7 +339,7 @@ class CUDAGraphRollout(RolloutEngine):
         s = DecodeState.empty(key, cache, new, device)
         self._state = s
         if device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
+            self._graph_cache.new_pool()
         return s
 
     def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec) -> None:
@@ -395,7 +360,7 @@ class CUDAGraphRollout(RolloutEngine):
     def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
         cache = s.cache
-        cache.mode, cache.b, cache.L = "decode", b, length
+        cache.start_decode(b, length)
         mask = s.mask[:b]
         mask.index_fill_(3, cache.position, True)
         if s.decoder is not None:
@@ -414,7 +379,7 @@ class CUDAGraphRollout(RolloutEngine):
         decoder = s.decoder
         # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
         graph_key = (b, length, spec.temperature, spec.greedy, decoder.key(b) if decoder is not None else None)
-        graph = self._graphs.get(graph_key) if graphs else None
+        graph = self._graph_cache.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()
             return
@@ -422,9 +387,5 @@ class CUDAGraphRollout(RolloutEngine):
             self._phase("capture")
         self._step(s, policy, b, length, spec)  # eager: the step itself, and the warm-up before a capture
         if graphs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(s, policy, b, length, spec)
-            self._graphs[graph_key] = graph
-            self.graphs_captured += 1
+            self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
             self._phase("captured")

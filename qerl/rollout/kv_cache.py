@@ -82,6 +82,15 @@ class SlotCache:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.mode, self.b, self.L = "prefill", rows, length
 
+    def start_prefill(self) -> None:
+        """The next ``update`` of each layer writes a prompt's keys (``prefill`` above)."""
+        self.mode = "prefill"
+
+    def start_decode(self, rows: int, length: int) -> None:
+        """The next ``update`` of each layer is one decode step of rows 0..``rows``-1 attending to the first
+        ``length`` columns (``decode`` above)."""
+        self.mode, self.b, self.L = "decode", rows, length
+
     @property
     def nbytes(self) -> int:
         _, layers, rows, kv_heads, length, head_dim = self.shape

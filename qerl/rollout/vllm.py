@@ -126,7 +126,8 @@ class VLLMRollout(RolloutEngine):
         dtype: vLLM's compute dtype; ``auto`` takes the policy's.
         gpu_memory_utilization: fraction of the GPU's memory vLLM takes (its weights, LoRA slot, workspace and KV
             cache); training shares the GPU. ``None``: the memory plan's choice (``train.py fit`` on a GPU: the share
-            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned, ``VLLMEngineSettings.unplanned()``.
+            that holds the step's rows, ``--print_memory_plan`` shows it); unplanned,
+            ``VLLMEngineSettings.unplanned()``.
         max_model_len: longest prompt + completion vLLM serves (KV cache sizing); ``None``: ``train.py fit`` sets
             ``data.max_prompt_tokens + model.sampling.max_new_tokens``; unplanned, the model's limit.
         max_lora_rank: vLLM's LoRA slot rank; ``None`` takes the smallest accepted value >= the policy's rank.
@@ -178,6 +179,7 @@ class VLLMRollout(RolloutEngine):
         self._pending_norms = False
         self._seeds: random.Random | None = None  # per-request seeds, distinct across prompts, steps and ranks
         self._seeds_state: tuple | None = None  # the stream's state from a checkpoint, applied when it is made
+        self._served_len: int | None = None  # the longest row the started vLLM serves
 
     # ------------------------------------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -327,7 +329,7 @@ class VLLMRollout(RolloutEngine):
         if self._on_cuda():  # vLLM checks its share against the GPU's free memory: blocks PyTorch caches count as used
             torch.cuda.empty_cache()
         self.llm = LLM(**kwargs)
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._served_len = self.llm.llm_engine.model_config.max_model_len  # vLLM's, where max_model_len is None
         names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])
         missing = sorted(set(self._clean_norms) - names)
         if missing:
@@ -368,10 +370,11 @@ class VLLMRollout(RolloutEngine):
         longest = max(len(p) for p in prompt_ids)
         if min(len(p) for p in prompt_ids) == 0:
             raise ValueError("VLLMRollout got an empty prompt.")
-        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
+        served = self._served_len or self.max_model_len
+        if served is not None and longest + max_new_tokens > served:
             raise ValueError(
                 f"A prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds vLLM's max_model_len="
-                f"{self.max_model_len}: raise model.rollout.init_args.max_model_len (up to the model's context), lower "
+                f"{served}: raise model.rollout.init_args.max_model_len (up to the model's context), lower "
                 "model.sampling.max_new_tokens or the data's prompt length limit."
             )
 

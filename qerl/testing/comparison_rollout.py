@@ -1,9 +1,11 @@
 """``CUDAGraphRollout`` with the benchmarks' comparison switches, set when it is built: eager steps on CUDA, the plain
-launch order or the mma.sync GEMV, the torch sampling expression instead of the fused kernels, a token count to stop
-decoding at, and a callable told each phase of a call. The engine itself has none of these options (a user never
-sets them); it picks each of them in one method (its seams), which this subclass answers from its switches.
+launch order or the mma.sync GEMV, the torch sampling expression instead of the fused kernels, and a callable told
+each phase of a call; and a ``generate`` that can stop decoding after a token count (buffers and graphs still sized
+for the spec's ``max_new_tokens``). The engine itself has none of these options (a user never sets them); it picks
+each of them in one method (its seams), which this subclass answers from its switches.
 
-    engine = ComparisonRollout(use_graphs=False, pdl=False, stop_after=64)   # bench/bench_rollout.py, tests/gpu
+    engine = ComparisonRollout(use_graphs=False, pdl=False)   # bench/bench_rollout.py, tests/gpu
+    engine.generate(policy, prompts, 8, pad_id, eos_ids, spec, stop_after=16)   # a warm-up
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ class ComparisonRollout(CUDAGraphRollout):
         pdl: launch the fused step's kernels with programmatic dependent launch (refused where unsupported).
         wgmma: the NVFP4 GEMV's warpgroup-MMA loop (False: the mma.sync loop of GPUs other than sm_90).
         fused_sampling: the fused sampling kernels (False: the torch expression with the same noise).
-        stop_after: decode at most this many tokens (warm-ups and profiles).
         phase_hook: called with each phase of a call and the decode steps run so far (a timer).
         copy_if_fits: where ``wide_batch_bf16`` is not given, make the bf16 copy of wide steps whenever it fits in
             the free GPU memory with the plan's margin (what a memory plan would decide for a timed rollout alone).
@@ -33,12 +34,21 @@ class ComparisonRollout(CUDAGraphRollout):
     """
 
     def __init__(self, use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
-                 fused_sampling: bool = True, stop_after: int | None = None,
-                 phase_hook: Callable[[str, int], None] | None = None, copy_if_fits: bool = False, **options):
+                 fused_sampling: bool = True, phase_hook: Callable[[str, int], None] | None = None,
+                 copy_if_fits: bool = False, **options):
         self.copy_if_fits = copy_if_fits and options.get("wide_batch_bf16") is None
         super().__init__(**options)
         self.use_graphs, self.pdl, self.wgmma, self.fused_sampling = use_graphs, pdl, wgmma, fused_sampling
-        self.stop_after, self.phase_hook = stop_after, phase_hook
+        self.phase_hook = phase_hook
+        self._stop_after: int | None = None  # this call's (generate's argument)
+
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, stop_after: int | None = None):
+        """``CUDAGraphRollout.generate``, decoding at most ``stop_after`` tokens (warm-ups and profiles)."""
+        self._stop_after = stop_after
+        try:
+            return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
+        finally:
+            self._stop_after = None
 
     def _captures(self, device) -> bool:
         return super()._captures(device) if self.use_graphs is None else self.use_graphs
@@ -56,7 +66,7 @@ class ComparisonRollout(CUDAGraphRollout):
         return wants_bf16_copy(None, rows, decoder.dequantized_bytes(dtype, rows), free_bytes(device), spare)
 
     def _decode_limit(self, max_new_tokens: int) -> int:
-        return min(max_new_tokens, self.stop_after or max_new_tokens)
+        return min(max_new_tokens, self._stop_after or max_new_tokens)
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
         if self.phase_hook is not None:

@@ -93,7 +93,7 @@ def test_compaction_keeps_logprobs_exact(policy, prompts):
     engine = CUDAGraphRollout(check_every=2)
     spec = SamplingSpec(max_new_tokens=64, seed=1, stream="separate")
     r = engine.generate(policy, prompts, 8, 0, list(range(100, 108)), spec)  # many EOS ids: rows finish early
-    assert len({k[0] for k in engine._graphs}) > 1  # decoded in more than one batch bucket
+    assert len({k[0] for k in engine._graph_cache.graphs}) > 1  # decoded in more than one batch bucket
     assert int(r.lengths.min()) < 64
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
 
@@ -111,7 +111,7 @@ def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
     before = engine.graphs_captured
     r2 = engine.generate(policy, prompts, 32, 0, [], spec)
     del junk
-    assert engine.graphs_captured > before and len(engine._graphs) == engine.graphs_captured - before
+    assert engine.graphs_captured > before and len(engine._graph_cache.graphs) == engine.graphs_captured - before
     assert max_logprob_error(policy, r2) < LOGPROB_ATOL
 
 
@@ -188,7 +188,7 @@ def test_evaluation_blocks_on_a_fresh_engine_capture_again(policy, prompts):
         spec = SamplingSpec(max_new_tokens=12, greedy=True, seed=0, stream="separate")
         results.append(engine.generate(policy, prompts, 1, 0, [], spec))
     assert torch.equal(results[0].completion_ids, results[1].completion_ids)
-    assert engine.graphs_captured >= 1 and len(engine._graphs) == engine.graphs_captured
+    assert engine.graphs_captured >= 1 and len(engine._graph_cache.graphs) == engine.graphs_captured
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (128, 152064), (300, 1000)])

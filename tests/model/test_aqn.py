@@ -229,7 +229,7 @@ class _HashReward:
         return torch.tensor([sum(map(ord, c)) % 7 / 6 for c in completions])
 
 
-def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_ids):
+def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_ids, monkeypatch):
     """Inside a real training_step with the schedule's sigma > 0 (its second stage: step 1 of 2): the module hands the
     engine that sigma, and the loss gets log-probs equal to a clean recomputation, while the sampling log-probs (noisy
     policy) are far from them."""
@@ -243,7 +243,9 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     module.tokenizer = tokenizer
     module.configure_model()
     captured = {}
-    generate, loss_forward, logprobs_of = module.rollout.generate, module.loss.forward, module._logprobs
+    from qerl.modules import policy_update
+
+    generate, loss_forward, logprobs_of = module.rollout.generate, module.loss.forward, policy_update.policy_logprobs
 
     def spy_generate(*args, **kwargs):
         captured["sigma"] = args[-1].noise_sigma
@@ -254,11 +256,13 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
         captured["logprobs"] = logprobs.detach().clone()
         return loss_forward(logprobs, *args, **kwargs)
 
-    def spy_logprobs(rollout, batch, *args, **kwargs):
+    def spy_logprobs(policy, rollout, batch, *args, **kwargs):
         captured["batch"] = batch  # the micro-batch, its rows in the order the loss sees them
-        return logprobs_of(rollout, batch, *args, **kwargs)
+        captured["settings"] = args[0]
+        return logprobs_of(policy, rollout, batch, *args, **kwargs)
 
-    module.rollout.generate, module.loss.forward, module._logprobs = spy_generate, spy_loss, spy_logprobs
+    module.rollout.generate, module.loss.forward = spy_generate, spy_loss
+    monkeypatch.setattr(policy_update, "policy_logprobs", spy_logprobs)
     batch = {"prompts": list(QUESTIONS), "prompt_ids": prompt_ids, "answers": ["5", "3"]}
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -269,7 +273,7 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     rows = captured["batch"].rows
     assert sorted(rows.tolist()) == list(range(ro.prompt_ids.shape[0]))  # one micro-batch of every row
     with torch.no_grad():
-        clean = logprobs_of(ro, captured["batch"], with_entropy=False)[0]
+        clean = logprobs_of(module.policy, ro, captured["batch"], captured["settings"], with_entropy=False)[0]
     mask = ro.completion_mask[rows].bool()
     torch.testing.assert_close(captured["logprobs"][mask], clean[mask], rtol=0, atol=1e-6)
     assert (ro.logprobs[rows] - clean)[mask].abs().max() > 1e-3  # the rollout sampled from the noisy policy

@@ -96,20 +96,21 @@ class Recorder(L.Callback):
 
     def __init__(self):
         self.steps: dict[int, dict] = {}
+        self.draw = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.steps[trainer.global_step] = {"batch": list(batch["questions"]), "refills": []}
-        draw = trainer.datamodule.draw_prompts
+        if self.draw is None and pl_module.refill_prompts is not None:  # the data module's source, watched
+            self.draw = pl_module.refill_prompts
 
-        def recording(n):
-            out = draw(n)
-            self.steps[trainer.global_step]["refills"].append(list(out["questions"]))
-            return out
+            def recording(n):
+                out = self.draw(n)
+                self.steps[trainer.global_step]["refills"].append(list(out["questions"]))
+                return out
 
-        trainer.datamodule.draw_prompts = recording  # per step, on this run's data module instance
+            pl_module.refill_prompts = recording
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        del trainer.datamodule.draw_prompts  # the class's method again
         step = self.steps[trainer.global_step - 1]
         step.update({tag: float(trainer.callback_metrics[tag]) for tag in TAGS})
 

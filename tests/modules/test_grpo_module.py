@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from qerl.cli import cli_main
+from qerl.modules import grpo_module, policy_update
 from qerl.modules.grpo_module import GRPOModule, warmup_cosine
 from qerl.modules.options import SamplingOptions
 from qerl.model.policy import PolicyConfig, trainable_parameters
@@ -105,6 +106,18 @@ def spy(obj, name: str, record: list):
     setattr(obj, name, wrapper)
 
 
+def spy_function(monkeypatch, module, name: str, record: list):
+    """``spy`` on a module-level function, put back after the test."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        out = original(*args, **kwargs)
+        record.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
 @pytest.fixture
 def qwen2(tiny_model_dirs):
     return tiny_model_dirs["qwen2"]
@@ -131,17 +144,17 @@ def test_gradients_reach_only_lora_and_norms_and_a_step_moves_the_adapter(qwen2,
     assert trainer.logged_metrics["train/ratio_mean"].item() == pytest.approx(1.0, abs=1e-6)  # one epoch: on-policy
 
 
-def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids):
+def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids, monkeypatch):
     grads, forwards, tokens = {}, {}, {}
     for mbs in (3, 8):  # 8 rows: one micro-batch, or three uneven ones (3 + 3 + 2)
         module = make_module(qwen2, tokenizer, micro_batch_size=mbs)
         calls = []
-        spy(module, "_logprobs", calls)
+        spy_function(monkeypatch, policy_update, "policy_logprobs", calls)
         recorder = GradRecorder()
         fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
         grads[mbs], forwards[mbs] = recorder.steps[0], len(calls)
         tokens[mbs] = sum(int(rollout.prompt_mask[idx].sum() + rollout.completion_mask[idx].sum())
-                          for (rollout, batch, *_), _, _ in calls for idx in [batch.rows])  # real tokens
+                          for (_, rollout, batch, *_), _, _ in calls for idx in [batch.rows])  # real tokens
     assert forwards == {3: 3, 8: 1} and tokens[3] == tokens[8]
     reference = grads[8]
     assert all(reference[n].abs().sum() > 0 for n, g in reference.items() if g is not None)
@@ -176,16 +189,16 @@ def test_num_iterations_does_that_many_optimizer_steps_per_batch(qwen2, tokenize
 # Masks
 
 
-def test_dynamic_sampling_masks_zero_variance_groups(qwen2, tokenizer, prompt_ids):
+def test_dynamic_sampling_masks_zero_variance_groups(qwen2, tokenizer, prompt_ids, monkeypatch):
     # group 0 all correct (no signal), group 1 mixed, group 2 all wrong, group 3 mixed
     module = make_module(qwen2, tokenizer, reward=ScriptedReward([1, 1, 0, 1, 0, 0, 1, 0]),
                          dynamic_sampling=True)
     rollouts, updates = [], []
     spy(module.rollout, "generate", rollouts)
-    spy(module, "_policy_update", updates)
+    spy_function(monkeypatch, grpo_module, "policy_update", updates)
     trainer = fit(module, prompt_ids, n_prompts=4)
     completion_mask = rollouts[0][2].completion_mask
-    loss_mask = updates[0][0][2]
+    loss_mask = updates[0][0][4]
     kept = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
     assert torch.equal(loss_mask, completion_mask * kept[:, None])
     assert trainer.logged_metrics["train/zero_std_groups_frac"].item() == pytest.approx(0.5)
@@ -198,9 +211,9 @@ def test_truncated_completions_get_no_loss_when_masked(qwen2, tokenizer, prompt_
     module._eos_ids = lambda: list(range(0, tokenizer.vocab_size, 3))
     rollouts, updates = [], []
     spy(module.rollout, "generate", rollouts)
-    spy(module, "_policy_update", updates)
+    spy_function(monkeypatch, grpo_module, "policy_update", updates)
     trainer = fit(module, prompt_ids, n_prompts=4)
-    ro, loss_mask = rollouts[0][2], updates[0][0][2]
+    ro, loss_mask = rollouts[0][2], updates[0][0][4]
     assert 0 < ro.truncated.sum() < len(ro.truncated), "the seed should give both kinds"
     expected = ro.completion_mask * (~ro.truncated if mask_truncated else torch.ones_like(ro.truncated))[:, None]
     assert torch.equal(loss_mask, expected)
@@ -314,7 +327,8 @@ def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, to
                             plan, tokenizer.pad_token_id, torch.device("cpu"))
     for batch in batches:
         idx = batch.rows
-        out, entropy = module._logprobs(rollout, batch, with_entropy=True)
+        out, entropy = policy_update.policy_logprobs(module.policy, rollout, batch, module._update_settings(),
+                                                     with_entropy=True)
         for g, d in zip(grads, torch.autograd.grad((out * weights[idx]).sum(), params, allow_unused=True)):
             g += 0 if d is None else d
         logprobs[idx] = out.detach()
@@ -329,12 +343,12 @@ def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, to
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
 
 
-def test_token_budget_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids):
+def test_token_budget_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids, monkeypatch):
     grads, forwards = {}, {}
     for budget in (None, 8):  # 8 tokens: every row alone (each prompt has more than 4 tokens)
         module = make_module(qwen2, tokenizer, micro_batch_size=8, micro_batch_tokens=budget)
         calls = []
-        spy(module, "_logprobs", calls)
+        spy_function(monkeypatch, policy_update, "policy_logprobs", calls)
         recorder = GradRecorder()
         fit(module, prompt_ids, n_prompts=4, callbacks=[recorder])
         grads[budget], forwards[budget] = recorder.steps[0], len(calls)
@@ -352,7 +366,7 @@ def test_token_budget_does_not_change_the_accumulated_gradient(qwen2, tokenizer,
 
 
 def test_steps_without_any_learning_signal_warn_once(qwen2, tokenizer, prompt_ids):
-    from qerl.modules.grpo_module import NO_SIGNAL_STEPS
+    from qerl.modules.step_logging import NO_SIGNAL_STEPS
 
     flat = make_module(qwen2, tokenizer, reward=ScriptedReward([0.7] * 4))  # every group: equal rewards
     with warnings.catch_warnings(record=True) as caught:
@@ -384,7 +398,7 @@ def test_the_update_forward_never_runs_cudnn_attention(qwen2, tokenizer, prompt_
         (batch,) = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask,
                                  rollout.completion_mask, [list(range(len(rollout.prompt_ids)))],
                                  tokenizer.pad_token_id, torch.device("cpu"))
-        module._logprobs(rollout, batch, with_entropy=False)
+        policy_update.policy_logprobs(module.policy, rollout, batch, module._update_settings(), with_entropy=False)
     finally:
         hook.remove()
     assert seen == [(False, True)]

@@ -11,6 +11,7 @@ from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.graph_cache import GraphCache
 from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.rollout.kv_cache import check_kv_cache_fits, kv_cache_bytes
 from qerl.rollout.sampling_spec import SamplingSpec
@@ -165,13 +166,14 @@ def test_fp32_adapter_runs_in_model_dtype_and_is_restored(tmp_path):
     assert [(p.data_ptr(), p.dtype) for p in lora] == before and torch.isfinite(r.logprobs).all()
     assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators))
     assert all(p in set(policy.parameters()) for p in lora)  # the modules hold the parameters again
-    assert all(copy.dtype == torch.bfloat16 for _, _, copy in engine._shadows.values()) and len(engine._shadows) == len(lora)
+    shadows = engine._adapters.shadows
+    assert all(copy.dtype == torch.bfloat16 for _, _, copy in shadows.values()) and len(shadows) == len(lora)
     # The next rollout reuses the copies (refreshed from the changed adapter) and again leaves the parameters alone.
-    copies = [copy for _, _, copy in engine._shadows.values()]
+    copies = [copy for _, _, copy in engine._adapters.shadows.values()]
     with torch.no_grad():
         lora[-1].add_(0.5)
     again = engine.generate(policy, PROMPTS, 2, PAD, [], spec)
-    assert all(a is b for a, b in zip([copy for _, _, copy in engine._shadows.values()], copies))
+    assert all(a is b for a, b in zip([copy for _, _, copy in engine._adapters.shadows.values()], copies))
     assert torch.equal(copies[-1], lora[-1].detach().to(torch.bfloat16))  # the copy follows the trained weight
     assert all(grad_accumulator(p) is a for p, a in zip(lora, accumulators)) and not torch.equal(again.logprobs, r.logprobs)
 
@@ -240,9 +242,10 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     current, old = decoder.key(1), decoder.key(1) + ("an earlier layout",)
     graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale",
               (2, 256, 1.0, False, None): "hf"}
-    engine._graphs = dict(graphs)
-    engine._drop_stale_graphs(decoder)
-    assert sorted(engine._graphs.values()) == ["hf", "kept"]
+    cache = GraphCache()
+    cache.graphs.update(graphs)
+    cache.drop_stale(decoder.key)
+    assert sorted(cache.graphs.values()) == ["hf", "kept"]
 
 
 def test_unsupported_model_falls_back_with_a_warning(policy):
