@@ -259,8 +259,9 @@ def _as_list(value) -> list:
 
 def rollout_length(run: TrainedRun) -> int:
     """The run's completion budget (``model.sampling.max_new_tokens``)."""
-    sampling = (run.config.get("model") or {}).get("sampling") or {}
-    return int(sampling.get("max_new_tokens", 256))
+    model = run.config.get("model") or {}
+    before = ((model.get("rollout") or {}).get("init_args") or {}).get("max_new_tokens")  # a run saved before the move
+    return int((model.get("sampling") or {}).get("max_new_tokens", before or 256))
 
 
 # --------------------------------------------------------------------------------------------------------------

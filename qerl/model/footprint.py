@@ -104,7 +104,7 @@ class RunSettings:
             compressed-tensors one then lives in host memory); False: the compressed-tensors copy alone.
         wide_batch_bf16: the engine's setting for the bf16 weight copy of wide decode steps (None: when it fits).
         keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
-            it (False), or by the engine's rule (None, ``qerl.rollout.kv_cache.releases_kv_cache``).
+            it (False), or by the plan's rule (None, ``qerl.rollout.kv_cache.releases_kv_cache``).
         kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte); vLLM's
             (``engine_kwargs``' ``kv_cache_dtype``): ``auto`` or ``fp8...``.
         gpu_memory_utilization: the vLLM engine's share of the GPU the user set (None: the plan chooses it).

@@ -304,4 +304,4 @@ def test_take_needs_the_main_process_stream(tokenizer):
         PromptStream(ArithmeticSource(), tokenizer).take(2)
     dm = MathPromptDataModule(num_workers=1)
     with pytest.raises(ValueError, match="data.num_workers=1"):
-        dm.draw_prompts(2)
+        dm.refill_prompts()  # the source is refused before it is handed over
