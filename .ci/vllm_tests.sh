@@ -23,4 +23,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}        # GiB of KV ca
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} # both cores
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/rollout/test_vllm.py
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/rollout/test_vllm.py tests/agents/test_episode_vllm.py

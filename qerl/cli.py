@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from qerl.agents.config import agent_tool_schemas
 from qerl.callbacks.entropy_logging import EntropyLogger
 from qerl.callbacks.interrupt import GracefulInterrupt
 from qerl.callbacks.progress import StepProgressBar
@@ -94,6 +95,10 @@ class QeRLCLI(LightningCLI):
                  "(off CUDA: the plan is made for them). Not with VLLMRollout (size it with gpu_memory_utilization).",
         )
         parser.link_arguments("model.policy.model", "data.tokenizer")
+        # The prompts show model.agent's tools (their schemas, loaded and checked now) through its chat template.
+        parser.link_arguments(("model.agent.tools", "model.agent.environment", "model.agent.chat_template",
+                               "model.policy.model"), "data.tools", compute_fn=agent_tool_schemas)
+        parser.link_arguments("model.agent.chat_template", "data.chat_template")
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
         parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it

@@ -107,6 +107,7 @@ def config_files(argv: list[str]) -> list[str]:
 def short_error(message: str) -> str:
     """The part of a jsonargparse error that says what is wrong: the first reason of a union's errors (not the
     ``None`` alternative's) with the option it concerns, or a type error as ``option=value: expected <type>``."""
+    message = re.sub(r"^Call to compute_fn of link .*? failed: ", "", message.strip(), flags=re.DOTALL)  # our own
     lines = [line for line in message.strip().splitlines() if line.strip()]
     key = re.match(r'Parser key "([\w.]+)":', lines[0].strip()) if lines else None
     reasons = []

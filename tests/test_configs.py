@@ -28,8 +28,8 @@ def config_args(paths: list[Path]) -> list[str]:
 def test_the_expected_configs_exist():
     assert {"debug.yaml", "smoke.yaml", "gpu.yaml"} <= {p.name for p in SINGLE}
     # Qwen2.5-{3,7,14,32,72}B, Qwen3-{1.7,4,8,14,32}B, Qwen3-30B-A3B and Llama-3.3-70B x {gsm8k, bigmath}, NVFP4;
-    # + bf16.yaml for the bf16 baseline
-    assert len(RECIPES) == 24
+    # + bf16.yaml for the bf16 baseline; Qwen2.5-7B and Qwen3-8B on gsm8k with the Python tool
+    assert len(RECIPES) == 26
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == {p.name for p in RECIPES} | {"bf16.yaml"}
 
 

@@ -8,9 +8,12 @@ Layers, lowest first (a module belongs to the layer of its longest matching pref
                              below: the NVFP4 package is the ground floor)
     hub                      where models and tokenizers come from
     ranks                    what each process of a multi-process run owns (its seeds, its share of a checkpoint)
+    user code                functions and classes the config names (rewards, tools, environments), imported
+    tools                    what the model may call in an episode (tools, environments, the Python sandbox)
     data                     prompts, answers, rewards
     model                    the policy (NVFP4 + LoRA), its loading, AQN
     rollout                  the engines that sample from the policy
+    agents                   multi-turn episodes over any engine (tool results and observations between turns)
     RL step                  losses, advantages, log-probs, evaluation, the LightningModule
     callbacks                Lightning callbacks around the RL step
     run                      the memory plan and the resolution of the parsed config, before anything is built
@@ -32,9 +35,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nvfp4 layer, checkpoint", ("qerl.nvfp4",)),
     ("hub", ("qerl.hub",)),
     ("ranks", ("qerl.ranks",)),
+    ("user code", ("qerl.user_code",)),
+    ("tools", ("qerl.tools",)),
     ("data", ("qerl.data",)),
     ("model", ("qerl.model",)),
     ("rollout", ("qerl.rollout",)),
+    ("agents", ("qerl.agents",)),
     ("RL step", ("qerl.modules",)),
     ("callbacks", ("qerl.callbacks",)),
     ("run", ("qerl.run",)),

@@ -356,6 +356,8 @@ class MathPromptDataModule(L.LightningDataModule):
             the whole user message, the question in its place. A source's own ``instruction`` wins for its rows.
         chat_template_kwargs: Extra variables of the tokenizer's chat template, as TRL's option of that name: Qwen3's
             thinking mode is ``{enable_thinking: false}`` (off, as the Qwen3 recipes set it) or ``true``.
+        tools: JSON schemas of the tools the prompts show (set from ``model.agent`` by the CLI).
+        chat_template: the chat template replacing the tokenizer's (set from ``model.agent.chat_template``).
     """
 
     def __init__(
@@ -374,6 +376,8 @@ class MathPromptDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         instruction: str | None = None,
         chat_template_kwargs: dict[str, bool | int | float | str] | None = None,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ):
         super().__init__()
         if answer_format not in FORMAT_INSTRUCTIONS:
@@ -402,6 +406,7 @@ class MathPromptDataModule(L.LightningDataModule):
         self.system_prompt, self.answer_format, self.max_prompt_tokens = system_prompt, answer_format, max_prompt_tokens
         self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
         self.instruction, self.chat_template_kwargs = instruction, dict(chat_template_kwargs or {})
+        self.tools, self.chat_template = tools, chat_template
         self.tokenizer = None
         self.train_stream: PromptStream | None = None
         self._pending_state: dict | None = None
@@ -409,8 +414,9 @@ class MathPromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.tokenizer is None:
             from qerl.hub import load_tokenizer
+            from qerl.tools.chat_template import with_chat_template
 
-            self.tokenizer = load_tokenizer(self.tokenizer_name)
+            self.tokenizer = with_chat_template(load_tokenizer(self.tokenizer_name), self.chat_template)
         if self.train_stream is None:
             trainer = self.trainer
             rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
@@ -432,7 +438,7 @@ class MathPromptDataModule(L.LightningDataModule):
             rank,
             world,
             self.instruction,
-            self.chat_template_kwargs,
+            {**self.chat_template_kwargs, "tools": self.tools} if self.tools else self.chat_template_kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -20,12 +20,11 @@ worker process; its ``__call__`` takes either style's arguments).
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import json
 from collections.abc import Callable
-from pathlib import Path
+
+from qerl.user_code import LOAD_ERRORS, import_named, split_name
 
 RESERVED = ("prompt", "prompts", "completion", "completions")  # never passed as a TRL column
 
@@ -49,21 +48,12 @@ def load_function(spec: str) -> Callable:
     if spec.startswith("{"):
         entry = json.loads(spec)
         spec, init_args = entry["class_path"], entry["init_args"]
-    module_name, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not module_name or not name:
+    parts = split_name(spec)
+    if parts is None:
         raise ValueError(f"reward function {spec!r}: name it as 'module:function' (or 'path/to/file.py:function').")
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser().resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            loader = importlib.util.spec_from_file_location(f"qerl_user_rewards_{path.stem}", path)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        fn = getattr(module, name)
-    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as error:
+        fn = import_named(*parts, prefix="qerl_user_rewards")
+    except LOAD_ERRORS as error:
         raise ValueError(f"reward function {spec!r} cannot be loaded ({type(error).__name__}: {error}). Fix: a module "
                          "on PYTHONPATH ('my_rewards:fn') or a file ('path/to/my_rewards.py:fn').") from None
     if inspect.isclass(fn):

@@ -95,8 +95,13 @@ def cat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     the longest (``pad_id`` in the ids, 0 in masks, log-probs and entropies)."""
     if len(rollouts) == 1:
         return rollouts[0]
+    if any(r.generated_mask is not None for r in rollouts):  # multi-turn: every part says which tokens are the model's
+        rollouts = [r._replace(generated_mask=r.model_mask) for r in rollouts]
     fields = []
     for name, values in zip(Rollout._fields, zip(*rollouts)):
+        if values[0] is None:
+            fields.append(None)
+            continue
         if values[0].dim() == 1:  # [N]
             fields.append(torch.cat(values))
             continue

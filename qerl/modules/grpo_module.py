@@ -39,6 +39,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from qerl.agents.config import AgentConfig
+from qerl.agents.episode import Episodes
+from qerl.agents.metrics import log_episodes
+from qerl.agents.runner import EpisodeEngine, EpisodeRunner
 from qerl.data.rewards import MathReward, RewardSum, overlong_penalty
 from qerl.hub import load_tokenizer
 from qerl.model.aqn import AQNSchedule
@@ -55,6 +59,7 @@ from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.base import RolloutEngine
 from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.tools.chat_template import with_chat_template
 
 class GRPOModule(L.LightningModule):
     """The policy, its loss and the RL step.
@@ -112,6 +117,8 @@ class GRPOModule(L.LightningModule):
         eval_jsonl: write every evaluation completion to ``<log_dir>/eval/<stage>_step<N>.jsonl``.
         expert_routing: a mixture-of-experts policy's routing in the step (``ExpertRouting``: the rollout's expert
             choices recorded, their mismatch logged, router replay); None: ``ExpertRouting()``. Dense policies: unused.
+        agent: multi-turn episodes with tools or an environment (see ``AgentConfig``); without tools and environment
+            each sample is one completion.
     """
 
     def __init__(
@@ -151,6 +158,7 @@ class GRPOModule(L.LightningModule):
         eval_seed: int = 1234,
         eval_jsonl: bool = True,
         expert_routing: ExpertRouting | None = None,
+        agent: AgentConfig = AgentConfig(),
     ):
         super().__init__()
         check_options("model", [
@@ -169,6 +177,9 @@ class GRPOModule(L.LightningModule):
             ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
             ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
             ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
+            ("overlong_buffer", overlong_buffer, overlong_buffer == 0 or not agent.enabled,
+             "0 with model.agent (an episode's length is its turns and tool outputs: bound it with "
+             "model.agent.max_episode_tokens)"),
             ("max_refill_rounds", max_refill_rounds, max_refill_rounds >= 0,
              ">= 0 (0: drop uninformative groups only)"),
             ("max_refill_rounds", max_refill_rounds, max_refill_rounds == 0 or dynamic_sampling,
@@ -182,6 +193,8 @@ class GRPOModule(L.LightningModule):
             ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
         ])
         policy.validate()
+        agent.validate()
+        self.agent_config = agent
         self.save_hyperparameters(ignore=["loss", "reward", "rollout", "advantage", "aqn", "expert_routing"])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
@@ -206,6 +219,8 @@ class GRPOModule(L.LightningModule):
         self.expert_routing = expert_routing if expert_routing is not None else ExpertRouting()
         self.policy = None
         self.tokenizer = None
+        self.episodes: EpisodeRunner | None = None  # built with the tokenizer when model.agent has tools
+        self._step_episodes: list[Episodes] = []  # this step's episodes (refills included), for the logs
 
     def setup(self, stage: str) -> None:
         # Runs once the process knows its rank, before a checkpoint's state is loaded.
@@ -220,8 +235,13 @@ class GRPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
+            # the tokenizer first: a chat template without tools fails before the weights load
+            self.tokenizer = with_chat_template(load_tokenizer(self.policy_config.model), self.agent_config.chat_template)
+            if self.agent_config.enabled:
+                datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+                self.episodes = EpisodeRunner(self.agent_config, self.tokenizer, self.policy_config.model,
+                                              getattr(datamodule, "chat_template_kwargs", None))
             self.policy = self.policy_config.build(self.device)
-            self.tokenizer = load_tokenizer(self.policy_config.model)
             # Every rank loads the same frozen weights: DDP need not broadcast them (nor can it: gloo has no fp8).
             self._ddp_params_and_buffers_to_ignore = [
                 n for n, p in self.named_parameters() if not p.requires_grad
@@ -250,7 +270,7 @@ class GRPOModule(L.LightningModule):
         advantages = self.advantage(rewards, G)  # [N]
         informative = informative_groups(rewards, G)  # [groups]
         kept = kept_groups(informative, batch_size) if self.hparams.dynamic_sampling else informative  # [groups]
-        loss_mask = rollout.completion_mask.clone()  # [N, L]
+        loss_mask = rollout.model_mask.clone()  # [N, L]: the model's own tokens (not tool results)
         if self.hparams.dynamic_sampling:
             loss_mask *= kept.repeat_interleave(G)[:, None]
         if self.hparams.mask_truncated:
@@ -281,7 +301,11 @@ class GRPOModule(L.LightningModule):
         log.signal(bool(informative.any()))
         if self.hparams.log_samples_every and batch_idx % self.hparams.log_samples_every == 0:
             log.samples(self, batch, completions, rewards)
-        return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.completion_mask.bool()].cpu()}
+        if self._step_episodes:
+            episodes, self._step_episodes = self._step_episodes, []
+            log_episodes(self, episodes, batch["prompts"][0], rewards, self._all_reduce_sum, logged_step(self.trainer),
+                         bool(self.hparams.log_samples_every) and batch_idx % self.hparams.log_samples_every == 0)
+        return {"entropy": entropy.detach().cpu(), "rollout_entropy": rollout.entropy[rollout.model_mask.bool()].cpu()}
 
     def _training_spec(self) -> SamplingSpec:
         """This step's sampling: the module's options and the AQN schedule's sigma at this optimizer step (logged)."""
@@ -295,14 +319,24 @@ class GRPOModule(L.LightningModule):
         """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
         G = self.hparams.group_size
         start = time.perf_counter()
-        rollout = self.expert_routing.sample(
-            self.rollout, self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids(), spec
-        )
+        episodes = None
+        if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
+            episodes = self.episodes.play(self.rollout, self.policy, batch, G, self.tokenizer.pad_token_id,
+                                          self._eos_ids(), spec)
+            self._step_episodes.append(episodes)
+            rollout, completions = episodes.rollout, episodes.answers
+        else:
+            rollout = self.expert_routing.sample(
+                self.rollout, self.policy, batch["prompt_ids"], G, self.tokenizer.pad_token_id, self._eos_ids(), spec
+            )
+            completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rollout_s = time.perf_counter() - start
 
-        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rewards, per_reward = self.rewards(completions, batch, G)  # [N] weighted total, {name: [N]}
         rewards = rewards.to(self.device)  # [N]
+        if episodes is not None and episodes.environment_rewards is not None:  # the environment owns its scale
+            rewards += episodes.environment_rewards.to(rewards)
+            per_reward = {**per_reward, self.episodes.environment.name: episodes.environment_rewards}
         correct = self.reward.last_stats["correct"]
         if self.hparams.overlong_buffer > 0:
             rewards += overlong_penalty(rollout.lengths, spec.max_new_tokens, self.hparams.overlong_buffer,
@@ -374,8 +408,9 @@ class GRPOModule(L.LightningModule):
         # (an engine's KV buffers, CUDA-graph state, kept across calls) could never be updated by a later training
         # rollout. Plain no_grad avoids that.
         with torch.inference_mode(False), torch.no_grad():
+            engine = self.rollout if self.episodes is None else EpisodeEngine(self.episodes, self.rollout, batch)
             self.evaluator.step(
-                self.policy, self.rollout, self.reward, batch,
+                self.policy, engine, self.reward, batch,
                 lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                 self.tokenizer.pad_token_id, self._eos_ids(), dataloader_idx,
             )

@@ -93,17 +93,22 @@ class MicroBatch(NamedTuple):
 
 
 def micro_batches(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor,
-                  rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> list[MicroBatch]:
+                  rows: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                  target_mask: Tensor | None = None) -> list[MicroBatch]:
     """The ``MicroBatch`` of each list of row indices in ``rows``, built from host copies of the rollout's
-    ``[N, P]`` prompt and ``[N, L]`` completion tensors and moved to ``device`` asynchronously."""
-    host = [t.cpu() for t in (prompt_ids, completion_ids, prompt_mask, completion_mask)]
+    ``[N, P]`` prompt and ``[N, L]`` completion tensors and moved to ``device`` asynchronously. ``target_mask``
+    ``[N, L]``: the completion tokens whose log-probs are needed (the model's own in a multi-turn episode; tool results
+    stay input only); None: every completion token."""
+    targets = completion_mask if target_mask is None else target_mask
+    host = [t.cpu() for t in (prompt_ids, completion_ids, prompt_mask, completion_mask, targets)]
     return [_to_device(_micro_batch(*host, torch.tensor(r, dtype=torch.long), pad_id), device) for r in rows]
 
 
-def _micro_batch(prompt_ids, completion_ids, prompt_mask, completion_mask, rows: Tensor, pad_id: int) -> MicroBatch:
+def _micro_batch(prompt_ids, completion_ids, prompt_mask, completion_mask, target_mask, rows: Tensor, pad_id: int
+                 ) -> MicroBatch:
     ids, _ = right_align(torch.cat((prompt_ids[rows], completion_ids[rows]), dim=1),
                          torch.cat((prompt_mask[rows], completion_mask[rows]), dim=1), pad_id)
-    row, col = completion_mask[rows].nonzero(as_tuple=True)
+    row, col = target_mask[rows].nonzero(as_tuple=True)
     position = prompt_mask[rows].sum(-1)[row] + col - 1
     return MicroBatch(rows, ids, row, col, position, completion_ids[rows][row, col])
 

@@ -82,7 +82,8 @@ def policy_update(policy, loss: PolicyLoss, rollout: Rollout, advantages: Tensor
     plan = plan_micro_batches(lengths, settings.micro_batch_tokens, settings.micro_batch_size)
     row_list = rows.tolist()
     chunks = micro_batches(rollout.prompt_ids, rollout.completion_ids, rollout.prompt_mask, rollout.completion_mask,
-                           [[row_list[i] for i in batch] for batch in plan], settings.pad_id, device)
+                           [[row_list[i] for i in batch] for batch in plan], settings.pad_id, device,
+                           rollout.model_mask)  # targets: the model's own tokens (tool results stay input)
     old = logprobs_no_grad(policy, rollout, chunks, settings, around_forward) if settings.num_iterations > 1 else None
     ref = None
     if loss.beta > 0:

@@ -33,7 +33,7 @@ class StepLogger:
              train_s, lr, update_tokens, memory: dict[str, float], kept: Tensor, batch_size: int,
              refill_rounds: int) -> None:
         # sums over this rank's rows, reduced over the ranks: every rank holds the global batch's metrics
-        sums = step_sums(rewards, self.group_size, correct, informative, entropy, rollout.completion_mask,
+        sums = step_sums(rewards, self.group_size, correct, informative, entropy, rollout.model_mask,
                          rollout.entropy, rollout.truncated, stats, update_tokens, rollout_s, train_s,
                          kept_groups=kept, batch_groups=batch_size, refill_rounds=refill_rounds)
         maxima = {"rollout_s": rollout_s, "train_s": train_s}

@@ -36,10 +36,18 @@ class Rollout(NamedTuple):
     logprobs: Tensor  # [N, L] fp32, log-probs of the sampled tokens under the sampling policy, 0 on padding
     entropy: Tensor  # [N, L] fp32, entropy of the sampling distribution at each generated token, 0 on padding
     truncated: Tensor  # [N] bool, stopped by max_new_tokens before EOS
+    # [N, L] long, 1 on the tokens the policy sampled: a multi-turn episode's completion also holds tool results and
+    # observations (completion_mask 1, generated_mask 0), context for the loss but never trained; None: all of them
+    generated_mask: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:  # [N]
         return self.completion_mask.sum(-1)
+
+    @property
+    def model_mask(self) -> Tensor:  # [N, L]
+        """1 on the completion tokens the policy sampled: where the loss, entropy, KL and IS weights apply."""
+        return self.completion_mask if self.generated_mask is None else self.generated_mask
 
 
 def cut_at_eos(completion: Tensor, eos: Tensor, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:

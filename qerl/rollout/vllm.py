@@ -432,7 +432,7 @@ class VLLMRollout(RolloutEngine):
             entropy=-logprobs,  # one-sample estimate: E[-log p(x)] = H; vLLM returns no entropy
             truncated=~(is_eos & completion_mask.bool()).any(-1),
         )
-        return Rollout(*(t.to(device) for t in rollout))
+        return Rollout(*(None if t is None else t.to(device) for t in rollout))
 
     def __del__(self):
         if getattr(self, "_adapter_dir", None) is not None:

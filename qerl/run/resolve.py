@@ -12,6 +12,7 @@ What is decided (each only where the config leaves it open):
     model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
     model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
     model.rollout.init_args.max_model_len         None (vLLM): data.max_prompt_tokens + model.sampling.max_new_tokens
+                                                  (with model.agent: its longest context + max_new_tokens)
     model.rollout.init_args.gpu_memory_utilization  None (vLLM): the plan's share for vLLM
 
 Where no plan is made (no device, a model the plan does not know, validate / test) the engine's planned values are
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl.agents.config import longest_context
 from qerl.hub import load_config
 from qerl.model.footprint import GIB, ModelShape, RunSettings
 from qerl.modules.options import SamplingOptions
@@ -144,9 +146,13 @@ def run_settings(config) -> RunSettings:
     graphs = kind == "cuda_graph"  # decodes in waves, keeps or frees its static cache
     engine = engine_settings(model.get("rollout"))
     new_tokens = sampling_options(model).max_new_tokens
+    agent = model.get("agent")  # an episode's later turns hand the engine its whole context as the prompt
+    prompt_tokens = data.max_prompt_tokens if agent is None else longest_context(
+        data.max_prompt_tokens, new_tokens, agent.get("tools"), agent.get("environment"), agent.get("max_turns", 1),
+        agent.get("max_episode_tokens"))
     if kind == "vllm":
         return RunSettings(
-            prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
+            prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=prompt_tokens,
             max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
             lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
             micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
@@ -156,7 +162,7 @@ def run_settings(config) -> RunSettings:
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
             lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine.max_lora_rank), sleep=bool(engine.sleep))
     return RunSettings(
-        prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=data.max_prompt_tokens,
+        prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=prompt_tokens,
         max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
         micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,

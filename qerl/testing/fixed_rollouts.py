@@ -63,7 +63,7 @@ class FixedRollout(RolloutEngine):
                           truncated)
         logprobs, entropy = [], []
         for start in range(0, len(completions), 8):  # the policy's own log-probs, a few rows at a time
-            part = Rollout(*(t[start:start + 8] for t in rollout))
+            part = Rollout(*(None if t is None else t[start:start + 8] for t in rollout))
             lp, ent = recompute(policy, part, spec.temperature)
             logprobs.append(lp.float())
             entropy.append(ent.float())

@@ -1,0 +1,118 @@
+"""Multi-turn episodes on one GPU: where a step's time goes (decode, tool time, update) with the Python tool, and the
+decode throughput of a multi-turn step against a single-turn step of about the same generated tokens.
+
+    python bench/bench_agent_rollout.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--turns 4] \
+        [--turn-median 200] [--steps 4]
+
+Random-init weights of the real shape (``bench_train_e2e.write_models``) never write a tool call, so every turn ends
+at a drawn length (``forced_lengths.ForcedLengthRollout``: lognormal, median ``--turn-median``) and the environment
+``agent_bench_env.PythonTurns`` answers it with a real run of the Python tool (a separate process per call, every
+row's at once), for ``--turns`` turns. Each later turn resubmits the row's whole context to the engine.
+
+Arms, each ``train.py fit`` in a process of its own (NVFP4, the recipe's batch: ``--prompts`` x ``--group-size``):
+
+    multi    model.agent with that environment; per turn ``--new-tokens`` at most
+    single   one completion per sample, lengths drawn with median ``turns x turn-median``, at most
+             ``turns x new-tokens``: about the same generated tokens per row
+
+Read back from TensorBoard (medians over the steps after the first): ``agent/decode_s``, ``agent/tool_s``,
+``perf/rollout_s``, ``perf/train_s``, ``train/completion_length`` (the model's own tokens per row); decode
+throughput = generated tokens / decode seconds. Writes ``agent_rollout_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_e2e import in_own_process, write_models  # noqa: E402
+
+
+def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
+    from qerl.cli import cli_main
+
+    rows = args.prompts * args.group_size
+    if arm == "multi":
+        lengths = [f"--model.rollout.init_args.length_median={args.turn_median}"]
+        arm_args = ["--model.agent.environment", json.dumps({"class_path": "agent_bench_env.PythonTurns",
+                                                             "init_args": {"turns": args.turns}}),
+                    "--model.agent.chat_template", "qwen2_5", "--model.agent.max_turns", str(args.turns),
+                    "--model.agent.max_episode_tokens", str(args.max_prompt + args.turns * (args.new_tokens + 64)),
+                    "--model.sampling.max_new_tokens", str(args.new_tokens), "--data.max_prompt_tokens", "512"]
+    else:
+        lengths = [f"--model.rollout.init_args.length_median={args.turns * args.turn_median}"]
+        arm_args = ["--model.sampling.max_new_tokens", str(args.turns * args.new_tokens)]
+    cli_main([
+        "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
+        "--model.policy.model", str(model_dir), "--model.policy.quantization", "nvfp4",
+        "--model.rollout.class_path", "forced_lengths.ForcedLengthRollout", *lengths, *arm_args,
+        "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
+        "--model.mask_truncated", "false", "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
+        "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
+        "--trainer.logger.init_args.name", arm, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing",
+        "false", *args.overrides,
+    ])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(sorted(glob.glob(str(log_root / arm / "*" / "events*")))[-1])
+    events.Reload()
+    series = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    steady = lambda tag: statistics.median(series[tag][1:] or series[tag])  # noqa: E731  first step warms up
+    out = {"rollout_s": steady("perf/rollout_s"), "train_s": steady("perf/train_s"),
+           "generated_per_row": steady("train/completion_length"), "steps": len(series["perf/rollout_s"])}
+    out["decode_s"] = steady("agent/decode_s") if arm == "multi" else out["rollout_s"]
+    out["tool_s"] = steady("agent/tool_s") if arm == "multi" else 0.0
+    out["turns"] = steady("agent/turns") if arm == "multi" else 1.0
+    out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True, help="a directory with the embedded model's tokenizer")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--size", default="qwen2.5-7b")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-median", type=int, default=200, help="median tokens of one turn")
+    parser.add_argument("--new-tokens", type=int, default=1024, help="max tokens of one turn (the recipe's)")
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--work", default="/tmp/qerl_agent")
+    parser.add_argument("overrides", nargs="*", help="more train.py options for both arms (after --)")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    work = Path(args.work)
+    model_dir = work / f"{args.size}-nvfp4"
+    if not (model_dir / "config.json").exists():
+        model_dir = write_models(args.size, args.tokenizer, work, len(AutoTokenizer.from_pretrained(args.tokenizer)),
+                                 ("nvfp4",))["nvfp4"]
+    results = {arm: in_own_process(fit, model_dir, arm, args, work / "runs") for arm in ("multi", "single")}
+    multi, single = results["multi"], results["single"]
+    row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "turns": args.turns,
+           "turn_median": args.turn_median, "new_tokens": args.new_tokens, "arms": results,
+           "multi_decode_vs_single": multi["decode_tok_s"] / single["decode_tok_s"],
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "date": datetime.date.today().isoformat()}
+    print(f"multi-turn: decode {multi['decode_s']:.1f} s + tools {multi['tool_s']:.1f} s "
+          f"(rollout {multi['rollout_s']:.1f} s), update {multi['train_s']:.1f} s, {multi['turns']:.1f} turns")
+    print(f"decode throughput multi / single at {multi['generated_per_row']:.0f} / {single['generated_per_row']:.0f} "
+          f"tokens per row: {row['multi_decode_vs_single']:.2f} (target >= 0.85)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = row["device"].lower().replace(" ", "_")
+    (out / f"agent_rollout_{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
