@@ -58,7 +58,8 @@ def test_routed_nvfp4_experts_equal_float64_on_the_gpu(policy):
     for t in range(40):
         for j in range(8):
             expert = experts[int(index[t, j])]
-            gate, up, down = (dequantize(*(getattr(p.base_layer, k) for k in NVFP4_KEYS), torch.float64).cuda()
+            # the compressed-tensors tensors, in host memory once the layer's repacked copy exists (release_packed)
+            gate, up, down = (dequantize(*(getattr(p.base_layer, k).cuda() for k in NVFP4_KEYS), torch.float64)
                               for p in (expert.gate_proj, expert.up_proj, expert.down_proj))
             lora = [(p.lora_A["default"].weight.double(), p.lora_B["default"].weight.double(), p.scaling["default"])
                     for p in (expert.gate_proj, expert.up_proj, expert.down_proj)]
