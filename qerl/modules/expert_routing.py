@@ -16,6 +16,7 @@ metric says how far the replayed routing is from the one the trained policy woul
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +50,7 @@ class ExpertRouting:
         self._counts = torch.zeros(3, dtype=torch.long)  # differing pairs, pairs, tokens differing in any layer
         self._tokens = 0
         self._hooks: RoutingHooks | None = None  # on the policy during an update with recorded choices
+        self._moe: tuple[weakref.ref, bool] | None = None  # (policy, has routers): its module tree walked once
 
     def sample(self, engine, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int,
                eos_ids: list[int], spec: SamplingSpec) -> Rollout:
@@ -122,7 +124,13 @@ class ExpertRouting:
     def _records(self, engine, policy) -> bool:
         """Whether this rollout's choices can be recorded: the policy has routers and the engine places its tokens
         (the built-in engines; the graph engine runs a MoE's steps eagerly)."""
-        return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and bool(routers(policy))
+        return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and self._has_routers(policy)
+
+    def _has_routers(self, policy) -> bool:
+        """Whether ``policy`` is a MoE, found once per policy (not a module-tree walk every step)."""
+        if self._moe is None or self._moe[0]() is not policy:
+            self._moe = (weakref.ref(policy), bool(routers(policy)))
+        return self._moe[1]
 
     def _aligned(self, rows: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """The rollout's choices of ``rows`` in the micro-batch's layout ``[layers, n, width, k]`` (``NOT_FED`` past
