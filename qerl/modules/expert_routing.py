@@ -16,6 +16,7 @@ metric says how far the replayed routing is from the one the trained policy woul
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -46,9 +47,10 @@ class ExpertRouting:
         self._masks: Tensor | None = None  # [N, P + L] its real tokens
         self._completion_start = 0  # P: the first completion column
         self._samples = 0  # rollouts since the last update (refills add some)
-        self._counts = torch.zeros(3, dtype=torch.long)  # differing pairs, pairs, tokens differing in any layer
-        self._tokens = 0
+        # differing pairs, pairs, tokens differing in any layer, tokens compared: on the device until ``metrics``
+        self._counts: Tensor | None = None
         self._hooks: RoutingHooks | None = None  # on the policy during an update with recorded choices
+        self._moe: tuple[weakref.ref, bool] | None = None  # (policy, has routers): its module tree walked once
 
     def sample(self, engine, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int,
                eos_ids: list[int], spec: SamplingSpec) -> Rollout:
@@ -76,8 +78,7 @@ class ExpertRouting:
                                  "to 0 (refilled batches join rollouts of other layouts).")
             self._choices = None
         self._samples = 0
-        self._counts.zero_()
-        self._tokens = 0
+        self._counts = None
         self._hooks = RoutingHooks(model) if self._choices is not None else None
         try:
             yield
@@ -106,14 +107,15 @@ class ExpertRouting:
             mine = torch.stack(hooks.own[: choices.shape[0]]).view_as(choices)
             compared = completion & (choices[..., 0] != NOT_FED)  # [n, T]: generated tokens the rollout fed
             differs = topk_differs(mine, choices) & compared  # [layers, n, T]
-            self._counts += torch.stack([differs.sum(), compared.sum() * choices.shape[0],
-                                         differs.any(0).sum()]).cpu()
-            self._tokens += int(compared.sum())
+            counts = torch.stack([differs.sum(), compared.sum() * choices.shape[0], differs.any(0).sum(),
+                                  compared.sum()])  # no host sync per micro-batch
+            self._counts = counts if self._counts is None else self._counts + counts
 
     def metrics(self) -> dict[str, float]:
         """This step's mismatch fractions (empty when nothing was compared)."""
-        differing, pairs, tokens_differing = self._counts.tolist()
-        tokens = self._tokens
+        if self._counts is None:
+            return {}
+        differing, pairs, tokens_differing, tokens = self._counts.tolist()
         if not pairs:
             return {}
         return {"train/router_mismatch_frac": differing / pairs,
@@ -122,7 +124,13 @@ class ExpertRouting:
     def _records(self, engine, policy) -> bool:
         """Whether this rollout's choices can be recorded: the policy has routers and the engine places its tokens
         (the built-in engines; the graph engine runs a MoE's steps eagerly)."""
-        return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and bool(routers(policy))
+        return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and self._has_routers(policy)
+
+    def _has_routers(self, policy) -> bool:
+        """Whether ``policy`` is a MoE, found once per policy (not a module-tree walk every step)."""
+        if self._moe is None or self._moe[0]() is not policy:
+            self._moe = (weakref.ref(policy), bool(routers(policy)))
+        return self._moe[1]
 
     def _aligned(self, rows: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """The rollout's choices of ``rows`` in the micro-batch's layout ``[layers, n, width, k]`` (``NOT_FED`` past

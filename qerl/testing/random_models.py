@@ -173,9 +173,10 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
 
 
 def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16, device="cuda", kernel: str = "auto",
-                        seed: int = 0):
+                        seed: int = 0, lora_b_std: float = 0.01):
     """``build_random_model`` wrapped with LoRA on q,k,v,o,gate,up,down (alpha = rank), as ``build_policy`` does.
-    LoRA B is random too (not peft's zeros), so the adapter takes part in the outputs."""
+    LoRA B is random too (not peft's zeros; standard deviation ``lora_b_std``), so the adapter takes part in the
+    outputs."""
     from peft import get_peft_model
 
     from qerl.model.policy import lora_config, quiet_custom_layers
@@ -187,5 +188,5 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
-                p.normal_(0.0, 0.01)
+                p.normal_(0.0, lora_b_std)
     return policy

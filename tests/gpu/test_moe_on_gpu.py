@@ -32,12 +32,7 @@ LOGPROB_ATOL = 0.03  # as tests/gpu/test_rollout_on_gpu.py: bf16, fp32 sums in a
 def policy():
     config = model_config("qwen3-30b-a3b", hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    policy = build_random_policy(config, "nvfp4", lora_rank=8)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.02)
-    return policy
+    return build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +53,8 @@ def test_routed_nvfp4_experts_equal_float64_on_the_gpu(policy):
     for t in range(40):
         for j in range(8):
             expert = experts[int(index[t, j])]
-            gate, up, down = (dequantize(*(getattr(p.base_layer, k) for k in NVFP4_KEYS), torch.float64).cuda()
+            # the compressed-tensors tensors, in host memory once the layer's repacked copy exists (release_packed)
+            gate, up, down = (dequantize(*(getattr(p.base_layer, k).cuda() for k in NVFP4_KEYS), torch.float64)
                               for p in (expert.gate_proj, expert.up_proj, expert.down_proj))
             lora = [(p.lora_A["default"].weight.double(), p.lora_B["default"].weight.double(), p.scaling["default"])
                     for p in (expert.gate_proj, expert.up_proj, expert.down_proj)]

@@ -29,12 +29,7 @@ LOGPROB_ATOL = 0.03
 def policy():
     config = qwen25_config("qwen2.5-7b", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    policy = build_random_policy(config, "nvfp4", lora_rank=8)
-    with torch.no_grad():  # non-zero LoRA B so the adapter changes the outputs
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.02)
-    return policy
+    return build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
 
 
 @pytest.fixture(scope="module")

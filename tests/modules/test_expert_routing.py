@@ -76,3 +76,15 @@ def test_replay_changes_the_update_and_is_refused_over_refilled_rollouts(policy)
     sampled(replaying, policy, 0.5)  # a refill: two rollouts in one step
     with pytest.raises(ValueError, match="model.expert_routing.replay needs one rollout per step"):
         update(replaying, policy, rollout, checkpointing=False)
+
+
+def test_the_policy_module_tree_is_walked_once_not_every_step(policy, monkeypatch):
+    import qerl.modules.expert_routing as expert_routing
+
+    walks = []
+    real = expert_routing.routers
+    monkeypatch.setattr(expert_routing, "routers", lambda model: walks.append(model) or real(model))
+    routing = ExpertRouting()
+    for _ in range(3):
+        sampled(routing, policy, 0.0)
+    assert walks == [policy]  # found a MoE once; a dense policy's steps pay nothing either
