@@ -61,7 +61,9 @@ class Evaluator(nn.Module):
                  sampling: SamplingOptions = SamplingOptions()):
         super().__init__()
         if samples < 0 or temperature <= 0 or (samples == 0 and not greedy):
-            raise ValueError("Evaluation needs samples >= 0, temperature > 0, and greedy or samples > 0.")
+            raise ValueError(
+                f"Evaluation needs model.eval_samples >= 0 (got {samples}), model.eval_temperature > 0 (got "
+                f"{temperature}), and model.eval_greedy true or model.eval_samples > 0 (got {greedy}, {samples}).")
         self.samples, self.temperature, self.greedy, self.seed = samples, temperature, greedy, seed
         self.sampling = sampling
         self.metrics = nn.ModuleDict()
