@@ -120,6 +120,7 @@ class Evaluator(nn.Module):
             references, rows = [a for a in batch["answers"] for _ in range(k)], row_arguments(reward, batch, k)
             correct, formatted = reward.check(completions, references, fallback_last_number=False, **rows)  # [n*k]
             flexible, _ = reward.check(completions, references, fallback_last_number=True, **rows)  # [n*k]
+            verdicts = correct.bool().tolist(), flexible.bool().tolist(), formatted.bool().tolist()  # the records'
             correct, flexible = correct.to(device), flexible.to(device)
             suffix = "acc" if mode == "greedy" else f"mean@{k}"
             per_question = correct.view(n, k).mean(-1)  # [n]
@@ -153,9 +154,9 @@ class Evaluator(nn.Module):
                     "extracted": extract_answer(completion, reward.answer_format, fallback_last_number=False),
                     "extracted_flexible": extract_answer(completion, reward.answer_format, fallback_last_number=True),
                     "reference": batch["answers"][i],
-                    "correct": bool(correct[j]),
-                    "correct_flexible": bool(flexible[j]),
-                    "formatted": bool(formatted[j]),
+                    "correct": verdicts[0][j],
+                    "correct_flexible": verdicts[1][j],
+                    "formatted": verdicts[2][j],
                     "length": lengths[j],
                     "truncated": truncated[j],
                 })
