@@ -8,6 +8,7 @@ scaled norms, saved through the policy's own ``save_adapter`` (and, for the fit,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -74,8 +75,8 @@ def embedded_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("export_embedded") / "version_0"
     config = {"model": {"policy": {"model": EMBEDDED_MODEL, "quantization": "nvfp4", "lora_rank": 4,
                                    "lora_alpha": 8.0, "dtype": "float32"},
-                        "rollout": {"class_path": "qerl.rollout.builtin.BuiltinRollout",
-                                    "init_args": {"max_new_tokens": 32}}},
+                        "sampling": {"max_new_tokens": 32},
+                        "rollout": {"class_path": "qerl.rollout.builtin.BuiltinRollout"}},
               "data": {"val_sources": VAL}}
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
@@ -184,6 +185,16 @@ def test_export_carries_tokenizer_generation_config_and_model_card(tiny_run, tmp
     value = events.Scalars("val/arithmetic_acc")[-1].value
     assert f"| val/arithmetic_acc | {value:.4f} |" in card
     assert (out / "training_config.yaml").read_text() == (tiny_run / "config.yaml").read_text()
+
+
+def test_the_check_decodes_as_long_as_the_run_sampled_also_for_a_run_saved_before_model_sampling(tiny_run):
+    trained = read_run(tiny_run)
+    assert rollout_length(trained) == 4  # debug.yaml's model.sampling.max_new_tokens, as the run saved it
+    model = {k: v for k, v in trained.config["model"].items() if k != "sampling"}
+    before = {**model, "rollout": {"class_path": "qerl.rollout.builtin.BuiltinRollout",
+                                   "init_args": {"max_new_tokens": 32}}}  # the layout before the move
+    assert rollout_length(dataclasses.replace(trained, config={"model": before})) == 32
+    assert rollout_length(dataclasses.replace(trained, config={"model": model})) == 256  # neither: the default
 
 
 def test_checkpoint_and_adapter_give_the_same_export(tiny_run, tmp_path):

@@ -25,12 +25,14 @@ class FailureStreak:
         self.limit = limit
         self.streaks: Counter[str] = Counter()
 
-    def update(self, name: str, completions: int, failed: int, reason: str) -> None:
+    def update(self, name: str, completions: int, failed: int, reason: str,
+               timeout_option: str = "model.reward_timeout_s") -> None:
         """One batch of ``name``: ``failed`` of ``completions`` failed, the last of them because of ``reason``;
-        raises ``RewardsFailing`` when that makes ``limit`` batches in a row that failed entirely."""
+        raises ``RewardsFailing`` when that makes ``limit`` batches in a row that failed entirely. ``timeout_option``:
+        the option that sets this reward's time limit (the error names it)."""
         self.streaks[name] = self.streaks[name] + 1 if completions and failed == completions else 0
         if self.limit and self.streaks[name] >= self.limit:
             raise RewardsFailing(
                 f"reward {name} failed on all {completions} completions of {self.limit} batches in a row ({reason}): "
-                "the run stops rather than train on zeros. Fix the function (or raise model.reward_timeout_s for a "
+                f"the run stops rather than train on zeros. Fix the function (or raise {timeout_option} for a "
                 "slow one) and resume; model.reward_failure_steps sets how many such batches stop a run.")

@@ -149,7 +149,8 @@ class RewardSum:
         stats = self.math.last_stats
         self._seconds += time.perf_counter() - start
         self.streak.update("math", len(rows), stats["timeouts"] + stats["errors"],
-                           f"{stats['timeouts']} timeouts, {stats['errors']} errors")
+                           f"{stats['timeouts']} timeouts, {stats['errors']} errors",
+                           timeout_option="model.reward.init_args.timeout_s")  # model.reward's own limit
         if self.specs:
             start = time.perf_counter()
             prompts = batch.get("questions") or batch["prompts"]

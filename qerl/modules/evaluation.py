@@ -61,7 +61,9 @@ class Evaluator(nn.Module):
                  sampling: SamplingOptions = SamplingOptions()):
         super().__init__()
         if samples < 0 or temperature <= 0 or (samples == 0 and not greedy):
-            raise ValueError("Evaluation needs samples >= 0, temperature > 0, and greedy or samples > 0.")
+            raise ValueError(
+                f"Evaluation needs model.eval_samples >= 0 (got {samples}), model.eval_temperature > 0 (got "
+                f"{temperature}), and model.eval_greedy true or model.eval_samples > 0 (got {greedy}, {samples}).")
         self.samples, self.temperature, self.greedy, self.seed = samples, temperature, greedy, seed
         self.sampling = sampling
         self.metrics = nn.ModuleDict()
@@ -118,6 +120,7 @@ class Evaluator(nn.Module):
             references, rows = [a for a in batch["answers"] for _ in range(k)], row_arguments(reward, batch, k)
             correct, formatted = reward.check(completions, references, fallback_last_number=False, **rows)  # [n*k]
             flexible, _ = reward.check(completions, references, fallback_last_number=True, **rows)  # [n*k]
+            verdicts = correct.bool().tolist(), flexible.bool().tolist(), formatted.bool().tolist()  # the records'
             correct, flexible = correct.to(device), flexible.to(device)
             suffix = "acc" if mode == "greedy" else f"mean@{k}"
             per_question = correct.view(n, k).mean(-1)  # [n]
@@ -151,9 +154,9 @@ class Evaluator(nn.Module):
                     "extracted": extract_answer(completion, reward.answer_format, fallback_last_number=False),
                     "extracted_flexible": extract_answer(completion, reward.answer_format, fallback_last_number=True),
                     "reference": batch["answers"][i],
-                    "correct": bool(correct[j]),
-                    "correct_flexible": bool(flexible[j]),
-                    "formatted": bool(formatted[j]),
+                    "correct": verdicts[0][j],
+                    "correct_flexible": verdicts[1][j],
+                    "formatted": verdicts[2][j],
                     "length": lengths[j],
                     "truncated": truncated[j],
                 })

@@ -75,6 +75,23 @@ def test_a_call_that_hangs_or_raises_scores_zero_and_is_counted(user_dir):
         reward.close()
 
 
+def test_a_compute_score_failing_on_every_completion_stops_the_run_naming_its_own_time_limit(user_dir):
+    from qerl.data.reward_health import RewardsFailing
+
+    reward = CustomRewardFunction("verl_rewards.py", timeout_s=2.0, num_workers=1)
+    total = RewardSum(reward, failure_steps=1)
+    try:
+        with pytest.warns(UserWarning, match="my bug"), pytest.raises(RewardsFailing) as error:
+            total(["bug", "bug", "bug", "bug"], batch_of(["a", "b"], [{"index": 1}, {"index": 1}]), group_size=2)
+        message = str(error.value)
+        assert "reward math failed on all 4 completions of 1 batches in a row (0 timeouts, 4 errors)" in message
+        # model.reward's calls run under its own timeout_s; model.reward_timeout_s is the reward_funcs' limit
+        assert "raise model.reward.init_args.timeout_s for a slow one" in message, message
+    finally:
+        total.close()
+        reward.close()
+
+
 def test_a_trl_style_function_or_a_missing_one_is_refused_when_built(user_dir):
     with pytest.raises(ValueError, match="takes TRL's arguments; give it in model.reward_funcs"):
         CustomRewardFunction("verl_rewards.py", name="trl_style")

@@ -5,6 +5,7 @@ really sampled, the JSONL complete, greedy determinism, evaluation leaving train
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -304,3 +305,13 @@ def test_evaluation_configs_parse(config, capsys):
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "val_sources:" in printed and "class_path: qerl.data.sources." in printed
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(samples=-1), "model.eval_samples >= 0 (got -1)"),
+    (dict(samples=4, temperature=0.0), "model.eval_temperature > 0 (got 0.0)"),
+    (dict(samples=0, greedy=False), "model.eval_greedy true or model.eval_samples > 0 (got False, 0)"),
+])
+def test_bad_evaluation_options_are_refused_with_the_option_and_its_value(kwargs, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        Evaluator(**kwargs)
