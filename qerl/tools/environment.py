@@ -32,9 +32,19 @@ class EnvironmentFactory:
 
     cls: type
     init_args: dict = field(default_factory=dict)
+    # trajectory slot k's (environment, its tool methods): built on first use, reset for every episode after
+    _slots: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def make(self):
         return self.cls(**self.init_args)
+
+    def slot(self, k: int) -> tuple[object, list[Tool]]:
+        """The environment of trajectory slot ``k`` and its tools, one instance per slot reused across steps (as
+        TRL's ``environment_factory``): no construction or schema parsing per episode."""
+        while len(self._slots) <= k:
+            env = self.make()
+            self._slots.append((env, environment_tools(env)))
+        return self._slots[k]
 
     @property
     def name(self) -> str:
