@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qerl.tools.chat_template import check_tool_support, with_chat_template
-from qerl.tools.environment import EnvironmentFactory, environment_tools, load_environment
+from qerl.tools.environment import EnvironmentFactory, load_environment
 from qerl.tools.loading import Tool, check_unique, load_tools
 
 
@@ -63,7 +63,7 @@ class AgentConfig:
         tools = load_tools(self.tools, "model.agent.tools")
         environment = load_environment(self.environment, "model.agent.environment")
         if environment is not None:
-            check_unique([*tools, *environment_tools(environment.make())], "model.agent.tools + environment")
+            check_unique([*tools, *environment.slot(0)[1]], "model.agent.tools + environment")
         return tools, environment
 
 
@@ -86,7 +86,7 @@ def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict |
     loaded, factory = config.load()
     schemas = [t.schema for t in loaded]
     if factory is not None:
-        schemas += [t.schema for t in environment_tools(factory.make())]
+        schemas += [t.schema for t in factory.slot(0)[1]]
     tokenizer = local_tokenizer(model)
     if tokenizer is not None and (tokenizer.chat_template or chat_template):  # none at all: the data module says so
         check_tool_support(with_chat_template(tokenizer, chat_template, "model.agent.chat_template"), schemas, model,
