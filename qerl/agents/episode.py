@@ -151,7 +151,11 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
             t.add(ids, False)
             live.append(i)
         contexts, samples = [trajectories[i].prompt + trajectories[i].tokens for i in live], 1
-    return finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)._replace(decode_s=decode_s, tool_s=tool_s)
+    episodes = finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)
+    for k, t in enumerate(trajectories):
+        if environment is not None and t.errors["timeout"]:  # its thread may still change it: a new one next time
+            environment.discard(k)
+    return episodes._replace(decode_s=decode_s, tool_s=tool_s)
 
 
 def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:
