@@ -20,8 +20,9 @@ class AgentConfig:
         tools: tool functions as TRL's ``tools=`` takes them: ``module:function``, ``path/to/file.py:function`` or
             ``{class_path: module.Class, init_args: {...}}`` for a callable class with settings (e.g.
             ``qerl.tools.python.PythonTool``).
-        environment: an environment class (TRL's ``environment_factory``): one instance per trajectory, ``reset(**row)``
-            from the dataset row, its public methods as tools, optional ``step(message)`` and ``get_reward()``.
+        environment: an environment class (TRL's ``environment_factory``): one instance per trajectory slot (reused
+            across steps), ``reset(**row)`` from the dataset row, its public methods as tools, optional
+            ``step(message)`` and ``get_reward()``.
         chat_template: a template that shows tools when the model's own does not: ``qwen2_5`` (ChatML models) or a
             ``.jinja`` file.
         max_turns: assistant turns per trajectory; a trajectory still calling tools after it ends there.
