@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qerl.tools.chat_template import check_tool_support, with_chat_template
-from qerl.tools.environment import EnvironmentFactory, environment_tools, load_environment
+from qerl.tools.environment import EnvironmentFactory, load_environment
 from qerl.tools.loading import Tool, check_unique, load_tools
 
 
@@ -20,8 +20,9 @@ class AgentConfig:
         tools: tool functions as TRL's ``tools=`` takes them: ``module:function``, ``path/to/file.py:function`` or
             ``{class_path: module.Class, init_args: {...}}`` for a callable class with settings (e.g.
             ``qerl.tools.python.PythonTool``).
-        environment: an environment class (TRL's ``environment_factory``): one instance per trajectory, ``reset(**row)``
-            from the dataset row, its public methods as tools, optional ``step(message)`` and ``get_reward()``.
+        environment: an environment class (TRL's ``environment_factory``): one instance per trajectory slot (reused
+            across steps), ``reset(**row)`` from the dataset row, its public methods as tools, optional
+            ``step(message)`` and ``get_reward()``.
         chat_template: a template that shows tools when the model's own does not: ``qwen2_5`` (ChatML models) or a
             ``.jinja`` file.
         max_turns: assistant turns per trajectory; a trajectory still calling tools after it ends there.
@@ -63,7 +64,7 @@ class AgentConfig:
         tools = load_tools(self.tools, "model.agent.tools")
         environment = load_environment(self.environment, "model.agent.environment")
         if environment is not None:
-            check_unique([*tools, *environment_tools(environment.make())], "model.agent.tools + environment")
+            check_unique([*tools, *environment.slot(0)[1]], "model.agent.tools + environment")
         return tools, environment
 
 
@@ -86,7 +87,7 @@ def agent_tool_schemas(tools: list[str | dict] | None, environment: str | dict |
     loaded, factory = config.load()
     schemas = [t.schema for t in loaded]
     if factory is not None:
-        schemas += [t.schema for t in environment_tools(factory.make())]
+        schemas += [t.schema for t in factory.slot(0)[1]]
     tokenizer = local_tokenizer(model)
     if tokenizer is not None and (tokenizer.chat_template or chat_template):  # none at all: the data module says so
         check_tool_support(with_chat_template(tokenizer, chat_template, "model.agent.chat_template"), schemas, model,

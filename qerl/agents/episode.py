@@ -31,7 +31,7 @@ from qerl.agents.config import AgentConfig
 from qerl.rollout.base import Rollout
 from qerl.tools.calls import ToolCall, parse_tool_calls
 from qerl.tools.chat_template import observation_ids
-from qerl.tools.environment import EnvironmentFactory, environment_step, environment_tools
+from qerl.tools.environment import EnvironmentFactory, environment_step
 from qerl.tools.execution import ToolResult, ToolRunner
 from qerl.tools.loading import Tool
 
@@ -98,7 +98,7 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
         pad_id: padding of the returned rollout.
         config: the limits (``max_turns``, ``max_tool_calls``, ``max_episode_tokens``, tool timeout and output cap).
         tools: the run's tools; an environment's tool methods are added per trajectory.
-        environment: builds one environment per trajectory, or None.
+        environment: one environment per trajectory slot (built once, reset per episode), or None.
         max_new_tokens: the engine's budget per turn.
         call_format: how tool calls are written (``qwen`` or ``llama3``).
         tool_schemas: the schemas the template renders (some templates show them again around tool results).
@@ -108,11 +108,11 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
     trajectories = []
     for prompt, row in zip(prompt_ids, rows):
         for _ in range(group_size):
-            env = environment.make() if environment is not None else None
-            own = {t.name: t.fn for t in tools}
-            if env is not None:
+            env, own = None, {t.name: t.fn for t in tools}
+            if environment is not None:
+                env, env_tools = environment.slot(len(trajectories))
                 env.reset(**row)
-                own.update({t.name: t.fn for t in environment_tools(env)})
+                own.update({t.name: t.fn for t in env_tools})
             trajectories.append(Trajectory(list(prompt), own, env))
     live = list(range(len(trajectories)))
     contexts, samples = [list(p) for p in prompt_ids], group_size
@@ -151,7 +151,11 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
             t.add(ids, False)
             live.append(i)
         contexts, samples = [trajectories[i].prompt + trajectories[i].tokens for i in live], 1
-    return finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)._replace(decode_s=decode_s, tool_s=tool_s)
+    episodes = finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)
+    for k, t in enumerate(trajectories):
+        if environment is not None and t.errors["timeout"]:  # its thread may still change it: a new one next time
+            environment.discard(k)
+    return episodes._replace(decode_s=decode_s, tool_s=tool_s)
 
 
 def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:

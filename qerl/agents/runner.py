@@ -11,7 +11,6 @@ from qerl.agents.config import AgentConfig
 from qerl.agents.episode import Episodes, run_episodes
 from qerl.rollout.base import Rollout
 from qerl.tools.chat_template import call_format, check_tool_support
-from qerl.tools.environment import environment_tools
 
 
 class EpisodeRunner:
@@ -29,7 +28,7 @@ class EpisodeRunner:
         self.tools, self.environment = config.load()
         self.schemas = [t.schema for t in self.tools]
         if self.environment is not None:
-            self.schemas += [t.schema for t in environment_tools(self.environment.make())]
+            self.schemas += [t.schema for t in self.environment.slot(0)[1]]
         check_tool_support(tokenizer, self.schemas, model)
         self.call_format = call_format(tokenizer)
 

@@ -99,8 +99,9 @@ def micro_batches(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tenso
     ``[N, P]`` prompt and ``[N, L]`` completion tensors and moved to ``device`` asynchronously. ``target_mask``
     ``[N, L]``: the completion tokens whose log-probs are needed (the model's own in a multi-turn episode; tool results
     stay input only); None: every completion token."""
-    targets = completion_mask if target_mask is None else target_mask
-    host = [t.cpu() for t in (prompt_ids, completion_ids, prompt_mask, completion_mask, targets)]
+    host = [t.cpu() for t in (prompt_ids, completion_ids, prompt_mask, completion_mask)]
+    # single-turn: the targets are the completion mask itself, copied once
+    host.append(host[3] if target_mask is None or target_mask is completion_mask else target_mask.cpu())
     return [_to_device(_micro_batch(*host, torch.tensor(r, dtype=torch.long), pad_id), device) for r in rows]
 
 

@@ -32,9 +32,25 @@ class EnvironmentFactory:
 
     cls: type
     init_args: dict = field(default_factory=dict)
+    # trajectory slot k's (environment, its tool methods): built on first use, reset for every episode after
+    _slots: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def make(self):
         return self.cls(**self.init_args)
+
+    def slot(self, k: int) -> tuple[object, list[Tool]]:
+        """The environment of trajectory slot ``k`` and its tools, one instance per slot reused across steps (as
+        TRL's ``environment_factory``): no construction or schema parsing per episode."""
+        self._slots.extend([None] * (k + 1 - len(self._slots)))
+        if self._slots[k] is None:
+            env = self.make()
+            self._slots[k] = (env, environment_tools(env))
+        return self._slots[k]
+
+    def discard(self, k: int) -> None:
+        """Slot ``k`` gets a new instance next time (a call past its timeout may still be running on the old one)."""
+        if k < len(self._slots):
+            self._slots[k] = None
 
     @property
     def name(self) -> str:

@@ -56,6 +56,8 @@ def tool_from(fn: Callable, option: str, name: str | None = None) -> Tool:
     from transformers.utils import get_json_schema
 
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else fn.__call__
+    if inspect.iscoroutinefunction(target):  # never awaited, the model would read a coroutine's repr as the answer
+        raise ValueError(f"{option}: an async tool; tools here are called synchronously. Fix: make it a plain def.")
     try:
         schema = get_json_schema(target)
     except Exception as error:  # noqa: BLE001 - transformers' DocstringParsingException / TypeHintParsingException

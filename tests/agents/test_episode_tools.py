@@ -3,6 +3,8 @@
 The engine here replays scripted turns (its sampling is what the log-prob tests check on real engines); the
 tokenizer, its chat template, the parser, the tools and the runner are the real ones."""
 
+import time
+
 import pytest
 import torch
 
@@ -122,3 +124,61 @@ def test_an_environment_step_that_raises_ends_its_episode(tokenizer):
     finally:
         del SCRIPTS["plain"]
     assert [(t.end, t.turns, dict(t.errors)) for t in episodes.trajectories] == [("environment", 1, {"raised": 1})] * 2
+
+
+class Built:
+    """Counts its constructions and resets (an environment that is costly to build: a sandbox, a browser)."""
+
+    built = 0
+
+    def __init__(self):
+        Built.built += 1
+        self.resets = 0
+
+    def reset(self, **row) -> None:
+        self.resets += 1
+
+
+def test_environments_are_built_once_per_slot_and_reset_every_episode(tokenizer):
+    SCRIPTS["plain"] = ["Hello there."]
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "plain"}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        factory, Built.built = EnvironmentFactory(Built), 0
+        for _ in range(3):  # three steps
+            episodes = run_episodes(scripted_sampler(tokenizer, []), [prompt], [{}], 2, tokenizer,
+                                    [tokenizer.eos_token_id], tokenizer.pad_token_id, AgentConfig(), [], factory,
+                                    MAX_NEW_TOKENS, "qwen")
+    finally:
+        del SCRIPTS["plain"]
+    assert Built.built == 2 and [t.environment.resets for t in episodes.trajectories] == [3, 3]
+
+
+class Slow(Built):
+    """An environment whose tool can outlive its timeout."""
+
+    def wait(self, seconds: float) -> str:
+        """
+        Waits.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "waited"
+
+
+def test_an_environment_whose_call_timed_out_is_built_anew(tokenizer):
+    SCRIPTS["hangs"] = ['<tool_call>{"name": "wait", "arguments": {"seconds": 0.5}}</tool_call>', "Done."]
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hangs"}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        factory, Built.built = EnvironmentFactory(Slow), 0
+        for _ in range(2):
+            episodes = run_episodes(scripted_sampler(tokenizer, []), [prompt], [{}], 2, tokenizer,
+                                    [tokenizer.eos_token_id], tokenizer.pad_token_id, AgentConfig(tool_timeout_s=0.05),
+                                    [], factory, MAX_NEW_TOKENS, "qwen")
+    finally:
+        del SCRIPTS["hangs"]
+    assert [dict(t.errors) for t in episodes.trajectories] == [{"timeout": 1}] * 2
+    assert Built.built == 4 and [t.environment.resets for t in episodes.trajectories] == [1, 1]

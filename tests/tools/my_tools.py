@@ -28,6 +28,16 @@ def unhinted(a):
     return a
 
 
+async def fetch(url: str) -> str:
+    """
+    Fetches a page.
+
+    Args:
+        url: The address.
+    """
+    return url
+
+
 class Counter:
     """A TRL environment_factory class (its public methods are tools)."""
 

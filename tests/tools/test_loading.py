@@ -26,6 +26,7 @@ def test_a_trl_tool_module_loads_unchanged_with_its_schema():
     (f"{MY_TOOLS}:missing", r"cannot be loaded \(AttributeError"),
     (f"{MY_TOOLS}:undocumented", "no docstring.*Fix: make it a function with type hints"),
     (f"{MY_TOOLS}:unhinted", "missing a type hint.*Fix: make it a function with type hints"),
+    (f"{MY_TOOLS}:fetch", "an async tool.*Fix: make it a plain def"),
     ("multiply", "name it as 'module:name'"),
     ({"class_path": "qerl.tools.python.PythonTool", "init_args": {"seconds": 1}}, "unexpected keyword.*init_args"),
 ])
