@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: per-kernel time and count per step (torch profiler, eager steps).
 
     PYTHONPATH=. python bench/profile_decode.py [--out bench/results] [--batches 1,16] [--quants nvfp4,bf16]
+                                                [--models qwen2.5-7b,qwen2.5-72b] [--label 70b]
 
 For each model/batch: two eager rollouts (stop after 4 and after 12 decode steps) under the profiler; the difference
 divided by 8 is one decode step's kernels (prefill and warm-up cancel). Prints the top kernels by GPU time and the
@@ -20,7 +21,7 @@ import rollout_hooks
 from torch.profiler import ProfilerActivity, profile
 
 from qerl.rollout.sampling_spec import SamplingSpec
-from qerl.testing.random_models import build_random_policy, qwen25_config
+from qerl.testing.random_models import build_random_policy, model_config
 
 
 def kernel_table(policy, batch: int, fused: bool = True) -> dict:
@@ -57,15 +58,17 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--quants", default="nvfp4,bf16")
+    ap.add_argument("--models", default="qwen2.5-7b", help="shapes of qerl.testing.random_models, comma-separated")
+    ap.add_argument("--label", default="", help="written to decode_profile_<device>_<label>.json")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     result = {"device": device, "runs": []}
-    for quant in args.quants.split(","):
-        policy = build_random_policy(qwen25_config("qwen2.5-7b"), quant, lora_rank=16)
+    for model, quant in ((m, q) for m in args.models.split(",") for q in args.quants.split(",")):
+        policy = build_random_policy(model_config(model), quant, lora_rank=16)
         for b in (int(x) for x in args.batches.split(",")):
             t = kernel_table(policy, b)
-            result["runs"].append(dict(model="qwen2.5-7b", quant=quant, batch=b, **t))
-            print(f"\n== 7B {quant} batch {b}: {t['kernels_per_step']:.0f} kernels, {t['kernel_ms_per_step']:.3f} ms "
+            result["runs"].append(dict(model=model, quant=quant, batch=b, **t))
+            print(f"\n== {model} {quant} batch {b}: {t['kernels_per_step']:.0f} kernels, {t['kernel_ms_per_step']:.3f} ms "
                   f"of kernel time per step")
             for r in t["top"][:22]:
                 print(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
@@ -74,7 +77,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "h100" if "H100" in device else "h200" if "H200" in device else device.replace(" ", "_").lower()
-    (out / f"decode_profile_{tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"decode_profile_{tag}{'_' + args.label if args.label else ''}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
