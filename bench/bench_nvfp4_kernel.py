@@ -45,6 +45,8 @@ SHAPES = {
            ("gate", 18944, 3584), ("up", 18944, 3584), ("down", 3584, 18944)],
     "32b": [("q", 5120, 5120), ("k", 1024, 5120), ("v", 1024, 5120), ("o", 5120, 5120),
             ("gate", 27648, 5120), ("up", 27648, 5120), ("down", 5120, 27648)],
+    "72b": [("q", 8192, 8192), ("k", 1024, 8192), ("v", 1024, 8192), ("o", 8192, 8192),
+            ("gate", 29568, 8192), ("up", 29568, 8192), ("down", 8192, 29568)],
 }
 ROTATE_BYTES = 2.5 * 50e6  # cycle through more than 2x the H100's 50 MB L2
 CHECK_ROWS = 96  # rows of the output compared with fp64 (the last row always included)
