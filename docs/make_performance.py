@@ -334,6 +334,16 @@ def wide_section(result: dict) -> list[str]:
                   "x cuBLAS bf16", "x dequantize + cuBLAS"], rows)
 
 
+def agent_section(result: dict) -> list[str]:
+    arms = result["arms"]
+    rows = [[arm, num(a["turns"], 1), f"{a['generated_per_row']:.0f}", num(a["decode_s"], 1), num(a["tool_s"], 1),
+             f"{a['decode_tok_s']:.0f}", num(a["train_s"], 1)] for arm, a in arms.items()]
+    lines = [f"{result['model']}, {result['prompts']} prompts x {result['group_size']}, up to {result['turns']} turns "
+             f"of median {result['turn_median']} tokens; multi-turn decode throughput / single-turn: "
+             f"{num(result['multi_decode_vs_single'])}", ""]
+    return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "update s"], rows)
+
+
 def generic_section(result: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
     return table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
@@ -685,6 +695,13 @@ SECTIONS = (
             "`bench/update_profiler.py`). GPU busy is the union of the kernels' intervals: the rest of the wall time "
             "the GPU waits on the host. The profiler itself slows the host, so the wall time is above the unprofiled "
             "`train_s`.", update_phase_section),
+    Section("Agents: multi-turn rollouts", "agent_rollout_*.json",
+            "python bench/bench_agent_rollout.py --tokenizer DIR --out bench/results",
+            "`train.py fit` with an environment that answers every turn with a real run of the Python tool (turns cut "
+            "at lognormal lengths: random weights never write a call), against single-turn rollouts of about the same "
+            "generated tokens, on a random-init model with the real shape, NVFP4 (`bench/bench_agent_rollout.py`); "
+            "decode throughput is the model's tokens over the decode seconds.",
+            agent_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "
