@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.split_k import counters
+from qerl.model.projection_layout import stacked_weight
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.kernel_choice import Kernels
 
@@ -33,7 +34,7 @@ class BaseGEMM:
     (batch <= 64; on sm_90 up to 256 for groups of >= ``WIDE_MIN_WEIGHTS`` weights, on token blocks); wider batches
     use a stacked bf16 copy of the group made for one rollout when there is one (:meth:`dequantize`: cuBLAS at the
     bf16 speed, 2 bytes per weight while it lives), else the group dequantized per call. Frozen ``nn.Linear``
-    weights are moved into one buffer (views handed back to the modules)."""
+    weights laid out in one buffer by the loader are multiplied by one GEMM on it (else one per module)."""
 
     def __init__(self, layers: list[nn.Module], kernels: Kernels):
         self.layers = layers
@@ -49,28 +50,10 @@ class BaseGEMM:
         self._no_mma = False
         self._rebuilds = 0  # bumped when a built repack is replaced (graphs holding the old one must go)
         self._dequantized = None  # stacked dense copy of NVFP4 weights for batches above the GEMV's, per rollout
+        # frozen dense weights the loader laid out in one buffer (qerl.model.projection_layout): one GEMM, no copy
         self.dense = None
-        if self.kind == "dense":
-            self.dense = self._stack_dense() if fast and len(layers) > 1 else None
-
-    def _stack_dense(self):
-        ws = [m.weight for m in self.layers]
-        if any(w.requires_grad for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) > 1:
-            return None
-        first = ws[0]
-        if all(w.is_contiguous() for w in ws) and all(
-                w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for w in ws) and all(
-                ws[i + 1].data_ptr() == ws[i].data_ptr() + ws[i].numel() * ws[i].element_size()
-                for i in range(len(ws) - 1)):  # already stacked (an earlier decoder on this model)
-            return torch.empty(0, dtype=first.dtype, device=first.device).set_(
-                first.untyped_storage(), first.storage_offset(), (sum(self.sizes), first.shape[1]), (first.shape[1], 1))
-        stacked = torch.empty(sum(self.sizes), first.shape[1], dtype=first.dtype, device=first.device)
-        row = 0
-        for m, n in zip(self.layers, self.sizes):
-            stacked[row:row + n].copy_(m.weight.detach())
-            m.weight.data = stacked[row:row + n]  # same Parameter, storage now shared: no extra memory
-            row += n
-        return stacked
+        if self.kind == "dense" and fast and len(layers) > 1 and not any(m.weight.requires_grad for m in layers):
+            self.dense = stacked_weight(layers)
 
     def _mma_weight(self):
         ms = self.layers

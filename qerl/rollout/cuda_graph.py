@@ -163,7 +163,7 @@ class CUDAGraphRollout(RolloutEngine):
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
         key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
         wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
-        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
+        decoder = self._fused_decoder(base, device)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
                 and torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "

@@ -22,8 +22,8 @@ copy of q|k|v and gate|up (they share one global scale, so the stack is itself a
 instead of three or two); larger batches call each NVFP4Linear's kernel, or, when the engine asks for it, a stacked
 bf16 copy of the group made before the rollout and dropped after it (one cuBLAS GEMM). At batch <= 16 the same
 launch also multiplies the group's stacked LoRA-A rows (laid out in the GEMV's fragment order before each
-rollout): the LoRA-A line above costs no launch of its own. Frozen bf16 weights of a group
-are moved into one buffer (the modules keep views of it, no extra memory) and multiplied by one cuBLAS GEMM.
+rollout): the LoRA-A line above costs no launch of its own. Frozen bf16 weights of a group,
+laid out in one buffer by the loader (``qerl.model.projection_layout``), are multiplied by one cuBLAS GEMM.
 
 Everything is read from live storage at replay time: LoRA matrices are copied (scaled, in the model dtype) into fixed
 buffers by :meth:`FusedDecoder.prepare` before each rollout, RMSNorm weights (with their AQN noise) are read in

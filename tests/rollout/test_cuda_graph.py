@@ -264,33 +264,44 @@ def test_unsupported_model_falls_back_with_a_warning(policy):
         base.config.hidden_act = old
 
 
-def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
-    """Frozen bf16 q|k|v and gate|up weights move into one buffer each (modules keep views: no extra memory); the
-    model's outputs are unchanged and a second decoder on the same model finds them already stacked."""
+def test_dense_groups_are_laid_out_by_the_loader_and_the_decoder_moves_no_weight(tmp_path):
+    """The loader lays frozen bf16 q|k|v and gate|up weights out in one buffer each (modules keep views: no extra
+    memory, same outputs); the decoder multiplies a group with one GEMM on that buffer and re-points no parameter.
+    A model laid out otherwise keeps its weights where they are and is multiplied module by module."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl.model.projection_layout import lay_out_projections
     from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="float32")
-    ids = torch.tensor([[3, 4, 5, 6]])
-    with torch.no_grad():
-        before = policy(input_ids=ids).logits
     base = policy.get_base_model()
     att = base.model.layers[0].self_attn
-    params = sum(p.numel() for p in policy.parameters())
-    decoder = FusedDecoder(base, Kernels(fast=True))
     w = [att.q_proj.base_layer.weight, att.k_proj.base_layer.weight, att.v_proj.base_layer.weight]
     assert len({t.untyped_storage().data_ptr() for t in w}) == 1
+    pointers = {n: p.data_ptr() for n, p in policy.named_parameters()}
+    decoder = FusedDecoder(base, Kernels(fast=True))
+    assert {n: p.data_ptr() for n, p in policy.named_parameters()} == pointers
     stacked = decoder.layers[0].qkv.gemm.dense
     assert stacked.shape[0] == sum(t.shape[0] for t in w) and stacked.data_ptr() == w[0].data_ptr()
-    assert sum(p.numel() for p in policy.parameters()) == params
-    with torch.no_grad():
-        torch.testing.assert_close(policy(input_ids=ids).logits, before, rtol=0, atol=0)
-    again = FusedDecoder(base, Kernels(fast=True)).layers[0].qkv.gemm.dense
-    assert again.data_ptr() == stacked.data_ptr() and torch.equal(again, stacked)
     x = torch.randn(3, 64)
-    ys = decoder.layers[0].qkv.gemm(x)
-    for y, t in zip(ys, w):
+    for y, t in zip(decoder.layers[0].qkv.gemm(x), w):
         torch.testing.assert_close(y, x @ t.t())
+
+    plain = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    plain.requires_grad_(False)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = plain(input_ids=ids).logits
+    pointers = {n: p.data_ptr() for n, p in plain.named_parameters()}
+    assert FusedDecoder(plain, Kernels(fast=True)).layers[0].qkv.gemm.dense is None  # not laid out: left alone
+    assert {n: p.data_ptr() for n, p in plain.named_parameters()} == pointers
+    params = sum(p.numel() for p in plain.parameters())
+    assert lay_out_projections(plain) == 2 * plain.config.num_hidden_layers
+    assert sum(p.numel() for p in plain.parameters()) == params
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, before, rtol=0, atol=0)
+    assert FusedDecoder(plain, Kernels(fast=True)).layers[0].qkv.gemm.dense is not None
 
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
