@@ -41,8 +41,9 @@ each starts while the one before it finishes, and the GEMV streams its first wei
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -246,4 +247,4 @@ class FusedDecoder:
         return x
 
 
-__all__ = ["BaseGEMM", "DecoderLayer", "FusedDecoder", "Unsupported"]
+__all__ = ["DecoderLayer", "FusedDecoder", "Unsupported"]

@@ -1,5 +1,6 @@
 """CPU checks of the graph engine's device-independent logic (the same step function runs eagerly on CPU)."""
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -382,9 +383,14 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     decoder.prepare(torch.bfloat16)
     check()
     assert decoder.key() == key  # same storage: graphs captured before still read the live adapter
+    before = decoder.layers
     with policy.disable_adapter():
         decoder.prepare(torch.bfloat16)
         assert not any(g.adapter for layer in decoder.layers for g in layer.groups()) and decoder.key() != key
+    # each rollout gets new layer and group values; the earlier ones are left as they were (frozen)
+    assert all(g.adapter for layer in before for g in layer.groups())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before[0].qkv.a = None
     decoder.prepare(torch.bfloat16)
     check()
     assert decoder.key() == key

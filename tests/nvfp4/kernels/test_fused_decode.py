@@ -76,7 +76,8 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     from qerl.nvfp4.kernels import gemv_layout
     from qerl.nvfp4.format import dequantize
     from qerl.nvfp4.linear import NVFP4Linear
-    from qerl.rollout.base_gemm import BaseGEMM, Kernels
+    from qerl.rollout.base_gemm import BaseGEMM
+    from qerl.rollout.kernel_choice import Kernels
 
     g = torch.Generator().manual_seed(0)
     lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 32)]
