@@ -25,7 +25,7 @@ def stacked_weight(linears: Sequence[nn.Module]) -> torch.Tensor | None:
         return None
     storage = first.untyped_storage().data_ptr()
     if any(w.untyped_storage().data_ptr() != storage for w in ws) or any(
-            ws[i + 1].data_ptr() != ws[i].data_ptr() + ws[i].numel() * ws[i].element_size() for i in range(len(ws) - 1)):
+            nxt.data_ptr() != w.data_ptr() + w.numel() * w.element_size() for w, nxt in zip(ws, ws[1:])):
         return None
     rows = sum(w.shape[0] for w in ws)
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(
