@@ -19,6 +19,7 @@ from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, w
 from qerl.model.attention import replace_attentions
 from qerl.model.experts import replace_fused_experts
 from qerl.model.gated_mlp import replace_gated_mlps
+from qerl.model.projection_layout import lay_out_projections
 from qerl.model.rms_norm import replace_rms_norms
 from qerl.nvfp4.checkpoint import FUSED_GROUPS, NVFP4_KEYS, is_nvfp4_checkpoint, save_nvfp4
 from qerl.nvfp4.format import check_quantizable, global_scale, quantize
@@ -160,6 +161,7 @@ def load_model(
     replace_gated_mlps(model)
     replace_attentions(model)
     _fill(model, files, nvfp4, prequantized, dtype, device, progress)
+    lay_out_projections(model)  # q|k|v and gate|up in one buffer each: one GEMM per group in the fused decode step
     model.tie_weights()
     model.eval()
     return model

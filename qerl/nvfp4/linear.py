@@ -9,7 +9,7 @@ loaded) move to host memory and every kernel reads the repacked copy (``release_
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -194,13 +194,21 @@ class NVFP4Linear(nn.Module):
                 self.release_packed()
         return self._gemv_cache[1]
 
-    def adopt_gemv_weight(self, words: torch.Tensor, factors: torch.Tensor) -> None:
-        """Take ``(words, factors)`` (views into a group's stacked repacked copy, equal to this layer's own) as the
-        repacked copy, so the group's stack is the only one."""
-        current = self.gemv_weight()
-        if words.shape != current[0].shape or factors.shape != current[1].shape:
-            raise ValueError(f"repacked copy of shape {tuple(words.shape)}, expected {tuple(current[0].shape)}")
-        self._gemv_cache = (self._gemv_cache[0], (words, factors))
+    @staticmethod
+    def stacked_gemv_weight(layers: Sequence[NVFP4Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The repacked copies of ``layers`` (same ``in_features``) stacked along the output dim, as one GEMV launch
+        multiplies them. One copy stays resident: each layer's own repacked copy becomes its slice of the stack (a
+        single layer's is returned as is)."""
+        if len(layers) == 1:
+            return layers[0].gemv_weight()
+        own = [m.gemv_weight() for m in layers]
+        words, factors = torch.cat([w for w, _ in own]), torch.cat([f for _, f in own])
+        row = 0
+        for m, (w, _) in zip(layers, own):
+            n = w.shape[0]
+            m._gemv_cache = (m._gemv_cache[0], (words[row:row + n], factors[row:row + n]))
+            row += n
+        return words, factors
 
     def release_packed(self) -> None:
         """Move the compressed-tensors tensors to host memory and keep the repacked copy alone on the device: one

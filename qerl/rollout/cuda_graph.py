@@ -163,14 +163,14 @@ class CUDAGraphRollout(RolloutEngine):
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
         key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
         wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
-        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
+        decoder = self._fused_decoder(base, device)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
                 and torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
                              f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
         params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
-        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, spec, device)
+        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, spec, device, decoder)
         out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
         out["tokens_out"].fill_(pad_id)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
@@ -188,7 +188,6 @@ class CUDAGraphRollout(RolloutEngine):
                     rows = wave_prompts * group_size
                     decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows)
                     self._graph_cache.drop_stale(decoder.key)
-                s.decoder = decoder
                 s.noise_key.copy_(key)
                 for first in range(0, B, wave_prompts):
                     prompts = slice(first, min(B, first + wave_prompts))
@@ -326,14 +325,15 @@ class CUDAGraphRollout(RolloutEngine):
         return self._adapters.swapped_in(policy, params, dtype) if self.adapter_in_model_dtype else nullcontext()
 
     def _ensure_state(self, policy, base, params: list, rows: int, length: int, spec: SamplingSpec,
-                      device) -> DecodeState:
-        """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage."""
+                      device, decoder) -> DecodeState:
+        """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage (and the step
+        its ``decoder``: None for the transformers step)."""
         config = base.config
         length = -(-length // self.length_bucket) * self.length_bucket
         pointers = tuple(p.data_ptr() for _, p in params)
         dtype = base.get_input_embeddings().weight.dtype
         kv_dtype = cache_dtype(self.kv_cache_dtype, dtype)
-        key = (pointers, spec.top_p, id(policy), kv_dtype)
+        key = (pointers, spec.top_p, id(policy), kv_dtype, decoder)
         s = self._state
         if s is not None and s.key == key and s.rows >= rows and s.length >= length \
                 and s.tokens_out.shape[1] >= spec.max_new_tokens:
@@ -349,7 +349,7 @@ class CUDAGraphRollout(RolloutEngine):
                 torch.cuda.empty_cache()
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim(config))
         cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated by each wave (see _decode_wave)
-        s = DecodeState.empty(key, cache, new, device)
+        s = DecodeState.empty(key, cache, new, device, decoder)
         self._state = s
         if device.type == "cuda":
             self._graph_cache.new_pool()

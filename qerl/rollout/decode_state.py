@@ -20,7 +20,7 @@ MAX_EOS = 8
 @dataclass(eq=False)
 class DecodeState:
     """The buffers of one size of decode (see the module docstring); ``key`` names what they were made for (the
-    parameters' storage, ``top_p``, the policy, the KV element type): another key makes a new state."""
+    parameters' storage, ``top_p``, the policy, the KV element type, the decoder): another key makes a new state."""
 
     key: tuple
     rows: int
@@ -40,12 +40,12 @@ class DecodeState:
     tokens_out: torch.Tensor  # [rows, new] long
     logprobs_out: torch.Tensor  # [rows, new] fp32
     entropy_out: torch.Tensor  # [rows, new] fp32
-    decoder: Any = None  # the FusedDecoder of this rollout (None: the transformers step)
+    decoder: Any = None  # the FusedDecoder its steps run (None: the transformers step)
 
     OUTPUTS = ("tokens_out", "logprobs_out", "entropy_out")
 
     @classmethod
-    def empty(cls, key: tuple, cache: SlotCache, max_new_tokens: int, device) -> DecodeState:
+    def empty(cls, key: tuple, cache: SlotCache, max_new_tokens: int, device, decoder=None) -> DecodeState:
         """The buffers for ``cache.rows`` slots of ``cache.length`` positions (the cache itself is not allocated)."""
         rows, length = cache.rows, cache.length
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -54,7 +54,7 @@ class DecodeState:
                    slot_row=zeros(rows), finished=zeros(rows, dtype=torch.bool), step=zeros(1), noise_key=zeros(2),
                    first_row=zeros(1), pad=zeros(1), eos=zeros(MAX_EOS), tokens_out=zeros(rows, max_new_tokens),
                    logprobs_out=zeros(rows, max_new_tokens, dtype=torch.float32),
-                   entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32))
+                   entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32), decoder=decoder)
 
     def reset(self, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int], max_new_tokens: int) -> None:
         """Start a wave of the prompts whose padding ``mask`` [B, P] is given, G rows each."""

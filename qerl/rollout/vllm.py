@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -96,6 +97,19 @@ def policy_norms(policy) -> dict[str, torch.Tensor]:
             continue
         norms[(match.group(1) if match else name) + ".weight"] = module.weight.detach()
     return norms
+
+
+@contextmanager
+def environment_defaults(values: dict[str, str]):
+    """``values`` in ``os.environ`` where the process has none of its own, inside the block only: vLLM reads its
+    launcher's variables while it builds its engine, and the process keeps the environment it had after that."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def save_lora(policy, directory: Path) -> int:
@@ -196,6 +210,7 @@ class VLLMRollout(RolloutEngine):
         self._seeds: random.Random | None = None  # per-request seeds, distinct across prompts, steps and ranks
         self._seeds_state: tuple | None = None  # the stream's state from a checkpoint, applied when it is made
         self._served_len: int | None = None  # the longest row the started vLLM serves
+        self._engine_in_process = False  # whether the started vLLM's engine core runs in this process
 
     # ------------------------------------------------------------------------------------------------------------
     def rank_state(self) -> dict:
@@ -278,7 +293,7 @@ class VLLMRollout(RolloutEngine):
     def sleeping_bytes(self) -> int:
         # only an engine core in this process allocates its pool through this process's PyTorch counters (a user's
         # VLLM_ENABLE_V1_MULTIPROCESSING=1 moves it to a process of its own)
-        return self._sleeping_bytes if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else 0
+        return self._sleeping_bytes if self._engine_in_process else 0
 
     def _sampling_params(self, group_size: int, eos_ids: list[int], spec: SamplingSpec, seeds: random.Random,
                          **overrides):
@@ -302,7 +317,6 @@ class VLLMRollout(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------------
     def _start(self, policy, rank: int) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core runs in this process
         try:
             from vllm import LLM
         except ImportError as error:
@@ -335,18 +349,19 @@ class VLLMRollout(RolloutEngine):
         )
         if self._on_cuda():
             kwargs["enable_sleep_mode"] = self.sleep
+        launcher = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core runs in this process
         if world_size > 1:
             # Under DDP: one engine per rank, each sampling its rank's prompts (vLLM's data parallelism with an
             # external launcher; it joins the process group Lightning made and reads the launcher's variables,
             # of which Lightning sets LOCAL_RANK and MASTER_*, not RANK and WORLD_SIZE).
-            os.environ.setdefault("RANK", str(process_rank))
-            os.environ.setdefault("WORLD_SIZE", str(world_size))
-            os.environ.setdefault("LOCAL_RANK", str(process_rank))
+            launcher.update(RANK=str(process_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(process_rank))
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
         kwargs.update(self.engine_kwargs)
         if self._on_cuda():  # vLLM checks its share against the GPU's free memory: blocks PyTorch caches count as used
             torch.cuda.empty_cache()
-        self.llm = LLM(**kwargs)
+        with environment_defaults(launcher):
+            self.llm = LLM(**kwargs)
+            self._engine_in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # (what vLLM read)
         self._served_len = self.llm.llm_engine.model_config.max_model_len  # vLLM's, where max_model_len is None
         names = set(self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0])
         missing = sorted(set(self._clean_norms) - names)

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target, materialize_rotary
+from qerl.model.projection_layout import lay_out_projections
 from qerl.nvfp4.format import BLOCK
 from qerl.nvfp4.linear import NVFP4Linear
 
@@ -168,6 +169,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
             if buf.device.type == "meta" and key != "inv_freq":
                 module.register_buffer(key, torch.zeros(buf.shape, dtype=buf.dtype, device=device), persistent=False)
     materialize_rotary(model, device)
+    lay_out_projections(model)  # as load_model does
     model.eval()
     return model
 

@@ -271,7 +271,8 @@ def test_fp8_kv_cache_writes_and_reads_like_the_torch_twins():
 def test_decoder_gate_up_group_on_token_blocks(m):
     """The decoder's stacked 7B gate|up at 65-256 rows on the token-block GEMV (no bf16 copy): each layer's output vs
     the fp64 product, twice bitwise, and served by the stacked repack (not dequantized)."""
-    from qerl.rollout.fused_decoder import BaseGEMM, Kernels
+    from qerl.rollout.base_gemm import BaseGEMM
+    from qerl.rollout.kernel_choice import Kernels
 
     layers = [random_layer(18944, 3584, seed=20 + i) for i in range(2)]
     for other in layers[1:]:  # a fused group shares one global scale
@@ -289,7 +290,8 @@ def test_decoder_gate_up_group_on_token_blocks(m):
 def test_down_projection_keeps_no_bf16_copy_up_to_one_token_block():
     """The rollout's bf16 copy above 64 rows leaves out the 7B down projection up to 128 rows (the wgmma loop on the
     NVFP4 weight is faster there) and takes it above; the output is the fp64 product either way."""
-    from qerl.rollout.fused_decoder import BaseGEMM, Kernels
+    from qerl.rollout.base_gemm import BaseGEMM
+    from qerl.rollout.kernel_choice import Kernels
 
     fast = Kernels(fast=True)
     down, gate = BaseGEMM([random_layer(3584, 18944, seed=7)], fast), BaseGEMM([random_layer(18944, 3584, 8)], fast)

@@ -98,7 +98,7 @@ def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
     spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
     r = engine.generate(policy, prompts, 32, 0, [], spec)  # 96 rows: the steps above 64 rows use the rollout's bf16 copy
     assert max_logprob_error(policy, r) < LOGPROB_ATOL
-    gemms = [layer[g].gemm for layer in engine._decoder[1].layers for g in ("qkv", "o", "gu", "down")]
+    gemms = [g.gemm for layer in engine._decoder[1].layers for g in layer.groups()]
     assert all(g._dequantized is None for g in gemms)  # released after the rollout
     # the next rollout's copy lands elsewhere (what an update's allocations do): its graphs are recaptured, the stale
     # ones (all of them: 96 rows never compact below 64) freed

@@ -1,5 +1,6 @@
 """CPU checks of the graph engine's device-independent logic (the same step function runs eagerly on CPU)."""
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -215,7 +216,7 @@ def test_wgmma_gemv_is_refused_where_unsupported_and_keys_the_graphs(policy):
     auto = CUDAGraphRollout(fused=True)._fused_decoder(base, torch.device("cpu"))
     off = off_engine._fused_decoder(base, torch.device("cpu"))
     assert auto.wgmma is None and off.wgmma is False
-    assert all(lyr[g].gemm.wgmma is False for lyr in off.layers for g in ("qkv", "o", "gu", "down"))
+    assert all(g.gemm.wgmma is False for lyr in off.layers for g in lyr.groups())
     auto.prepare(torch.float32)
     off.prepare(torch.float32)
     assert auto.key(1) != off.key(1)  # graphs captured with one GEMV loop never replay for the other
@@ -264,33 +265,44 @@ def test_unsupported_model_falls_back_with_a_warning(policy):
         base.config.hidden_act = old
 
 
-def test_stacked_dense_weights_share_storage_and_keep_outputs(tmp_path):
-    """Frozen bf16 q|k|v and gate|up weights move into one buffer each (modules keep views: no extra memory); the
-    model's outputs are unchanged and a second decoder on the same model finds them already stacked."""
+def test_dense_groups_are_laid_out_by_the_loader_and_the_decoder_moves_no_weight(tmp_path):
+    """The loader lays frozen bf16 q|k|v and gate|up weights out in one buffer each (modules keep views: no extra
+    memory, same outputs); the decoder multiplies a group with one GEMM on that buffer and re-points no parameter.
+    A model laid out otherwise keeps its weights where they are and is multiplied module by module."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl.model.projection_layout import lay_out_projections
     from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="bf16", lora_rank=4, dtype="float32")
-    ids = torch.tensor([[3, 4, 5, 6]])
-    with torch.no_grad():
-        before = policy(input_ids=ids).logits
     base = policy.get_base_model()
     att = base.model.layers[0].self_attn
-    params = sum(p.numel() for p in policy.parameters())
-    decoder = FusedDecoder(base, Kernels(fast=True))
     w = [att.q_proj.base_layer.weight, att.k_proj.base_layer.weight, att.v_proj.base_layer.weight]
     assert len({t.untyped_storage().data_ptr() for t in w}) == 1
-    stacked = decoder.layers[0]["qkv"].gemm.dense
+    pointers = {n: p.data_ptr() for n, p in policy.named_parameters()}
+    decoder = FusedDecoder(base, Kernels(fast=True))
+    assert {n: p.data_ptr() for n, p in policy.named_parameters()} == pointers
+    stacked = decoder.layers[0].qkv.gemm.dense
     assert stacked.shape[0] == sum(t.shape[0] for t in w) and stacked.data_ptr() == w[0].data_ptr()
-    assert sum(p.numel() for p in policy.parameters()) == params
-    with torch.no_grad():
-        torch.testing.assert_close(policy(input_ids=ids).logits, before, rtol=0, atol=0)
-    again = FusedDecoder(base, Kernels(fast=True)).layers[0]["qkv"].gemm.dense
-    assert again.data_ptr() == stacked.data_ptr() and torch.equal(again, stacked)
     x = torch.randn(3, 64)
-    ys = decoder.layers[0]["qkv"].gemm(x)
-    for y, t in zip(ys, w):
+    for y, t in zip(decoder.layers[0].qkv.gemm(x), w):
         torch.testing.assert_close(y, x @ t.t())
+
+    plain = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    plain.requires_grad_(False)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = plain(input_ids=ids).logits
+    pointers = {n: p.data_ptr() for n, p in plain.named_parameters()}
+    assert FusedDecoder(plain, Kernels(fast=True)).layers[0].qkv.gemm.dense is None  # not laid out: left alone
+    assert {n: p.data_ptr() for n, p in plain.named_parameters()} == pointers
+    params = sum(p.numel() for p in plain.parameters())
+    assert lay_out_projections(plain) == 2 * plain.config.num_hidden_layers
+    assert sum(p.numel() for p in plain.parameters()) == params
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, before, rtol=0, atol=0)
+    assert FusedDecoder(plain, Kernels(fast=True)).layers[0].qkv.gemm.dense is not None
 
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
@@ -338,6 +350,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     new adapter state is copied into the same storage (captured graphs stay valid) and a disabled adapter keeps it."""
     from qerl.nvfp4.kernels import gemv_layout, gemv_plan
     from qerl.rollout.fused_decoder import GROUPS, FusedDecoder, Kernels
+    from qerl.rollout.gemm_group import takes_fragments
 
     path = save_tiny_model(tmp_path / "m", "qwen2", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="bfloat16")  # q|k|v: 12 rows -> 16
@@ -350,10 +363,10 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     def check():
         for layer in decoder.layers:
             for kind in GROUPS:
-                g = layer[kind]
+                g = getattr(layer, kind)
                 a = torch.cat([m.lora_A["default"].weight for m in g.modules]).to(torch.bfloat16)
                 assert g.adapter and torch.equal(g.a, a)
-                assert g.takes_fragments(torch.bfloat16)
+                assert takes_fragments(g.gemm, torch.bfloat16)
                 assert torch.equal(gemv_layout.undense_fragments(g.a_frags, a.shape[0]), a)
                 for m, b in zip(g.modules, g.b):
                     s = m.scaling["default"]
@@ -361,7 +374,7 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
 
     decoder.prepare(torch.bfloat16)
     check()
-    qkv = [layer["qkv"] for layer in decoder.layers]
+    qkv = [layer.qkv for layer in decoder.layers]
     assert qkv[1].a.data_ptr() == qkv[0].a.data_ptr() + 16 * qkv[0].a.shape[1] * 2  # one buffer, 16-row aligned
     key = decoder.key()
     with torch.no_grad():
@@ -370,9 +383,14 @@ def test_adapter_buffers_are_stacked_refreshed_in_place_and_kept_while_off(tmp_p
     decoder.prepare(torch.bfloat16)
     check()
     assert decoder.key() == key  # same storage: graphs captured before still read the live adapter
+    before = decoder.layers
     with policy.disable_adapter():
         decoder.prepare(torch.bfloat16)
-        assert not any(layer[k].adapter for layer in decoder.layers for k in GROUPS) and decoder.key() != key
+        assert not any(g.adapter for layer in decoder.layers for g in layer.groups()) and decoder.key() != key
+    # each rollout gets new layer and group values; the earlier ones are left as they were (frozen)
+    assert all(g.adapter for layer in before for g in layer.groups())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before[0].qkv.a = None
     decoder.prepare(torch.bfloat16)
     check()
     assert decoder.key() == key

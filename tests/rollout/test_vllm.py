@@ -50,6 +50,24 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch):
         VLLMRollout()
 
 
+def test_launcher_variables_are_set_for_the_engine_build_only(monkeypatch):
+    """vLLM's launcher variables exist while its engine is built and are gone after it (an error included); the
+    process's own values are never replaced."""
+    from qerl.rollout.vllm import environment_defaults
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = dict(os.environ)
+    with environment_defaults({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}):
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "1")
+    assert dict(os.environ) == before
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with environment_defaults({"RANK": "1"}):
+            raise RuntimeError("engine failed")
+    assert dict(os.environ) == before
+
+
 @needs_vllm
 def test_noisy_norms_are_clean_plus_the_shared_aqn_noise():
     from qerl.model.aqn import aqn_noise

@@ -133,7 +133,8 @@ for dtype in (torch.float32, torch.float16):
 # (fp32: the interpreter's numpy cannot do the kernel's bf16 bit tricks; the GPU benchmarks check bf16)
 from qerl.nvfp4.format import dequantize
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.fused_decoder import BaseGEMM, Kernels
+from qerl.rollout.base_gemm import BaseGEMM
+from qerl.rollout.kernel_choice import Kernels
 
 lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 48)]
 mods = []

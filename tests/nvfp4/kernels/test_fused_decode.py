@@ -76,7 +76,8 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     from qerl.nvfp4.kernels import gemv_layout
     from qerl.nvfp4.format import dequantize
     from qerl.nvfp4.linear import NVFP4Linear
-    from qerl.rollout.fused_decoder import BaseGEMM, Kernels
+    from qerl.rollout.base_gemm import BaseGEMM
+    from qerl.rollout.kernel_choice import Kernels
 
     g = torch.Generator().manual_seed(0)
     lins = [torch.nn.Linear(128, n, bias=False) for n in (64, 32, 32)]
@@ -96,6 +97,11 @@ def test_stacked_nvfp4_repack_is_the_stacked_weight():
     ref = torch.cat([dequantize(m.weight_packed, m.weight_scale, torch.ones(1), torch.float64) for m in mods]) / 256
     assert torch.equal(gemv_layout.emulate_repacked(words, factors).double(), ref)
     assert gemm._mma_weight()[0] is words  # cached while the weights are unchanged
+    row = 0  # one resident copy: each layer's own repacked copy is its slice of the stack
+    for m in mods:
+        own, n = m.gemv_weight(build=False), m.out_features // 16
+        assert own[0].data_ptr() == words[row].data_ptr() and own[1].data_ptr() == factors[row].data_ptr()
+        row += n
 
 
 _PDL_BUILD = """

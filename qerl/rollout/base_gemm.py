@@ -1,0 +1,178 @@
+"""The base GEMM of one group of a decoder layer (the modules reading one input: q|k|v, o, gate|up, down).
+
+NVFP4 weights at batch <= 64 (on sm_90 up to 256 for large groups) go through the repacked mma GEMV on one stacked copy
+of the group (its layers share one global scale, so the stack is itself a valid NVFP4 weight: one launch instead of
+three or two); wider batches use a stacked bf16 copy made for one rollout when there is one, else the group
+dequantized per call. Frozen bf16 weights of a group laid out in one buffer are multiplied by one cuBLAS GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels.split_k import counters
+from qerl.model.projection_layout import stacked_weight
+from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.kernel_choice import Kernels
+
+
+class Unsupported(Exception):
+    """The model (or its adapter state) needs the transformers forward; the message says why."""
+
+
+def _weight_version(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), -1 if t.is_inference() else t._version
+
+
+class BaseGEMM:
+    """``x @ W_i.T`` for the base layers of one group (modules reading the same input), bias excluded.
+
+    On CUDA a group of NVFP4 layers sharing one global scale is stacked once into a repacked weight for the mma GEMV
+    (batch <= 64; on sm_90 up to 256 for groups of >= ``WIDE_MIN_WEIGHTS`` weights, on token blocks); wider batches
+    use a stacked bf16 copy of the group made for one rollout when there is one (:meth:`dequantize`: cuBLAS at the
+    bf16 speed, 2 bytes per weight while it lives), else the group dequantized per call. Frozen ``nn.Linear``
+    weights laid out in one buffer by the loader are multiplied by one GEMM on it (else one per module)."""
+
+    def __init__(self, layers: list[nn.Module], kernels: Kernels):
+        self.layers = layers
+        fast, self.pdl, self.wgmma = kernels
+        self.sizes = [m.out_features for m in layers]
+        self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
+            "dense" if all(type(m) is nn.Linear for m in layers) else None
+        if self.kind is None:
+            raise Unsupported(f"base layers of types {sorted({type(m).__name__ for m in layers})}")
+        self.fast = fast
+        self._repacked = None
+        self._versions = None
+        self._no_mma = False
+        self._rebuilds = 0  # bumped when a built repack is replaced (graphs holding the old one must go)
+        self._dequantized = None  # stacked dense copy of NVFP4 weights for batches above the GEMV's, per rollout
+        # frozen dense weights the loader laid out in one buffer (qerl.model.projection_layout): one GEMM, no copy
+        self.dense = None
+        if self.kind == "dense" and fast and len(layers) > 1 and not any(m.weight.requires_grad for m in layers):
+            self.dense = stacked_weight(layers)
+
+    def _mma_weight(self):
+        ms = self.layers
+        k = ms[0].in_features
+        if not all(gemv_layout.supported(m.out_features, k) and m.in_features == k for m in ms):
+            return None
+        gs = ms[0].weight_global_scale
+        versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+                                                                  m.weight_global_scale))
+        if self._repacked is None or self._versions != versions:
+            if any(not torch.equal(m.weight_global_scale, gs) for m in ms[1:]):  # a host sync: only on rebuilds
+                self._rebuilds += self._repacked is not None  # not stackable (any more): the per-layer kernels
+                self._repacked, self._no_mma = None, True
+                return None
+            self._rebuilds += self._repacked is not None
+            # one resident copy of every weight: the layers' own repacked copies are slices of the stack
+            words, factors = NVFP4Linear.stacked_gemv_weight(ms)
+            # (building a layer's repacked copy moves its compressed-tensors tensors to host memory: new versions)
+            self._repacked = (words, factors, gs)
+            self._versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+                                                                            m.weight_global_scale))
+        return self._repacked
+
+    def prepare(self, dtype) -> None:
+        """Revalidate a built NVFP4 repack (rebuilt if the weights changed). Never inside a graph capture."""
+        if self._repacked is not None:
+            self._mma_weight()
+
+    def dequantized_bytes(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
+        """Bytes :meth:`dequantize` would allocate for steps of up to ``rows`` rows (0 where it does not apply: dense
+        groups, and groups the wgmma loop serves faster at that batch)."""
+        if self.kind != "nvfp4" or not self.fast:
+            return 0
+        n, k = sum(self.sizes), self.layers[0].in_features
+        device = self.layers[0].weight_global_scale.device
+        if (device.type == "cuda" and self.wgmma is not False and gemv_plan.max_m(device) >= rows
+                and gemv_plan.beats_bf16_copy(n, k, rows) and self._mma_weight() is not None):
+            return 0
+        return n * k * torch.empty(0, dtype=dtype).element_size()
+
+    def dequantize(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> None:
+        """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch, up to
+        ``rows`` rows, use."""
+        self._dequantized = None
+        if dtype is not None and self.dequantized_bytes(dtype, rows):
+            self._dequantized = self._dense_stack(dtype)
+
+    def _dense_stack(self, dtype) -> torch.Tensor:
+        """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
+        ms = self.layers
+        stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_global_scale.device)
+        row = 0
+        for m, n in zip(ms, self.sizes):
+            m.dequantize(dtype, out=stacked[row:row + n])
+            row += n
+        return stacked
+
+    def _ensure_mma(self, x: torch.Tensor) -> bool:
+        """The repacked copy is built on the first step it serves (eager: the warm-up before its capture), so
+        rollouts that never decode at its batches do not hold it (+0.625 bytes per weight)."""
+        if (self.kind != "nvfp4" or not self.fast or x.dtype != torch.bfloat16 or not x.is_cuda
+                or x.shape[0] > self._widest(x.device)):
+            return False
+        if self._repacked is None:
+            if self._no_mma or torch.cuda.is_current_stream_capturing():
+                return False
+            if self._mma_weight() is None:  # shapes or distinct global scales: the per-layer kernels
+                self._no_mma = True
+                return False
+            # the split-K arrival counters, for the widest batch (one per row block and token block)
+            counters(x.device, gemv_plan.counter_size(self._widest(x.device), sum(self.sizes)))
+        return True
+
+    def _widest(self, device: torch.device) -> int:
+        """The widest batch the repacked launch serves: the GEMV's 64 rows, or on sm_90 (the wgmma loop) its token
+        blocks' 256 for a group of at least ``WIDE_MIN_WEIGHTS`` weights (smaller ones are faster dequantized)."""
+        if self.wgmma is False:
+            return gemv_plan.MAX_M
+        return min(gemv_plan.default_widest(sum(self.sizes), self.layers[0].in_features), gemv_plan.max_m(device))
+
+    def _gemv_config(self, counter: torch.Tensor | None) -> gemv_plan.GemvConfig:
+        # no counters (a capture that found none built): the splits are summed by Triton stores instead
+        return gemv_plan.GemvConfig(fused=counter is not None, pdl=self.pdl, wgmma=self.wgmma)
+
+    def key(self) -> tuple:
+        return (self._rebuilds,)
+
+    def wide_key(self) -> tuple:
+        """What the steps above the GEMV's batch read besides :meth:`key`: the per-rollout dense copy."""
+        return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self._dequantized is not None and x.shape[0] > gemv_plan.MAX_M and x.dtype == self._dequantized.dtype:
+            return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
+        if self.kind == "dense":
+            if self.dense is not None:
+                return list(F.linear(x, self.dense).split(self.sizes, dim=1))
+            return [F.linear(x, m.weight) for m in self.layers]
+        if self._ensure_mma(x):
+            words, factors, gs = self._repacked
+            counter = counters(x.device, gemv_plan.counter_size(x.shape[0], sum(self.sizes)), build=False)
+            y = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter)
+            return list(y.split(self.sizes, dim=1))
+        if self.kind == "nvfp4" and self.fast and x.is_cuda:
+            from qerl.nvfp4.kernels.matmul import DENSE_MIN_M  # (imported where used: Triton's interpreter setting)
+
+            if x.shape[0] >= DENSE_MIN_M:
+                # what each layer's kernel does at this many rows (dequantize, then cuBLAS), once for the group: a
+                # prefill is host-bound, and per layer it was two Python calls through autograd per module
+                return list(F.linear(x, self._dense_stack(x.dtype)).split(self.sizes, dim=1))
+        return [m.matmul(x) for m in self.layers]
+
+    def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
+        """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
+        ``gemv_layout.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
+        if x.shape[0] > gemv_plan.DENSE_MAX_M or not self._ensure_mma(x):
+            return None
+
+        words, factors, gs = self._repacked
+        counter = counters(x.device, words.shape[0], build=False)
+        y, u = gemv.launch(x, words, factors, gs, self._gemv_config(counter), counter, dense=(frags, rows))
+        return list(y.split(self.sizes, dim=1)), u
