@@ -52,7 +52,7 @@ from qerl.nvfp4.kernels.split_k import counters
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.kernel_choice import Kernels
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # Qwen3: a per-head RMSNorm of q and k inside the q/k/v epilogue
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # Qwen3: a per-head q/k RMSNorm in the q/k/v epilogue
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
 
 
@@ -339,8 +339,6 @@ class FusedDecoder:
 
     def __init__(self, model: nn.Module, kernels: Kernels):
         config = model.config
-        if getattr(config, "num_experts", 0):
-            raise Unsupported("mixture-of-experts layers (no fused MoE step yet)")
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -367,35 +365,51 @@ class FusedDecoder:
         self.layers = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
+            moe = _moe_step(mlp, fast)  # a sparse-MoE block in place of the gated MLP, else None
+            if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or moe is None and not all(
                     hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
             qk_norms = (att.q_norm, att.k_norm) if getattr(att, "q_norm", None) is not None else ()
+            mlp_step = dict(moe=moe) if moe is not None else dict(
+                gu=_Group([mlp.gate_proj, mlp.up_proj], kernels), down=_Group([mlp.down_proj], kernels))
             self.layers.append(dict(
                 ln1=layer.input_layernorm, ln2=layer.post_attention_layernorm, scaling=float(att.scaling), attn=att,
                 qk_norms=qk_norms,
                 qkv=_Group([att.q_proj, att.k_proj, att.v_proj], kernels), o=_Group([att.o_proj], kernels),
-                gu=_Group([mlp.gate_proj, mlp.up_proj], kernels), down=_Group([mlp.down_proj], kernels)))
+                **mlp_step))
+        self.moe = [lyr["moe"] for lyr in self.layers if "moe" in lyr]
+        self._choices = None  # [MoE layers, rows, k]: each decode step's expert choices (see prepare's record)
+        self._record = False
+        self.prefill_choices = None
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._key = None
         self._lora_a_stacks = {}  # group kind -> (layout, LoRA-A rows of all layers, their GEMV fragments)
 
-    def prepare(self, dtype: torch.dtype, dequantize: bool = False, rows: int = gemv_plan.WIDE_MAX_M) -> None:
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False, rows: int = gemv_plan.WIDE_MAX_M,
+                record: bool = False) -> None:
         """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights; ``dequantize``:
         also a dense copy of the NVFP4 weights for the steps above the GEMV's batch, up to ``rows`` rows (dropped by
-        :meth:`release`)."""
+        :meth:`release`); ``record``: the steps write their expert choices (:meth:`step_choices`, ``prefill_choices``)."""
         for layer in self.layers:
-            for g in GROUPS:
+            for g in _groups(layer):
                 layer[g].gemm.prepare(dtype)
                 layer[g].gemm.dequantize(dtype if dequantize else None, rows)
+        for moe in self.moe:
+            moe.prepare(dtype)
+        if record and self.moe and (self._choices is None or self._choices.shape[1] < rows):
+            self._choices = torch.full((len(self.moe), rows, self.moe[0].top_k), -1, dtype=torch.long,
+                                       device=self.embed.weight.device)
+        self._record = record and bool(self.moe)
         self._refresh_adapter(dtype)
         self._norms = [(_active(lyr["ln1"]), _active(lyr["ln2"])) for lyr in self.layers] + [(_active(self.norm),)]
         self._qk_norms = [tuple(_active(n) for n in lyr["qk_norms"]) for lyr in self.layers]
         self._key = (self.pdl, self.wgmma) + tuple(
             n.weight.data_ptr() for pair in self._norms + self._qk_norms for n in pair) + tuple(
-            k for lyr in self.layers for g in GROUPS for k in lyr[g].key())
-        self._wide_key = self._key + tuple(k for lyr in self.layers for g in GROUPS for k in lyr[g].gemm.wide_key())
+            k for lyr in self.layers for g in _groups(lyr) for k in lyr[g].key()) + tuple(
+            k for moe in self.moe for k in moe.key()) + (self._record and self._choices.data_ptr(),)
+        self._wide_key = self._key + tuple(k for lyr in self.layers for g in _groups(lyr)
+                                           for k in lyr[g].gemm.wide_key())
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
@@ -407,6 +421,8 @@ class FusedDecoder:
         for kind in GROUPS:
             groups, plans = [], []
             for layer in self.layers:
+                if kind not in layer:
+                    continue
                 g = layer[kind]
                 plan = g.plan(dtype)
                 if plan is not None:
@@ -446,7 +462,7 @@ class FusedDecoder:
             torch._foreach_copy_(b_dst, b_src)
             torch._foreach_mul_(b_dst, b_scale)
         for kind, (layout, buf, frags) in list(self._lora_a_stacks.items()):
-            groups = [lyr[kind] for lyr in self.layers if lyr[kind].adapter]
+            groups = [lyr[kind] for lyr in self.layers if kind in lyr and lyr[kind].adapter]
             if layout[2] != dtype or not any(g.takes_fragments(dtype) for g in groups):
                 continue
             # the LoRA-A rows in the GEMV's fragment order (16-row blocks are independent: one call for the stack)
@@ -468,12 +484,12 @@ class FusedDecoder:
 
     def dequantized_bytes(self, dtype: torch.dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
         """What ``prepare(dtype, dequantize=True, rows=rows)`` allocates."""
-        return sum(lyr[g].gemm.dequantized_bytes(dtype, rows) for lyr in self.layers for g in GROUPS)
+        return sum(lyr[g].gemm.dequantized_bytes(dtype, rows) for lyr in self.layers for g in _groups(lyr))
 
     def release(self) -> None:
         """After a rollout: drop the dense copies (the update gets the memory back)."""
         for layer in self.layers:
-            for g in GROUPS:
+            for g in _groups(layer):
                 layer[g].gemm.dequantize(None)
 
 
@@ -487,7 +503,13 @@ class FusedDecoder:
         def attend(i, q):
             return attention(q, keys[i], values[i], mask, length, self.layers[i]["scaling"], last=column)
 
-        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend))
+        choices = self._choices[:, :tokens.shape[0]] if self._record else None
+        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend, choices))
+
+    def step_choices(self, batch: int) -> torch.Tensor:
+        """The expert choices ``[MoE layers, batch, k]`` of the last decode step (``prepare(record=True)``), rows as
+        the step's; overwritten by the next step."""
+        return self._choices[:, :batch]
 
     def prefill(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -508,16 +530,20 @@ class FusedDecoder:
             out, _ = sdpa_attention_forward(layer["attn"], q, k, v, mask, scaling=layer["scaling"])
             return out.reshape(B * P, -1)  # [B, P, Hq, D] -> rows
 
-        x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend)
+        self.prefill_choices = torch.full((len(self.moe), B * P, self.moe[0].top_k), -1, dtype=torch.long,
+                                          device=tokens.device) if self._record else None
+        x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend, self.prefill_choices)
         return self.lm_head(x.view(B, P, -1)[:, -1])
 
-    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend) -> torch.Tensor:
-        """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output."""
+    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend, choices=None) -> torch.Tensor:
+        """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output;
+        ``choices [MoE layers, rows, k]``: where the MoE blocks write their expert choices, or None."""
         qkv_epilogue, _, residual_norm, silu_mul = self._ops
         h = self.embed(tokens)
         inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
         norms = self._norms
         x = residual_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
+        moe_layer = 0
         for i, layer in enumerate(self.layers):
             g = layer["qkv"]
             (yq, yk, yv), u = g.project(x)
@@ -530,14 +556,30 @@ class FusedDecoder:
             (y,), u = g.project(a)
             ln2 = norms[i][1]
             x = residual_norm(h, ln2.weight, ln2.variance_epsilon, y, *g.single(u))
+            nxt = norms[i + 1][0]
+            if "moe" in layer:
+                y = layer["moe"](x, None if choices is None else choices[moe_layer])
+                x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y)
+                moe_layer += 1
+                continue
             g = layer["gu"]
             (yg, yu), u = g.project(x)
             act = silu_mul(yg, yu, u, g.lora_b())
             g = layer["down"]
             (y,), u = g.project(act)
-            nxt = norms[i + 1][0]
             x = residual_norm(h, nxt.weight, nxt.variance_epsilon, y, *g.single(u))
         return x
+
+
+def _groups(layer: dict) -> list[str]:
+    """The GEMM groups of a decoder layer (a MoE layer has no gate/up/down group: its ``moe`` step)."""
+    return [g for g in GROUPS if g in layer]
+
+
+def _moe_step(mlp: nn.Module, fast: bool):
+    from qerl.rollout.moe_step import MoEStep, is_moe_block  # (it imports this module's helpers)
+
+    return MoEStep(mlp, fast) if is_moe_block(mlp) else None
 
 
 __all__ = ["BaseGEMM", "FusedDecoder", "Unsupported"]
