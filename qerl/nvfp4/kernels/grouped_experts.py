@@ -52,7 +52,7 @@ def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=index.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
     return order, offsets
 
 
@@ -169,6 +169,8 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     u, b = lora if lora is not None else (x, x)
     r = b.shape[2] if lora is not None else 0
     block_k = min(block_k, max(16, next_power_of_2(K)))
+    if P <= 4 * BLOCK_M:  # a few experts touched: narrower tiles spread their bytes over more programs
+        block_n //= 2
     block_n = min(block_n, max(16, next_power_of_2(N)))
     _grouped_kernel[(E, cdiv(N, block_n))](
         x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
