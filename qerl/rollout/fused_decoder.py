@@ -51,13 +51,13 @@ from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.split_k import counters
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.kernel_choice import Kernels
+from qerl.rollout.moe_step import MoEStep, is_moe_block
+from qerl.rollout.peft_layers import Unsupported
+from qerl.rollout.peft_layers import lora_of as _lora
+from qerl.rollout.peft_layers import storage_version as _weight_version
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # Qwen3: a per-head q/k RMSNorm in the q/k/v epilogue
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
-
-
-class Unsupported(Exception):
-    """The model (or its adapter state) needs the transformers forward; the message says why."""
 
 
 def _active(module: nn.Module) -> nn.Module:
@@ -68,31 +68,6 @@ def _active(module: nn.Module) -> nn.Module:
     if module.disable_adapters or any(a not in inner for a in module.active_adapters):
         return module.original_module
     return inner[module.active_adapters[0]]
-
-
-def _lora(module: nn.Module):
-    """(base layer, A, B, scaling) of a peft LoRA layer with its adapter active, (module, None, None, 1) otherwise."""
-    if not hasattr(module, "lora_A"):
-        return module, None, None, 1.0
-    base = module.base_layer
-    if module.disable_adapters or module.merged:
-        return base, None, None, 1.0
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if len(active) > 1:
-        raise Unsupported("more than one active LoRA adapter")
-    if not active:
-        return base, None, None, 1.0
-    name = active[0]
-    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
-        raise Unsupported("LoRA variants (DoRA, ...) are not fused")
-    a, b = module.lora_A[name], module.lora_B[name]
-    if getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
-        raise Unsupported("LoRA with bias terms is not fused")
-    return base, a.weight, b.weight, float(module.scaling[name])
-
-
-def _weight_version(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
 class BaseGEMM:
@@ -577,8 +552,6 @@ def _groups(layer: dict) -> list[str]:
 
 
 def _moe_step(mlp: nn.Module, fast: bool):
-    from qerl.rollout.moe_step import MoEStep, is_moe_block  # (it imports this module's helpers)
-
     return MoEStep(mlp, fast) if is_moe_block(mlp) else None
 
 

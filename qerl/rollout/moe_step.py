@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import grouped_experts as G
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.fused_decoder import Unsupported, _lora, _weight_version
+from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
 
 _NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 
@@ -55,7 +55,7 @@ class MoEStep:
             raise Unsupported("a router other than a frozen top-k linear")
         self.router, self.top_k, self.renormalize = gate, int(gate.top_k), bool(gate.norm_topk_prob)
         self.experts, self.fast = experts, fast
-        bases = [[_lora(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
+        bases = [[lora_of(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
         flat = [b for trio in bases for b in trio]
         self.kind = "nvfp4" if all(isinstance(b, NVFP4Linear) for b in flat) else \
             "dense" if all(type(b) is nn.Linear and b.bias is None for b in flat) else None
@@ -84,7 +84,7 @@ class MoEStep:
         return [getattr(base, k) for k in _NVFP4_KEYS] if self.kind == "nvfp4" else [base.weight]
 
     def _storage_versions(self) -> tuple:
-        return tuple(_weight_version(t) for trio in self.bases for b in trio for t in self._tensors(b))
+        return tuple(storage_version(t) for trio in self.bases for b in trio for t in self._tensors(b))
 
     @torch.no_grad()
     def _stack(self) -> None:
@@ -115,7 +115,7 @@ class MoEStep:
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
-        parts = [[_lora(p) for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in self.experts]
+        parts = [[lora_of(p) for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in self.experts]
         has = [p[1] is not None for trio in parts for p in trio]
         self.adapter = all(has)
         if not any(has):
