@@ -67,7 +67,8 @@ class MoEStep:
         self.bases = bases
         self.inter, self.hidden = bases[0][0].out_features, bases[0][0].in_features
         self.gate_up = self.down = None  # the stacked storage (see the module docstring)
-        self._versions = None
+        self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
+        self._versions = self._storage_versions()
         self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
         self.adapter = False
 
