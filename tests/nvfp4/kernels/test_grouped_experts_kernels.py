@@ -31,3 +31,12 @@ def test_pairs_are_sorted_by_expert_with_offsets():
     assert offsets.tolist() == [0, 3, 5, 5, 8, 8]  # experts 2 and 4: empty slices
     assert order.tolist() == [1, 2, 6, 3, 5, 0, 4, 7]  # stable: pair order kept within an expert
     assert index.reshape(-1)[order].tolist() == [0, 0, 0, 1, 1, 3, 3, 3]
+
+
+def test_moe_step_on_the_grouped_kernels_equals_its_torch_twin_and_the_modules(run_interpreted):
+    """The fused decoder's MoE step as the GPU runs it (router, sorted pairs, the grouped kernels with LoRA, combine)
+    against its CPU twin and the per-expert modules, NVFP4 and 16-bit experts."""
+    res = run_interpreted(Path(__file__).with_name("_interpret_moe_step.py"))
+    assert set(res) == {"nvfp4", "bf16"}
+    for v in res.values():
+        assert v["adapter"] and v["same_choices"] and v["vs_twin"] <= 1e-5 and v["vs_modules"] <= 1e-5, v
