@@ -1,9 +1,9 @@
 """A mixture-of-experts layer's routed experts as grouped Triton GEMMs over (token, expert) pairs sorted by expert.
 
 A router sends each of ``T`` tokens to ``k`` of ``E`` experts: ``P = T * k`` pairs, pair ``p = t * k + j`` being
-token ``t``'s j-th choice. :func:`sort_pairs` orders the pairs by expert on the GPU (a stable argsort and a
-scatter-add count: static shapes, no host sync, so a CUDA graph captures it) and gives each expert its slice
-``offsets[e] .. offsets[e + 1]`` of that order. One launch then serves all experts: program ``(e, n)`` loops over
+token ``t``'s j-th choice. :func:`sort_pairs` orders the pairs by expert on the GPU (a stable sort, then a binary
+search for each expert's first pair: static shapes, no host sync, so a CUDA graph captures it) and gives each expert
+its slice ``offsets[e] .. offsets[e + 1]`` of that order. One launch then serves all experts: program ``(e, n)`` loops over
 expert e's pairs in tiles of 16 and computes output columns ``n`` of each; an expert no pair chose loops zero times
 and reads none of its weights (a decode step's time is the bytes of the experts it touches).
 
@@ -47,13 +47,9 @@ BLOCK_M = 16  # pairs per tile: the smallest tl.dot operand
 def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``index [T, k]`` (expert ids) -> ``(order [T*k]`` pair ids sorted by expert, ``offsets [E + 1]`` int32):
     expert e's pairs are ``order[offsets[e]:offsets[e + 1]]``. Graph-capturable (no host sync)."""
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=index.device)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
-    return order, offsets
+    experts, order = torch.sort(index.reshape(-1), stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=experts.dtype, device=index.device)
+    return order, torch.searchsorted(experts, bounds, out_int32=True)  # first pair of each expert id and above
 
 
 @triton.jit
