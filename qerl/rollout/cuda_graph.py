@@ -243,7 +243,7 @@ class CUDAGraphRollout(RolloutEngine):
                                 torch.arange(P, device=device))
         if decoder is not None:
             logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
-            if self._routing is not None:
+            if decoder.prefill_choices is not None:  # (a MoE, recording)
                 self._routing.add(decoder.prefill_choices)
         else:
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
@@ -404,6 +404,6 @@ class CUDAGraphRollout(RolloutEngine):
             if graphs:
                 self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
                 self._phase("captured")
-        if self._routing is not None and decoder is not None:  # the fused step wrote its choices (graphs too)
+        if self._routing is not None and decoder is not None and decoder.moe:  # the fused step wrote its choices
             self._routing.place(s.first_row + s.slot_row[:b], s.cache.position - 1)
             self._routing.add(decoder.step_choices(b))
