@@ -77,6 +77,7 @@ def test_graph_engine_decodes_a_moe_in_graphs_with_exact_logprobs_and_records_it
     assert float(topk_differs(own, choices)[fed].float().mean()) < 0.2
 
 
+@torch.no_grad()
 def float64_experts(experts, x, index, weight):
     """The routed experts' output in float64, one (token, expert) pair at a time, from the modules' own tensors."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
