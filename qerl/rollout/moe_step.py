@@ -4,6 +4,7 @@ Per MoE layer, on the normalized input ``x [T, H]`` (T = rows of a decode step, 
 
     logits = x @ W_router.T                     16-bit, as transformers' router (frozen: no LoRA)
     w, idx = top-k of softmax(logits) (fp32)    renormalized over the k where the config's ``norm_topk_prob`` says
+                                                (one kernel: ``topk_router``)
     order, offsets = sort_pairs(idx)            (token, expert) pairs sorted by expert, on the GPU
     u  = grouped(x, A_gu) ; h = grouped(x, [Wg; Wu], gated, LoRA-B)     silu(gate) * up per pair
     u' = grouped(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import grouped_experts as G
+from qerl.nvfp4.kernels.topk_router import topk_route, topk_route_torch
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
 
@@ -147,11 +149,8 @@ class MoEStep:
     # -------------------------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k]`` in x's dtype, ``expert ids [T, k])`` as transformers' top-k router computes them."""
-        logits = F.linear(x, self.router.weight)
-        top, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), index
+        route = topk_route if self.fast else topk_route_torch
+        return route(F.linear(x, self.router.weight), self.top_k, self.renormalize)
 
     def __call__(self, x: torch.Tensor, choices: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output ``[T, H]`` for its normalized input ``x [T, H]``; ``choices [T, k]``: filled with the
