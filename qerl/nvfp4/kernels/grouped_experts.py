@@ -216,7 +216,7 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
 
 def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
     """``[T * k, H]`` pair outputs (router weights applied) -> ``[T, H]``: each token's k summed in fp32."""
-    return y.view(-1, top_k, y.shape[1]).float().sum(1).to(y.dtype)
+    return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
 
 
 __all__ = ["BLOCK_M", "combine", "expert_weight", "grouped", "grouped_torch", "sort_pairs"]
