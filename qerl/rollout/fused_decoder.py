@@ -16,6 +16,7 @@ small batch. This module runs the same mathematics from the model's own paramete
     act = silu(gate) * up                             silu_mul_epilogue (LoRA-B included)
     u = act @ A_d.T ; y_d = base GEMM
     h += down-output ; x = next RMSNorm(h)            residual_rms_norm
+    (Qwen3-MoE: the MLP lines are the MoE step, ``qerl.rollout.moe_step``: router top-k, grouped experts, combine)
 
 Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.nvfp4.kernels.gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
