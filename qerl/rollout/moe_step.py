@@ -63,9 +63,10 @@ class MoEStep:
             "dense" if all(type(b) is nn.Linear and b.bias is None for b in flat) else None
         if self.kind is None:
             raise Unsupported(f"expert projections of types {sorted({type(b).__name__ for b in flat})}")
-        if self.kind == "nvfp4" and any(not torch.equal(g.weight_global_scale.cpu(), u.weight_global_scale.cpu())
-                                        for g, u, _ in bases):
-            raise Unsupported("an expert whose gate and up projections have distinct global scales")
+        if self.kind == "nvfp4":
+            scales = torch.stack([torch.cat((g.weight_global_scale, u.weight_global_scale)) for g, u, _ in bases])
+            if not torch.equal(scales[:, 0], scales[:, 1]):  # (one host sync, at build)
+                raise Unsupported("an expert whose gate and up projections have distinct global scales")
         self.bases = bases
         self.inter, self.hidden = bases[0][0].out_features, bases[0][0].in_features
         self.gate_up = self.down = None  # the stacked storage (see the module docstring)

@@ -107,3 +107,15 @@ def test_moe_step_keeps_one_copy_of_the_experts_and_follows_the_adapter(model_di
             decoder.prepare(torch.float32)
             assert not step.adapter
             torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_experts_the_grouped_kernels_cannot_read_are_refused_by_name(model_dir):
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels, Unsupported
+
+    policy = moe_policy(model_dir, "nvfp4", "float32")
+    base = policy.get_base_model()
+    up = next(m for m in base.modules() if isinstance(m, Experts))[3].up_proj.base_layer
+    with torch.no_grad():
+        up.weight_global_scale.mul_(2)  # gate|up are one stacked NVFP4 weight: one global scale per expert
+    with pytest.raises(Unsupported, match="distinct global scales"):
+        FusedDecoder(base, Kernels(fast=False))
