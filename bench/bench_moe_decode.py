@@ -15,9 +15,9 @@ weights every step reads (attention, routers, norms, LM head; not the input embe
 which captured every graph it needs; the timed call must capture none (checked), so its steps are graph replays
 only. The experts touched by the fused step come from its routing record (a separate, untimed call).
 
-Writes ``<out>/moe_decode_<device>.json``: this run's rows, and the other step's rows kept from the file already
-there (so the fused rows sit beside the transformers baseline: ``transformers_over_fused``); ratio columns
-``bf16_over_nvfp4`` (> 1: NVFP4 faster) and ``over_floor``.
+Writes ``<out>/moe_decode_<device>.json``: this run's rows, and the other step's rows kept from ``--keep`` (default:
+the repository's ``bench/results`` file of this device, so the fused rows sit beside the transformers baseline:
+``transformers_over_fused``); ratio columns ``bf16_over_nvfp4`` (> 1: NVFP4 faster) and ``over_floor``.
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=None,
                         help="tokens decoded per row (default: 64 fused, 8 transformers: its steps take seconds)")
     parser.add_argument("--step", choices=sorted(STEPS), default="fused")
+    parser.add_argument("--keep", default=None, help="results file whose other-step rows are kept beside this run's "
+                        "(default: bench/results/moe_decode_<device>.json)")
     args = parser.parse_args()
     args.new = args.new or (64 if args.step == "fused" else 8)
     timed = time_fused if args.step == "fused" else time_transformers
@@ -193,8 +195,9 @@ def main() -> None:
         del policy
         gc.collect()
         torch.cuda.empty_cache()
-    out = Path(args.out) / f"moe_decode_{device.split()[-1].lower()}.json"
-    kept = [r for r in (json.loads(out.read_text())["rows"] if out.exists() else []) if r["step"] != STEPS[args.step]]
+    name = f"moe_decode_{device.split()[-1].lower()}.json"
+    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
+    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
     for row in rows_out:  # bf16 / NVFP4 per row count (> 1: NVFP4 faster), the other step over this one
         pair = {r["quantization"]: r for r in rows_out if r["rows"] == row["rows"]}
         if row["quantization"] == "nvfp4" and len(pair) == 2:
