@@ -41,7 +41,8 @@ from qerl.nvfp4.kernels.matmul import _unpacked_weight_tile
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}  # what the unpacked tile is scaled by
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M = 16  # pairs per tile: the smallest tl.dot operand
+BLOCK_M = 16  # pairs per tile (the smallest tl.dot operand); 64 where experts get many pairs (a prefill)
+WIDE_BLOCK_M = 64
 
 
 def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +80,8 @@ def _dot(a, b, acc, DT: tl.constexpr):
 
 @triton.jit
 def _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, u_col, b_ptr, r,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, NVFP4: tl.constexpr,
-                HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                NVFP4: tl.constexpr, HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
     """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -106,7 +107,8 @@ def _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_p
 @triton.jit
 def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, b_ptr, r,
                     route_ptr, out_ptr, N, K, TOPK_IN,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, NVFP4: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                    NVFP4: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
                     SHIFT: tl.constexpr):
     e = tl.program_id(0)
@@ -124,14 +126,14 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
         rows = pairs // TOPK_IN
         if GATED:  # [Wg; Wu] stacked per expert: rows n of the gate, N + n of the up projection
             g = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, 2 * N, K, u_ptr, su, pairs, 0,
-                            b_ptr, r, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
             up = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, N + n0, 2 * N, K, u_ptr, su, pairs,
-                             r, b_ptr, r, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+                             r, b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
             s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
             v = s * up
         else:
             v = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, 0,
-                            b_ptr, r, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
         if ROUTED:
             v = v * tl.load(route_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * N + cols[None, :], v.to(DT),
@@ -167,13 +169,14 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     block_k = min(block_k, max(16, next_power_of_2(K)))
     if P <= 4 * BLOCK_M:  # a few experts touched: narrower tiles spread their bytes over more programs
         block_n //= 2
+    block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
     block_n = min(block_n, max(16, next_power_of_2(N)))
     _grouped_kernel[(E, cdiv(N, block_n))](
         x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
         route if route is not None else x, out, N, K, top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4, GATED=gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4, GATED=gated,
         HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
-        num_warps=4, num_stages=1 if _INTERPRET else 3)
+        num_warps=8 if block_m == WIDE_BLOCK_M else 4, num_stages=1 if _INTERPRET else 3)
     return out
 
 

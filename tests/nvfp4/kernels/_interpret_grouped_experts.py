@@ -74,8 +74,9 @@ q_gu, q_d = nvfp4(dense[0], True), nvfp4(dense[1], False)
 deq = ([dequantize(*(t[e:e + 1] if i == 2 else t[e] for i, t in enumerate(q_gu)), torch.float64) for e in range(E)],
        [dequantize(*(t[e:e + 1] if i == 2 else t[e] for i, t in enumerate(q_d)), torch.float64) for e in range(E)])
 # (not bf16: the interpreter flushes bf16 subnormals, which the NVFP4 unpack relies on; the GPU tests check bf16)
-# T = 9: a few pairs per expert (narrow tiles); T = 40: more pairs than one tile per expert (the pair loop)
-for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float32, 40), (torch.float16, 40)):
+# T = 9: a few pairs per expert (narrow tiles); 40: more pairs than one tile per expert (the pair loop); 200: the wide
+# tiles of a prefill
+for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float32, 40), (torch.float16, 40), (torch.float16, 200)):
     index, route = routing(T)
     x = torch.randn(T, H, generator=g).to(dtype)
     for fmt in ("nvfp4", "dense"):
@@ -85,7 +86,7 @@ for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float32, 40), (t
             w_gu, w_d = torch.stack(dense[0]).to(dtype), torch.stack(dense[1]).to(dtype)
             ref_w = ([w.double() for w in w_gu], [w.double() for w in w_d])
         for with_lora in (False, True):
-            if T == 40 and (fmt == "dense" or not with_lora):  # (the interpreter is slow: the pair loop once a dtype)
+            if T > 9 and (fmt == "dense" or not with_lora):  # (the interpreter is slow: the pair loop once a dtype)
                 continue
             key = f"{fmt}-{str(dtype)[6:]}-{'lora' if with_lora else 'base'}-{T}"
             out = run(x, w_gu, w_d, with_lora, grouped)
