@@ -1,17 +1,23 @@
-"""Decode speed of a mixture-of-experts policy before its fused step exists: random-weight Qwen3-30B-A3B (128 experts,
-top-8), NVFP4 + LoRA r16 vs bf16 + LoRA r16, on ``CUDAGraphRollout``'s transformers step (the fused decoder refuses
-MoE; the step runs eagerly: its expert loop routes on the host). The baseline the fused MoE step will be measured
-against.
+"""Decode speed of a mixture-of-experts policy: random-weight Qwen3-30B-A3B (128 experts, top-8), NVFP4 + LoRA r16 vs
+bf16 + LoRA r16, on ``CUDAGraphRollout``'s fused MoE step in captured graphs (``--step fused``, the default: router,
+grouped expert kernels, combine; ``qerl.rollout.moe_step``) or its transformers step (``--step transformers``: eager,
+the expert loop routes on the host; the baseline).
 
 Run on a CUDA machine (an H200: the bf16 model is 61 GB) from the repository root:
 
-    PYTHONPATH=. python bench/bench_moe_decode.py [--out bench/results] [--rows 1 16 64 128] [--new 8]
+    PYTHONPATH=. python bench/bench_moe_decode.py [--out bench/results] [--rows 1 16 64 128] [--step fused]
 
 Per quantization and row count (G = min(8, rows) samples per prompt, prompt 256 random tokens, ``--new`` tokens with
-EOS ignored): ms per decode step (CUDA events around the decode phase, after 2 warm-up steps), the experts the steps
-touched (distinct experts per layer, summed over layers, mean per step), and the step's read floor at the measured
-copy bandwidth: the weights every step reads (attention, routers, norms, LM head; not the input embedding) + the
-touched experts' weights + the KV cache read. Writes ``<out>/moe_decode_<device>.json``.
+EOS ignored): ms per decode step (CUDA events around the decode phase), the experts the steps touched (distinct
+experts per layer, summed over layers, mean per step), and the step's read floor at the measured copy bandwidth: the
+weights every step reads (attention, routers, norms, LM head; not the input embedding) + the touched experts' weights
++ the KV cache read. Method: the fused step's timed call runs after a warm-up call of the same shape and length,
+which captured every graph it needs; the timed call must capture none (checked), so its steps are graph replays
+only. The experts touched by the fused step come from its routing record (a separate, untimed call).
+
+Writes ``<out>/moe_decode_<device>.json``: this run's rows, and the other step's rows kept from ``--keep`` (default:
+the repository's ``bench/results`` file of this device, so the fused rows sit beside the transformers baseline:
+``transformers_over_fused``); ratio columns ``bf16_over_nvfp4`` (> 1: NVFP4 faster) and ``over_floor``.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ import rollout_hooks
 from bench_rollout import copy_bandwidth, random_prompt
 
 from qerl.model.experts import Experts
+from qerl.model.routing import RoutingRecorder
+from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.kv_cache import head_dim
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, model_config
 
 NAME = "qwen3-30b-a3b"
 PROMPT = 256
+STEPS = {"fused": "fused (graphs)", "transformers": "transformers (eager)"}
 T0 = time.time()
 
 
@@ -79,10 +88,14 @@ class ExpertCounter:
         return sum(last) / steps
 
 
-def time_decode(policy, rows: int, new: int) -> dict:
+def prompts_for(policy, rows: int) -> tuple[list[list[int]], int]:
     group = min(8, rows)
     gen = torch.Generator().manual_seed(rows)
-    prompts = [random_prompt(policy, gen) for _ in range(rows // group)]
+    return [random_prompt(policy, gen) for _ in range(rows // group)], group
+
+
+def time_transformers(policy, rows: int, new: int) -> dict:
+    prompts, group = prompts_for(policy, rows)
     timer = rollout_hooks.PhaseTimer()
     eng = rollout_hooks.engine(check_every=16, fused=False, phase_hook=timer)
     spec = SamplingSpec(max_new_tokens=new, seed=0)
@@ -101,12 +114,59 @@ def time_decode(policy, rows: int, new: int) -> dict:
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
+def touched_by_fused_step(policy, rows: int, new: int) -> float:
+    """Distinct experts per layer, summed over the layers, mean over the decode steps, from the fused step's routing
+    record (captured steps included)."""
+    prompts, group = prompts_for(policy, rows)
+    recorder = RoutingRecorder()
+    with recorder.recording(policy):
+        r = CUDAGraphRollout(check_every=16, fused=True).generate(
+            policy, prompts, group, 0, [], SamplingSpec(max_new_tokens=new, seed=0), routing=recorder)
+    choices = recorder.choices(r.prompt_ids.shape[0], PROMPT + new)[:, :, PROMPT:PROMPT + new - 1]  # decode steps
+    layers, _, steps, _ = choices.shape
+    hit = torch.zeros(layers, steps, policy.config.num_experts, dtype=torch.bool, device=choices.device)
+    index = choices.permute(0, 2, 1, 3).reshape(layers, steps, -1)
+    hit.scatter_(2, index.clamp(min=0), True)
+    return float(hit.sum()) / steps
+
+
+def time_fused(policy, rows: int, new: int) -> dict:
+    prompts, group = prompts_for(policy, rows)
+    timer = rollout_hooks.PhaseTimer()
+    eng = rollout_hooks.engine(check_every=16, fused=True, phase_hook=timer)
+    spec = SamplingSpec(max_new_tokens=new, seed=0)
+    eng.generate(policy, prompts, group, 0, [], spec)  # warm-up: the same call, every graph it needs captured
+    torch.cuda.synchronize()
+    captured = eng.graphs_captured
+    t = time.perf_counter()
+    r = eng.generate(policy, prompts, group, 0, [], spec)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    tm = timer.timing()
+    assert r.completion_ids.shape == (rows, new), "EOS is ignored: every row decodes --new tokens"
+    assert eng._state.decoder is not None and eng._state.decoder.moe, "the fused MoE step did not run"
+    assert captured > 0 and tm["capture_steps"] == 0 and eng.graphs_captured == captured, \
+        "a graph was captured inside the timed call"
+    steps = tm["decode_steps"]
+    result = dict(ms_step=tm["decode_ms"] / steps, prefill_ms=tm["prefill_ms"], decode_steps=steps,
+                  tok_s=rows * new / wall, graphs=captured, peak_gb=torch.cuda.max_memory_allocated() / 2**30)
+    del eng, r  # (its KV cache and graphs: the routing record's call builds its own)
+    torch.cuda.empty_cache()
+    return dict(result, experts_touched_per_step=touched_by_fused_step(policy, rows, new))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128])
-    parser.add_argument("--new", type=int, default=8, help="decode steps timed per row count (after 2 warm-up steps)")
+    parser.add_argument("--new", type=int, default=None,
+                        help="tokens decoded per row (default: 64 fused, 8 transformers: its steps take seconds)")
+    parser.add_argument("--step", choices=sorted(STEPS), default="fused")
+    parser.add_argument("--keep", default=None, help="results file whose other-step rows are kept beside this run's "
+                        "(default: bench/results/moe_decode_<device>.json)")
     args = parser.parse_args()
+    args.new = args.new or (64 if args.step == "fused" else 8)
+    timed = time_fused if args.step == "fused" else time_transformers
     device = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     log(f"{device}: copy {bandwidth / 1e12:.2f} TB/s")
@@ -120,30 +180,35 @@ def main() -> None:
         log(f"{quantization}: built; {dense / 2**30:.2f} GiB read every step + {per_expert / 2**20:.2f} MiB per expert")
         for rows in args.rows:
             try:
-                result = time_decode(policy, rows, args.new)
+                result = timed(policy, rows, args.new)
             except torch.cuda.OutOfMemoryError:
                 log(f"{quantization} rows {rows}: out of memory, skipped")
                 continue
             context = PROMPT + args.new / 2  # mean attended length over the timed steps
             floor_bytes = dense + result["experts_touched_per_step"] * per_expert + rows * context * kv_per_token
             row = dict(model=NAME, quantization=quantization, lora_rank=16, rows=rows, new_tokens=args.new,
-                       step="transformers (eager)", floor_ms=floor_bytes / bandwidth * 1e3, **result)
+                       step=STEPS[args.step], floor_ms=floor_bytes / bandwidth * 1e3, **result)
             row["over_floor"] = row["ms_step"] / row["floor_ms"]
             rows_out.append(row)
-            log(f"{quantization} rows {rows:4d}: {row['ms_step']:8.1f} ms/step (floor {row['floor_ms']:.2f} ms, "
+            log(f"{quantization} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor {row['floor_ms']:.2f} ms, "
                 f"{row['experts_touched_per_step']:.0f} experts touched per step)")
         del policy
         gc.collect()
         torch.cuda.empty_cache()
-    for rows in args.rows:  # bf16 / NVFP4 per row count: > 1 means NVFP4 is faster
-        pair = {r["quantization"]: r for r in rows_out if r["rows"] == rows}
-        if len(pair) == 2:
-            pair["nvfp4"]["bf16_over_nvfp4"] = pair["bf16"]["ms_step"] / pair["nvfp4"]["ms_step"]
-    out = Path(args.out) / f"moe_decode_{device.split()[-1].lower()}.json"
+    name = f"moe_decode_{device.split()[-1].lower()}.json"
+    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
+    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
+    for row in rows_out:  # bf16 / NVFP4 per row count (> 1: NVFP4 faster), the other step over this one
+        pair = {r["quantization"]: r for r in rows_out if r["rows"] == row["rows"]}
+        if row["quantization"] == "nvfp4" and len(pair) == 2:
+            row["bf16_over_nvfp4"] = pair["bf16"]["ms_step"] / row["ms_step"]
+        other = [r for r in kept if r["quantization"] == row["quantization"] and r["rows"] == row["rows"]]
+        if args.step == "fused" and other:
+            row["transformers_over_fused"] = other[0]["ms_step"] / row["ms_step"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-        "copy_tb_s": bandwidth / 1e12, "rows": rows_out}, indent=2) + "\n")
+        "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out}, indent=2) + "\n")
     log(f"wrote {out}")
 
 

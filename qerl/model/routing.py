@@ -66,13 +66,24 @@ class RoutingRecorder:
                 handle.remove()
             self._placement = None
 
+    def add(self, choices: Tensor) -> None:
+        """Expert choices ``[layers, b * c, k]`` of the placed tokens from an engine's fused step (which routes
+        without calling the router modules); copied, as the step overwrites its buffer."""
+        if len(self._records) != choices.shape[0]:
+            raise RuntimeError(f"RoutingRecorder: {choices.shape[0]} layers of choices for {len(self._records)} "
+                               f"routers recorded (add() inside recording(model)).")
+        for layer, index in enumerate(choices):
+            self._append(layer, index.clone())
+
+    def _append(self, layer: int, index: Tensor) -> None:
+        if self._placement is None:
+            raise RuntimeError("RoutingRecorder: a forward ran before the engine placed its tokens (place()).")
+        rows, columns = self._placement
+        self._records[layer].append((rows, columns, index.view(rows.shape[0], columns.shape[0], -1)))
+
     def _hook(self, layer: int):
         def hook(module, args, output):
-            if self._placement is None:
-                raise RuntimeError("RoutingRecorder: a forward ran before the engine placed its tokens (place()).")
-            rows, columns = self._placement
-            index = output[2].detach()
-            self._records[layer].append((rows, columns, index.view(rows.shape[0], columns.shape[0], -1)))
+            self._append(layer, output[2].detach())
         return hook
 
     def choices(self, rows: int, width: int) -> Tensor | None:

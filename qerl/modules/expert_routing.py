@@ -123,7 +123,7 @@ class ExpertRouting:
 
     def _records(self, engine, policy) -> bool:
         """Whether this rollout's choices can be recorded: the policy has routers and the engine places its tokens
-        (the built-in engines; the graph engine runs a MoE's steps eagerly)."""
+        (the built-in engines; the graph engine's fused MoE step writes them from its captured steps too)."""
         return (isinstance(engine, BuiltinRollout) or _is_graph_engine(engine)) and self._has_routers(policy)
 
     def _has_routers(self, policy) -> bool:

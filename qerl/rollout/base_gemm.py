@@ -17,14 +17,7 @@ from qerl.nvfp4.kernels.split_k import counters
 from qerl.model.projection_layout import stacked_weight
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.kernel_choice import Kernels
-
-
-class Unsupported(Exception):
-    """The model (or its adapter state) needs the transformers forward; the message says why."""
-
-
-def _weight_version(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), -1 if t.is_inference() else t._version
+from qerl.rollout.peft_layers import Unsupported, storage_version
 
 
 class BaseGEMM:
@@ -61,7 +54,7 @@ class BaseGEMM:
         if not all(gemv_layout.supported(m.out_features, k) and m.in_features == k for m in ms):
             return None
         gs = ms[0].weight_global_scale
-        versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+        versions = tuple(storage_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
                                                                   m.weight_global_scale))
         if self._repacked is None or self._versions != versions:
             if any(not torch.equal(m.weight_global_scale, gs) for m in ms[1:]):  # a host sync: only on rebuilds
@@ -73,7 +66,7 @@ class BaseGEMM:
             words, factors = NVFP4Linear.stacked_gemv_weight(ms)
             # (building a layer's repacked copy moves its compressed-tensors tensors to host memory: new versions)
             self._repacked = (words, factors, gs)
-            self._versions = tuple(_weight_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
+            self._versions = tuple(storage_version(t) for m in ms for t in (m.weight_packed, m.weight_scale,
                                                                             m.weight_global_scale))
         return self._repacked
 

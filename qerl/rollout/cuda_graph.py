@@ -143,15 +143,13 @@ class CUDAGraphRollout(RolloutEngine):
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
                  spec: SamplingSpec, routing: RoutingRecorder | None = None) -> Rollout:
-        """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded;
-        a MoE's steps run eagerly: captured steps run no Python)."""
+        """``routing``: told where each forward's tokens sit in the rollout and given their expert choices (a MoE's
+        fused step writes them into a buffer, captured steps included)."""
         base = _base_model(policy)
         device = next(policy.parameters()).device
+        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
         # a MoE's transformers step picks its experts on the host (a loop over the routed ones): it runs eagerly
-        graphs = self._captures(device) and not getattr(base.config, "num_experts", 0)
-        if routing is not None and graphs:
-            raise ValueError("CUDAGraphRollout records expert choices in eager steps only; captured steps would need "
-                             "a fused MoE step that writes them.")
+        graphs = self._captures(device) and (decoder is not None or not getattr(base.config, "num_experts", 0))
         self._routing = routing
         generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
         if len(eos_ids) > MAX_EOS:
@@ -163,7 +161,6 @@ class CUDAGraphRollout(RolloutEngine):
         # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
         key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
         wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
-        decoder = self._fused_decoder(base, device)
         if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
                 and torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
@@ -186,7 +183,8 @@ class CUDAGraphRollout(RolloutEngine):
                 if decoder is not None:
                     dtype = base.get_input_embeddings().weight.dtype
                     rows = wave_prompts * group_size
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows)
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows,
+                                    record=routing is not None)
                     self._graph_cache.drop_stale(decoder.key)
                 s.noise_key.copy_(key)
                 for first in range(0, B, wave_prompts):
@@ -239,12 +237,14 @@ class CUDAGraphRollout(RolloutEngine):
         cache.start_prefill()
         m4 = (torch.ones(P, P, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :])
         m4 = (m4 | torch.eye(P, dtype=torch.bool, device=device)[None])[:, None]  # [B, 1, P, P]
+        if self._routing is not None:  # a prompt's prefill serves the G rows of its group
+            self._routing.place(first_row + torch.arange(N, device=device).view(B, group_size),
+                                torch.arange(P, device=device))
         if decoder is not None:
             logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
+            if decoder.prefill_choices is not None:  # (a MoE, recording)
+                self._routing.add(decoder.prefill_choices)
         else:
-            if self._routing is not None:  # a prompt's prefill serves the G rows of its group
-                self._routing.place(first_row + torch.arange(N, device=device).view(B, group_size),
-                                    torch.arange(P, device=device))
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                             past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
@@ -397,10 +397,13 @@ class CUDAGraphRollout(RolloutEngine):
         graph = self._graph_cache.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()
-            return
-        if graphs:
-            self._phase("capture")
-        self._step(s, policy, b, length, spec)  # eager: the step itself, and the warm-up before a capture
-        if graphs:
-            self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
-            self._phase("captured")
+        else:
+            if graphs:
+                self._phase("capture")
+            self._step(s, policy, b, length, spec)  # eager: the step itself, and the warm-up before a capture
+            if graphs:
+                self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
+                self._phase("captured")
+        if self._routing is not None and decoder is not None and decoder.moe:  # the fused step wrote its choices
+            self._routing.place(s.first_row + s.slot_row[:b], s.cache.position - 1)
+            self._routing.add(decoder.step_choices(b))

@@ -16,6 +16,7 @@ small batch. This module runs the same mathematics from the model's own paramete
     act = silu(gate) * up                             silu_mul_epilogue (LoRA-B included)
     u = act @ A_d.T ; y_d = base GEMM
     h += down-output ; x = next RMSNorm(h)            residual_rms_norm
+    (Qwen3-MoE: the MLP lines are the MoE step, ``qerl.rollout.moe_step``: router top-k, grouped experts, combine)
 
 Base GEMMs: NVFP4 weights at batch <= 64 use the repacked mma GEMV (``qerl.nvfp4.kernels.gemv``) on a stacked
 copy of q|k|v and gate|up (they share one global scale, so the stack is itself a valid NVFP4 weight: one launch
@@ -50,11 +51,13 @@ import torch.nn as nn
 
 from qerl.nvfp4.kernels import fused_decode as K
 from qerl.nvfp4.kernels import gemv_plan
-from qerl.rollout.base_gemm import BaseGEMM, Unsupported
-from qerl.rollout.gemm_group import AdapterBuffers, GemmGroup, active_module, gemm_group, lora_parts
+from qerl.rollout.base_gemm import BaseGEMM
+from qerl.rollout.gemm_group import AdapterBuffers, GemmGroup, gemm_group
 from qerl.rollout.kernel_choice import Kernels
+from qerl.rollout.moe_step import MoEStep, is_moe_block
+from qerl.rollout.peft_layers import Unsupported, active_module, lora_of
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # Qwen3: a per-head RMSNorm of q and k inside the q/k/v epilogue
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # Qwen3: a per-head q/k RMSNorm in the q/k/v epilogue
 GROUPS = ("qkv", "o", "gu", "down")  # the modules reading one input: one base GEMM and one LoRA-A product each
 
 
@@ -69,7 +72,8 @@ class StepOps(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class DecoderLayer:
-    """One decoder layer as the step reads it for one rollout: its active norms and its four GEMM groups."""
+    """One decoder layer as the step reads it for one rollout: its active norms and its GEMM groups (a MoE layer has
+    its MoE step in place of the gate/up and down groups)."""
 
     source: nn.Module  # the transformers decoder layer (its attention module serves the prefill's SDPA)
     scaling: float  # the attention's softmax scale
@@ -79,11 +83,12 @@ class DecoderLayer:
     qk_norms: tuple[nn.Module, ...]  # Qwen3's per-head q and k norms, else ()
     qkv: GemmGroup
     o: GemmGroup
-    gu: GemmGroup
-    down: GemmGroup
+    gu: GemmGroup | None
+    down: GemmGroup | None
+    moe: MoEStep | None = None
 
     def groups(self) -> tuple[GemmGroup, ...]:
-        return self.qkv, self.o, self.gu, self.down
+        return tuple(g for g in (self.qkv, self.o, self.gu, self.down) if g is not None)
 
 
 def decoder_layers(sources, groups: list[dict[str, GemmGroup]], final_norm: nn.Module) -> tuple[DecoderLayer, ...]:
@@ -108,8 +113,6 @@ class FusedDecoder:
 
     def __init__(self, model: nn.Module, kernels: Kernels):
         config = model.config
-        if getattr(config, "num_experts", 0):
-            raise Unsupported("mixture-of-experts layers (no fused MoE step yet)")
         if config.model_type not in SUPPORTED_TYPES:
             raise Unsupported(f"model_type {config.model_type!r} (fused: {', '.join(SUPPORTED_TYPES)})")
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -136,36 +139,54 @@ class FusedDecoder:
         self.lm_head = model.lm_head
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
-                    hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not is_moe_block(
+                    mlp) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"decoder layer {type(layer).__name__} without the Llama module names")
 
         def group(*modules):
-            return gemm_group(modules, BaseGEMM([lora_parts(m)[0] for m in modules], kernels))
+            return gemm_group(modules, BaseGEMM([lora_of(m)[0] for m in modules], kernels))
+
+        def mlp_step(mlp):  # a sparse-MoE block in place of the gated MLP
+            if is_moe_block(mlp):
+                return dict(gu=None, down=None, moe=MoEStep(mlp, fast))
+            return dict(gu=group(mlp.gate_proj, mlp.up_proj), down=group(mlp.down_proj))
 
         self.layers = decoder_layers(inner.layers, [dict(
             qkv=group(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-            o=group(layer.self_attn.o_proj), gu=group(layer.mlp.gate_proj, layer.mlp.up_proj),
-            down=group(layer.mlp.down_proj)) for layer in inner.layers], self.norm)
+            o=group(layer.self_attn.o_proj), **mlp_step(layer.mlp)) for layer in inner.layers], self.norm)
+        self.moe = [lyr.moe for lyr in self.layers if lyr.moe is not None]
+        self._choices = None  # [MoE layers, rows, k]: each decode step's expert choices (see prepare's record)
+        self._record = False
+        self.prefill_choices = None
         self._adapter = AdapterBuffers()
         self._key = self._wide_key = None
 
-    def prepare(self, dtype: torch.dtype, dequantize: bool = False, rows: int = gemv_plan.WIDE_MAX_M) -> None:
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False, rows: int = gemv_plan.WIDE_MAX_M,
+                record: bool = False) -> None:
         """Before each rollout (outside graph captures): LoRA copies, active norms, stacked weights; ``dequantize``:
         also a dense copy of the NVFP4 weights for the steps above the GEMV's batch, up to ``rows`` rows (dropped by
-        :meth:`release`)."""
+        :meth:`release`); ``record``: the steps write their expert choices (:meth:`step_choices`, ``prefill_choices``)."""
         for layer in self.layers:
             for g in layer.groups():
                 g.gemm.prepare(dtype)
                 g.gemm.dequantize(dtype if dequantize else None, rows)
-        groups = self._adapter.refresh({kind: [getattr(lyr, kind) for lyr in self.layers] for kind in GROUPS}, dtype)
-        self.layers = decoder_layers([lyr.source for lyr in self.layers],
-                                     [{kind: groups[kind][i] for kind in GROUPS} for i in range(len(self.layers))],
-                                     self.norm)
+        for moe in self.moe:
+            moe.prepare(dtype)
+        if record and self.moe and (self._choices is None or self._choices.shape[1] < rows):
+            self._choices = torch.full((len(self.moe), rows, self.moe[0].top_k), -1, dtype=torch.long,
+                                       device=self.embed.weight.device)
+        self._record = record and bool(self.moe)
+        present = {kind: [lyr for lyr in self.layers if getattr(lyr, kind) is not None] for kind in GROUPS}
+        fresh = self._adapter.refresh({kind: [getattr(lyr, kind) for lyr in present[kind]] for kind in GROUPS}, dtype)
+        by_layer = {(kind, id(lyr)): g for kind in GROUPS for lyr, g in zip(present[kind], fresh[kind])}
+        self.layers = decoder_layers([lyr.source for lyr in self.layers], [
+            {kind: by_layer.get((kind, id(lyr))) for kind in GROUPS} | {"moe": lyr.moe} for lyr in self.layers],
+            self.norm)
         norms = [self.layers[0].input_norm] + [n for lyr in self.layers for n in (
             lyr.post_attention_norm, lyr.next_norm, *lyr.qk_norms)]
         self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for n in norms) + tuple(
-            k for lyr in self.layers for g in lyr.groups() for k in g.key())
+            k for lyr in self.layers for g in lyr.groups() for k in g.key()) + tuple(
+            k for moe in self.moe for k in moe.key()) + (self._record and self._choices.data_ptr(),)
         self._wide_key = self._key + tuple(k for lyr in self.layers for g in lyr.groups() for k in g.gemm.wide_key())
 
     def key(self, batch: int = 1) -> tuple:
@@ -194,7 +215,13 @@ class FusedDecoder:
         def attend(i, q):
             return attention(q, keys[i], values[i], mask, length, layers[i].scaling, last=column)
 
-        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend))
+        choices = self._choices[:, :tokens.shape[0]] if self._record else None
+        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend, choices))
+
+    def step_choices(self, batch: int) -> torch.Tensor:
+        """The expert choices ``[MoE layers, batch, k]`` of the last decode step (``prepare(record=True)``), rows as
+        the step's; overwritten by the next step."""
+        return self._choices[:, :batch]
 
     def prefill(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -215,16 +242,20 @@ class FusedDecoder:
             out, _ = sdpa_attention_forward(layer.source.self_attn, q, k, v, mask, scaling=layer.scaling)
             return out.reshape(B * P, -1)  # [B, P, Hq, D] -> rows
 
-        x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend)
+        self.prefill_choices = torch.full((len(self.moe), B * P, self.moe[0].top_k), -1, dtype=torch.long,
+                                          device=tokens.device) if self._record else None
+        x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend, self.prefill_choices)
         return self.lm_head(x.view(B, P, -1)[:, -1])
 
-    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend) -> torch.Tensor:
-        """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output."""
+    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend, choices=None) -> torch.Tensor:
+        """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output;
+        ``choices [MoE layers, rows, k]``: where the MoE blocks write their expert choices, or None."""
         ops = self.ops
         h = self.embed(tokens)
         inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
         first = self.layers[0].input_norm
         x = ops.residual_norm(h, first.weight, first.variance_epsilon)
+        moe_layer = 0
         for i, layer in enumerate(self.layers):
             g = layer.qkv
             (yq, yk, yv), u = g.project(x)
@@ -237,12 +268,17 @@ class FusedDecoder:
             (y,), u = g.project(a)
             ln2 = layer.post_attention_norm
             x = ops.residual_norm(h, ln2.weight, ln2.variance_epsilon, y, *g.single(u))
+            nxt = layer.next_norm
+            if layer.moe is not None:
+                y = layer.moe(x, None if choices is None else choices[moe_layer])
+                x = ops.residual_norm(h, nxt.weight, nxt.variance_epsilon, y)
+                moe_layer += 1
+                continue
             g = layer.gu
             (yg, yu), u = g.project(x)
             act = ops.silu_mul(yg, yu, u, g.lora_b())
             g = layer.down
             (y,), u = g.project(act)
-            nxt = layer.next_norm
             x = ops.residual_norm(h, nxt.weight, nxt.variance_epsilon, y, *g.single(u))
         return x
 

@@ -15,38 +15,8 @@ import torch.nn as nn
 
 from qerl.nvfp4.kernels import fused_decode as K
 from qerl.nvfp4.kernels import gemv_layout
-from qerl.rollout.base_gemm import BaseGEMM, Unsupported
-
-
-def active_module(module: nn.Module) -> nn.Module:
-    """The module peft actually runs for a ``modules_to_save`` wrapper (trainable norms), else the module."""
-    inner = getattr(module, "modules_to_save", None)
-    if inner is None:
-        return module
-    if module.disable_adapters or any(a not in inner for a in module.active_adapters):
-        return module.original_module
-    return inner[module.active_adapters[0]]
-
-
-def lora_parts(module: nn.Module):
-    """(base layer, A, B, scaling) of a peft LoRA layer with its adapter active, (module, None, None, 1) otherwise."""
-    if not hasattr(module, "lora_A"):
-        return module, None, None, 1.0
-    base = module.base_layer
-    if module.disable_adapters or module.merged:
-        return base, None, None, 1.0
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if len(active) > 1:
-        raise Unsupported("more than one active LoRA adapter")
-    if not active:
-        return base, None, None, 1.0
-    name = active[0]
-    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
-        raise Unsupported("LoRA variants (DoRA, ...) are not fused")
-    a, b = module.lora_A[name], module.lora_B[name]
-    if getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
-        raise Unsupported("LoRA with bias terms is not fused")
-    return base, a.weight, b.weight, float(module.scaling[name])
+from qerl.rollout.base_gemm import BaseGEMM
+from qerl.rollout.peft_layers import Unsupported, lora_of
 
 
 class LoraTerm(NamedTuple):
@@ -66,7 +36,7 @@ class RolloutParts(NamedTuple):
 
 def rollout_parts(modules: tuple[nn.Module, ...]) -> RolloutParts:
     """The biases and active LoRA terms of ``modules``; :class:`Unsupported` where only some carry an adapter."""
-    parts = [lora_parts(m) for m in modules]
+    parts = [lora_of(m) for m in modules]
     biases = None
     if any(p[0].bias is not None for p in parts):
         ref = next(p[0].bias for p in parts if p[0].bias is not None)

@@ -1,7 +1,7 @@
-"""A mixture-of-experts policy on the GPU before its fused step exists (``pytest -m gpu``; skipped without CUDA): the
-routed NVFP4 experts (the Triton kernels) against float64, and ``CUDAGraphRollout`` decoding Qwen3-MoE with the
-transformers step, eagerly (its expert loop routes on the host), with log-probs of one full forward and the
-rollout's expert choices recorded where its tokens sit.
+"""A mixture-of-experts policy on the GPU (``pytest -m gpu``; skipped without CUDA): the routed NVFP4 experts (the
+per-expert modules) and the fused step's grouped kernels against float64, and ``CUDAGraphRollout`` decoding Qwen3-MoE
+with the fused MoE step in captured graphs: captured == eager, log-probs of one full forward (under router replay of
+the recorded choices), and the rollout's expert choices recorded where its tokens sit.
 
 A random-init model of Qwen3-30B-A3B's layout at a small size (128 experts, top-8, head_dim 128), NVFP4 + LoRA r8 in
 bf16.
@@ -45,39 +45,28 @@ def test_routed_nvfp4_experts_equal_float64_on_the_gpu(policy):
     experts = next(m for m in policy.modules() if isinstance(m, Experts))
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(40, 256, device="cuda", generator=gen).to(torch.bfloat16)
-    index = torch.randint(0, 128, (40, 8), device="cuda", generator=gen)
+    index = torch.stack([torch.randperm(128, device="cuda", generator=gen)[:8] for _ in range(40)])
     weight = torch.rand(40, 8, device="cuda", generator=gen).to(torch.bfloat16)
     with torch.no_grad():
         out = experts(x, index, weight).double()
-    ref = torch.zeros_like(out)
-    for t in range(40):
-        for j in range(8):
-            expert = experts[int(index[t, j])]
-            # the compressed-tensors tensors, in host memory once the layer's repacked copy exists (release_packed)
-            gate, up, down = (dequantize(*(getattr(p.base_layer, k).cuda() for k in NVFP4_KEYS), torch.float64)
-                              for p in (expert.gate_proj, expert.up_proj, expert.down_proj))
-            lora = [(p.lora_A["default"].weight.double(), p.lora_B["default"].weight.double(), p.scaling["default"])
-                    for p in (expert.gate_proj, expert.up_proj, expert.down_proj)]
-            h = x[t].double()
-            g, u = (w @ h + s * (b @ (a @ h)) for w, (a, b, s) in zip((gate, up), lora[:2]))
-            m = F.silu(g) * u
-            a, b, s = lora[2]
-            ref[t] += float(weight[t, j]) * (down @ m + s * (b @ (a @ m)))
+    ref = float64_experts(experts, x, index, weight)
     assert float((out - ref).abs().max()) <= 0.02 * float(ref.abs().max())  # bf16 activations, fp32 accumulation
 
 
-def test_graph_engine_decodes_a_moe_eagerly_with_exact_logprobs_and_records_its_routing(policy, prompts):
+def test_graph_engine_decodes_a_moe_in_graphs_with_exact_logprobs_and_records_its_routing(policy, prompts):
     engine = CUDAGraphRollout(check_every=4, fused=True)
     recorder = RoutingRecorder()
     with warnings.catch_warnings(record=True) as caught, recorder.recording(policy):
         warnings.simplefilter("always")
         r = engine.generate(policy, prompts, 4, 0, [], SamplingSpec(max_new_tokens=24, seed=0), routing=recorder)
-    assert [str(w.message) for w in caught if "fused decoding off" in str(w.message)]  # refused by name, once
-    assert engine.graphs_captured == 0  # the MoE step runs eagerly
-    assert float((r.logprobs - recompute(policy, r)[0]).abs().max()) < LOGPROB_ATOL
+    assert not [str(w.message) for w in caught if "fused decoding off" in str(w.message)]
+    assert engine.graphs_captured > 0  # the fused MoE step, captured
     ids = torch.cat((r.prompt_ids, r.completion_ids), 1)
     mask = torch.cat((r.prompt_mask, r.completion_mask), 1)
     choices = recorder.choices(*ids.shape)
+    # router replay: the training forward routes each token as the rollout did, and its log-probs are the sampler's
+    with routed(policy, replay=choices.reshape(choices.shape[0], -1, choices.shape[-1])):
+        assert float((r.logprobs - recompute(policy, r)[0]).abs().max()) < LOGPROB_ATOL
     with torch.no_grad(), routed(policy) as own:
         policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
     own = torch.stack(own).view(*choices.shape)
@@ -86,3 +75,62 @@ def test_graph_engine_decodes_a_moe_eagerly_with_exact_logprobs_and_records_its_
     # and the whole forward (about 5% of (token, layer) pairs on the CPU); a record at the wrong place would differ
     # almost everywhere (two random top-8 sets of 128 rarely agree)
     assert float(topk_differs(own, choices)[fed].float().mean()) < 0.2
+
+
+@torch.no_grad()
+def float64_experts(experts, x, index, weight):
+    """The routed experts' output in float64, one (token, expert) pair at a time, from the modules' own tensors."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in index.unique().tolist():
+        expert = experts[e]
+        mats = []
+        for p in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            base = p.base_layer
+            w = (dequantize(*(getattr(base, k).cuda() for k in NVFP4_KEYS), torch.float64)
+                 if hasattr(base, "weight_packed") else base.weight.double())
+            mats.append((w, p.lora_A["default"].weight.double(), p.lora_B["default"].weight.double(),
+                         p.scaling["default"]))
+        token, slot = torch.where(index == e)
+        h = x[token].double()
+        g, u = (h @ w.t() + s * ((h @ a.t()) @ b.t()) for w, a, b, s in mats[:2])
+        m = F.silu(g) * u
+        w, a, b, s = mats[2]
+        out.index_add_(0, token, weight[token, slot, None].double() * (m @ w.t() + s * ((m @ a.t()) @ b.t())))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_policy():
+    config = model_config("qwen3-30b-a3b", hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    return build_random_policy(config, "bf16", lora_rank=8, lora_b_std=0.02)
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 40, 1100])  # a decode step's rows, and a prefill (the wide pair tiles)
+def test_grouped_expert_kernels_equal_float64_on_the_gpu(policy, bf16_policy, quantization, tokens):
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
+
+    model = policy if quantization == "nvfp4" else bf16_policy
+    base = model.get_base_model()
+    decoder = FusedDecoder(base, Kernels.pick(torch.device("cuda")))
+    decoder.prepare(torch.bfloat16)
+    step = decoder.moe[0]
+    experts = next(m for m in base.modules() if isinstance(m, Experts))
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        weight, index = step.route(x)
+        out = step(x).double()
+    ref = float64_experts(experts, x, index, weight)
+    assert float((out - ref).abs().max()) <= 0.02 * float(ref.abs().max())  # bf16 activations, fp32 accumulation
+
+
+def test_captured_moe_steps_equal_eager_steps(policy, prompts):
+    from qerl.testing.comparison_rollout import ComparisonRollout
+
+    spec = SamplingSpec(max_new_tokens=20, seed=3)
+    runs = [ComparisonRollout(use_graphs=graphs, check_every=4, fused=True).generate(policy, prompts, 4, 0, [], spec)
+            for graphs in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-6, rtol=0)

@@ -20,7 +20,7 @@ from qerl.rollout.sampling_spec import SamplingSpec
 PAD, EOS = 0, 7
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "llama3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "llama3", "qwen3_moe"])
 def policy(request, tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
@@ -307,7 +307,7 @@ def test_dense_groups_are_laid_out_by_the_loader_and_the_decoder_moves_no_weight
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3", "qwen3_moe"])
 def test_fused_prefill_matches_the_transformers_prefill(tmp_path, model_type, dtype, quantization):
     """The prompts through the fused step's kernels (all B * P tokens at once): the same KV cache and next-token
     logits as transformers' forward (+ peft), left padding included."""
@@ -485,18 +485,18 @@ def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
 
 
 def test_a_moe_policy_samples_with_the_transformers_step_and_exact_logprobs(tmp_path):
-    """A mixture-of-experts policy (tiny Qwen3-MoE: NVFP4 experts with LoRA each): the fused step refuses it once, by
-    name, and the transformers step's log-probs (compaction and early stop included) equal a full forward's."""
+    """A mixture-of-experts policy (tiny Qwen3-MoE: NVFP4 experts with LoRA each) through the transformers step
+    (``fused=False``; the fused MoE step: tests/rollout/test_moe_step.py): log-probs (compaction and early stop
+    included) equal a full forward's."""
     path = save_tiny_model(tmp_path / "m", "qwen3_moe", vocab_size=64, hidden_size=64)
     policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    engine = CUDAGraphRollout(check_every=3, fused=True)
+    engine = CUDAGraphRollout(check_every=3, fused=False)
     spec = SamplingSpec(max_new_tokens=12, temperature=0.7, seed=1, stream="separate")
-    with pytest.warns(UserWarning, match=r"fused decoding off for this model \(mixture-of-experts"):
-        r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9], spec=spec)
+    r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9], spec=spec)
     assert not used_decoder(engine) and r.prompt_ids.shape[0] == 12
     lp, entropy = recompute(policy, r, 0.7)
     torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)

@@ -1,0 +1,225 @@
+"""A mixture-of-experts layer's routed experts as grouped Triton GEMMs over (token, expert) pairs sorted by expert.
+
+A router sends each of ``T`` tokens to ``k`` of ``E`` experts: ``P = T * k`` pairs, pair ``p = t * k + j`` being
+token ``t``'s j-th choice. :func:`sort_pairs` orders the pairs by expert on the GPU (a stable sort, then a binary
+search for each expert's first pair: static shapes, no host sync, so a CUDA graph captures it) and gives each expert
+its slice ``offsets[e] .. offsets[e + 1]`` of that order. One launch then serves all experts: program ``(e, n)`` loops over
+expert e's pairs in tiles of 16 and computes output columns ``n`` of each; an expert no pair chose loops zero times
+and reads none of its weights (a decode step's time is the bytes of the experts it touches).
+
+    u_gu  = grouped(x, A_gu)                   LoRA-A of gate and up, [P, 2r]           (dense weights [E, 2r, H])
+    h     = grouped(x, W_gu, gated)            silu(x Wg^T + u_g Bg^T) * (x Wu^T + u_u Bu^T), [P, I]
+    u_d   = grouped(h, A_d)                    LoRA-A of down, [P, r]
+    y     = grouped(h, W_d, router weights)    w_p * (h Wd^T + u_d Bd^T), [P, H]
+    out   = y.view(T, k, H).sum(1)             :func:`combine`
+
+Base weights are NVFP4 in the layout ``NVFP4Linear`` stores (``weight_packed [E, N, K/2]``, ``weight_scale [E, N,
+K/16]`` e4m3, one fp32 global scale per expert; gate and up of an expert share it, stacked ``[Wg; Wu]``), unpacked in
+registers as the library matmul does, or 16-bit ``[E, N, K]`` (the bf16 baseline, the LoRA-A products). LoRA-B
+matrices arrive scaled (``B * scaling``) as ``[E, N, r]``. Rows of the input are tokens (``x [T, K]``: pair p reads
+row ``p // k``) or pairs (``h [P, K]``). Outputs are written at the pair's own index, so no scatter is needed.
+
+Roundings follow the per-expert modules (``qerl.model.experts``): each projection's output rounded to the dtype, LoRA
+added and rounded, ``silu`` rounded before the product, the router weight's product rounded; the k products of a token
+are summed in fp32 and rounded once (transformers adds them one by one in the dtype: an ulp apart at most per add).
+:func:`grouped_torch` is the torch twin (the CPU path, a host loop over the experts that received pairs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from qerl.nvfp4.format import dequantize
+from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.nvfp4.kernels.matmul import _unpacked_weight_tile
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}  # what the unpacked tile is scaled by
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_M = 16  # pairs per tile (the smallest tl.dot operand); 64 where experts get many pairs (a prefill)
+WIDE_BLOCK_M = 64
+
+
+def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``index [T, k]`` (expert ids) -> ``(order [T*k]`` pair ids sorted by expert, ``offsets [E + 1]`` int32):
+    expert e's pairs are ``order[offsets[e]:offsets[e + 1]]``. Graph-capturable (no host sync)."""
+    experts, order = torch.sort(index.reshape(-1), stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=experts.dtype, device=index.device)
+    return order, torch.searchsorted(experts, bounds, out_int32=True)  # first pair of each expert id and above
+
+
+@triton.jit
+def _weight_tile(w_ptr, scale_ptr, e, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NVFP4: tl.constexpr, DT: tl.constexpr):
+    """Rows ``n0 ..`` x columns ``k0 ..`` of expert e's weight in ``DT`` (NVFP4: times the unpack's 2^SHIFT)."""
+    e64 = e.to(tl.int64)
+    if NVFP4:
+        w = _unpacked_weight_tile(w_ptr + e64 * N * (K // 2), scale_ptr + e64 * N * (K // 16), n0, k0, N, K,
+                                  BLOCK_N, BLOCK_K, DT)
+    else:
+        rows = n0 + tl.arange(0, BLOCK_N)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + e64 * N * K + rows[:, None] * K + cols[None, :],
+                    mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(DT)
+    return w
+
+
+@triton.jit
+def _dot(a, b, acc, DT: tl.constexpr):
+    if DT == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, u_col, b_ptr, r,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                NVFP4: tl.constexpr, HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
+    """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=pair_ok[:, None] & (cols[None, :] < K),
+                    other=0.0).to(DT)
+        w = _weight_tile(w_ptr, scale_ptr, e, n0, k0, N, K, BLOCK_N, BLOCK_K, NVFP4, DT)
+        acc = _dot(x, tl.trans(w), acc, DT)
+    if NVFP4:
+        acc = acc * (SHIFT / gs)
+    v = acc.to(DT).to(tl.float32)
+    if HAS_LORA:
+        j = tl.arange(0, RP)
+        u = tl.load(u_ptr + pairs[:, None] * su + u_col + j[None, :], mask=pair_ok[:, None] & (j[None, :] < r),
+                    other=0.0).to(DT)
+        n = n0 + tl.arange(0, BLOCK_N)
+        b = tl.load(b_ptr + e.to(tl.int64) * N * r + n[:, None] * r + j[None, :],
+                    mask=(n[:, None] < N) & (j[None, :] < r), other=0.0).to(DT)
+        v = (v + _dot(u, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DT)).to(DT).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, b_ptr, r,
+                    route_ptr, out_ptr, N, K, TOPK_IN,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                    NVFP4: tl.constexpr,
+                    GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
+                    SHIFT: tl.constexpr):
+    e = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr + e)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    for m0 in range(start, end, BLOCK_M):  # zero iterations for an expert no pair chose: none of its bytes read
+        slot = m0 + tl.arange(0, BLOCK_M)
+        pair_ok = slot < end
+        pairs = tl.load(order_ptr + slot, mask=pair_ok, other=0)
+        rows = pairs // TOPK_IN
+        if GATED:  # [Wg; Wu] stacked per expert: rows n of the gate, N + n of the up projection
+            g = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, 2 * N, K, u_ptr, su, pairs, 0,
+                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+            up = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, N + n0, 2 * N, K, u_ptr, su, pairs,
+                             r, b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+            s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+            v = s * up
+        else:
+            v = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, 0,
+                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+        if ROUTED:
+            v = v * tl.load(route_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * N + cols[None, :], v.to(DT),
+                 mask=pair_ok[:, None] & (cols[None, :] < N))
+
+
+def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight, *, top_k: int, gated: bool = False,
+            lora=None, route: torch.Tensor | None = None, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """Each pair's expert applied to its input row (see the module docstring); returns ``[P, N]`` in ``x``'s dtype.
+
+    Args:
+        x: ``[T, K]`` token rows (pair p reads row ``p // top_k``) or ``[P, K]`` pair rows (``top_k=1``).
+        order, offsets: from :func:`sort_pairs` (``P = order.numel()``).
+        weight: ``(packed [E, N', K/2] uint8, scale [E, N', K/16] e4m3, global_scale [E] fp32)`` NVFP4 or a 16-bit
+            ``[E, N', K]`` tensor; ``N' = 2N`` when ``gated`` (``[Wg; Wu]`` per expert), else ``N``.
+        gated: return ``silu(gate) * up`` of the stacked pair of projections.
+        lora: ``(u [P, r'], B [E, N', r])``: LoRA-A outputs per pair (``r' = 2r`` when gated: gate's, then up's)
+            and the scaled LoRA-B matrices; None: no adapter.
+        route: router weight per pair ``[P]`` multiplied into the output (the down projection), or None.
+    """
+    P, K = order.numel(), x.shape[1]
+    nvfp4 = isinstance(weight, tuple)
+    E, n_rows = (weight[0] if nvfp4 else weight).shape[:2]
+    N = n_rows // 2 if gated else n_rows
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out
+    if not x.is_cuda and not _INTERPRET:
+        return grouped_torch(x, order, offsets, weight, top_k=top_k, gated=gated, lora=lora, route=route)
+    packed, scale, gs = (weight[0], weight[1].view(torch.uint8), weight[2]) if nvfp4 else (weight, weight, weight)
+    u, b = lora if lora is not None else (x, x)
+    r = b.shape[2] if lora is not None else 0
+    block_k = min(block_k, max(16, next_power_of_2(K)))
+    if P <= 4 * BLOCK_M:  # a few experts touched: narrower tiles spread their bytes over more programs
+        block_n //= 2
+    block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
+    block_n = min(block_n, max(16, next_power_of_2(N)))
+    _grouped_kernel[(E, cdiv(N, block_n))](
+        x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
+        route if route is not None else x, out, N, K, top_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4, GATED=gated,
+        HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
+        num_warps=8 if block_m == WIDE_BLOCK_M else 4, num_stages=1 if _INTERPRET else 3)
+    return out
+
+
+def expert_weight(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's dense ``[N', K]`` weight in ``dtype`` (NVFP4 dequantized)."""
+    if isinstance(weight, tuple):
+        packed, scale, gs = weight
+        return dequantize(packed[e], scale[e], gs[e:e + 1], dtype)
+    return weight[e].to(dtype)
+
+
+def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False, lora=None, route=None):
+    """Torch twin of :func:`grouped` (same roundings): a host loop over the experts that received pairs."""
+    dtype = x.dtype
+    P = order.numel()
+    E, n_rows = (weight[0] if isinstance(weight, tuple) else weight).shape[:2]
+    N = n_rows // 2 if gated else n_rows
+    out = torch.empty(P, N, dtype=dtype, device=x.device)
+    bounds = offsets.tolist()
+    for e in range(E):
+        if bounds[e] == bounds[e + 1]:
+            continue
+        pairs = order[bounds[e]:bounds[e + 1]]
+        rows = x[pairs // top_k]
+        y = F.linear(rows, expert_weight(weight, e, dtype))
+        if lora is not None:  # one rounding of base + LoRA-B, as the kernel's epilogue (and peft's addmm)
+            u, b = lora
+            r = b.shape[2]
+            b_e = b[e].to(dtype)
+            parts = [(u[pairs, :r], b_e[:N]), (u[pairs, r:2 * r], b_e[N:])] if gated else [(u[pairs, :r], b_e)]
+            y = torch.cat([torch.addmm(y[:, i * N:(i + 1) * N], a.to(dtype), bb.t()) for i, (a, bb) in
+                           enumerate(parts)], 1)
+        if gated:
+            y = F.silu(y[:, :N]) * y[:, N:]
+        if route is not None:
+            y = y * route[pairs, None].to(dtype)
+        out[pairs] = y
+    return out
+
+
+def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T * k, H]`` pair outputs (router weights applied) -> ``[T, H]``: each token's k summed in fp32."""
+    return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
+
+
+__all__ = ["BLOCK_M", "combine", "expert_weight", "grouped", "grouped_torch", "sort_pairs"]

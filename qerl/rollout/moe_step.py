@@ -1,0 +1,176 @@
+"""The routed-experts block of a Qwen3-MoE layer inside the fused decode step and prefill (``FusedDecoder``).
+
+Per MoE layer, on the normalized input ``x [T, H]`` (T = rows of a decode step, or ``B * P`` prompt tokens):
+
+    logits = x @ W_router.T                     16-bit, as transformers' router (frozen: no LoRA)
+    w, idx = top-k of softmax(logits) (fp32)    renormalized over the k where the config's ``norm_topk_prob`` says
+                                                (one kernel: ``topk_router``)
+    order, offsets = sort_pairs(idx)            (token, expert) pairs sorted by expert, on the GPU
+    u  = grouped(x, A_gu) ; h = grouped(x, [Wg; Wu], gated, LoRA-B)     silu(gate) * up per pair
+    u' = grouped(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
+    out = combine(y)                            each token's k products summed
+
+(``qerl.nvfp4.kernels.grouped_experts``). Everything has static shapes and no host sync: a CUDA graph captures it, and
+each step's expert choices can be written into a buffer the engine hands to the ``RoutingRecorder``.
+
+Storage: the kernels read one stacked tensor per layer and projection kind (``[E, 2I, H/2]`` packed codes of gate|up,
+their block scales and per-expert global scales; ``[E, H, I/2]`` ... of down; or 16-bit ``[E, 2I, H]``, ``[E, H, I]``).
+Built once from the experts' modules, which then hold views of it (``.data`` of their parameters): one resident copy
+of every expert. An ``NVFP4Linear`` that already moved its compressed-tensors tensors to host memory (its repacked
+copy serves the update's kernels) is copied into the stack instead and keeps its repacked copy: its weight is then
+resident twice until the update runs through the grouped kernels too.
+LoRA: per layer ``A_gu [E, 2r, H]``, ``B_gu [E, 2I, r]``, ``A_d [E, r, I]``, ``B_d [E, H, r]`` in the model dtype,
+B scaled, refreshed from the trained matrices by :meth:`MoEStep.prepare` before each rollout (multi-tensor copies).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.model.experts import Experts
+from qerl.nvfp4.kernels import grouped_experts as G
+from qerl.nvfp4.kernels.topk_router import topk_route, topk_route_torch
+from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
+
+_NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """A decoder layer's MLP that routes to experts (transformers' sparse MoE block with qerl's ``Experts``)."""
+    return getattr(mlp, "experts", None) is not None and getattr(mlp, "gate", None) is not None
+
+
+class MoEStep:
+    """One sparse-MoE block (router ``block.gate``, experts ``block.experts``) as the grouped kernels run it; the torch
+    twins where ``fast`` is False (CPU)."""
+
+    def __init__(self, block: nn.Module, fast: bool):
+        gate, experts = block.gate, block.experts
+        if not isinstance(experts, Experts):
+            raise Unsupported(f"experts module {type(experts).__name__} (qerl's loader puts per-expert Experts there)")
+        if getattr(block, "shared_expert", None) is not None:
+            raise Unsupported("shared experts")
+        if hasattr(gate, "lora_A") or not isinstance(getattr(gate, "weight", None), torch.Tensor):
+            raise Unsupported("a router other than a frozen top-k linear")
+        self.router, self.top_k, self.renormalize = gate, int(gate.top_k), bool(gate.norm_topk_prob)
+        self.experts, self.fast = experts, fast
+        bases = [[lora_of(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
+        flat = [b for trio in bases for b in trio]
+        self.kind = "nvfp4" if all(isinstance(b, NVFP4Linear) for b in flat) else \
+            "dense" if all(type(b) is nn.Linear and b.bias is None for b in flat) else None
+        if self.kind is None:
+            raise Unsupported(f"expert projections of types {sorted({type(b).__name__ for b in flat})}")
+        if self.kind == "nvfp4":
+            scales = torch.stack([torch.cat((g.weight_global_scale, u.weight_global_scale)) for g, u, _ in bases])
+            if not torch.equal(scales[:, 0], scales[:, 1]):  # (one host sync, at build)
+                raise Unsupported("an expert whose gate and up projections have distinct global scales")
+        self.bases = bases
+        self.inter, self.hidden = bases[0][0].out_features, bases[0][0].in_features
+        self.gate_up = self.down = None  # the stacked storage (see the module docstring)
+        self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
+        self._versions = self._storage_versions()
+        self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
+        self.adapter = False
+
+    # -------------------------------------------------------------------------------------------------------------
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Before each rollout (outside captures): the stacked storage (built, or rebuilt when the experts' tensors
+        changed) and the adapter copies."""
+        if self._versions != self._storage_versions():
+            self._stack()
+            self._versions = self._storage_versions()
+        self._refresh_adapter(dtype)
+
+    def _tensors(self, base: nn.Module) -> list[torch.Tensor]:
+        return [getattr(base, k) for k in _NVFP4_KEYS] if self.kind == "nvfp4" else [base.weight]
+
+    def _storage_versions(self) -> tuple:
+        return tuple(storage_version(t) for trio in self.bases for b in trio for t in self._tensors(b))
+
+    @torch.no_grad()
+    def _stack(self) -> None:
+        E, I, H = len(self.bases), self.inter, self.hidden
+        device = self.router.weight.device
+        if self.kind == "nvfp4":
+            def empty(n, k):
+                return (torch.empty(E, n, k // 2, dtype=torch.uint8, device=device),
+                        torch.empty(E, n, k // 16, dtype=torch.float8_e4m3fn, device=device),
+                        torch.empty(E, dtype=torch.float32, device=device))
+            self.gate_up, self.down = empty(2 * I, H), empty(H, I)
+        else:
+            dtype = self.bases[0][0].weight.dtype
+            self.gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=device)
+            self.down = torch.empty(E, H, I, dtype=dtype, device=device)
+        for e, (g, u, d) in enumerate(self.bases):
+            for base, stack, rows in ((g, self.gate_up, slice(0, I)), (u, self.gate_up, slice(I, 2 * I)),
+                                      (d, self.down, slice(0, H))):
+                if self.kind == "nvfp4":
+                    for t, dst in zip(self._tensors(base)[:2], stack[:2]):
+                        dst[e, rows].copy_(t.detach().reshape(dst[e, rows].shape))
+                        if t.device == device:  # the module keeps a view: one copy of the weight
+                            t.data = dst[e, rows]
+                    stack[2][e].copy_(base.weight_global_scale.detach().reshape(()))
+                else:
+                    stack[e, rows].copy_(base.weight.detach())
+                    base.weight.data = stack[e, rows]
+
+    @torch.no_grad()
+    def _refresh_adapter(self, dtype: torch.dtype) -> None:
+        parts = [[lora_of(p) for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in self.experts]
+        has = [p[1] is not None for trio in parts for p in trio]
+        self.adapter = all(has)
+        if not any(has):
+            return
+        if not all(has) or len({p[1].shape[0] for trio in parts for p in trio}) > 1:
+            raise Unsupported("LoRA on only some expert projections, or different ranks among them")
+        E, I, H, r = len(parts), self.inter, self.hidden, parts[0][0][1].shape[0]
+        device = self.router.weight.device
+        shapes = ((E, 2 * r, H), (E, 2 * I, r), (E, r, I), (E, H, r))
+        if self.lora is None or [tuple(t.shape) for t in self.lora] != list(shapes) or self.lora[0].dtype != dtype:
+            self.lora = tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
+        a_gu, b_gu, a_d, b_d = self.lora
+        dst, src, b_dst, scales = [], [], [], []
+        for e, ((_, ag, bg, sg), (_, au, bu, su), (_, ad, bd, sd)) in enumerate(parts):
+            dst += [a_gu[e, :r], a_gu[e, r:], b_gu[e, :I], b_gu[e, I:], a_d[e], b_d[e]]
+            src += [ag, au, bg, bu, ad, bd]
+            b_dst += [b_gu[e, :I], b_gu[e, I:], b_d[e]]
+            scales += [sg, su, sd]
+        torch._foreach_copy_(dst, [t.detach() for t in src])
+        torch._foreach_mul_(b_dst, scales)  # LoRA-B with the scaling folded in, as the dense groups' copies
+
+    def key(self) -> tuple:
+        """What a captured step reads of this block besides the norms: the storage and the adapter buffers."""
+        stacks = [t for s in (self.gate_up, self.down) for t in (s if isinstance(s, tuple) else (s,)) if t is not None]
+        lora = self.lora if self.adapter else ()
+        return (self.adapter,) + tuple(t.data_ptr() for t in (*stacks, *lora, self.router.weight))
+
+    # -------------------------------------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k]`` in x's dtype, ``expert ids [T, k])`` as transformers' top-k router computes them."""
+        route = topk_route if self.fast else topk_route_torch
+        return route(F.linear(x, self.router.weight), self.top_k, self.renormalize)
+
+    def __call__(self, x: torch.Tensor, choices: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output ``[T, H]`` for its normalized input ``x [T, H]``; ``choices [T, k]``: filled with the
+        expert ids each token went to (the rollout's routing record), or None."""
+        weight, index = self.route(x)
+        if choices is not None:
+            choices.copy_(index)
+        order, offsets = G.sort_pairs(index, len(self.bases))
+        run = G.grouped if self.fast else G.grouped_torch
+        k = self.top_k
+        lora_gu = lora_d = None
+        if self.adapter:
+            a_gu, b_gu, a_d, b_d = self.lora
+            lora_gu = (run(x, order, offsets, a_gu, top_k=k), b_gu)
+        h = run(x, order, offsets, self.gate_up, top_k=k, gated=True, lora=lora_gu)
+        if self.adapter:
+            lora_d = (run(h, order, offsets, a_d, top_k=1), b_d)
+        y = run(h, order, offsets, self.down, top_k=1, lora=lora_d, route=weight.reshape(-1))
+        return G.combine(y, k)
+
+
+__all__ = ["MoEStep", "is_moe_block"]

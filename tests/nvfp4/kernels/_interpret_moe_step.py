@@ -1,0 +1,35 @@
+"""Run by test_grouped_experts_kernels.py under TRITON_INTERPRET=1: the fused decoder's MoE step on the grouped
+Triton kernels (``fast``) against the same step on their torch twins, on a tiny Qwen3-MoE with LoRA on every expert."""
+
+import json
+import sys
+import tempfile
+
+import torch
+
+from qerl.model.policy import build_policy
+from qerl.rollout.moe_step import MoEStep
+from qerl.testing.tiny_models import save_tiny_model
+
+res = {}
+path = save_tiny_model(tempfile.mkdtemp(), "qwen3_moe", vocab_size=64, hidden_size=64)
+for quantization in ("nvfp4", "bf16"):
+    policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype="float32")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    block = policy.get_base_model().model.layers[0].mlp
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        outs = []
+        for fast in (True, False):
+            step = MoEStep(block, fast)
+            step.prepare(torch.float32)
+            choices = torch.full((40, step.top_k), -1)
+            outs.append((step(x, choices), choices))
+        ref = block.experts(x, outs[1][1], step.route(x)[0])
+    res[quantization] = {"vs_twin": float((outs[0][0] - outs[1][0]).abs().max() / outs[1][0].abs().max()),
+                         "vs_modules": float((outs[0][0] - ref).abs().max() / ref.abs().max()),
+                         "same_choices": bool(torch.equal(outs[0][1], outs[1][1])), "adapter": step.adapter}
+print(json.dumps(res), file=sys.stdout)

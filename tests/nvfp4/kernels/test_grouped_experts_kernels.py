@@ -1,0 +1,42 @@
+"""The grouped expert kernels (Triton's interpreter) against float64 and their torch twin."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def interpreted(run_interpreted):
+    return run_interpreted(Path(__file__).with_name("_interpret_grouped_experts.py"))
+
+
+def test_grouped_experts_equal_float64_per_pair(interpreted):
+    assert len(interpreted) == 11  # NVFP4 / 16-bit weights x fp32 / fp16 x base / LoRA; 40, 200 tokens: NVFP4 + LoRA
+    for key, v in interpreted.items():
+        assert v["dtype"] == key.split("-")[1], key
+        if "float32" in key:  # fp32 sums in another order
+            assert v["vs_float64"] <= 1e-5 and v["vs_twin"] <= 1e-5, (key, v)
+        else:  # fp16 roundings at every module output, as the per-expert modules round
+            assert v["vs_float64"] <= 4e-3 and v["vs_twin"] <= 4e-3, (key, v)
+
+
+def test_pairs_are_sorted_by_expert_with_offsets():
+    from qerl.nvfp4.kernels.grouped_experts import sort_pairs
+
+    index = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
+    order, offsets = sort_pairs(index, 5)
+    assert offsets.tolist() == [0, 3, 5, 5, 8, 8]  # experts 2 and 4: empty slices
+    assert order.tolist() == [1, 2, 6, 3, 5, 0, 4, 7]  # stable: pair order kept within an expert
+    assert index.reshape(-1)[order].tolist() == [0, 0, 0, 1, 1, 3, 3, 3]
+
+
+def test_moe_step_on_the_grouped_kernels_equals_its_torch_twin_and_the_modules(run_interpreted):
+    """The fused decoder's MoE step as the GPU runs it (router, sorted pairs, the grouped kernels with LoRA, combine)
+    against its CPU twin and the per-expert modules, NVFP4 and 16-bit experts."""
+    res = run_interpreted(Path(__file__).with_name("_interpret_moe_step.py"))
+    assert set(res) == {"nvfp4", "bf16"}
+    for v in res.values():
+        assert v["adapter"] and v["same_choices"] and v["vs_twin"] <= 1e-5 and v["vs_modules"] <= 1e-5, v

@@ -1,0 +1,121 @@
+"""The fused decoder's MoE step on the CPU (its torch twins): a tiny Qwen3-MoE (NVFP4 or 16-bit experts, LoRA on
+every expert) sampled by the graph engine's fused step, against transformers + peft."""
+
+import warnings
+
+import pytest
+import torch
+
+from qerl.model.experts import Experts
+from qerl.model.policy import build_policy
+from qerl.model.routing import RoutingRecorder, routed
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.testing.rollouts import recompute
+from qerl.testing.tiny_models import save_tiny_model
+
+PAD, EOS = 0, 7
+PROMPTS = [[5, 9, 11, 3, 4], [12, 13], [20, 21, 22]]
+
+
+def moe_policy(path, quantization: str, dtype: str):
+    policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype=dtype)
+    with torch.no_grad():  # non-zero LoRA B so the adapter changes the outputs
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    return policy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", vocab_size=64, hidden_size=64)
+
+
+def sample(policy, recorder=None):
+    engine = CUDAGraphRollout(check_every=3, fused=True)
+    spec = SamplingSpec(max_new_tokens=12, temperature=0.7, seed=1, stream="separate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fused step takes the MoE: no fallback warning
+        r = engine.generate(policy, PROMPTS, group_size=4, pad_id=PAD, eos_ids=[EOS, 9], spec=spec, routing=recorder)
+    assert engine._state.decoder is not None and engine._state.decoder.moe
+    return r
+
+
+def own_routing(policy, r, shape):
+    ids = torch.cat((r.prompt_ids, r.completion_ids), 1)
+    mask = torch.cat((r.prompt_mask, r.completion_mask), 1)
+    with torch.no_grad(), routed(policy) as own:
+        policy(input_ids=ids, attention_mask=mask)
+    return torch.stack(own).view(shape), mask.bool()
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_fused_moe_step_logprobs_and_routing_equal_the_training_forward(model_dir, quantization):
+    policy = moe_policy(model_dir, quantization, "float32")
+    recorder = RoutingRecorder()
+    with recorder.recording(policy):
+        r = sample(policy, recorder)
+    lp, entropy = recompute(policy, r, 0.7)
+    torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(r.entropy, entropy, atol=2e-5, rtol=0)
+    choices = recorder.choices(r.prompt_ids.shape[0], r.prompt_ids.shape[1] + r.completion_ids.shape[1])
+    own, mask = own_routing(policy, r, choices.shape)
+    fed = (choices[..., 0] >= 0) & mask[None]
+    last = mask.long().cumsum(1) == mask.sum(1, keepdim=True)  # each row's last token and the padding after it
+    assert fed[:, mask & ~last].all()  # every real token but the last sampled one was fed and recorded
+    assert torch.equal(choices.sort(-1).values[fed], own.sort(-1).values[fed])  # fp32: the same experts
+
+
+def test_bf16_fused_moe_step_with_router_replay_matches_the_recomputation(model_dir):
+    """In bf16 a few tokens route differently in the training forward (sums in another order); replaying the recorded
+    choices there gives the sampler's log-probs back up to bf16 rounding."""
+    policy = moe_policy(model_dir, "nvfp4", "bfloat16")
+    recorder = RoutingRecorder()
+    with recorder.recording(policy):
+        r = sample(policy, recorder)
+    choices = recorder.choices(r.prompt_ids.shape[0], r.prompt_ids.shape[1] + r.completion_ids.shape[1])
+    with routed(policy, replay=choices.reshape(choices.shape[0], -1, choices.shape[-1])):
+        lp, _ = recompute(policy, r, 0.7)
+    assert float((r.logprobs - lp).abs().max()) < 0.03  # as the GPU tier's bf16 log-prob checks
+
+
+def test_moe_step_keeps_one_copy_of_the_experts_and_follows_the_adapter(model_dir):
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
+
+    policy = moe_policy(model_dir, "nvfp4", "float32")
+    base = policy.get_base_model()
+    decoder = FusedDecoder(base, Kernels(fast=False))
+    decoder.prepare(torch.float32)
+    step = decoder.moe[0]
+    experts = next(m for m in base.modules() if isinstance(m, Experts))
+    packed = step.gate_up[0]
+    for e, expert in enumerate(experts):  # the modules' tensors are views of the stack: no second copy
+        assert expert.up_proj.base_layer.weight_packed.data_ptr() == packed[e, step.inter:].data_ptr()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    weight, index = step.route(x)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+        buffers = [t.data_ptr() for t in step.lora]
+        for name, p in policy.named_parameters():
+            if "experts" in name and "lora_B" in name:
+                p.mul_(2)
+        decoder.prepare(torch.float32)  # refreshed in place: captured graphs keep reading the same buffers
+        assert [t.data_ptr() for t in step.lora] == buffers
+        torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+        with policy.disable_adapter():
+            decoder.prepare(torch.float32)
+            assert not step.adapter
+            torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_experts_the_grouped_kernels_cannot_read_are_refused_by_name(model_dir):
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels, Unsupported
+
+    policy = moe_policy(model_dir, "nvfp4", "float32")
+    base = policy.get_base_model()
+    up = next(m for m in base.modules() if isinstance(m, Experts))[3].up_proj.base_layer
+    with torch.no_grad():
+        up.weight_global_scale.mul_(2)  # gate|up are one stacked NVFP4 weight: one global scale per expert
+    with pytest.raises(Unsupported, match="distinct global scales"):
+        FusedDecoder(base, Kernels(fast=False))
