@@ -1,0 +1,84 @@
+"""How an engine plays multi-turn episodes: the engine samples every turn, the caller (``qerl.agents``) says after each
+turn what comes next.
+
+    engine                                         caller (an ``EpisodeTurns``)
+    turn 1 of every row, at most budget(row)  ->   ended([TurnEnd, ...]): runs the tools of the rows that stopped
+    rows it answered continue from their own  <-   {row: observation tokens} (rows left out have ended)
+    context + the observation, the others stop
+
+``resubmit_episodes`` is the plain way, every engine's default (``RolloutEngine.play_episodes``): each turn is one
+``generate`` over the live rows' whole contexts (the prompt, every turn and observation so far). The CUDA-graph engine
+overrides it and appends each observation to the row's KV cache instead (``qerl.rollout.cuda_graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:  # (base.py imports this module for its default ``play_episodes``)
+    from qerl.rollout.base import Rollout
+
+# (contexts, samples per context, max new tokens) -> the engine's Rollout of len(contexts) * samples rows
+Sampler = Callable[[list[list[int]], int, int], "Rollout"]
+
+
+class TurnEnd(NamedTuple):
+    """One row's finished turn: the tokens the policy sampled (its end-of-turn token included where it wrote one)."""
+
+    row: int  # the trajectory: prompt index * group_size + sample
+    tokens: list[int]
+    logprobs: list[float]  # the sampling policy's log-prob of each token
+    entropy: list[float]  # the sampling distribution's entropy at each token
+    truncated: bool  # cut by the turn's budget before an end-of-turn token
+
+
+class EpisodeTurns(Protocol):
+    """The caller's side of an episode (``qerl.agents.episode``)."""
+
+    completion_budget: int  # tokens an episode may add after its prompt (turns and observations), the longest row's
+
+    def budget(self, row: int) -> int:
+        """The most tokens ``row``'s next turn may sample (>= 1)."""
+
+    def ended(self, turns: list[TurnEnd]) -> dict[int, list[int]]:
+        """Take the finished turns; return the observation tokens of each row that continues (rows left out end)."""
+
+
+def resubmit_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], group_size: int,
+                      turns: EpisodeTurns) -> None:
+    """Play the episodes with one ``sample`` call per turn over every live row's whole context (see the module
+    docstring): one budget per call, the largest of the live rows' (the caller cuts each row's turn to its own)."""
+    live = list(range(len(prompt_ids) * group_size))
+    contexts, samples = [list(p) for p in prompt_ids], group_size
+    so_far = {row: list(prompt_ids[row // group_size]) for row in live}
+    while live:
+        rollout = sample(contexts, samples, max(turns.budget(row) for row in live))
+        lengths = rollout.completion_mask.sum(-1).tolist()
+        ids, logprobs, entropy = (x.cpu() for x in (rollout.completion_ids, rollout.logprobs, rollout.entropy))
+        truncated = rollout.truncated.tolist()
+        ended = [TurnEnd(row, ids[k, :lengths[k]].tolist(), logprobs[k, :lengths[k]].tolist(),
+                         entropy[k, :lengths[k]].tolist(), bool(truncated[k])) for k, row in enumerate(live)]
+        observations = turns.ended(ended)
+        for turn in ended:
+            so_far[turn.row] += turn.tokens + observations.get(turn.row, [])
+        live = [row for row in live if row in observations]
+        contexts, samples = [so_far[row] for row in live], 1
+
+
+class BoundEngine(NamedTuple):
+    """An engine's ``play_episodes`` with the policy and how to sample bound (what ``qerl.agents`` plays with)."""
+
+    engine: object  # a RolloutEngine
+    policy: object
+    pad_id: int
+    eos_ids: list[int]
+    spec: object  # a SamplingSpec: its max_new_tokens is each turn's
+
+    def play(self, prompt_ids: Sequence[Sequence[int]], group_size: int, turns: EpisodeTurns) -> None:
+        self.engine.play_episodes(self.policy, [list(p) for p in prompt_ids], group_size, self.pad_id, self.eos_ids,
+                                  self.spec, turns)
+
+    @property
+    def device(self):
+        return next(self.policy.parameters()).device
