@@ -14,13 +14,11 @@ overrides it and appends each observation to the row's KV cache instead (``qerl.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-if TYPE_CHECKING:  # (base.py imports this module for its default ``play_episodes``)
-    from qerl.rollout.base import Rollout
-
-# (contexts, samples per context, max new tokens) -> the engine's Rollout of len(contexts) * samples rows
-Sampler = Callable[[list[list[int]], int, int], "Rollout"]
+# (contexts, samples per context, max new tokens) -> the engine's ``Rollout`` of len(contexts) * samples rows (base.py
+# imports this module for its default ``play_episodes``: the type is named, not imported)
+Sampler = Callable[[list[list[int]], int, int], Any]
 
 
 class TurnEnd(NamedTuple):
