@@ -3,7 +3,6 @@
 checks or the other rows' turns; with greedy decoding it writes what resubmitting the contexts writes; a wave whose
 columns run out packs each row's columns and goes on."""
 
-import pytest
 import torch
 
 from qerl.agents.config import AgentConfig
