@@ -1,15 +1,18 @@
 """Multi-turn episodes over any rollout engine.
 
     turn 1     the engine samples G completions per prompt (as single-turn RL does)
-    between    each finished turn is read: tool calls run (every row's at once), or the environment's ``step``
-               answers a plain reply; the results, rendered by the chat template, are appended as tokens
-    turn k     the engine continues every live row from its whole context (prompt, turns, observations),
-               one sample each; the model's own tokens are kept as sampled, never re-tokenized
+    between    each finished turn is read: tool calls run (every stopped row's at once), or the environment's
+               ``step`` answers a plain reply; the results, rendered by the chat template, become the row's tokens
+    turn k     the engine continues every live row after its observation, one sample each; the model's own tokens
+               are kept as sampled, never re-tokenized
     end        a turn without a call (the answer), the environment's end, or a limit: the turn cut by
                max_new_tokens, ``max_turns``, ``max_tool_calls``, ``max_episode_tokens``
 
-Each continuation resubmits the row's full context to ``engine.generate``, which every engine takes as a prompt (the
-built-in and CUDA-graph engines prefill it again; vLLM's prefix cache reuses the shared part).
+The engine owns the turn loop (``RolloutEngine.play_episodes``) and asks this module's ``_Turns`` (an
+``EpisodeTurns``) what follows each finished turn. The CUDA-graph engine appends each observation to the row's KV
+cache and decodes on while the other rows keep decoding (the prompt is prefilled once); the built-in and vLLM engines
+resubmit the row's whole context each turn (vLLM's prefix cache reuses the shared part). ``run_episodes`` given a
+plain ``Sampler`` (a generate) resubmits too.
 
 The ``Rollout`` returned has one completion per trajectory: every turn and observation after the prompt, with
 ``generated_mask`` 1 on the model's tokens only; log-probs and entropies are the sampling policy's there, 0 on
@@ -80,7 +83,8 @@ class Episodes(NamedTuple):
     tool_s: float = 0.0  # wall time waiting for tools and environments (every row's calls at once)
 
 
-def run_episodes(sample: BoundEngine | Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], group_size: int,
+def run_episodes(sample: BoundEngine | Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict],
+                 group_size: int,
                  tokenizer, eos_ids: list[int], pad_id: int, config: AgentConfig, tools: list[Tool],
                  environment: EnvironmentFactory | None, max_new_tokens: int, call_format: str,
                  tool_schemas: list[dict] | None = None, template_kwargs: dict | None = None) -> Episodes:

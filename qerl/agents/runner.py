@@ -37,8 +37,8 @@ class EpisodeRunner:
         per turn), the engine's way (``play_episodes``)."""
         rows = batch.get("columns") or [{} for _ in batch["prompt_ids"]]
         return run_episodes(BoundEngine(engine, policy, pad_id, eos_ids, spec), batch["prompt_ids"], rows, group_size,
-                            self.tokenizer, eos_ids, pad_id, self.config, self.tools, self.environment, spec.max_new_tokens, self.call_format,
-                            self.schemas, self.template_kwargs)
+                            self.tokenizer, eos_ids, pad_id, self.config, self.tools, self.environment,
+                            spec.max_new_tokens, self.call_format, self.schemas, self.template_kwargs)
 
 
 class EpisodeEngine:

@@ -12,7 +12,13 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
     front (rows, cache, mask) and continue in the smallest batch bucket that holds them.
 
 - Sampling noise: each output row's Exp(1) draws are a hash of (rollout key, row, step, token)
-  (``qerl.rollout.row_noise``), so a row samples the same tokens whatever its wave, slot or compaction order.
+  (``qerl.rollout.row_noise``; the step is the row's own count of sampled tokens, ``DecodeState.col``), so a row
+  samples the same tokens whatever its wave, slot or compaction order.
+- Multi-turn episodes (``play_episodes``, ``qerl.rollout.episode_wave``): a row that ends its turn idles like a
+  finished row (the columns it writes meanwhile stay masked, its position stays); at the next check its tool results
+  come back from the caller and are appended to its own cache row (one eager prefill of those rows' new tokens,
+  through the fused prefill where the model is fused), and it decodes on with the rows that never stopped. A prompt
+  is prefilled once; each wave plays its episodes to their ends. The cache then holds prompt + ``episode_columns``.
 
 - KV cache: our own ``SlotCache`` sized from the request (one wave's rows x prompt+completion length, rounded up so
   it and the graphs are reused by later requests of the same or smaller size); a large one is freed when the rollout
@@ -247,9 +253,9 @@ class CUDAGraphRollout(RolloutEngine):
                 s.cache.release()  # for the update
 
     def _start_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
-                    first_row: int, spec: SamplingSpec) -> list[int]:
-        """Prefill the prompts ``ids`` (output rows ``first_row`` on) into the state's first slots and sample each
-        row's first token; returns the batch buckets of the wave."""
+                    first_row: int, spec: SamplingSpec) -> tuple[list[int], torch.Tensor]:
+        """Prefill the prompts ``ids`` (output rows ``first_row`` on) into the state's first slots; returns the batch
+        buckets of the wave and the logits [B*G, V] of each row's first token."""
         if len(eos_ids) > MAX_EOS:
             raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         B, P = ids.shape

@@ -92,9 +92,21 @@ class DecodeState:
         """Slot i takes what slot ``order[i]`` held (its first ``written`` cache columns and its bookkeeping)."""
         b = order.numel()
         self.cache.permute_rows(order, written)
-        for view in (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b], self.col[:b],
-                     self.limit[:b]):
+        for view in self._bookkeeping(b):
             view.copy_(view.index_select(0, order))
+
+    def move(self, sources: list[int], targets: list[int], written: int) -> None:
+        """Slot ``targets[i]`` takes what slot ``sources[i]`` held (read before any is written): a reorder that copies
+        only the slots that move."""
+        device = self.col.device
+        sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
+        self.cache.move_rows(sources, targets, written)
+        for view in self._bookkeeping(self.rows):
+            view.index_copy_(0, targets, view.index_select(0, sources))
+
+    def _bookkeeping(self, b: int) -> tuple[torch.Tensor, ...]:
+        return (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b], self.col[:b],
+                self.limit[:b])
 
     def defragment(self, b: int, written: int) -> int:
         """Move each of slots 0..b-1's attended columns (of the first ``written``) to the front of its cache row, in

@@ -90,8 +90,9 @@ class EpisodeWave:
             return 0, column
         moved = running + resumed
         order = moved + sorted(set(range(b)) - set(moved))
-        if order != list(range(b)):
-            s.reorder(torch.tensor(order, device=s.col.device), column)
+        moving = [k for k in range(b) if order[k] != k]
+        if moving:
+            s.move([order[k] for k in moving], moving, column)
         blocks = [turns[k].tokens[-1:] + list(observations[turns[k].row]) for k in resumed]
         width = max(map(len, blocks), default=0)
         if column + width + self.engine.check_every > s.length:

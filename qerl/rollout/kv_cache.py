@@ -170,6 +170,12 @@ class SlotCache:
             view = cache_bytes(t)[: order.numel(), :, :length]
             view.copy_(view.index_select(0, order))
 
+    def move_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Row ``targets[i]`` takes the first ``length`` columns of row ``sources[i]`` (all read before any write)."""
+        for t in (*self.keys, *self.values):
+            view = cache_bytes(t)[:, :, :length]
+            view.index_copy_(0, targets, view.index_select(0, sources))
+
     def gather_columns(self, order: torch.Tensor, length: int) -> None:
         """Column j of row i takes column ``order[i, j]`` of the same row (``order`` [rows, length])."""
         for t in (*self.keys, *self.values):

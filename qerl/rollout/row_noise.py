@@ -76,8 +76,8 @@ if triton is not None:
 
     @triton.jit
     def row_seed_tl(key_ptr, rows_ptr, step_ptr, row):
-        """``row_seeds`` of the row at index ``row`` of ``rows_ptr`` (its step at the same index), in uint32 (the torch version emulates these
-        wrapping products in int64)."""
+        """``row_seeds`` of the row at index ``row`` of ``rows_ptr`` (its step at the same index), in uint32 (the
+        torch version emulates these wrapping products in int64)."""
         key0 = tl.load(key_ptr).to(tl.uint32)
         key1 = tl.load(key_ptr + 1).to(tl.uint32)
         seed = _mix32_tl(key0 ^ (tl.load(rows_ptr + row).to(tl.uint32) * 0x61C88647))

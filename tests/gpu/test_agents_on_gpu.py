@@ -1,6 +1,7 @@
 """The CUDA-graph engine (graphs captured, the fused step) plays multi-turn episodes in its KV cache: every turn's
 log-probs are the policy's full recomputation over the whole context (the single-turn GPU test's tolerance), the
-captured steps sample the eager steps' tokens; observation tokens are context only. Run with ``bash bench/gpu_tests.sh``."""
+captured steps sample the eager steps' tokens; observation tokens are context only. Run with
+``bash bench/gpu_tests.sh``."""
 
 import pytest
 import torch
