@@ -124,10 +124,13 @@ class _DrawnTurns:
         self.engine._targets[row] = self.sampled.get(row, 0) + int(self.engine.draw(1)[0])
         return self.turns.budget(row)
 
-    def ended(self, turns):
+    def submit(self, turns):
         for turn in turns:
             self.sampled[turn.row] = self.sampled.get(turn.row, 0) + len(turn.tokens)
-        return self.turns.ended(turns)
+        self.turns.submit(turns)
+
+    def collect(self):
+        return self.turns.collect()
 
 
 class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -79,8 +80,8 @@ class Episodes(NamedTuple):
     texts: list[str]  # the whole episode after the prompt, special tokens kept (TensorBoard's samples)
     environment_rewards: Tensor | None  # [N] the environments' get_reward(), None without one that scores
     trajectories: list[Trajectory]
-    decode_s: float = 0.0  # wall time in the engine
-    tool_s: float = 0.0  # wall time waiting for tools and environments (every row's calls at once)
+    decode_s: float = 0.0  # wall time in the engine, not waiting for tools
+    tool_s: float = 0.0  # wall time of the tools and environments (every stopped row's calls at once), beside decode
 
 
 def run_episodes(sample: BoundEngine | Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict],
@@ -110,26 +111,28 @@ def run_episodes(sample: BoundEngine | Sampler, prompt_ids: Sequence[Sequence[in
     turns = _Turns(trajectories_of(prompt_ids, rows, group_size, tools, environment), tokenizer, eos_ids, config,
                    ToolRunner(config.tool_timeout_s, config.tool_output_chars), max_new_tokens, call_format,
                    tool_schemas, template_kwargs)
-    start = time.perf_counter()
-    if isinstance(sample, BoundEngine):
-        device = sample.device
-        sample.play(prompt_ids, group_size, turns)
-    else:
-        devices = []
+    start, devices = time.perf_counter(), []
 
-        def sample_on(contexts, samples, n):
-            rollout = sample(contexts, samples, n)
-            devices.append(rollout.logprobs.device)
-            return rollout
+    def sample_on(contexts, samples, n):
+        rollout = sample(contexts, samples, n)
+        devices.append(rollout.logprobs.device)
+        return rollout
 
-        resubmit_episodes(sample_on, prompt_ids, group_size, turns)
-        device = devices[-1]
+    try:
+        if isinstance(sample, BoundEngine):
+            devices.append(sample.device)
+            sample.play(prompt_ids, group_size, turns)
+        else:
+            resubmit_episodes(sample_on, prompt_ids, group_size, turns)
+    finally:
+        turns.close()
+    device = devices[-1]
     trajectories = turns.trajectories
     episodes = finish(trajectories, tokenizer, pad_id, device)
     for k, t in enumerate(trajectories):
         if environment is not None and t.errors["timeout"]:  # its thread may still change it: a new one next time
             environment.discard(k)
-    return episodes._replace(decode_s=time.perf_counter() - start - turns.tool_s, tool_s=turns.tool_s)
+    return episodes._replace(decode_s=time.perf_counter() - start - turns.wait_s, tool_s=turns.tool_s)
 
 
 def trajectories_of(prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], group_size: int, tools: list[Tool],
@@ -150,22 +153,26 @@ def trajectories_of(prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], g
 
 class _Turns:
     """The episodes' side of the engine's turn loop (``qerl.rollout.episodes.EpisodeTurns``): each finished turn is
-    recorded and read, the tools of every row that stopped run at once, their observations rendered."""
+    recorded; in a background thread the turns are read, the tools of every row that stopped run at once and their
+    observations are rendered, while the engine decodes the other rows."""
 
     def __init__(self, trajectories: list[Trajectory], tokenizer, eos_ids: list[int], config: AgentConfig,
                  runner: ToolRunner, max_new_tokens: int, call_format: str, tool_schemas, template_kwargs):
         self.trajectories, self.tokenizer, self.eos_ids, self.config = trajectories, tokenizer, eos_ids, config
         self.runner, self.max_new_tokens, self.call_format = runner, max_new_tokens, call_format
         self.tool_schemas, self.template_kwargs = tool_schemas, template_kwargs
-        self.tool_s = 0.0
+        self.tool_s = 0.0  # running the tools and environments (in the background, beside the decode)
+        self.wait_s = 0.0  # the engine waiting for them
+        self._pool: ThreadPoolExecutor | None = None  # one job at a time: a batch of stopped rows' calls
+        self._pending: list[Future] = []
         self.completion_budget = max((token_limit(t, config, max_new_tokens) - len(t.prompt) for t in trajectories),
                                      default=1)
 
     def budget(self, row: int) -> int:
         return max(1, min(self.max_new_tokens, room_left(self.trajectories[row], self.config, self.max_new_tokens)))
 
-    def ended(self, turns: list[TurnEnd]) -> dict[int, list[int]]:
-        config, tokenizer = self.config, self.tokenizer
+    def submit(self, turns: list[TurnEnd]) -> None:
+        config = self.config
         for turn in turns:
             t = self.trajectories[turn.row]
             n, room = len(turn.tokens), room_left(t, config, self.max_new_tokens)
@@ -176,12 +183,33 @@ class _Turns:
                 t.end = "max_episode_tokens"
             elif turn.truncated:
                 t.end = "length"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="qerl-episode-tools")
+        self._pending.append(self._pool.submit(self._follow, [turn.row for turn in turns]))
+
+    def collect(self) -> dict[int, list[int] | None]:
         start = time.perf_counter()
-        calls = {turn.row: read_turn(self.trajectories[turn.row], tokenizer, self.call_format, config)
-                 for turn in turns if self.trajectories[turn.row].end is None}
+        observations = {}
+        for job in self._pending:
+            observations.update(job.result())
+        self._pending = []
+        self.wait_s += time.perf_counter() - start
+        return observations
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def _follow(self, rows: list[int]) -> dict[int, list[int] | None]:
+        """What follows the turns of ``rows`` (in the background: those trajectories are this job's until collected):
+        the tool calls every row made, run at once, and their observations rendered; None where the episode ends."""
+        config, tokenizer = self.config, self.tokenizer
+        start = time.perf_counter()
+        calls = {row: read_turn(self.trajectories[row], tokenizer, self.call_format, config) for row in rows
+                 if self.trajectories[row].end is None}
         answers = run_calls(self.runner, calls, self.trajectories)
         self.tool_s += time.perf_counter() - start
-        observations = {}
+        observations: dict[int, list[int] | None] = dict.fromkeys(rows)
         for i, messages in answers.items():
             t = self.trajectories[i]
             if t.end is not None:

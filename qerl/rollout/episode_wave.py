@@ -4,17 +4,19 @@
     a row that samples its end-of-turn token (or reaches its turn's budget) stops and idles like a finished row:
         the columns it writes meanwhile stay masked in its ``mask`` row
     every ``check_every`` steps (the engine's only host syncs): the rows that stopped are handed to the caller
-        (``EpisodeTurns.ended``: their tools run, every row's at once); the rows it answers get their turn's last
-        token + the observation appended to their own cache row at the next columns (one eager prefill batched over
-        those rows, through the fused prefill where the model is fused; position ids go on from each row's own), and
-        decode on with the others, which never stopped
+        (``EpisodeTurns.submit``: their tools start in the background, every row's at once) and the others decode on;
+        at the next check (at once if no row is left running) the engine collects what follows them: the rows that
+        continue get their turn's last token + the observation appended to their own cache row at the next columns
+        (one eager prefill batched over those rows, through the fused prefill where the model is fused; position ids
+        go on from each row's own), and decode on with the others, which never stopped
     the wave ends when no row's episode goes on; then the next wave (a row's turns all happen in its wave)
 
-Columns are shared by the rows of a step, so a row skips the columns of the steps it idled and of the other rows'
-observations (masked holes). When the next stretch would not fit, ``DecodeState.defragment`` packs each row's columns
-to the front: every row holds at most its prompt + its episode's budget, so ``episode_columns`` after the prompt always
-suffice. A row's sampling noise is keyed by its output row and its own token count (``DecodeState.col``): fresh at
-every turn, whatever the waves, slots or the other rows' turns.
+The schedule depends on the sampled tokens only (never on how fast a tool returns), so the episodes are the same run
+after run. Columns are shared by the rows of a step, so a row skips the columns of the steps it idled and of the other
+rows' observations (masked holes). When the next stretch would not fit, ``DecodeState.defragment`` packs each row's
+columns to the front: every row holds at most its prompt + its episode's budget, so ``episode_columns`` after the
+prompt always suffice. A row's sampling noise is keyed by its output row and its own token count
+(``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class EpisodeWave:
             first_row
         self.turn_start: list[int] = []  # per wave row: the output column where its current turn began
         self.live: set[int] = set()  # wave rows whose episode goes on
+        self.waiting: set[int] = set()  # wave rows handed over at the last check, their tools running
+        self.last_token: dict[int, int] = {}  # per wave row: its turn's last token (appended before the observation)
+        self.rows = 0  # the wave's rows
         self.eos: set[int] = set()
         self.prefilled_tokens = 0  # observation tokens appended (the prompts' are the first prefill's)
 
@@ -63,7 +68,7 @@ class EpisodeWave:
         s.limit[:N] = torch.tensor(budgets, device=ids.device)
         engine._record(s, logits, N, spec)
         del logits
-        self.turn_start, self.live, self.eos, self.pad = [0] * N, set(range(N)), set(eos_ids), pad_id
+        self.turn_start, self.live, self.eos, self.pad, self.rows = [0] * N, set(range(N)), set(eos_ids), pad_id, N
         engine._phase("decode")
         b, steps = N, 1
         while True:
@@ -76,27 +81,37 @@ class EpisodeWave:
             steps += 1
 
     def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int]:
-        """At a check: hand the rows that stopped to the caller, append the observations of those it continues, move
-        the running rows to the front. Returns the next batch bucket (0: the wave is over) and the next column."""
-        s = self.s
-        finished, col, slot_row = torch.stack([s.finished[:b].long(), s.col[:b], s.slot_row[:b]]).tolist()  # sync
-        stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live]
+        """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
+        over the rows that stopped since, append the observations that came back and move those rows and the running
+        ones to the front. Returns the next batch bucket (0: the wave is over) and the next column."""
+        s, N = self.s, self.rows
+        ready = self.turns.collect() if self.waiting else {}
+        collected, self.waiting = self.waiting, set()
+        finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
+        stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live and slot_row[k] not in collected]
         turns = self._turns_of(stopped, col, slot_row)
-        observations = self.turns.ended(list(turns.values())) if turns else {}
-        resumed = [k for k in stopped if self.first_row + slot_row[k] in observations]
-        self.live -= {slot_row[k] for k in stopped if k not in resumed}
+        if turns:
+            self.turns.submit(list(turns.values()))
+            self.waiting = {slot_row[k] for k in stopped}
+            self.last_token.update({slot_row[k]: turns[k].tokens[-1] for k in stopped})
         running = [k for k in range(b) if not finished[k]]
+        if not running and not any(obs is not None for obs in ready.values()) and self.waiting:
+            ready.update(self.turns.collect())  # nothing else to decode: wait for the turns just handed over
+            collected, self.waiting = collected | self.waiting, set()
+        observations = {row - self.first_row: obs for row, obs in ready.items()}
+        self.live -= {row for row in collected if observations[row] is None}
+        resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
             return 0, column
-        moved = running + resumed
-        order = moved + sorted(set(range(b)) - set(moved))
-        moving = [k for k in range(b) if order[k] != k]
+        moved = running + resumed + [k for k in range(N) if slot_row[k] in self.waiting]
+        order = moved + sorted(set(range(N)) - set(moved))
+        moving = [k for k in range(N) if order[k] != k]
         if moving:
             s.move([order[k] for k in moving], moving, column)
-        blocks = [turns[k].tokens[-1:] + list(observations[turns[k].row]) for k in resumed]
+        blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
         width = max(map(len, blocks), default=0)
         if column + width + self.engine.check_every > s.length:
-            column = s.defragment(b, column)
+            column = s.defragment(N, column)
             s.cache.position.fill_(column)
             if column + width + self.engine.check_every > s.length:
                 raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
@@ -104,8 +119,9 @@ class EpisodeWave:
         if resumed:
             for k in resumed:
                 self.turn_start[slot_row[k]] = col[k]
-            column = self._append(len(running), blocks, [self.turns.budget(turns[k].row) for k in resumed], column)
-        return next(x for x in buckets if x >= len(moved)), column
+            budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
+            column = self._append(len(running), blocks, budgets, column)
+        return next(x for x in buckets if x >= len(running) + len(resumed)), column
 
     def _turns_of(self, stopped: list[int], col: list[int], slot_row: list[int]) -> dict[int, TurnEnd]:
         """The finished turn of each stopped slot, read from the output buffers (one copy to the host)."""

@@ -2,9 +2,10 @@
 turn what comes next.
 
     engine                                         caller (an ``EpisodeTurns``)
-    turn 1 of every row, at most budget(row)  ->   ended([TurnEnd, ...]): runs the tools of the rows that stopped
-    rows it answered continue from their own  <-   {row: observation tokens} (rows left out have ended)
-    context + the observation, the others stop
+    turn 1 of every row, at most budget(row)  ->   submit([TurnEnd, ...]): the tools of the rows that stopped start
+    (the other rows may decode on meanwhile)
+    rows it answered continue from their own  <-   collect(): {row: observation tokens, or None: the episode ended}
+    context + the observation
 
 ``resubmit_episodes`` is the plain way, every engine's default (``RolloutEngine.play_episodes``): each turn is one
 ``generate`` over the live rows' whole contexts (the prompt, every turn and observation so far). The CUDA-graph engine
@@ -39,8 +40,13 @@ class EpisodeTurns(Protocol):
     def budget(self, row: int) -> int:
         """The most tokens ``row``'s next turn may sample (>= 1)."""
 
-    def ended(self, turns: list[TurnEnd]) -> dict[int, list[int]]:
-        """Take the finished turns; return the observation tokens of each row that continues (rows left out end)."""
+    def submit(self, turns: list[TurnEnd]) -> None:
+        """Take finished turns; what follows them (their tools, the environment's reply) is worked out in the
+        background while the engine decodes the other rows."""
+
+    def collect(self) -> dict[int, list[int] | None]:
+        """Wait for everything submitted so far; each of those rows' observation tokens, or None where its episode
+        ended."""
 
 
 def resubmit_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], group_size: int,
@@ -57,10 +63,11 @@ def resubmit_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], grou
         truncated = rollout.truncated.tolist()
         ended = [TurnEnd(row, ids[k, :lengths[k]].tolist(), logprobs[k, :lengths[k]].tolist(),
                          entropy[k, :lengths[k]].tolist(), bool(truncated[k])) for k, row in enumerate(live)]
-        observations = turns.ended(ended)
+        turns.submit(ended)
+        observations = turns.collect()
         for turn in ended:
-            so_far[turn.row] += turn.tokens + observations.get(turn.row, [])
-        live = [row for row in live if row in observations]
+            so_far[turn.row] += turn.tokens + (observations[turn.row] or [])
+        live = [row for row in live if observations[row] is not None]
         contexts, samples = [so_far[row] for row in live], 1
 
 
