@@ -1,7 +1,9 @@
 """The CUDA-graph engine plays episodes in its KV cache: each prompt is prefilled once, later only the observations
 (with the turn-ending token they follow), never a whole context again; its samples do not depend on the waves, the
-checks or the other rows' turns; with greedy decoding it writes what resubmitting the contexts writes; a wave whose
+checks or the other rows' turns; tools run while the other rows decode; with greedy decoding it writes what resubmitting the contexts writes; a wave whose
 columns run out packs each row's columns and goes on."""
+
+import time
 
 import torch
 
@@ -59,6 +61,43 @@ def test_prompt_prefilled_once_then_observations_only(chat_model):
     # then only appended blocks: one per continued turn, each the turn's last token + the observation, never a context
     assert sum(ids.shape[0] for ids in prefills[1:]) == sum(t.turns - 1 for t in trajectories) > 0
     assert max(ids.shape[1] for ids in prefills[1:]) <= 1 + max(map(len, observations)) < min(map(len, prompts))
+
+
+class WaitsForTheDecode:
+    """Its first reply waits until the engine has decoded another step (in the test's ``forwards``): the tools run
+    beside the decode of the other rows, not instead of it."""
+
+    forwards: list = []
+    saw_decode: list = []
+
+    def reset(self, **row) -> None:
+        self.replies = 0
+
+    def step(self, message: str) -> str | None:
+        self.replies += 1
+        if not self.saw_decode:
+            seen, deadline = len(self.forwards), time.monotonic() + 60
+            while len(self.forwards) == seen and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.saw_decode.append(len(self.forwards) > seen)
+        return "Next." if self.replies < 2 else None
+
+
+def test_tools_run_while_the_other_rows_decode(chat_model):
+    policy, tokenizer = chat_model
+    WaitsForTheDecode.forwards, WaitsForTheDecode.saw_decode = [], []
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: WaitsForTheDecode.forwards.append(1))
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.7, seed=5)
+    try:
+        episodes = run_episodes(BoundEngine(CUDAGraphRollout(check_every=2), policy, pad, eos, spec),
+                                chat_prompts(tokenizer, QUESTIONS), [{}] * 3, 3, tokenizer, eos, pad,
+                                AgentConfig(max_turns=5), [], EnvironmentFactory(WaitsForTheDecode), 8, "qwen")
+    finally:
+        hook.remove()
+    assert WaitsForTheDecode.saw_decode and all(WaitsForTheDecode.saw_decode)  # (the first batch's calls run at once)
+    assert max(t.turns for t in episodes.trajectories) >= 2
 
 
 def test_samples_independent_of_waves_and_checks(chat_model):
