@@ -155,7 +155,8 @@ class CUDAGraphRollout(RolloutEngine):
         """``routing``: told where each forward's tokens sit in the rollout (a MoE's expert choices are recorded;
         a MoE's steps run eagerly: captured steps run no Python)."""
         new = spec.max_new_tokens
-        with self._session(policy, prompt_ids, group_size, pad_id, spec, routing, new, new) as (s, ids, mask, waves):
+        with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing, new, new) \
+                as (s, ids, mask, waves):
             N, device = ids.shape[0] * group_size, ids.device
             out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
             out["tokens_out"].fill_(pad_id)
@@ -190,7 +191,7 @@ class CUDAGraphRollout(RolloutEngine):
         its cache row and its next turn decodes on, in the same wave; nothing is prefilled twice."""
         budget = turns.completion_budget
         new = budget + 1  # + a spare column that rows idling at the end of their budget write padding to
-        with self._session(policy, prompt_ids, group_size, pad_id, spec, None, new,
+        with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, None, new,
                            episode_columns(budget, self.check_every)) as (s, ids, mask, waves):
             for prompts, first_row in waves:
                 EpisodeWave(self, s, policy, spec, turns, first_row).run(ids[prompts], mask[prompts], group_size,
@@ -198,8 +199,8 @@ class CUDAGraphRollout(RolloutEngine):
         self._phase("done")
 
     @contextmanager
-    def _session(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, spec: SamplingSpec,
-                 routing: RoutingRecorder | None, new: int, columns: int):
+    def _session(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec, routing: RoutingRecorder | None, new: int, columns: int):
         """What a call decodes under: the state sized for a wave of ``new`` output columns and prompt + ``columns``
         cache columns, the rollout's noise key, one AQN draw and one adapter copy (every wave samples the same
         policy). Yields (state, prompt ids [B, P], their mask, [(prompt slice, first output row) per wave])."""
@@ -212,6 +213,8 @@ class CUDAGraphRollout(RolloutEngine):
                              "a fused MoE step that writes them.")
         self._routing = routing
         generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
+        if len(eos_ids) > MAX_EOS:
+            raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         register_decode_attention()
         ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
@@ -256,8 +259,6 @@ class CUDAGraphRollout(RolloutEngine):
                     first_row: int, spec: SamplingSpec) -> tuple[list[int], torch.Tensor]:
         """Prefill the prompts ``ids`` (output rows ``first_row`` on) into the state's first slots; returns the batch
         buckets of the wave and the logits [B*G, V] of each row's first token."""
-        if len(eos_ids) > MAX_EOS:
-            raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
         B, P = ids.shape
         N, device = B * group_size, ids.device
         if s.cache.allocate():  # again, after the last rollout released it, at another address
