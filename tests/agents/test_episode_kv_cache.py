@@ -1,7 +1,7 @@
 """The CUDA-graph engine plays episodes in its KV cache: each prompt is prefilled once, later only the observations
 (with the turn-ending token they follow), never a whole context again; its samples do not depend on the waves, the
-checks or the other rows' turns; tools run while the other rows decode; with greedy decoding it writes what resubmitting the contexts writes; a wave whose
-columns run out packs each row's columns and goes on."""
+checks or the other rows' turns; tools run while the other rows decode; with greedy decoding it writes what
+resubmitting the contexts writes; a wave whose columns run out packs each row's columns and goes on."""
 
 import time
 
