@@ -2,17 +2,20 @@
 decode throughput of a multi-turn step against a single-turn step of about the same generated tokens.
 
     python bench/bench_agent_rollout.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--turns 4] \
-        [--turn-median 200] [--steps 4]
+        [--turn-median 200] [--steps 4] [--arms multi,single,resubmit]
 
 Random-init weights of the real shape (``bench_train_e2e.write_models``) never write a tool call, so every turn ends
 at a drawn length (``forced_lengths.ForcedLengthRollout``: lognormal, median ``--turn-median``) and the environment
 ``agent_bench_env.PythonTurns`` answers it with a real run of the Python tool (a separate process per call, every
-row's at once), for ``--turns`` turns. Each later turn resubmits the row's whole context to the engine.
+row's at once), for ``--turns`` turns. Each later turn continues in the engine's KV cache: the observation is
+appended to the row's cache row at the next check while the other rows decode on (``CUDAGraphRollout.play_episodes``).
 
 Arms, each ``train.py fit`` in a process of its own (NVFP4, the recipe's batch: ``--prompts`` x ``--group-size``):
 
-    multi    model.agent with that environment; per turn ``--new-tokens`` at most
-    single   one completion per sample, lengths drawn with median ``turns x turn-median``, at most
+    multi     model.agent with that environment; per turn ``--new-tokens`` at most
+    resubmit  the same episodes, each later turn a new ``generate`` over the live rows' whole contexts (the engines'
+              default ``play_episodes``: what the KV-cache path replaces; ``--arms`` adds it)
+    single    one completion per sample, lengths drawn with median ``turns x turn-median``, at most
              ``turns x new-tokens``: about the same generated tokens per row
 
 Read back from TensorBoard (medians over the steps after the first): ``agent/decode_s``, ``agent/tool_s``,
@@ -40,7 +43,9 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
     rows = args.prompts * args.group_size
-    if arm == "multi":
+    engine = "forced_lengths.ForcedLengthRollout"
+    if arm in ("multi", "resubmit"):
+        engine = "forced_lengths.ResubmittingForcedLengthRollout" if arm == "resubmit" else engine
         lengths = [f"--model.rollout.init_args.length_median={args.turn_median}"]
         arm_args = ["--model.agent.environment", json.dumps({"class_path": "agent_bench_env.PythonTurns",
                                                              "init_args": {"turns": args.turns}}),
@@ -53,7 +58,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", "nvfp4",
-        "--model.rollout.class_path", "forced_lengths.ForcedLengthRollout", *lengths, *arm_args,
+        "--model.rollout.class_path", engine, *lengths, *arm_args,
         "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
         "--model.mask_truncated", "false", "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
@@ -68,9 +73,9 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     steady = lambda tag: statistics.median(series[tag][1:] or series[tag])  # noqa: E731  first step warms up
     out = {"rollout_s": steady("perf/rollout_s"), "train_s": steady("perf/train_s"),
            "generated_per_row": steady("train/completion_length"), "steps": len(series["perf/rollout_s"])}
-    out["decode_s"] = steady("agent/decode_s") if arm == "multi" else out["rollout_s"]
-    out["tool_s"] = steady("agent/tool_s") if arm == "multi" else 0.0
-    out["turns"] = steady("agent/turns") if arm == "multi" else 1.0
+    out["decode_s"] = steady("agent/decode_s") if arm != "single" else out["rollout_s"]
+    out["tool_s"] = steady("agent/tool_s") if arm != "single" else 0.0
+    out["turns"] = steady("agent/turns") if arm != "single" else 1.0
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
     return out
 
@@ -88,6 +93,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1024, help="max tokens of one turn (the recipe's)")
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--work", default="/tmp/qerl_agent")
+    parser.add_argument("--arms", default="multi,single", help="comma-separated: multi, single, resubmit")
     parser.add_argument("overrides", nargs="*", help="more train.py options for both arms (after --)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -97,7 +103,7 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         model_dir = write_models(args.size, args.tokenizer, work, len(AutoTokenizer.from_pretrained(args.tokenizer)),
                                  ("nvfp4",))["nvfp4"]
-    results = {arm: in_own_process(fit, model_dir, arm, args, work / "runs") for arm in ("multi", "single")}
+    results = {arm: in_own_process(fit, model_dir, arm, args, work / "runs") for arm in args.arms.split(",")}
     multi, single = results["multi"], results["single"]
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "turns": args.turns,
            "turn_median": args.turn_median, "new_tokens": args.new_tokens, "arms": results,
@@ -106,6 +112,9 @@ def main() -> None:
            "date": datetime.date.today().isoformat()}
     print(f"multi-turn: decode {multi['decode_s']:.1f} s + tools {multi['tool_s']:.1f} s "
           f"(rollout {multi['rollout_s']:.1f} s), update {multi['train_s']:.1f} s, {multi['turns']:.1f} turns")
+    if "resubmit" in results:
+        row["multi_decode_vs_resubmit"] = multi["decode_tok_s"] / results["resubmit"]["decode_tok_s"]
+        print(f"decode throughput KV-cache episodes / resubmitted contexts: {row['multi_decode_vs_resubmit']:.2f}")
     print(f"decode throughput multi / single at {multi['generated_per_row']:.0f} / {single['generated_per_row']:.0f} "
           f"tokens per row: {row['multi_decode_vs_single']:.2f} (target >= 0.85)")
     out = Path(args.out)

@@ -4,7 +4,8 @@ Random weights rarely sample EOS, so nearly every completion of a benchmark woul
 policies stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This
 engine is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median
 ``length_median``, shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each
-rank's own); draws above the spec's ``max_new_tokens`` are truncated completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
+rank's own; in a multi-turn episode one per turn); draws above the spec's ``max_new_tokens`` are truncated completions
+(no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
 
     --model.rollout.class_path forced_lengths.ForcedLengthRollout   (bench/ on the Python path)
 
@@ -23,6 +24,7 @@ import math
 import torch
 
 from qerl.ranks import rank_seed
+from qerl.rollout.base import RolloutEngine
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.decode_state import DecodeState
 from qerl.rollout.vllm import VLLMRollout
@@ -59,33 +61,76 @@ class DrawnLengths:
 
 
 class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
-    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring)."""
+    """``CUDAGraphRollout`` whose completions end at drawn lengths (see the module docstring); in multi-turn episodes
+    (``play_episodes``) each turn ends at a length drawn when the turn starts."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._targets: torch.Tensor | None = None  # per output row; one storage, read inside captured graphs
+        # per output row: the output column whose token is forced to EOS; one storage, read inside captured graphs
+        self._targets: torch.Tensor | None = None
         self._eos_id = 0
+
+    def _targets_for(self, rows: int, device) -> torch.Tensor:
+        if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
+            self._targets = torch.zeros(max(rows, 1), dtype=torch.long, device=device)
+            self._clear_graphs()
+        return self._targets
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec):
         rows, new = len(prompt_ids) * group_size, spec.max_new_tokens
         lengths = self.draw(rows)
         lengths[lengths > new] = new + 1  # never reached: truncated
-        device = next(policy.parameters()).device
-        if self._targets is None or self._targets.numel() < rows or self._targets.device != device:
-            self._targets = torch.zeros(max(rows, 1), dtype=torch.long, device=device)
-            self._clear_graphs()
-        self._targets.fill_(new + 1)
-        self._targets[:rows].copy_(lengths)
+        targets = self._targets_for(rows, next(policy.parameters()).device)
+        targets.fill_(new + 1)
+        targets[:rows].copy_(lengths)
         self._eos_id = eos_ids[0]
         return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
 
-    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec) -> None:
-        target = self._targets.index_select(0, s.first_row + s.slot_row[:b])  # [b] drawn length of each row
-        last = s.step + 1 >= target  # the token sampled now is the row's last
+    @torch.no_grad()
+    def play_episodes(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, turns):
+        rows = len(prompt_ids) * group_size
+        self._targets_for(rows, next(policy.parameters()).device).fill_(2**40)
+        self._eos_id = eos_ids[0]
+        super().play_episodes(policy, prompt_ids, group_size, pad_id, eos_ids, spec, _DrawnTurns(turns, self))
+
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec, first: int = 0) -> None:
+        slots = slice(first, b)
+        target = self._targets.index_select(0, s.first_row + s.slot_row[slots])  # [b - first] each row's end column
+        last = s.col[slots] + 1 >= target  # the token sampled now is the row's last
         logits = logits.clone()
         logits[:, self._eos_id] = torch.where(last, 1e4, -1e4).to(logits.dtype)
-        super()._record(s, logits, b, spec)
+        super()._record(s, logits, b, spec, first)
+
+
+class ResubmittingForcedLengthRollout(ForcedLengthRollout):
+    """``ForcedLengthRollout`` playing episodes the engines' default way: each turn a ``generate`` over the live rows'
+    whole contexts (what the KV-cache episodes replace; the benchmark's comparison arm)."""
+
+    def play_episodes(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, turns):
+        RolloutEngine.play_episodes(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, turns)
+
+
+class _DrawnTurns:
+    """The episodes' turns with each turn's end drawn when it starts (its output column: the row's tokens so far +
+    the drawn length; above the turn's budget it is cut there, as the real episode would be)."""
+
+    def __init__(self, turns, engine: ForcedLengthRollout):
+        self.turns, self.engine = turns, engine
+        self.completion_budget = turns.completion_budget
+        self.sampled: dict[int, int] = {}  # per row: the tokens its turns sampled so far
+
+    def budget(self, row: int) -> int:
+        self.engine._targets[row] = self.sampled.get(row, 0) + int(self.engine.draw(1)[0])
+        return self.turns.budget(row)
+
+    def submit(self, turns):
+        for turn in turns:
+            self.sampled[turn.row] = self.sampled.get(turn.row, 0) + len(turn.tokens)
+        self.turns.submit(turns)
+
+    def collect(self):
+        return self.turns.collect()
 
 
 class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):

@@ -1,15 +1,18 @@
 """Multi-turn episodes over any rollout engine.
 
     turn 1     the engine samples G completions per prompt (as single-turn RL does)
-    between    each finished turn is read: tool calls run (every row's at once), or the environment's ``step``
-               answers a plain reply; the results, rendered by the chat template, are appended as tokens
-    turn k     the engine continues every live row from its whole context (prompt, turns, observations),
-               one sample each; the model's own tokens are kept as sampled, never re-tokenized
+    between    each finished turn is read: tool calls run (every stopped row's at once), or the environment's
+               ``step`` answers a plain reply; the results, rendered by the chat template, become the row's tokens
+    turn k     the engine continues every live row after its observation, one sample each; the model's own tokens
+               are kept as sampled, never re-tokenized
     end        a turn without a call (the answer), the environment's end, or a limit: the turn cut by
                max_new_tokens, ``max_turns``, ``max_tool_calls``, ``max_episode_tokens``
 
-Each continuation resubmits the row's full context to ``engine.generate``, which every engine takes as a prompt (the
-built-in and CUDA-graph engines prefill it again; vLLM's prefix cache reuses the shared part).
+The engine owns the turn loop (``RolloutEngine.play_episodes``) and asks this module's ``_Turns`` (an
+``EpisodeTurns``) what follows each finished turn. The CUDA-graph engine appends each observation to the row's KV
+cache and decodes on while the other rows keep decoding (the prompt is prefilled once); the built-in and vLLM engines
+resubmit the row's whole context each turn (vLLM's prefix cache reuses the shared part). ``run_episodes`` given a
+plain ``Sampler`` (a generate) resubmits too.
 
 The ``Rollout`` returned has one completion per trajectory: every turn and observation after the prompt, with
 ``generated_mask`` 1 on the model's tokens only; log-probs and entropies are the sampling policy's there, 0 on
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -29,6 +33,7 @@ from torch import Tensor
 
 from qerl.agents.config import AgentConfig
 from qerl.rollout.base import Rollout
+from qerl.rollout.episodes import BoundEngine, Sampler, TurnEnd, resubmit_episodes
 from qerl.tools.calls import ToolCall, parse_tool_calls
 from qerl.tools.chat_template import observation_ids
 from qerl.tools.environment import EnvironmentFactory, environment_step
@@ -40,9 +45,6 @@ ENDS = ("answer", "environment", "length", "max_turns", "max_tool_calls", "max_e
 
 STEP = "step"  # an environment's step runs as a call of its own: at once with the others, under the timeout
 CUT = ("length", "max_episode_tokens")  # cut mid-turn or left without room: DAPO's truncated completions
-
-# (contexts, samples per context, max new tokens) -> the engine's Rollout of len(contexts) * samples rows
-Sampler = Callable[[list[list[int]], int, int], Rollout]
 
 
 @dataclass
@@ -78,18 +80,20 @@ class Episodes(NamedTuple):
     texts: list[str]  # the whole episode after the prompt, special tokens kept (TensorBoard's samples)
     environment_rewards: Tensor | None  # [N] the environments' get_reward(), None without one that scores
     trajectories: list[Trajectory]
-    decode_s: float = 0.0  # wall time in the engine
-    tool_s: float = 0.0  # wall time waiting for tools and environments (every row's calls at once)
+    decode_s: float = 0.0  # wall time in the engine, not waiting for tools
+    tool_s: float = 0.0  # wall time of the tools and environments (every stopped row's calls at once), beside decode
 
 
-def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], group_size: int,
+def run_episodes(sample: BoundEngine | Sampler, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict],
+                 group_size: int,
                  tokenizer, eos_ids: list[int], pad_id: int, config: AgentConfig, tools: list[Tool],
                  environment: EnvironmentFactory | None, max_new_tokens: int, call_format: str,
                  tool_schemas: list[dict] | None = None, template_kwargs: dict | None = None) -> Episodes:
     """Run ``group_size`` episodes of each prompt to their ends (see the module docstring).
 
     Args:
-        sample: the engine's generate with its sampling settings bound (see ``Sampler``).
+        sample: the engine with the policy and its sampling settings bound: it plays the turns its own way
+            (``play_episodes``); or a ``Sampler`` (a generate), every turn a resubmission of the live contexts.
         prompt_ids: B prompts, chat-formatted with the tools' schemas.
         rows: each prompt's dataset columns (an environment's ``reset(**row)``).
         group_size: G trajectories per prompt.
@@ -104,7 +108,37 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
         tool_schemas: the schemas the template renders (some templates show them again around tool results).
         template_kwargs: extra chat template variables (Qwen3's ``enable_thinking``).
     """
-    runner = ToolRunner(config.tool_timeout_s, config.tool_output_chars)
+    turns = _Turns(trajectories_of(prompt_ids, rows, group_size, tools, environment), tokenizer, eos_ids, config,
+                   ToolRunner(config.tool_timeout_s, config.tool_output_chars), max_new_tokens, call_format,
+                   tool_schemas, template_kwargs)
+    start, devices = time.perf_counter(), []
+
+    def sample_on(contexts, samples, n):
+        rollout = sample(contexts, samples, n)
+        devices.append(rollout.logprobs.device)
+        return rollout
+
+    try:
+        if isinstance(sample, BoundEngine):
+            devices.append(sample.device)
+            sample.play(prompt_ids, group_size, turns)
+        else:
+            resubmit_episodes(sample_on, prompt_ids, group_size, turns)
+    finally:
+        turns.close()
+    device = devices[-1]
+    trajectories = turns.trajectories
+    episodes = finish(trajectories, tokenizer, pad_id, device)
+    for k, t in enumerate(trajectories):
+        if environment is not None and t.errors["timeout"]:  # its thread may still change it: a new one next time
+            environment.discard(k)
+    return episodes._replace(decode_s=time.perf_counter() - start - turns.wait_s, tool_s=turns.tool_s)
+
+
+def trajectories_of(prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], group_size: int, tools: list[Tool],
+                    environment: EnvironmentFactory | None) -> list[Trajectory]:
+    """``group_size`` fresh trajectories per prompt, each with its tools and its slot's environment reset from the
+    prompt's dataset row."""
     trajectories = []
     for prompt, row in zip(prompt_ids, rows):
         for _ in range(group_size):
@@ -114,48 +148,79 @@ def run_episodes(sample: Sampler, prompt_ids: Sequence[Sequence[int]], rows: Seq
                 env.reset(**row)
                 own.update({t.name: t.fn for t in env_tools})
             trajectories.append(Trajectory(list(prompt), own, env))
-    live = list(range(len(trajectories)))
-    contexts, samples = [list(p) for p in prompt_ids], group_size
-    decode_s = tool_s = 0.0
-    while live:
-        room = max(room_left(trajectories[i], config, max_new_tokens) for i in live)
-        start = time.perf_counter()
-        rollout = sample(contexts, samples, max(1, min(max_new_tokens, room)))  # none decodes far past its budget
-        decode_s += time.perf_counter() - start
-        lengths = rollout.completion_mask.sum(-1).tolist()
-        ids, logprobs, entropy = (x.cpu() for x in (rollout.completion_ids, rollout.logprobs, rollout.entropy))
-        for k, i in enumerate(live):
-            t = trajectories[i]
-            n, room = lengths[k], room_left(t, config, max_new_tokens)
-            t.last_turn = ids[k, :min(n, room)].tolist()
-            t.add(t.last_turn, True, logprobs[k, :len(t.last_turn)].tolist(), entropy[k, :len(t.last_turn)].tolist())
+    return trajectories
+
+
+class _Turns:
+    """The episodes' side of the engine's turn loop (``qerl.rollout.episodes.EpisodeTurns``): each finished turn is
+    recorded; in a background thread the turns are read, the tools of every row that stopped run at once and their
+    observations are rendered, while the engine decodes the other rows."""
+
+    def __init__(self, trajectories: list[Trajectory], tokenizer, eos_ids: list[int], config: AgentConfig,
+                 runner: ToolRunner, max_new_tokens: int, call_format: str, tool_schemas, template_kwargs):
+        self.trajectories, self.tokenizer, self.eos_ids, self.config = trajectories, tokenizer, eos_ids, config
+        self.runner, self.max_new_tokens, self.call_format = runner, max_new_tokens, call_format
+        self.tool_schemas, self.template_kwargs = tool_schemas, template_kwargs
+        self.tool_s = 0.0  # running the tools and environments (in the background, beside the decode)
+        self.wait_s = 0.0  # the engine waiting for them
+        self._pool: ThreadPoolExecutor | None = None  # one job at a time: a batch of stopped rows' calls
+        self._pending: list[Future] = []
+        self.completion_budget = max((token_limit(t, config, max_new_tokens) - len(t.prompt) for t in trajectories),
+                                     default=1)
+
+    def budget(self, row: int) -> int:
+        return max(1, min(self.max_new_tokens, room_left(self.trajectories[row], self.config, self.max_new_tokens)))
+
+    def submit(self, turns: list[TurnEnd]) -> None:
+        config = self.config
+        for turn in turns:
+            t = self.trajectories[turn.row]
+            n, room = len(turn.tokens), room_left(t, config, self.max_new_tokens)
+            t.last_turn = turn.tokens[:min(n, room)]
+            t.add(t.last_turn, True, turn.logprobs[:len(t.last_turn)], turn.entropy[:len(t.last_turn)])
             t.turns += 1
             if n > room:
                 t.end = "max_episode_tokens"
-            elif bool(rollout.truncated[k]):
+            elif turn.truncated:
                 t.end = "length"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="qerl-episode-tools")
+        self._pending.append(self._pool.submit(self._follow, [turn.row for turn in turns]))
+
+    def collect(self) -> dict[int, list[int] | None]:
         start = time.perf_counter()
-        calls = {i: read_turn(trajectories[i], tokenizer, call_format, config) for i in live
-                 if trajectories[i].end is None}
-        answers = run_calls(runner, calls, trajectories)
-        tool_s += time.perf_counter() - start
-        live = []
+        observations = {}
+        for job in self._pending:
+            observations.update(job.result())
+        self._pending = []
+        self.wait_s += time.perf_counter() - start
+        return observations
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def _follow(self, rows: list[int]) -> dict[int, list[int] | None]:
+        """What follows the turns of ``rows`` (in the background: those trajectories are this job's until collected):
+        the tool calls every row made, run at once, and their observations rendered; None where the episode ends."""
+        config, tokenizer = self.config, self.tokenizer
+        start = time.perf_counter()
+        calls = {row: read_turn(self.trajectories[row], tokenizer, self.call_format, config) for row in rows
+                 if self.trajectories[row].end is None}
+        answers = run_calls(self.runner, calls, self.trajectories)
+        self.tool_s += time.perf_counter() - start
+        observations: dict[int, list[int] | None] = dict.fromkeys(rows)
         for i, messages in answers.items():
-            t = trajectories[i]
+            t = self.trajectories[i]
             if t.end is not None:
                 continue
-            ids = observation_ids(tokenizer, messages, eos_ids, tool_schemas, template_kwargs)
-            if len(t.prompt) + len(t.tokens) + len(ids) >= token_limit(t, config, max_new_tokens):
+            ids = observation_ids(tokenizer, messages, self.eos_ids, self.tool_schemas, self.template_kwargs)
+            if len(t.prompt) + len(t.tokens) + len(ids) >= token_limit(t, config, self.max_new_tokens):
                 t.end = "max_episode_tokens"  # no room left for the model to answer
                 continue
             t.add(ids, False)
-            live.append(i)
-        contexts, samples = [trajectories[i].prompt + trajectories[i].tokens for i in live], 1
-    episodes = finish(trajectories, tokenizer, pad_id, rollout.logprobs.device)
-    for k, t in enumerate(trajectories):
-        if environment is not None and t.errors["timeout"]:  # its thread may still change it: a new one next time
-            environment.discard(k)
-    return episodes._replace(decode_s=decode_s, tool_s=tool_s)
+            observations[i] = list(ids)
+        return observations
 
 
 def token_limit(t: Trajectory, config: AgentConfig, max_new_tokens: int) -> int:

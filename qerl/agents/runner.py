@@ -3,13 +3,12 @@ checked against the chat template; ``run`` plays one batch's episodes; ``Episode
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from qerl.agents.config import AgentConfig
 from qerl.agents.episode import Episodes, run_episodes
 from qerl.rollout.base import Rollout
+from qerl.rollout.episodes import BoundEngine
 from qerl.tools.chat_template import call_format, check_tool_support
 
 
@@ -35,19 +34,11 @@ class EpisodeRunner:
     def play(self, engine, policy, batch: dict, group_size: int, pad_id: int, eos_ids: list[int], spec) -> Episodes:
         """``group_size`` episodes of each prompt of ``batch`` (its ``prompt_ids`` rendered with the tools; its
         ``columns`` reset the environments), every turn sampled by ``engine`` with ``spec`` (its ``max_new_tokens``
-        per turn)."""
-        calls = iter(range(1 << 30))
-
-        def sample(contexts, samples, max_new_tokens):
-            # a separate stream starts at its seed on every call (evaluation): each turn gets a seed of its own
-            seed = spec.seed + 7919 * next(calls) if spec.stream == "separate" else spec.seed
-            return engine.generate(policy, contexts, samples, pad_id, eos_ids,
-                                   replace(spec, max_new_tokens=max_new_tokens, seed=seed))
-
+        per turn), the engine's way (``play_episodes``)."""
         rows = batch.get("columns") or [{} for _ in batch["prompt_ids"]]
-        return run_episodes(sample, batch["prompt_ids"], rows, group_size, self.tokenizer, eos_ids, pad_id,
-                            self.config, self.tools, self.environment, spec.max_new_tokens, self.call_format,
-                            self.schemas, self.template_kwargs)
+        return run_episodes(BoundEngine(engine, policy, pad_id, eos_ids, spec), batch["prompt_ids"], rows, group_size,
+                            self.tokenizer, eos_ids, pad_id, self.config, self.tools, self.environment,
+                            spec.max_new_tokens, self.call_format, self.schemas, self.template_kwargs)
 
 
 class EpisodeEngine:

@@ -43,15 +43,17 @@ class RoutingRecorder:
     """
 
     def __init__(self):
-        self._placement: tuple[Tensor, Tensor] | None = None
+        self._placement: tuple[Tensor, Tensor, Tensor | None] | None = None
         # per router: (rows [b, r], columns [c], choices [b, c, k])
         self._records: list[list[tuple[Tensor, Tensor, Tensor]]] = []
 
-    def place(self, rows: Tensor, columns: Tensor) -> None:
+    def place(self, rows: Tensor, columns: Tensor, fed: Tensor | None = None) -> None:
         """The next forward's tokens ``[b, c]``: rollout rows ``rows`` (``[b]`` or ``[b, r]``), columns
-        ``columns [c]``."""
+        ``columns [c]``; ``fed [b]`` (bool, optional): False for rows whose token is not part of the rollout there
+        (an idle row, its own column masked), recorded as ``NOT_FED``."""
         # copies: an engine moves its slots and advances its column in place
-        self._placement = (rows.reshape(rows.shape[0], -1).clone(), columns.reshape(-1).clone())
+        self._placement = (rows.reshape(rows.shape[0], -1).clone(), columns.reshape(-1).clone(),
+                           None if fed is None else fed.clone())
 
     @contextmanager
     def recording(self, model: nn.Module) -> Iterator[RoutingRecorder]:
@@ -78,8 +80,11 @@ class RoutingRecorder:
     def _append(self, layer: int, index: Tensor) -> None:
         if self._placement is None:
             raise RuntimeError("RoutingRecorder: a forward ran before the engine placed its tokens (place()).")
-        rows, columns = self._placement
-        self._records[layer].append((rows, columns, index.view(rows.shape[0], columns.shape[0], -1)))
+        rows, columns, fed = self._placement
+        index = index.view(rows.shape[0], columns.shape[0], -1)
+        if fed is not None:
+            index = index.masked_fill(~fed[:, None, None], NOT_FED)
+        self._records[layer].append((rows, columns, index))
 
     def _hook(self, layer: int):
         def hook(module, args, output):

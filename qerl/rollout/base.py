@@ -16,6 +16,7 @@ only the engine knows where its norm weights live; all draw the noise with ``qer
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
 from qerl.rollout.engine_settings import EngineSettings
+from qerl.rollout.episodes import EpisodeTurns, resubmit_episodes
 from qerl.rollout.sampling_spec import SamplingSpec
 
 
@@ -72,6 +74,21 @@ class RolloutEngine:
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
                  spec: SamplingSpec) -> Rollout:
         raise NotImplementedError
+
+    def play_episodes(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                      spec: SamplingSpec, turns: EpisodeTurns) -> None:
+        """``group_size`` multi-turn episodes of each prompt, each turn at most ``spec.max_new_tokens`` (and the
+        row's budget), ``turns`` (a ``qerl.rollout.episodes.EpisodeTurns``) told each finished turn. Here each turn
+        resubmits the live rows' whole contexts to ``generate`` (``qerl.rollout.episodes.resubmit_episodes``)."""
+        calls = iter(range(1 << 30))
+
+        def sample(contexts, samples, max_new_tokens):
+            # a separate stream starts at its seed on every call (evaluation): each turn gets a seed of its own
+            seed = spec.seed + 7919 * next(calls) if spec.stream == "separate" else spec.seed
+            return self.generate(policy, contexts, samples, pad_id, eos_ids,
+                                 replace(spec, max_new_tokens=min(spec.max_new_tokens, max_new_tokens), seed=seed))
+
+        resubmit_episodes(sample, prompt_ids, group_size, turns)
 
     def _sampling_generator(self, spec: SamplingSpec, device: torch.device) -> torch.Generator:
         """The generator ``spec`` samples from on ``device``: the training stream (seeded with ``spec.seed``, or set to

@@ -12,7 +12,13 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
     front (rows, cache, mask) and continue in the smallest batch bucket that holds them.
 
 - Sampling noise: each output row's Exp(1) draws are a hash of (rollout key, row, step, token)
-  (``qerl.rollout.row_noise``), so a row samples the same tokens whatever its wave, slot or compaction order.
+  (``qerl.rollout.row_noise``; the step is the row's own count of sampled tokens, ``DecodeState.col``), so a row
+  samples the same tokens whatever its wave, slot or compaction order.
+- Multi-turn episodes (``play_episodes``, ``qerl.rollout.episode_wave``): a row that ends its turn idles like a
+  finished row (the columns it writes meanwhile stay masked, its position stays); at the next check its tool results
+  come back from the caller and are appended to its own cache row (one eager prefill of those rows' new tokens,
+  through the fused prefill where the model is fused), and it decodes on with the rows that never stopped. A prompt
+  is prefilled once; each wave plays its episodes to their ends. The cache then holds prompt + ``episode_columns``.
 
 - KV cache: our own ``SlotCache`` sized from the request (one wave's rows x prompt+completion length, rounded up so
   it and the graphs are reused by later requests of the same or smaller size); a large one is freed when the rollout
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -50,6 +56,8 @@ from qerl.rollout.builtin import left_pad, position_ids
 from qerl.rollout.decode_attention import decode_attention, register_decode_attention
 from qerl.rollout.decode_state import MAX_EOS, DecodeState
 from qerl.rollout.engine_settings import GraphEngineSettings
+from qerl.rollout.episode_wave import EpisodeWave, episode_columns
+from qerl.rollout.episodes import EpisodeTurns
 from qerl.rollout.footprint import wants_bf16_copy
 from qerl.rollout.graph_cache import GraphCache
 from qerl.rollout.kernel_choice import Kernels
@@ -138,6 +146,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._graph_cache = GraphCache()
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
         self._routing: RoutingRecorder | None = None  # the current generate call's, if any
+        self._graphs = False  # whether the current call's decode steps replay captured graphs
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,65 +154,20 @@ class CUDAGraphRollout(RolloutEngine):
                  spec: SamplingSpec, routing: RoutingRecorder | None = None) -> Rollout:
         """``routing``: told where each forward's tokens sit in the rollout and given their expert choices (a MoE's
         fused step writes them into a buffer, captured steps included)."""
-        base = _base_model(policy)
-        device = next(policy.parameters()).device
-        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
-        # a MoE's transformers step picks its experts on the host (a loop over the routed ones): it runs eagerly
-        graphs = self._captures(device) and (decoder is not None or not getattr(base.config, "num_experts", 0))
-        self._routing = routing
-        generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
-        if len(eos_ids) > MAX_EOS:
-            raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
-        register_decode_attention()
-        ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
-        B, P = ids.shape
-        N, new = B * group_size, spec.max_new_tokens
-        # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
-        key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
-        wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
-        if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
-                and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
-                             f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
-                             f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
-        params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
-        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + new, spec, device, decoder)
-        out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
-        out["tokens_out"].fill_(pad_id)
-        # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
-        # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
-        was_training = policy.training and decoder is None
-        if was_training:
-            policy.eval()
-        steps = 0
-        try:
-            # one AQN draw and one adapter copy for the whole rollout: every wave samples the same policy
-            with noisy_norms(policy, spec.noise_sigma, spec.noise_generator), decode_attention(base.config), \
-                    self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
-                if decoder is not None:
-                    dtype = base.get_input_embeddings().weight.dtype
-                    rows = wave_prompts * group_size
-                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows,
-                                    record=routing is not None)
-                    self._graph_cache.drop_stale(decoder.key)
-                s.noise_key.copy_(key)
-                for first in range(0, B, wave_prompts):
-                    prompts = slice(first, min(B, first + wave_prompts))
-                    rows = slice(prompts.start * group_size, prompts.stop * group_size)
-                    wave_steps = self._decode_wave(s, policy, ids[prompts], mask[prompts], group_size, pad_id,
-                                                   eos_ids, rows.start, graphs, spec)
-                    n = rows.stop - rows.start
-                    for name, buffer in out.items():
-                        buffer[rows, :wave_steps] = getattr(s, name)[:n, :wave_steps]
-                    steps = max(steps, wave_steps)
-        finally:
-            self._routing = None
-            if was_training:
-                policy.train()
-            if decoder is not None:
-                decoder.release()
-            if not self.keep_kv_cache:
-                s.cache.release()  # for the update
+        new = spec.max_new_tokens
+        with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing, new, new) \
+                as (s, ids, mask, waves):
+            N, device = ids.shape[0] * group_size, ids.device
+            out = {name: torch.zeros(N, new, dtype=getattr(s, name).dtype, device=device) for name in s.OUTPUTS}
+            out["tokens_out"].fill_(pad_id)
+            steps = 0
+            for prompts, first_row in waves:
+                wave_steps = self._decode_wave(s, policy, ids[prompts], mask[prompts], group_size, pad_id, eos_ids,
+                                               first_row, spec)
+                n = (prompts.stop - prompts.start) * group_size
+                for name, buffer in out.items():
+                    buffer[first_row:first_row + n, :wave_steps] = getattr(s, name)[:n, :wave_steps]
+                steps = max(steps, wave_steps)
         self._phase("done", steps - 1)
         eos = torch.tensor(eos_ids if eos_ids else [-1], device=device)
         completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
@@ -220,18 +184,85 @@ class CUDAGraphRollout(RolloutEngine):
             truncated=~ended,
         )
 
-    def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
-                     first_row: int, graphs: bool, spec: SamplingSpec) -> int:
-        """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
-        the decode steps run (the columns of ``s.tokens_out`` written)."""
+    @torch.no_grad()
+    def play_episodes(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                      spec: SamplingSpec, turns: EpisodeTurns) -> None:
+        """Multi-turn episodes in the KV cache (``qerl.rollout.episode_wave``): a row's observation is appended to
+        its cache row and its next turn decodes on, in the same wave; nothing is prefilled twice."""
+        budget = turns.completion_budget
+        new = budget + 1  # + a spare column that rows idling at the end of their budget write padding to
+        with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, None, new,
+                           episode_columns(budget, self.check_every)) as (s, ids, mask, waves):
+            for prompts, first_row in waves:
+                EpisodeWave(self, s, policy, spec, turns, first_row).run(ids[prompts], mask[prompts], group_size,
+                                                                        pad_id, eos_ids)
+        self._phase("done")
+
+    @contextmanager
+    def _session(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],
+                 spec: SamplingSpec, routing: RoutingRecorder | None, new: int, columns: int):
+        """What a call decodes under: the state sized for a wave of ``new`` output columns and prompt + ``columns``
+        cache columns, the rollout's noise key, one AQN draw and one adapter copy (every wave samples the same
+        policy). Yields (state, prompt ids [B, P], their mask, [(prompt slice, first output row) per wave])."""
+        base = _base_model(policy)
+        device = next(policy.parameters()).device
+        decoder = self._fused_decoder(base, device)  # before the state: it may move frozen weights (same memory)
+        # a MoE's transformers step picks its experts on the host (a loop over the routed ones): it runs eagerly
+        self._graphs = self._captures(device) and (decoder is not None or not getattr(base.config, "num_experts", 0))
+        self._routing = routing
+        generator = self._sampling_generator(spec, device)  # (the graphs never read it: one key per rollout)
+        if len(eos_ids) > MAX_EOS:
+            raise ValueError(f"At most {MAX_EOS} EOS ids, got {len(eos_ids)}.")
+        register_decode_attention()
+        ids, mask = left_pad([list(p) for p in prompt_ids], pad_id, device)
         B, P = ids.shape
-        N, new = B * group_size, spec.max_new_tokens
-        device = ids.device
+        # one draw per rollout, whatever the waves: every row's sampling noise derives from it (row_noise)
+        key = torch.randint(0, 2**32, (2,), generator=generator, device=device)
+        wave_prompts = wave_prompts_of(B, group_size, self.wave_rows)
+        if self.kv_cache_dtype == "fp8_e4m3" and decoder is not None and decoder.fast \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
+                             f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
+                             f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
+        params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
+        s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + columns, new, spec, device,
+                               decoder)
+        # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
+        # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
+        was_training = policy.training and decoder is None
+        if was_training:
+            policy.eval()
+        try:
+            with noisy_norms(policy, spec.noise_sigma, spec.noise_generator), decode_attention(base.config), \
+                    self._adapter_copies(policy, params, base.get_input_embeddings().weight.dtype):
+                if decoder is not None:
+                    dtype = base.get_input_embeddings().weight.dtype
+                    rows = wave_prompts * group_size
+                    decoder.prepare(dtype, dequantize=self._wide_batch_bf16(decoder, rows, dtype, device), rows=rows,
+                                    record=routing is not None)
+                    self._graph_cache.drop_stale(decoder.key)
+                s.noise_key.copy_(key)
+                yield s, ids, mask, [(slice(first, min(B, first + wave_prompts)), first * group_size)
+                                     for first in range(0, B, wave_prompts)]
+        finally:
+            self._routing = None
+            if was_training:
+                policy.train()
+            if decoder is not None:
+                decoder.release()
+            if not self.keep_kv_cache:
+                s.cache.release()  # for the update
+
+    def _start_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
+                    first_row: int, spec: SamplingSpec) -> tuple[list[int], torch.Tensor]:
+        """Prefill the prompts ``ids`` (output rows ``first_row`` on) into the state's first slots; returns the batch
+        buckets of the wave and the logits [B*G, V] of each row's first token."""
+        B, P = ids.shape
+        N, device = B * group_size, ids.device
         if s.cache.allocate():  # again, after the last rollout released it, at another address
             self._clear_graphs()
-        s.reset(mask, group_size, pad_id, eos_ids, new)
+        s.reset(mask, group_size, pad_id, eos_ids, spec.max_new_tokens)
         s.first_row.fill_(first_row)
-        buckets = sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N})
         self._phase("prefill")
         decoder, cache = s.decoder, s.cache
         cache.start_prefill()
@@ -248,11 +279,20 @@ class CUDAGraphRollout(RolloutEngine):
             logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
                             past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
-        self._record(s, logits.repeat_interleave(group_size, 0), N, spec)
+        return sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N}), \
+            logits.repeat_interleave(group_size, 0)
+
+    def _decode_wave(self, s: DecodeState, policy, ids, mask, group_size: int, pad_id: int, eos_ids: list[int],
+                     first_row: int, spec: SamplingSpec) -> int:
+        """Prefill and decode the prompts ``ids`` (output rows ``first_row`` on) in the state's first slots; returns
+        the decode steps run (the columns of ``s.tokens_out`` written)."""
+        P, N = ids.shape[1], ids.shape[0] * group_size
+        buckets, logits = self._start_wave(s, policy, ids, mask, group_size, pad_id, eos_ids, first_row, spec)
+        self._record(s, logits, N, spec)
         del logits
         self._phase("decode")
         b, steps = N, 1
-        while steps < self._decode_limit(new):
+        while steps < self._decode_limit(spec.max_new_tokens):
             if steps % self.check_every == 0:
                 alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
@@ -261,10 +301,13 @@ class CUDAGraphRollout(RolloutEngine):
                 if smaller < b:
                     s.compact(b, P + steps - 1)
                     b = smaller
-            length = min(s.length, -(-(P + steps) // self.length_bucket) * self.length_bucket)
-            self._run_step(s, policy, b, length, graphs, spec)
+            self._run_step(s, policy, b, self._attended(s, P + steps), spec)
             steps += 1
         return steps
+
+    def _attended(self, s: DecodeState, columns: int) -> int:
+        """The cache columns a step attends to when ``columns`` hold tokens (its length bucket)."""
+        return min(s.length, -(-columns // self.length_bucket) * self.length_bucket)
 
     # ------------------------------------------------------------------------------------------------------------
     # The engine's seams: what it picks by itself, one method each (a benchmark's subclass compares the alternatives,
@@ -324,7 +367,7 @@ class CUDAGraphRollout(RolloutEngine):
         """The LoRA matrices in ``dtype`` for the rollout, where ``adapter_in_model_dtype``."""
         return self._adapters.swapped_in(policy, params, dtype) if self.adapter_in_model_dtype else nullcontext()
 
-    def _ensure_state(self, policy, base, params: list, rows: int, length: int, spec: SamplingSpec,
+    def _ensure_state(self, policy, base, params: list, rows: int, length: int, new: int, spec: SamplingSpec,
                       device, decoder) -> DecodeState:
         """Buffers (and graphs) are kept while requests fit them and the parameters keep their storage (and the step
         its ``decoder``: None for the transformers step)."""
@@ -336,11 +379,10 @@ class CUDAGraphRollout(RolloutEngine):
         key = (pointers, spec.top_p, id(policy), kv_dtype, decoder)
         s = self._state
         if s is not None and s.key == key and s.rows >= rows and s.length >= length \
-                and s.tokens_out.shape[1] >= spec.max_new_tokens:
+                and s.tokens_out.shape[1] >= new:
             return s
         self._clear_graphs()
         self._state = None
-        new = spec.max_new_tokens
         if s is not None:  # keep the larger of the old and new sizes so alternating requests do not thrash
             if s.key == key:
                 rows, length, new = max(rows, s.rows), max(length, s.length), max(new, s.tokens_out.shape[1])
@@ -355,43 +397,51 @@ class CUDAGraphRollout(RolloutEngine):
             self._graph_cache.new_pool()
         return s
 
-    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec) -> None:
-        """Sample the next token of slots 0..b-1 and write it, its log-prob and entropy at column ``step``."""
-        rows = s.first_row + s.slot_row[:b]  # output rows: the noise follows the row, not its slot or wave
+    def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec, first: int = 0) -> None:
+        """Sample the next token of slots ``first``..b-1 and write it, its log-prob and entropy at each slot's column
+        ``col``; a slot stops at an EOS or at its turn's ``limit``, and then writes padding without moving on."""
+        slots = slice(first, b)
+        rows = s.first_row + s.slot_row[slots]  # output rows: the noise follows the row, not its slot or wave
+        col = s.col[slots]
         key = None if spec.greedy else s.noise_key
-        token, logprob, entropy = self._sample(logits, spec, key, rows, s.step)
-        done = s.finished[:b]
+        token, logprob, entropy = self._sample(logits, spec, key, rows, col)
+        done = s.finished[slots]
         token = torch.where(done, s.pad, token)
-        index = (s.slot_row[:b], s.step.expand(b))
+        index = (s.slot_row[slots], col)
         s.tokens_out.index_put_(index, token)
         s.logprobs_out.index_put_(index, logprob.masked_fill(done, 0.0))
         s.entropy_out.index_put_(index, entropy.masked_fill(done, 0.0))
-        done |= torch.isin(token, s.eos)
-        s.last[:b] = token
-        s.step += 1
+        col += (~done).long()
+        done |= torch.isin(token, s.eos) | (col >= s.limit[slots])
+        s.last[slots] = token
 
     def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
         """One decode step of slots 0..b-1 attending to cache columns 0..length-1; only device work, graph-safe."""
         cache = s.cache
         cache.start_decode(b, length)
         mask = s.mask[:b]
-        mask.index_fill_(3, cache.position, True)
+        # the fed token is context for the running slots only: a stopped slot keeps its position and its turn-ending
+        # token is appended with its observation (episode_wave); what it writes meanwhile is never attended
+        running = ~s.finished[:b]
+        mask[:, 0, 0].index_copy_(1, cache.position, running[:, None])
         if s.decoder is not None:
             logits = s.decoder.step(s.last[:b], s.pos[:b], cache.keys, cache.values, cache.position,
                                        mask[:, 0, 0], length)
         else:
             if self._routing is not None:  # the slots' rows, at the cache column of the token they feed
-                self._routing.place(s.first_row + s.slot_row[:b], cache.position)
+                self._routing.place(s.first_row + s.slot_row[:b], cache.position, running)
             out = policy(input_ids=s.last[:b, None], attention_mask=mask[:, :, :, :length],
                          position_ids=s.pos[:b, None], past_key_values=s.hf_cache, use_cache=True,
                          logits_to_keep=1)
             logits = out.logits[:, -1]
         self._record(s, logits, b, spec)
-        s.pos[:b] += 1
+        s.pos[:b] += running.long()
         cache.position += 1
 
-    def _run_step(self, s: DecodeState, policy, b: int, length: int, graphs: bool, spec: SamplingSpec) -> None:
-        decoder = s.decoder
+    def _run_step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
+        decoder, graphs = s.decoder, self._graphs
+        # an idle row feeds a token with its own column masked: its expert choices are not the rollout's
+        running = ~s.finished[:b] if self._routing is not None and decoder is not None and decoder.moe else None
         # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
         graph_key = (b, length, spec.temperature, spec.greedy, decoder.key(b) if decoder is not None else None)
         graph = self._graph_cache.get(graph_key) if graphs else None
@@ -405,5 +455,5 @@ class CUDAGraphRollout(RolloutEngine):
                 self._graph_cache.capture(graph_key, lambda: self._step(s, policy, b, length, spec))
                 self._phase("captured")
         if self._routing is not None and decoder is not None and decoder.moe:  # the fused step wrote its choices
-            self._routing.place(s.first_row + s.slot_row[:b], s.cache.position - 1)
+            self._routing.place(s.first_row + s.slot_row[:b], s.cache.position - 1, running)
             self._routing.add(decoder.step_choices(b))

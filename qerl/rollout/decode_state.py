@@ -1,8 +1,12 @@
 """The CUDA-graph engine's decode state: every buffer a captured step reads or writes, as one typed object.
 
 The buffers are made once per size (``DecodeState.empty``) and written in place from then on (``reset`` for each
-wave, ``compact`` when finished rows leave the front), so captured graphs keep reading the same storage. Shapes:
-``rows`` slots (one wave), ``length`` cache positions, ``new`` = ``max_new_tokens`` output columns.
+wave, ``compact`` / ``reorder`` when slots move, ``defragment`` when a multi-turn wave runs out of cache columns), so
+captured graphs keep reading the same storage. Shapes: ``rows`` slots (one wave), ``length`` cache positions, ``new``
+output columns (``max_new_tokens``, or an episode's completion budget).
+
+A slot that stopped (``finished``) writes nothing its mask keeps: a multi-turn row idles like that between its turns,
+and its next turn continues at its own output column ``col`` and position ``pos``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class DecodeState:
     pos: torch.Tensor  # [rows] its position id
     slot_row: torch.Tensor  # [rows] the output row each slot holds (slots move when the batch is compacted)
     finished: torch.Tensor  # [rows] bool
-    step: torch.Tensor  # [1] the output column written next
+    col: torch.Tensor  # [rows] the output column each slot writes next (its tokens sampled so far): its noise step
+    limit: torch.Tensor  # [rows] the output column at which each slot's turn stops (its budget)
     noise_key: torch.Tensor  # [2] this rollout's sampling-noise key (row_noise)
     first_row: torch.Tensor  # [1] the output row of slot 0 in the current wave
     pad: torch.Tensor  # [1]
@@ -51,7 +56,8 @@ class DecodeState:
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         return cls(key=key, rows=rows, length=length, cache=cache, hf_cache=as_cache(cache),
                    mask=zeros(rows, 1, 1, length, dtype=torch.bool), last=zeros(rows), pos=zeros(rows),
-                   slot_row=zeros(rows), finished=zeros(rows, dtype=torch.bool), step=zeros(1), noise_key=zeros(2),
+                   slot_row=zeros(rows), finished=zeros(rows, dtype=torch.bool), col=zeros(rows), limit=zeros(rows),
+                   noise_key=zeros(2),
                    first_row=zeros(1), pad=zeros(1), eos=zeros(MAX_EOS), tokens_out=zeros(rows, max_new_tokens),
                    logprobs_out=zeros(rows, max_new_tokens, dtype=torch.float32),
                    entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32), decoder=decoder)
@@ -67,7 +73,8 @@ class DecodeState:
         self.finished.fill_(True)
         self.finished[:N] = False
         self.slot_row.copy_(torch.arange(self.rows, device=mask.device))
-        self.step.zero_()
+        self.col.zero_()
+        self.limit.fill_(max_new_tokens)
         self.pad.fill_(pad_id)
         self.eos.fill_(-1)
         if eos_ids:
@@ -79,7 +86,35 @@ class DecodeState:
 
     def compact(self, b: int, written: int) -> None:
         """Move the running slots of 0..b-1 to the front (stable), with their cache rows and bookkeeping."""
-        order = torch.argsort(self.finished[:b].to(torch.int8), stable=True)
+        self.reorder(torch.argsort(self.finished[:b].to(torch.int8), stable=True), written)
+
+    def reorder(self, order: torch.Tensor, written: int) -> None:
+        """Slot i takes what slot ``order[i]`` held (its first ``written`` cache columns and its bookkeeping)."""
+        b = order.numel()
         self.cache.permute_rows(order, written)
-        for view in (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b]):
+        for view in self._bookkeeping(b):
             view.copy_(view.index_select(0, order))
+
+    def move(self, sources: list[int], targets: list[int], written: int) -> None:
+        """Slot ``targets[i]`` takes what slot ``sources[i]`` held (read before any is written): a reorder that copies
+        only the slots that move."""
+        device = self.col.device
+        sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
+        self.cache.move_rows(sources, targets, written)
+        for view in self._bookkeeping(self.rows):
+            view.index_copy_(0, targets, view.index_select(0, sources))
+
+    def _bookkeeping(self, b: int) -> tuple[torch.Tensor, ...]:
+        return (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b], self.col[:b],
+                self.limit[:b])
+
+    def defragment(self, b: int, written: int) -> int:
+        """Move each of slots 0..b-1's attended columns (of the first ``written``) to the front of its cache row, in
+        order; returns the columns now in use (the longest slot's). Keys are stored rotated, so a key's column is
+        free to move; the columns a slot skipped (while it idled, or other rows' observations) are reclaimed."""
+        keep = self.mask[:b, 0, 0, :written]  # [b, written]
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept columns first, in order
+        self.cache.gather_columns(order, written)
+        counts = keep.sum(-1)
+        self.mask[:b, 0, 0, :written] = torch.arange(written, device=keep.device) < counts[:, None]
+        return int(counts.max())  # host sync (an eager step between decode steps)

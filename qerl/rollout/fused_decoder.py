@@ -224,21 +224,23 @@ class FusedDecoder:
         return self._choices[:, :batch]
 
     def prefill(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, start: int = 0) -> torch.Tensor:
         """The prompts ``tokens [B, P]`` (position ids ``pos [B, P]``) in one pass, all ``B * P`` rows through each
-        kernel of the step: their K/V go to rows 0..B-1, columns 0..P-1 of ``keys[i]/values[i]``; the attention is
-        transformers' SDPA under ``mask [B, 1, P, P]`` (bool, True = attended). Returns the logits ``[B, V]`` of the
-        token after each prompt. (Through transformers + peft the same pass is thousands of kernel launches, and
-        host-bound.)"""
+        kernel of the step: their K/V go to rows 0..B-1, columns ``start``..``start + P - 1`` of ``keys[i]/values[i]``
+        (``start`` > 0: a multi-turn row's observation after its context); the attention is transformers' SDPA over
+        columns 0..``start + P - 1`` under ``mask [B, 1, P, start + P]`` (bool, True = attended). Returns the logits
+        ``[B, V]`` of the token after each sequence. (Through transformers + peft the same pass is thousands of
+        kernel launches, and host-bound.)"""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         B, P = tokens.shape
-        column = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        column = torch.full((1,), start, dtype=torch.long, device=tokens.device)
 
         def attend(i, q):
             layer = self.layers[i]
             q = q.view(B, P, self.heads, -1).transpose(1, 2)
-            k, v = keys[i][:B, :, :P].to(q.dtype), values[i][:B, :, :P].to(q.dtype)  # (e4m3 cache: widened)
+            k = keys[i][:B, :, :start + P].to(q.dtype)  # (e4m3 cache: widened)
+            v = values[i][:B, :, :start + P].to(q.dtype)
             out, _ = sdpa_attention_forward(layer.source.self_attn, q, k, v, mask, scaling=layer.scaling)
             return out.reshape(B * P, -1)  # [B, P, Hq, D] -> rows
 

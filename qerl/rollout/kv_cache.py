@@ -70,6 +70,7 @@ class SlotCache:
     """Preallocated K/V per layer ``[rows, kv_heads, length, head_dim]``, written in place.
 
     ``prefill(B, P)``: the layer's keys go to rows 0..B-1, columns 0..P-1 (and are returned as they are).
+    ``append``: new tokens of some rows go after their columns (``start_append``), all their columns are returned.
     ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
     columns of those rows are returned as views, so the attention reads nothing else.
     ``dtype``: the model's, or e4m3 (``qerl.nvfp4.kernels.kv_cache_element``; then what is returned is the rounded
@@ -88,10 +89,16 @@ class SlotCache:
         # lives as long as the cache object (captured graphs read it), whether or not the storage is allocated
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.mode, self.b, self.L = "prefill", rows, length
+        self.span = (0, rows, 0, length)  # (first row, rows, column, width) of an append
 
     def start_prefill(self) -> None:
         """The next ``update`` of each layer writes a prompt's keys (``prefill`` above)."""
         self.mode = "prefill"
+
+    def start_append(self, first: int, rows: int, column: int, width: int) -> None:
+        """The next ``update`` of each layer writes ``width`` new tokens of rows ``first``..``first + rows - 1`` at
+        columns ``column``.. (a multi-turn row's observation) and returns their first ``column + width`` columns."""
+        self.mode, self.span = "append", (first, rows, column, width)
 
     def start_decode(self, rows: int, length: int) -> None:
         """The next ``update`` of each layer is one decode step of rows 0..``rows``-1 attending to the first
@@ -137,6 +144,12 @@ class SlotCache:
             k, v = k[: key.shape[0], :, : key.shape[2]], v[: key.shape[0], :, : key.shape[2]]
             k.copy_(to_cache_element(key, k.dtype))
             v.copy_(to_cache_element(value, v.dtype))
+        elif self.mode == "append":
+            first, rows, column, width = self.span
+            k, v = k[first: first + rows, :, : column + width], v[first: first + rows, :, : column + width]
+            k[:, :, column:].copy_(to_cache_element(key, k.dtype))
+            v[:, :, column:].copy_(to_cache_element(value, v.dtype))
+            return (k, v) if self.dtype == key.dtype else (k.to(key.dtype), v.to(value.dtype))
         else:
             k, v = k[: self.b], v[: self.b]
             cache_bytes(k).index_copy_(2, self.position, cache_bytes(to_cache_element(key, k.dtype)))
@@ -156,6 +169,19 @@ class SlotCache:
         for t in (*self.keys, *self.values):
             view = cache_bytes(t)[: order.numel(), :, :length]
             view.copy_(view.index_select(0, order))
+
+    def move_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Row ``targets[i]`` takes the first ``length`` columns of row ``sources[i]`` (all read before any write)."""
+        for t in (*self.keys, *self.values):
+            view = cache_bytes(t)[:, :, :length]
+            view.index_copy_(0, targets, view.index_select(0, sources))
+
+    def gather_columns(self, order: torch.Tensor, length: int) -> None:
+        """Column j of row i takes column ``order[i, j]`` of the same row (``order`` [rows, length])."""
+        for t in (*self.keys, *self.values):
+            view = cache_bytes(t)[: order.shape[0], :, :length]
+            index = order[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
+            view.copy_(view.gather(2, index))
 
 
 def as_cache(slot_cache: SlotCache):

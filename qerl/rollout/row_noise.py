@@ -35,7 +35,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def row_seeds(key: torch.Tensor, rows: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One 32-bit seed per row (int64 [b]) from the rollout ``key`` (int64 [2], values in [0, 2^32)), the output
-    ``rows`` (int64 [b]) and the decode ``step`` (int64 [1] or scalar); device ops only (CUDA-graph safe)."""
+    ``rows`` (int64 [b]) and the decode ``step`` (int64 [1] or scalar, or [b]: each row's own); device ops only
+    (CUDA-graph safe)."""
     x = _mix32(key[0] ^ _mul32(rows & _MASK32, _GOLDEN))
     return _mix32(x ^ key[1] ^ _mul32(step & _MASK32, _M2))
 
@@ -75,12 +76,12 @@ if triton is not None:
 
     @triton.jit
     def row_seed_tl(key_ptr, rows_ptr, step_ptr, row):
-        """``row_seeds`` of the row at index ``row`` of ``rows_ptr``, in uint32 (the torch version emulates these
-        wrapping products in int64)."""
+        """``row_seeds`` of the row at index ``row`` of ``rows_ptr`` (its step at the same index), in uint32 (the
+        torch version emulates these wrapping products in int64)."""
         key0 = tl.load(key_ptr).to(tl.uint32)
         key1 = tl.load(key_ptr + 1).to(tl.uint32)
         seed = _mix32_tl(key0 ^ (tl.load(rows_ptr + row).to(tl.uint32) * 0x61C88647))
-        return _mix32_tl(seed ^ key1 ^ (tl.load(step_ptr).to(tl.uint32) * 0x7FEB352D))
+        return _mix32_tl(seed ^ key1 ^ (tl.load(step_ptr + row).to(tl.uint32) * 0x7FEB352D))
 
     @triton.jit
     def uniform_tl(seed, tokens):
@@ -99,10 +100,15 @@ if triton is not None:
 _BLOCK = 2048
 
 
+def row_steps(step: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``step`` as one value per row of ``rows`` (what the kernels read)."""
+    return step.expand(rows.shape[0]).contiguous() if step.numel() == 1 else step.contiguous()
+
+
 def exponentials_triton(key: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """``exponentials_torch(row_seeds(key, rows, step), vocab)`` in one Triton launch (the same integers)."""
     out = torch.empty(rows.shape[0], vocab, device=rows.device, dtype=torch.float32)
     if rows.shape[0]:
         grid = (rows.shape[0], -(-vocab // _BLOCK))
-        _exponentials_kernel[grid](key, rows.contiguous(), step, out, vocab, BLOCK=_BLOCK)
+        _exponentials_kernel[grid](key, rows.contiguous(), row_steps(step, rows), out, vocab, BLOCK=_BLOCK)
     return out

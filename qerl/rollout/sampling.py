@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.nvfp4.kernels.grid import sm_count
-from qerl.rollout.row_noise import row_exponentials
+from qerl.rollout.row_noise import row_exponentials, row_steps
 
 try:  # Triton is optional off CUDA (the CPU path is torch)
     import triton
@@ -102,7 +102,8 @@ def sample_fused(logits: torch.Tensor, temperature: float, key: torch.Tensor | N
     if n:
         greedy = key is None
         dummy = rows if greedy else key
-        _partial_kernel[(n, splits)](logits, logits.stride(0), dummy, rows, step, floats, index, vocab, span,
+        steps = row_steps(step, rows)  # each row's own step (a multi-turn episode's rows differ)
+        _partial_kernel[(n, splits)](logits, logits.stride(0), dummy, rows, steps, floats, index, vocab, span,
                                      float(temperature), GREEDY=greedy, BLOCK=_BLOCK)
         _merge_kernel[(n,)](floats, index, tokens, out, n, splits, BLOCK=max(2, 1 << (splits - 1).bit_length()))
     return tokens, out[0], out[1]

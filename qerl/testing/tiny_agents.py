@@ -40,6 +40,12 @@ def save_tiny_chat_model(directory: str | Path, architecture: str = "qwen2", end
     return directory
 
 
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    """One user message each, rendered by the tokenizer's chat template, ready for the model's turn."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in questions]
+
+
 class GoOn:
     """An environment for episode tests: answers the model's first two replies with a user message, then ends; scores
     the replies it saw."""

@@ -1,5 +1,6 @@
 """``train.py fit`` with an agent on a tiny chat model: multi-turn episodes train, the agent's TensorBoard tags and
-whole-episode samples are written, and a run resumed from a mid-run checkpoint ends with the straight run's weights."""
+whole-episode samples are written, and a run resumed from a mid-run checkpoint ends with the straight run's weights;
+with the built-in engine (contexts resubmitted each turn) and the CUDA-graph engine (episodes in its KV cache)."""
 
 import json
 from pathlib import Path
@@ -22,8 +23,12 @@ def events(log_dir: Path):
     return acc
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+ENGINES = {"builtin": [], "cuda_graph": ["--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
+                                          "--model.rollout.init_args.check_every", "3"]}  # (episodes in its KV cache)
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def runs(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("agent_fit")
     model = save_tiny_chat_model(root / "model", "qwen2")
 
@@ -33,7 +38,8 @@ def runs(tmp_path_factory):
             "--model.agent.tools", "[qerl.tools.calculator:calculator]", "--model.agent.environment", ENV,
             "--model.agent.max_turns", "3", "--model.sampling.max_new_tokens", "8",
             "--trainer.max_steps", "3", "--data.max_prompt_tokens", "512",
-            "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.version", version, *extra])
+            "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.version", version,
+            *ENGINES[request.param], *extra])
         weights = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters() if p.requires_grad}
         return {"log_dir": Path(cli.trainer.log_dir), "weights": weights}
 

@@ -1,51 +1,33 @@
 """A multi-turn trajectory's sampling log-probs equal a full recomputation by the policy at the model's tokens, on
-every engine that runs on the CPU; observation tokens are context only (log-prob and entropy 0, never trained)."""
-
-import zlib
+every engine that runs on the CPU, each playing the turns its own way (the CUDA-graph engine appends observations to
+its KV cache, fused step or transformers step; the built-in one resubmits contexts); observation tokens are context
+only (log-prob and entropy 0, never trained)."""
 
 import pytest
 import torch
 
 from qerl.agents.config import AgentConfig
 from qerl.agents.episode import run_episodes
-from qerl.model.policy import build_policy
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.rollout.episodes import BoundEngine
 from qerl.testing.rollouts import recompute
-from qerl.testing.tiny_agents import GoOn, save_tiny_chat_model
-from qerl.hub import load_tokenizer
+from qerl.testing.tiny_agents import GoOn, chat_prompts
 from qerl.tools.environment import EnvironmentFactory
 
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    path = save_tiny_chat_model(tmp_path_factory.mktemp("chat"), "qwen2")
-    policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
-    with torch.no_grad():  # non-zero LoRA B so the adapter changes the outputs
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-    return policy, load_tokenizer(str(path))
-
-
-def prompts(tokenizer, questions):
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in questions]
-
-
-@pytest.mark.parametrize("engine", [BuiltinRollout, CUDAGraphRollout])
+@pytest.mark.parametrize("engine", [BuiltinRollout, lambda: CUDAGraphRollout(check_every=3),
+                                    lambda: CUDAGraphRollout(check_every=3, fused=True)],
+                         ids=["builtin", "cuda_graph", "cuda_graph_fused"])
 def test_multi_turn_logprobs_equal_full_recomputation(chat_model, engine):
     policy, tokenizer = chat_model
-    rollout_engine, eos = engine(), [tokenizer.eos_token_id]
-
-    def sample(contexts, samples, max_new_tokens):
-        spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=TEMPERATURE, seed=3)
-        return rollout_engine.generate(policy, contexts, samples, tokenizer.pad_token_id, eos, spec)
-
-    episodes = run_episodes(sample, prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
+    eos = [tokenizer.eos_token_id]
+    spec = SamplingSpec(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
+    episodes = run_episodes(BoundEngine(engine(), policy, tokenizer.pad_token_id, eos, spec),
+                            chat_prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
                             eos, tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10,
                             "qwen")
     r = episodes.rollout

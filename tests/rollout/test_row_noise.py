@@ -24,3 +24,4 @@ def test_triton_pass_draws_the_torch_integers(run_interpreted):
     pytest.importorskip("triton")
     result = run_interpreted(Path(__file__).with_name("_interpret_row_noise.py"))
     assert result["shape"] == [4, 3001] and result["max_rel"] < 1e-6  # same integers; logs within a few ulps
+    assert result["own_step_max_rel"] < 1e-6 and result["row_2_as_shared"]  # per-row steps: each row reads its own

@@ -1,0 +1,172 @@
+"""The CUDA-graph engine's multi-turn episodes: one wave of rows plays its episodes to their ends in its KV cache.
+
+    prompts --prefill once--> slot cache rows; every row decodes its first turn (graph replays, as single-turn)
+    a row that samples its end-of-turn token (or reaches its turn's budget) stops and idles like a finished row:
+        the columns it writes meanwhile stay masked in its ``mask`` row
+    every ``check_every`` steps (the engine's only host syncs): the rows that stopped are handed to the caller
+        (``EpisodeTurns.submit``: their tools start in the background, every row's at once) and the others decode on;
+        at the next check (at once if no row is left running) the engine collects what follows them: the rows that
+        continue get their turn's last token + the observation appended to their own cache row at the next columns
+        (one eager prefill batched over those rows, through the fused prefill where the model is fused; position ids
+        go on from each row's own), and decode on with the others, which never stopped
+    the wave ends when no row's episode goes on; then the next wave (a row's turns all happen in its wave)
+
+The schedule depends on the sampled tokens only (never on how fast a tool returns), so the episodes are the same run
+after run. Columns are shared by the rows of a step, so a row skips the columns of the steps it idled and of the other
+rows' observations (masked holes). When the next stretch would not fit, ``DecodeState.defragment`` packs each row's
+columns to the front: every row holds at most its prompt + its episode's budget, so ``episode_columns`` after the
+prompt always suffice. A row's sampling noise is keyed by its output row and its own token count
+(``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout.decode_state import DecodeState
+from qerl.rollout.episodes import EpisodeTurns, TurnEnd
+from qerl.rollout.sampling_spec import SamplingSpec
+
+
+def episode_columns(budget: int, check_every: int) -> int:
+    """Cache columns after the prompt that a wave of episodes needs, ``budget`` tokens each (turns and observations):
+    after a defragment the longest row holds at most prompt + ``budget``; then an observation block (at most
+    ``budget`` + the turn's last token) and ``check_every`` decode steps must fit."""
+    return 2 * budget + 1 + check_every
+
+
+class EpisodeWave:
+    """One wave's episodes (see the module docstring), output rows ``first_row`` on.
+
+    Args:
+        engine: the ``CUDAGraphRollout`` whose steps run (prefill, decode step, sampling).
+        s: its decode state, sized for the wave.
+        policy: the policy sampled.
+        spec: how to sample (``max_new_tokens`` is each turn's at most).
+        turns: the caller's side: each row's turn budget, what follows each finished turn.
+        first_row: the output row of the wave's first row.
+    """
+
+    def __init__(self, engine, s: DecodeState, policy, spec: SamplingSpec, turns: EpisodeTurns, first_row: int):
+        self.engine, self.s, self.policy, self.spec, self.turns, self.first_row = engine, s, policy, spec, turns, \
+            first_row
+        self.turn_start: list[int] = []  # per wave row: the output column where its current turn began
+        self.live: set[int] = set()  # wave rows whose episode goes on
+        self.waiting: set[int] = set()  # wave rows handed over at the last check, their tools running
+        self.last_token: dict[int, int] = {}  # per wave row: its turn's last token (appended before the observation)
+        self.rows = 0  # the wave's rows
+        self.eos: set[int] = set()
+        self.prefilled_tokens = 0  # observation tokens appended (the prompts' are the first prefill's)
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
+        """Play the episodes of the prompts ``ids`` [B, P] (``mask`` their padding), ``group_size`` rows each."""
+        engine, s, spec = self.engine, self.s, self.spec
+        N, column = ids.shape[0] * group_size, ids.shape[1]
+        buckets, logits = engine._start_wave(s, self.policy, ids, mask, group_size, pad_id, eos_ids, self.first_row,
+                                             spec)
+        budgets = [self.turns.budget(self.first_row + r) for r in range(N)]
+        s.limit[:N] = torch.tensor(budgets, device=ids.device)
+        engine._record(s, logits, N, spec)
+        del logits
+        self.turn_start, self.live, self.eos, self.pad, self.rows = [0] * N, set(range(N)), set(eos_ids), pad_id, N
+        engine._phase("decode")
+        b, steps = N, 1
+        while True:
+            if steps % engine.check_every == 0:
+                b, column = self._between_turns(b, column, buckets)
+                if b == 0:
+                    return
+            engine._run_step(s, self.policy, b, engine._attended(s, column + 1), spec)
+            column += 1
+            steps += 1
+
+    def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int]:
+        """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
+        over the rows that stopped since, append the observations that came back and move those rows and the running
+        ones to the front. Returns the next batch bucket (0: the wave is over) and the next column."""
+        s, N = self.s, self.rows
+        ready = self.turns.collect() if self.waiting else {}
+        collected, self.waiting = self.waiting, set()
+        finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
+        stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live and slot_row[k] not in collected]
+        turns = self._turns_of(stopped, col, slot_row)
+        if turns:
+            self.turns.submit(list(turns.values()))
+            self.waiting = {slot_row[k] for k in stopped}
+            self.last_token.update({slot_row[k]: turns[k].tokens[-1] for k in stopped})
+        running = [k for k in range(b) if not finished[k]]
+        if not running and not any(obs is not None for obs in ready.values()) and self.waiting:
+            ready.update(self.turns.collect())  # nothing else to decode: wait for the turns just handed over
+            collected, self.waiting = collected | self.waiting, set()
+        observations = {row - self.first_row: obs for row, obs in ready.items()}
+        self.live -= {row for row in collected if observations[row] is None}
+        resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
+        if not running and not resumed:
+            return 0, column
+        moved = running + resumed + [k for k in range(N) if slot_row[k] in self.waiting]
+        order = moved + sorted(set(range(N)) - set(moved))
+        moving = [k for k in range(N) if order[k] != k]
+        if moving:
+            s.move([order[k] for k in moving], moving, column)
+        blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
+        width = max(map(len, blocks), default=0)
+        if column + width + self.engine.check_every > s.length:
+            column = s.defragment(N, column)
+            s.cache.position.fill_(column)
+            if column + width + self.engine.check_every > s.length:
+                raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
+                                   f"episodes' completion_budget is {self.turns.completion_budget} tokens.")
+        if resumed:
+            for k in resumed:
+                self.turn_start[slot_row[k]] = col[k]
+            budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
+            column = self._append(len(running), blocks, budgets, column)
+        return next(x for x in buckets if x >= len(running) + len(resumed)), column
+
+    def _turns_of(self, stopped: list[int], col: list[int], slot_row: list[int]) -> dict[int, TurnEnd]:
+        """The finished turn of each stopped slot, read from the output buffers (one copy to the host)."""
+        if not stopped:
+            return {}
+        s = self.s
+        rows = torch.tensor([slot_row[k] for k in stopped], device=s.col.device)
+        tokens, logprobs, entropy = (getattr(s, name).index_select(0, rows).cpu() for name in s.OUTPUTS)
+        turns = {}
+        for i, k in enumerate(stopped):
+            start, end = self.turn_start[slot_row[k]], col[k]
+            ids = tokens[i, start:end].tolist()
+            turns[k] = TurnEnd(self.first_row + slot_row[k], ids, logprobs[i, start:end].tolist(),
+                               entropy[i, start:end].tolist(), ids[-1] not in self.eos)
+        return turns
+
+    def _append(self, first: int, blocks: list[list[int]], budgets: list[int], column: int) -> int:
+        """Prefill ``blocks`` (a token list per slot ``first``.. on) at cache columns ``column``.. of those slots'
+        rows, left-padded to one width, after each slot's own context; sample each slot's next token. Returns the
+        next free column."""
+        s, engine, device = self.s, self.engine, self.s.col.device
+        R, width = len(blocks), max(map(len, blocks))
+        ids = torch.full((R, width), self.pad, dtype=torch.long)
+        real = torch.zeros((R, width), dtype=torch.bool)
+        for i, block in enumerate(blocks):
+            ids[i, width - len(block):], real[i, width - len(block):] = torch.tensor(block), True
+        ids, real = ids.to(device), real.to(device)
+        slots = slice(first, first + R)
+        pos = s.pos[slots, None] + (real.long().cumsum(-1) - 1).clamp(min=0)  # [R, width] on from each row's own
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & real[:, None, :]
+        causal |= torch.eye(width, dtype=torch.bool, device=device)[None]
+        context = s.mask[slots, 0, 0, :column][:, None, :].expand(R, width, column)
+        m4 = torch.cat([context, causal], -1)[:, None]  # [R, 1, width, column + width]
+        if s.decoder is not None:
+            keys, values = [k[slots] for k in s.cache.keys], [v[slots] for v in s.cache.values]
+            logits = s.decoder.prefill(ids, pos, keys, values, m4, start=column)
+        else:
+            s.cache.start_append(first, R, column, width)
+            logits = self.policy(input_ids=ids, attention_mask=m4, position_ids=pos, past_key_values=s.hf_cache,
+                                 use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.prefilled_tokens += sum(map(len, blocks))
+        s.mask[slots, 0, 0, column:column + width] = real
+        s.pos[slots] += real.sum(-1)
+        s.finished[slots] = False
+        s.limit[slots] = s.col[slots] + torch.tensor(budgets, device=device)
+        engine._record(s, logits, first + R, self.spec, first=first)
+        s.cache.position.fill_(column + width)
+        return column + width

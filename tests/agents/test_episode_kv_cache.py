@@ -1,0 +1,158 @@
+"""The CUDA-graph engine plays episodes in its KV cache: each prompt is prefilled once, later only the observations
+(with the turn-ending token they follow), never a whole context again; its samples do not depend on the waves, the
+checks or the other rows' turns; tools run while the other rows decode; with greedy decoding it writes what
+resubmitting the contexts writes; a wave whose columns run out packs each row's columns and goes on."""
+
+import time
+
+import torch
+
+from qerl.agents.config import AgentConfig
+from qerl.agents.episode import run_episodes
+from qerl.rollout import cuda_graph
+from qerl.rollout.cuda_graph import CUDAGraphRollout
+from qerl.rollout.decode_state import DecodeState
+from qerl.rollout.episodes import BoundEngine
+from qerl.rollout.kv_cache import SlotCache
+from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.testing.rollouts import recompute
+from qerl.testing.tiny_agents import chat_prompts
+from qerl.tools.environment import EnvironmentFactory
+
+QUESTIONS = ["Say hi.", "Count to three.", "Name a colour."]
+
+
+class Replies:
+    """Answers a row's first ``replies`` turns (its dataset column), then ends: rows end at different turns."""
+
+    def reset(self, replies: int = 1, **row) -> None:
+        self.replies, self.left = 0, replies
+
+    def step(self, message: str) -> str | None:
+        self.replies += 1
+        return None if self.replies > self.left else f"Next ({self.replies})."
+
+
+def play(chat_model, engine, max_new_tokens=8, greedy=False, config=None, sample=None):
+    policy, tokenizer = chat_model
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.7, seed=5, greedy=greedy)
+    player = sample or BoundEngine(engine, policy, pad, eos, spec)
+    return run_episodes(player, chat_prompts(tokenizer, QUESTIONS), [{"replies": r} for r in (0, 1, 3)], 3,
+                        tokenizer, eos, pad, config or AgentConfig(max_turns=5), [], EnvironmentFactory(Replies),
+                        max_new_tokens, "qwen")
+
+
+def test_prompt_prefilled_once_then_observations_only(chat_model):
+    policy, tokenizer = chat_model
+    inputs = []  # every forward's token ids: one token per row is a decode step, more a prefill
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
+    try:
+        episodes = play(chat_model, CUDAGraphRollout(check_every=3))
+    finally:
+        hook.remove()
+    prefills = [ids for ids in inputs if ids.shape[1] > 1]
+    prompts = chat_prompts(tokenizer, QUESTIONS)
+    assert tuple(prefills[0].shape) == (len(prompts), max(map(len, prompts)))  # each prompt once, for its G rows
+    trajectories = episodes.trajectories
+    observations = [[tok for tok, model in zip(t.tokens, t.generated) if not model] for t in trajectories]
+    assert len({t.turns for t in trajectories}) > 1  # rows end at different turns
+    # then only appended blocks: one per continued turn, each the turn's last token + the observation, never a context
+    assert sum(ids.shape[0] for ids in prefills[1:]) == sum(t.turns - 1 for t in trajectories) > 0
+    assert max(ids.shape[1] for ids in prefills[1:]) <= 1 + max(map(len, observations)) < min(map(len, prompts))
+
+
+class WaitsForTheDecode:
+    """Its first reply waits until the engine has decoded another step (in the test's ``forwards``): the tools run
+    beside the decode of the other rows, not instead of it."""
+
+    forwards: list = []
+    saw_decode: list = []
+
+    def reset(self, **row) -> None:
+        self.replies = 0
+
+    def step(self, message: str) -> str | None:
+        self.replies += 1
+        if not self.saw_decode:
+            seen, deadline = len(self.forwards), time.monotonic() + 60
+            while len(self.forwards) == seen and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.saw_decode.append(len(self.forwards) > seen)
+        return "Next." if self.replies < 2 else None
+
+
+def test_tools_run_while_the_other_rows_decode(chat_model):
+    policy, tokenizer = chat_model
+    WaitsForTheDecode.forwards, WaitsForTheDecode.saw_decode = [], []
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: WaitsForTheDecode.forwards.append(1))
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.7, seed=5)
+    try:
+        episodes = run_episodes(BoundEngine(CUDAGraphRollout(check_every=2), policy, pad, eos, spec),
+                                chat_prompts(tokenizer, QUESTIONS), [{}] * 3, 3, tokenizer, eos, pad,
+                                AgentConfig(max_turns=5), [], EnvironmentFactory(WaitsForTheDecode), 8, "qwen")
+    finally:
+        hook.remove()
+    assert WaitsForTheDecode.saw_decode and all(WaitsForTheDecode.saw_decode)  # (the first batch's calls run at once)
+    assert max(t.turns for t in episodes.trajectories) >= 2
+
+
+def test_samples_independent_of_waves_and_checks(chat_model):
+    one = play(chat_model, CUDAGraphRollout(check_every=3), max_new_tokens=4)
+    waves = play(chat_model, CUDAGraphRollout(check_every=5, wave_rows=3, min_bucket=2), max_new_tokens=4)
+    assert {t.end for t in one.trajectories} >= {"length", "environment"}  # cut turns and answered ones
+    assert torch.equal(one.rollout.completion_ids, waves.rollout.completion_ids)
+    torch.testing.assert_close(one.rollout.logprobs, waves.rollout.logprobs, atol=1e-5, rtol=0)
+    assert [t.turns for t in one.trajectories] == [t.turns for t in waves.trajectories]
+
+
+def test_greedy_episode_equals_resubmitting_contexts(chat_model):
+    policy, tokenizer = chat_model
+    engine = CUDAGraphRollout(check_every=3)
+    appended = play(chat_model, engine, greedy=True)
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.7, seed=5, greedy=True)
+
+    def resubmit(contexts, samples, max_new_tokens):
+        return engine.generate(policy, contexts, samples, tokenizer.pad_token_id, [tokenizer.eos_token_id],
+                               SamplingSpec(**{**vars(spec), "max_new_tokens": max_new_tokens}))
+
+    resubmitted = play(chat_model, engine, greedy=True, sample=resubmit)
+    assert max(t.turns for t in appended.trajectories) >= 3
+    assert torch.equal(appended.rollout.completion_ids, resubmitted.rollout.completion_ids)
+    torch.testing.assert_close(appended.rollout.logprobs, resubmitted.rollout.logprobs, atol=2e-5, rtol=0)
+
+
+def test_wave_out_of_columns_defragments_and_stays_exact(chat_model, monkeypatch):
+    policy, tokenizer = chat_model
+    packs, real = [], DecodeState.defragment
+    monkeypatch.setattr(DecodeState, "defragment", lambda s, b, written: packs.append(written) or real(s, b, written))
+    # a cache shorter than the engine sizes it (its worst case), so that this short episode runs out of columns
+    monkeypatch.setattr(cuda_graph, "episode_columns", lambda budget, check_every: budget + 4 * check_every)
+    limit = max(map(len, chat_prompts(tokenizer, QUESTIONS))) + 40
+    episodes = play(chat_model, CUDAGraphRollout(check_every=2, length_bucket=1),
+                    config=AgentConfig(max_turns=5, max_episode_tokens=limit))
+    assert packs  # the columns ran out at least once
+    r, generated = episodes.rollout, episodes.rollout.model_mask.bool()
+    lp, entropy = recompute(policy, r, 0.7)
+    torch.testing.assert_close(r.logprobs, lp * generated, atol=2e-5, rtol=0)
+    torch.testing.assert_close(r.entropy, entropy * generated, atol=2e-5, rtol=0)
+
+
+def test_defragment_packs_each_rows_columns_in_order():
+    cache = SlotCache(layers=2, rows=3, kv_heads=1, length=8, head_dim=2, dtype=torch.float32, device="cpu")
+    for t in (*cache.keys, *cache.values):
+        t.copy_(torch.randn(t.shape))
+    before = [t.clone() for t in (*cache.keys, *cache.values)]
+    s = DecodeState.empty(("test",), cache, 4, "cpu")
+    kept = torch.tensor([[1, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]).bool()
+    s.mask[:, 0, 0] = kept
+    assert s.defragment(3, 7) == 6
+    for old, new in zip(before, (*cache.keys, *cache.values)):
+        for row in range(3):
+            columns = [c for c in range(7) if kept[row, c]]
+            assert torch.equal(new[row, :, :len(columns)], old[row, :, columns])
+    assert s.mask[:, 0, 0, :7].sum(-1).tolist() == [4, 2, 6] and not s.mask[1, 0, 0, 2:].any()
+    assert torch.equal(s.mask[:, 0, 0, 7], kept[:, 7])  # columns past the written ones untouched
