@@ -9,9 +9,10 @@ saved tensors), not measured.
 
 from __future__ import annotations
 
-from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, ModelShape, RunSettings,
+from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, ModelShape,
                                   largest_layer_weights, layer_projections, lora_parameters, norm_channels)
 from qerl.rollout.footprint import wave_kv_cache_bytes
+from qerl.rollout.run_settings import RunSettings
 
 NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per channel (and one fp32 rstd per token)
 NORM_RSTD_BYTES = 4  # ... the rstd: counted for the per-head q/k norms (one per head and token), not per hidden row

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 
-from qerl.model.footprint import (DENSE_BYTES, GIB, PROJECTIONS, Component, ModelShape, RunSettings, default_margin,
+from qerl.model.footprint import (DENSE_BYTES, GIB, PROJECTIONS, Component, ModelShape, default_margin,
                                   largest_layer_weights, layer_projections, lora_parameters, nvfp4_weights)
 from qerl.nvfp4.kernels.gemv_plan import MAX_M
 from qerl.rollout.kv_cache import releases_kv_cache, slot_bytes
+from qerl.rollout.run_settings import RunSettings
 
 LORA_ROLLOUT_COPIES = 2  # bf16 copies of the LoRA matrices during a rollout: the engine's shadows, the decoder's stacks
 SAMPLING_FP32_BUFFERS = 5  # [rows, vocab] fp32 alive at once: logits.float(), log-softmax, probs, noise, probs/noise

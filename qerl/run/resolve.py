@@ -32,7 +32,8 @@ import torch
 
 from qerl.agents.config import longest_context
 from qerl.hub import load_config
-from qerl.model.footprint import GIB, ModelShape, RunSettings
+from qerl.model.footprint import GIB, ModelShape
+from qerl.rollout.run_settings import RunSettings
 from qerl.modules.options import SamplingOptions
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout

@@ -453,7 +453,8 @@ def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
 
 
 def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
-    from qerl.model.footprint import ModelShape, RunSettings
+    from qerl.model.footprint import ModelShape
+    from qerl.rollout.run_settings import RunSettings
     from qerl.rollout.footprint import wave_kv_cache_bytes as planned_kv_bytes
 
     config = policy.get_base_model().config

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape, RunSettings
+from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape
+from qerl.rollout.run_settings import RunSettings
 from qerl.modules.footprint import layer_activation_bytes, micro_batch_span
 from qerl.rollout.footprint import bf16_copy_spare
 from qerl.run.memory_plan import MemoryPlanError, plan_memory
