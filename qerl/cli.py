@@ -1,4 +1,4 @@
-"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.lr 2e-5 ...]``.
+"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.optimizer.lr 2e-5 ...]``.
 
 A user's mistake (an unknown or misspelled option, a value of the wrong type or out of range, a data file that cannot
 be used) ends the command before any model or data loads, with one short ``error:`` line that names the option, the
@@ -56,7 +56,7 @@ class QeRLCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        # predict has no meaning for a policy trained by RL: validate / test write every completion (eval_jsonl)
+        # predict has no meaning for a policy trained by RL: validate / test write every completion (model.evaluation.jsonl)
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
     def parse_arguments(self, parser, args) -> None:
@@ -102,6 +102,7 @@ class QeRLCLI(LightningCLI):
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
         parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it
+        parser.set_defaults({"model.advantage": {"class_path": "qerl.modules.advantages.GroupAdvantage"}})
         parser.link_arguments("data.answer_format", "model.reward.init_args.answer_format", compute_fn=reward_format)
 
     def before_instantiate_classes(self) -> None:
@@ -156,7 +157,8 @@ class QeRLCLI(LightningCLI):
     def _check_refill(self, config) -> None:
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
         model, data = config.get("model") or {}, config.get("data") or {}
-        if self.subcommand == "fit" and model.get("max_refill_rounds") and data.get("num_workers"):
+        refills = (model.get("dapo") or {}).get("max_refill_rounds")
+        if self.subcommand == "fit" and refills and data.get("num_workers"):
             self._parser(self.subcommand).error(refill_workers_error(data.get("num_workers")))
 
     def instantiate_classes(self) -> None:

@@ -301,7 +301,7 @@ def _chain(first: list[dict], rest: Iterator[dict]) -> Iterator[dict]:
 def refill_workers_error(num_workers: int) -> str:
     """The one ``data.num_workers`` rule of refills (checked when the command line is parsed and when the data module
     hands its prompts over)."""
-    return (f"data.num_workers={num_workers}: refilling a batch (model.max_refill_rounds) draws prompts from the "
+    return (f"data.num_workers={num_workers}: refilling a batch (model.dapo.max_refill_rounds) draws prompts from the "
             "training stream in the main process: set data.num_workers: 0.")
 
 

@@ -37,7 +37,7 @@ DECODE_GROUPS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTION
 def wave_rows_error(wave_rows: int, group_size: int) -> str | None:
     """What is wrong with ``wave_rows`` for groups of ``group_size`` (None: nothing)."""
     if wave_rows < group_size:
-        return (f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group (model.group_size="
+        return (f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group (model.sampling.group_size="
                 f"{group_size}): a wave decodes whole groups; set it >= {group_size} (or null: the memory plan "
                 "chooses).")
     return None
