@@ -22,7 +22,8 @@ import torch
 
 from qerl.cli import cli_main
 from qerl.model.aqn import aqn_sigma
-from qerl.modules.grpo_module import GRPOModule, warmup_cosine
+from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.optimizer import warmup_cosine
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
 SCALARS = (
@@ -297,8 +298,8 @@ def test_two_ranks_on_fixed_rollouts_make_the_update_of_one_process_over_the_sam
                "--trainer.devices", str(devices), "--trainer.max_steps", "1", "--data.batch_size", str(batch_size),
                "--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
                "--model.sampling.max_new_tokens", "12", "--model.reward.class_path",
-               "qerl.testing.fixed_rollouts.HashReward", "--model.group_size", "4", "--model.micro_batch_size", "3",
-               "--model.weight_decay", "0", "--model.max_grad_norm", "0", "--aqn.enabled", "false",
+               "qerl.testing.fixed_rollouts.HashReward", "--model.sampling.group_size", "4", "--model.update.micro_batch_size", "3",
+               "--model.optimizer.weight_decay", "0", "--model.optimizer.max_grad_norm", "0", "--aqn.enabled", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", version,
                *(["--trainer.strategy", "ddp"] if devices > 1 else [])]
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)

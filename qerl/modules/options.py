@@ -115,7 +115,7 @@ class UpdateOptions:
             ("micro_batch_tokens", tokens, tokens != "auto",
              "a number here: train.py makes auto concrete before the module is built (qerl.run.resolve); in code "
              "give a budget or None"),
-            ("micro_batch_tokens", tokens, tokens is None or tokens >= 1,
+            ("micro_batch_tokens", tokens, tokens in (None, "auto") or tokens >= 1,
              ">= 1, auto (the memory plan chooses) or null for micro_batch_size alone"),
             ("num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1"),
             ("logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 1, ">= 1"),

@@ -42,5 +42,5 @@ def renamed_hints(message: str) -> list[str]:
         flat = [old for old in RENAMED if "init_args" not in old]
         for name in sorted(unknown):
             if close := difflib.get_close_matches(name, flat, n=1, cutoff=0.85):
-                hints.append(f"did you mean {RENAMED[close[0]]}?")
+                hints.append(f"did you mean --{RENAMED[close[0]]}?")
     return hints

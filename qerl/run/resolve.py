@@ -75,7 +75,7 @@ class Resolution:
         leaves them open; values the user set stay. Returns what was written, by option. Afterwards no planned value
         of the config is ``auto`` or unset (except ``wave_rows`` None: one wave, and vLLM's own length limit)."""
         model, written = config.model, {}
-        update = model.get("update")
+        update = model.get("update")  # by key: a namespace's attribute ``update`` is its method
         if update is not None and update.get("micro_batch_tokens") == "auto":
             update.micro_batch_tokens = written["model.update.micro_batch_tokens"] = self.micro_batch_tokens
         kind = engine_kind(model.get("rollout"))

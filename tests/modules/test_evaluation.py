@@ -247,7 +247,7 @@ def cli_args(model_dir, tmp_path, engine="qerl.rollout.builtin.BuiltinRollout"):
     val = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 4, "seed": 11}}]
     return [
         "--model.policy.model", str(model_dir), "--model.policy.dtype", "float32", "--model.policy.lora_rank", "4",
-        "--model.group_size", "2", "--model.eval_samples", "2",
+        "--model.sampling.group_size", "2", "--model.evaluation.samples", "2",
         "--model.rollout.class_path", engine, "--model.sampling.max_new_tokens", "4",
         "--model.reward.class_path", "qerl.data.rewards.MathReward", "--model.reward.init_args.num_workers", "1",
         "--data.batch_size", "2", "--data.val_sources", json.dumps(val),

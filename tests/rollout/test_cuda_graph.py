@@ -417,7 +417,7 @@ def test_waves_and_compaction_sample_the_same_rows(policy, fused):
 
 def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
     engine = CUDAGraphRollout(wave_rows=2)
-    with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.group_size=3\)"):
+    with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.sampling.group_size=3\)"):
         spec = SamplingSpec(max_new_tokens=5, seed=0, stream="separate")
         engine.generate(policy, PROMPTS, 3, PAD, [], spec)
     with pytest.raises(ValueError, match="wave_rows must be >= 1"):
