@@ -337,7 +337,7 @@ ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_
 
 def default_allocator_settings(rollout_class_path: str) -> None:
     """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator or CUDA already
-    started. The rollout frees a KV cache and a bf16 weight copy of tens of GiB that the update's activations then take
+    started. The rollout frees a large KV cache and a bf16 weight copy that the update's activations then take
     over: in fixed-size segments those end up in pieces too small for a [tokens, intermediate] tensor, and a plan near
     the GPU's size runs out of memory with much of it held free (bench/README); expandable segments map what a tensor
     needs, wherever it lies. vLLM's sleep-mode pool cannot use them: vLLM (>= 0.26) turns them off around its own

@@ -60,7 +60,7 @@ class OptimizerOptions:
     """The optimizer and its schedule (``model.optimizer``): AdamW, linear warmup, then cosine.
 
     Args:
-        lr: peak learning rate (the recipes' values and the reason for them: docs/learning.md, "Learning rate").
+        lr: peak learning rate (the recipes' values and the reason for them: README, Recipes, "Learning rate").
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         warmup_ratio: fraction of ``trainer.max_steps`` spent in linear warmup.
@@ -78,7 +78,7 @@ class OptimizerOptions:
     def __post_init__(self):
         betas = self.betas
         check_options("model.optimizer", [
-            ("lr", self.lr, self.lr >= 0, ">= 0 (docs/learning.md, \"Learning rate\", gives the recipes' values)"),
+            ("lr", self.lr, self.lr >= 0, ">= 0 (README, Recipes, \"Learning rate\", gives the recipes' values)"),
             ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
             ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas),
              "two values in [0, 1), e.g. [0.9, 0.99]"),
