@@ -96,7 +96,7 @@ def word_problems(n: int, seed: int = 0) -> list[str]:
 
 
 def quality(args) -> dict:
-    from qerl.data.prompts import format_prompt
+    from qerl.data.prompt_format import format_prompt
     from qerl.model.policy import PolicyConfig
     from qerl.modules.grpo_module import GRPOModule
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches

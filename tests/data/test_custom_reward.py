@@ -110,7 +110,7 @@ def test_only_a_reward_that_reads_rows_gets_them():
 def test_verl_parquet_prompts_go_as_verl_sends_them(tmp_path, tokenizer):
     import datasets
 
-    from qerl.data.prompts import PromptStream
+    from qerl.data.prompt_stream import PromptStream
     from qerl.data.sources import VerlParquet
 
     verl_prompt = [{"role": "user", "content": 'What is 2 + 3? Let\'s think step by step and output the final answer '

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qerl.data.prompts import format_prompt
+from qerl.data.prompt_format import format_prompt
 from qerl.model.aqn import AQNSchedule, aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
 from qerl.modules.grpo_module import GRPOModule
 from qerl.modules.options import DAPOOptions, OptimizerOptions, SamplingOptions, UpdateOptions

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qerl.data.answers import answers_match
-from qerl.data.prompts import PromptStream, collate
+from qerl.data.prompt_stream import PromptStream, collate
 from qerl.data.rewards import MathReward
 from qerl.data.sources import GSM8K, MATH500, ArithmeticSource
 from qerl.modules.evaluation import Evaluator, metric_name
