@@ -56,7 +56,8 @@ class QeRLCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        # predict has no meaning for a policy trained by RL: validate / test write every completion (model.evaluation.jsonl)
+        # predict has no meaning for a policy trained by RL: validate / test write every completion
+        # (model.evaluation.jsonl)
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
     def parse_arguments(self, parser, args) -> None:

@@ -39,7 +39,8 @@ def micro_batch_span(settings: RunSettings, budget: int | None) -> int:
 def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     """Bytes one token keeps for the backward in one decoder layer on the GPU (qerl's fused kernels; LoRA on the
     targeted projections, NVFP4 or frozen bf16 base layers keep nothing of their input: their weight gets no
-    gradient), counted from a layer's saved tensors (``bench/results/memory_<device>_7b.json`` checks the whole plan)."""
+    gradient), counted from a layer's saved tensors (``bench/results/memory_<device>_7b.json`` checks the whole
+    plan)."""
     H, I, r = shape.hidden, shape.intermediate, settings.lora_rank
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     targeted = dict(layer_projections(shape, settings.lora_targets)[0])

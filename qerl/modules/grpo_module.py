@@ -126,7 +126,10 @@ class GRPOModule(L.LightningModule):
         self.rewards = RewardSum(self.reward, rewards.functions, rewards.weights, rewards.timeout_s,
                                  failure_steps=rewards.failure_steps)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
-        self.sampling, self.update_options, self.optimizer_options, self.dapo = sampling, update, optimizer, dapo
+        self.sampling = sampling
+        self.update_options = update
+        self.optimizer_options = optimizer
+        self.dapo = dapo
         self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
         self.aqn = aqn if aqn is not None else AQNSchedule(enabled=False)
         self.noise_generator = torch.Generator().manual_seed(self.aqn.seed)  # checkpointed: a resume draws the same

@@ -22,7 +22,8 @@ RENAMED = {  # old dotted name -> new dotted name
     "model.reward_weights": "model.rewards.weights",
     "model.reward_timeout_s": "model.rewards.timeout_s",
     "model.reward_failure_steps": "model.rewards.failure_steps",
-    **{f"model.eval_{name}": f"model.evaluation.{name}" for name in ("samples", "temperature", "greedy", "seed", "jsonl")},
+    **{f"model.eval_{name}": f"model.evaluation.{name}"
+       for name in ("samples", "temperature", "greedy", "seed", "jsonl")},
     "model.scale_std": "model.advantage.init_args.scale_std",
 }
 

@@ -19,7 +19,7 @@ from qerl.rollout.engine_settings import VLLMEngineSettings
 from qerl.run.resolve import ENGINE_OPTIONS, VLLM_OPTIONS, engine_settings, planning_device, run_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
+RECIPES = sorted(p for p in (CONFIGS / "recipes").glob("*.yaml") if p.name != "bf16.yaml")  # every model's recipe
 CASES = [[CONFIGS / "debug.yaml"], [CONFIGS / "smoke.yaml"]] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [
     [CONFIGS / "gpu.yaml", r, CONFIGS / "recipes" / "bf16.yaml"] for r in RECIPES]
 VLLM = "qerl.rollout.vllm.VLLMRollout"
@@ -47,17 +47,18 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
     from qerl.testing.random_models import model_config
 
     monkeypatch.chdir(tmp_path)
-    # an 80 GB GPU; a 72B in bf16 (145 GB of weights) fits no GPU and Qwen3-30B-A3B's bf16 baseline (61 GB of weights,
-    # LoRA on all 6,144 experts) needs an H200's 141: their resolution is checked on a device large enough
+    # an 80 GB GPU; a 70B / 72B in bf16 fits no GPU and Qwen3-30B-A3B's bf16 baseline (LoRA on every expert) needs an
+    # H200: their resolution is checked on a device large enough
     bf16 = paths[-1].name == "bf16.yaml"
-    gpu_gb = "400" if bf16 and "72b" in paths[1].name else "139" if any("a3b" in p.stem for p in paths) else "79"
+    largest = bf16 and any(size in paths[1].name for size in ("70b", "72b"))
+    gpu_gb = "400" if largest else "139" if any("a3b" in p.stem for p in paths) else "79"
     args = [arg for p in paths for arg in ("--config", str(p))] + ["--trainer.accelerator", "cpu",
                                                                    "--memory_plan_device_gb", gpu_gb]
     if engine is not None:
         pretend_vllm_is_installed(monkeypatch)
         args += ["--model.rollout.class_path", engine]
-    if paths[-1].parent.name == "recipes" or paths[-1].name == "bf16.yaml":  # a config.json of the recipe's size
-        size = next(p.stem.split("_")[0] for p in paths if p.stem.startswith("qwen"))
+    if paths[-1].parent.name == "recipes":  # a config.json of the recipe's size
+        size = next(p.stem.split("_")[0] for p in paths if p.parent.name == "recipes" and p.name != "bf16.yaml")
         model_config(size).save_pretrained(tmp_path / size)
         args += ["--model.policy.model", str(tmp_path / size)]
     else:
