@@ -81,12 +81,19 @@ def test_no_engine_method_decides_a_planned_setting():
 def test_nothing_outside_an_engine_writes_its_planned_settings():
     """No object sets a planned value on a built engine or module from outside (``engine.wave_rows = ...``); the
     resolution writes concrete values into the parsed config only, before anything is built (``qerl/run/``)."""
-    planned = "|".join((*PLANNED_ENGINE_SETTINGS, "micro_batch_tokens"))
-    outside = re.compile(rf"\b(?!self\b)\w+(\.\w+)*\.({planned})\s*(=(?!=)|\+=)")
+    import ast
+
+    planned = {*PLANNED_ENGINE_SETTINGS, "micro_batch_tokens"}
     for path, text in sources(QERL).items():
         if path.parent.name == "run":  # the resolution: values written into the config namespace before any build
             continue
-        assert not outside.search(text), (path, outside.search(text))
+        for node in ast.walk(ast.parse(text)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for leaf in (leaf for target in targets for leaf in ast.walk(target)):
+                outside = isinstance(leaf, ast.Attribute) and not (
+                    isinstance(leaf.value, ast.Name) and leaf.value.id == "self")
+                assert not (outside and leaf.attr in planned), (path, node.lineno, ast.unparse(node))
 
 
 def test_the_module_reads_no_planned_setting_of_its_engine():
