@@ -148,8 +148,8 @@ def arithmetic_batches(tokenizer, rows=6, batch_size=3):
     return batches(ArithmeticSource(seed=7, num_rows=rows), tokenizer, batch_size)
 
 
-def evaluate(policy, engine, reward, batch_list, tokenizer, **kwargs) -> Evaluator:
-    evaluator = Evaluator(EvaluationOptions(**kwargs))
+def evaluate(policy, engine, reward, batch_list, tokenizer, sampling=SamplingOptions(), **options) -> Evaluator:
+    evaluator = Evaluator(EvaluationOptions(**options), sampling)
     for batch in batch_list:
         evaluator.step(policy, engine, reward, batch, lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
                        tokenizer.pad_token_id, [tokenizer.eos_token_id])
