@@ -192,7 +192,7 @@ def run_settings(config) -> RunSettings:
 def plan_settings(config) -> RunSettings | None:
     """The plan's settings of a parsed config; None where a value the plan reads is out of range (the constructors
     then refuse it, naming the option)."""
-    model, data = config.get("model"), config.get("data")
+    data = config.get("data")
     try:
         if not (data.batch_size >= 1 and data.max_prompt_tokens >= 1):
             return None
