@@ -93,6 +93,20 @@ def test_a_moved_sampling_option_names_its_new_key(engine, old, capsys, no_model
     assert f"did you mean model.sampling.{old}?" in line, line
 
 
+@pytest.mark.parametrize(("old", "value", "new"), [("lr", "1.0e-5", "model.optimizer.lr"),
+                                                   ("group_size", "4", "model.sampling.group_size"),
+                                                   ("micro_batch_tokens", "auto", "model.update.micro_batch_tokens"),
+                                                   ("dynamic_sampling", "true", "model.dapo.dynamic_sampling"),
+                                                   ("reward_funcs", "[m:f]", "model.rewards.functions"),
+                                                   ("eval_samples", "4", "model.evaluation.samples"),
+                                                   ("scale_std", "false", "model.advantage.init_args.scale_std")])
+def test_a_flat_module_option_names_its_group(old, value, new, capsys, no_model_loads, tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text(f"model:\n  {old}: {value}\n")
+    assert fails(["--config", str(config)], capsys).endswith(f"(did you mean {new}? model.{old} moved there)")
+    assert f"did you mean {new}? model.{old} moved there" in fails([f"--model.{old}", value], capsys)
+
+
 def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "Q1", "answer": "#### 1"}\n{"question": "Q2", "answer": \nnot json\n')
