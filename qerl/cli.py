@@ -40,6 +40,7 @@ from qerl.modules.options import max_steps_error
 from qerl.run.memory_budget import budget_error, hold_to_budget
 from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
+from qerl.run.renamed_options import grouped_hparams
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               planning_device, resolve)
 
@@ -66,6 +67,24 @@ class QeRLCLI(LightningCLI):
             if Path(path).is_file() and (problem := yaml_problem(path)):
                 parser.error(problem)
         super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's reading of ``--ckpt_path``'s saved module options into the config (they win over the config
+        files, so that a resume trains as the checkpointed run did), with the options a checkpoint of an earlier qerl
+        saved flat moved into their groups first."""
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": grouped_hparams(hparams)}},
+                                                   self.config)
+        except SystemExit:
+            sys.stderr.write(f"The module options saved in --ckpt_path={ckpt_path} do not parse (above).\n")
+            raise
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_class_arguments(AQNSchedule, "aqn")  # the schedule the module builds each step's noise from

@@ -45,3 +45,23 @@ def renamed_hints(message: str) -> list[str]:
             if close := difflib.get_close_matches(name, flat, n=1, cutoff=0.85):
                 hints.append(f"did you mean --{RENAMED[close[0]]}?")
     return hints
+
+
+def grouped_hparams(hparams: dict) -> dict:
+    """A checkpoint's saved module options with each flat option of an earlier qerl at its place in its group
+    (``lr`` -> ``optimizer.lr``), so that a run checkpointed before the options were grouped resumes; options already
+    in their groups pass through."""
+    out = dict(hparams)
+    for old, new in RENAMED.items():
+        name = old.removeprefix("model.")
+        if "." in name or name not in out:
+            continue
+        value = out.pop(name)
+        group, *path = new.removeprefix("model.").split(".")
+        if group == "advantage":  # the flat scale_std configured the default GroupAdvantage
+            if value is False:
+                out["advantage"] = {"class_path": "qerl.modules.advantages.GroupAdvantage",
+                                    "init_args": {"scale_std": False}}
+            continue
+        out[group] = {**(out.get(group) or {}), path[0]: value}
+    return out
