@@ -9,7 +9,7 @@ the event files, drops the first step (graph capture), prints the medians and wr
 ``train_embedded_<device>_<quantization>_<label>.json``; ``--compare`` adds an earlier run's step (another build).
 
 ``--refill N`` measures DAPO's dynamic sampling instead: two runs in one call, both dropping the groups whose rewards
-are all equal, the second refilling the batch (``model.max_refill_rounds N``). The task is made harder than the smoke
+are all equal, the second refilling the batch (``model.dapo.max_refill_rounds N``). The task is made harder than the smoke
 recipe's so that groups without signal are common: a, b in 1..20 and no format bonus (every reward 0 or 1). Writes
 ``train_embedded_refill_<device>_<quantization>_<label>.json`` with, per run, ``train/informative_groups_frac``
 (mean and minimum over the steps), refills and prompts per step, and the rollout seconds, and the extra rollout time
@@ -77,7 +77,7 @@ def fit(args, name: str, overrides: list[str]) -> dict[str, list[float]]:
         "fit", "--config", args.config, "--trainer.accelerator", args.accelerator,
         "--model.policy.dtype", "bfloat16", "--model.policy.quantization", args.quantization,
         "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
-        "--model.sampling.max_new_tokens", "200", "--model.group_size", "8", "--data.batch_size", "16",
+        "--model.sampling.max_new_tokens", "200", "--model.sampling.group_size", "8", "--data.batch_size", "16",
         "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps * 10),
         "--model.log_samples_every", "0", "--trainer.logger.init_args.save_dir", f"{args.work}/runs",
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
@@ -94,7 +94,7 @@ def fit(args, name: str, overrides: list[str]) -> dict[str, list[float]]:
 
 
 # Harder than the smoke task, so that many groups of 8 get the same reward: a, b in 1..20, rewards 0 or 1.
-REFILL_TASK = ["--model.dynamic_sampling", "true", "--data.num_workers", "0",
+REFILL_TASK = ["--model.dapo.dynamic_sampling", "true", "--data.num_workers", "0",
                "--model.reward.init_args.format_weight", "0",
                "--data.sources", "[{class_path: qerl.data.sources.ArithmeticSource, init_args: {max_value: 20}}]"]
 
@@ -104,7 +104,7 @@ def refill_comparison(args) -> None:
     rows = []
     for mode, rounds in (("drop", 0), ("refill", args.refill)):
         name = f"{args.quantization}_{args.label}_{mode}"
-        series = fit(args, name, [*REFILL_TASK, "--model.max_refill_rounds", str(rounds), *args.overrides])
+        series = fit(args, name, [*REFILL_TASK, "--model.dapo.max_refill_rounds", str(rounds), *args.overrides])
         rollout = series["perf/rollout_s"]
         rows.append({
             "mode": mode, "max_refill_rounds": rounds, "quantization": args.quantization, "label": args.label,

@@ -96,7 +96,7 @@ def word_problems(n: int, seed: int = 0) -> list[str]:
 
 
 def quality(args) -> dict:
-    from qerl.data.prompts import format_prompt
+    from qerl.data.prompt_format import format_prompt
     from qerl.model.policy import PolicyConfig
     from qerl.modules.grpo_module import GRPOModule
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches
@@ -107,8 +107,8 @@ def quality(args) -> dict:
 
     module = GRPOModule(policy=PolicyConfig(model="smollm2-135m-instruct", quantization="nvfp4", dtype="bfloat16",
                                             lora_rank=16, lora_alpha=32),
-                        rollout=CUDAGraphRollout(), sampling=SamplingOptions(max_new_tokens=args.new_quality),
-                        group_size=8).to(args.device)
+                        rollout=CUDAGraphRollout(),
+                        sampling=SamplingOptions(group_size=8, max_new_tokens=args.new_quality)).to(args.device)
     module.configure_model()
     tok = module.tokenizer
     prompts = [tok(format_prompt(tok, q, "boxed"), add_special_tokens=False)["input_ids"]

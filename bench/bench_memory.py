@@ -94,7 +94,7 @@ def row_options(row: dict) -> list[str]:
         configs.append("configs/recipes/bf16.yaml")
     options = sum((["--config", c] for c in configs), [])
     for key, option in (("wave_rows", "model.rollout.init_args.wave_rows"), ("prompts", "data.batch_size"),
-                        ("micro_batch_tokens", "model.micro_batch_tokens"),
+                        ("micro_batch_tokens", "model.update.micro_batch_tokens"),
                         ("gradient_checkpointing", "model.policy.gradient_checkpointing")):
         if key in row:
             options += [f"--{option}", str(row[key]).lower() if isinstance(row[key], bool) else str(row[key])]
@@ -115,7 +115,7 @@ def configured(row: dict):
 def recipe_settings(row: dict) -> dict:
     """prompts, group_size, prompt_tokens, new_tokens of the row as configured."""
     cli = configured(row)
-    return {"prompts": cli.datamodule.batch_size, "group_size": cli.model.hparams.group_size,
+    return {"prompts": cli.datamodule.batch_size, "group_size": cli.model.sampling.group_size,
             "prompt_tokens": cli.datamodule.max_prompt_tokens, "new_tokens": cli.model.sampling.max_new_tokens}
 
 
@@ -163,7 +163,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
     shape = ModelShape.from_config(model_config(row["model"], vocab_size=vocab))
     plan = plan_memory(shape, settings, free_bytes=free_bytes, total_bytes=total_bytes,
                        wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
-                       micro_batch_tokens=cli.config.model.micro_batch_tokens)
+                       micro_batch_tokens=cli.config.model["update"].micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
     out["plan_resident_gb"] += wave_kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
@@ -199,7 +199,7 @@ def fit(row: dict, model_dir: Path, args, name: str, extra: list[str]) -> dict:
     start = time.perf_counter()
     cli_main([
         "fit", *options, "--model.policy.model", str(model_dir), *extra,
-        "--model.dynamic_sampling", "false", "--model.mask_truncated", "false", "--model.log_samples_every", "0",
+        "--model.dapo.dynamic_sampling", "false", "--model.dapo.mask_truncated", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(Path(args.work) / "runs"),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
         *args.overrides,

@@ -70,7 +70,7 @@ def throughput(gpus: int, model_dir: Path, args, log_root: Path) -> dict:
               else "qerl.rollout.cuda_graph.CUDAGraphRollout")
     log_dir = fit(gpus, model_dir, log_root, f"throughput_{gpus}gpu", [
         "--model.rollout.class_path", engine, "--model.sampling.max_new_tokens", str(args.new_tokens),
-        "--data.batch_size", str(args.prompts), "--model.mask_truncated", "false", "--model.dynamic_sampling", "false",
+        "--data.batch_size", str(args.prompts), "--model.dapo.mask_truncated", "false", "--model.dapo.dynamic_sampling", "false",
         "--trainer.max_steps", str(args.steps)], args.overrides)
     series = scalars(log_dir)
     wall = [e.wall_time for e in series["perf/rollout_s"]]
@@ -91,10 +91,10 @@ def same_update(gpus: int, model_dir: Path, args, log_root: Path) -> dict:
     options = ["--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
                "--model.sampling.max_new_tokens", "64", "--model.reward.class_path",
                "qerl.testing.fixed_rollouts.HashReward", "--trainer.max_steps", "1",
-               "--model.lr", "1e-4", "--model.warmup_ratio", "0", "--model.weight_decay", "0", "--aqn.enabled", "false",
+               "--model.optimizer.lr", "1e-4", "--model.optimizer.warmup_ratio", "0", "--model.optimizer.weight_decay", "0", "--aqn.enabled", "false",
                "--trainer.enable_checkpointing", "true", "--trainer.callbacks",  # the checkpoint exports the adapter
                '[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"every_n_train_steps": 1}}]']
-    runs = {"one": (1, []), "ranks": (gpus, []), "one_other_micro_batches": (1, ["--model.micro_batch_tokens", "1024"])}
+    runs = {"one": (1, []), "ranks": (gpus, []), "one_other_micro_batches": (1, ["--model.update.micro_batch_tokens", "1024"])}
     adapters = {}
     for name, (n, extra) in runs.items():
         log_dir = fit(n, model_dir, log_root, f"same_update_{name}",

@@ -86,7 +86,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
 
     name = f"{quantization}_{args.lengths}_{args.label}" + ("_vllm" if args.engine == "vllm" else "")
     engine = ENGINES[args.engine][args.lengths]
-    budget = ["--model.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    budget = ["--model.update.micro_batch_tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     kv = ["--model.rollout.init_args.kv_cache_dtype", kv_cache_dtype(args, quantization)]
     if args.engine == "vllm":  # its KV cache's dtype goes through engine_kwargs
         dtype = kv_cache_dtype(args, quantization)
@@ -100,9 +100,9 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.policy.gradient_checkpointing", str(args.checkpointing).lower(),
         "--model.rollout.class_path", engine,
         "--model.sampling.max_new_tokens", str(args.new_tokens),
-        "--model.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
-        "--model.micro_batch_size", str(args.micro_batch), *budget, *kv, "--model.mask_truncated", "false",
-        "--model.dynamic_sampling", "false", "--model.log_samples_every", "0",
+        "--model.sampling.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
+        "--model.update.micro_batch_size", str(args.micro_batch), *budget, *kv, "--model.dapo.mask_truncated", "false",
+        "--model.dapo.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
         *profile, *args.overrides,

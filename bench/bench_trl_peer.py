@@ -103,7 +103,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def prompt_texts(tokenizer, n: int, max_prompt_tokens: int) -> list[str]:
     """The first ``n`` prompts qerl's default data gives (``ArithmeticSource``, chat template, seeded shuffle)."""
-    from qerl.data.prompts import PromptStream
+    from qerl.data.prompt_stream import PromptStream
     from qerl.data.sources import ArithmeticSource
 
     stream = iter(PromptStream(ArithmeticSource(seed=0), tokenizer, max_prompt_tokens=max_prompt_tokens))

@@ -68,7 +68,8 @@ def calibration_prompts(data: dict, tokenizer, num_samples: int) -> list[list[in
     filtered as training formats them; a finite source shorter than ``num_samples`` gives what it has)."""
     from jsonargparse import ArgumentParser
 
-    from qerl.data.prompts import MathPromptDataModule, PromptStream
+    from qerl.data.prompt_stream import PromptStream
+    from qerl.data.prompts import MathPromptDataModule
 
     if num_samples < 1:
         raise ValueError(f"--num-samples {num_samples}: must be >= 1.")

@@ -1,4 +1,4 @@
-"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.lr 2e-5 ...]``.
+"""The command line: ``python train.py fit|validate|test --config configs/x.yaml [--model.optimizer.lr 2e-5 ...]``.
 
 A user's mistake (an unknown or misspelled option, a value of the wrong type or out of range, a data file that cannot
 be used) ends the command before any model or data loads, with one short ``error:`` line that names the option, the
@@ -40,6 +40,7 @@ from qerl.modules.options import max_steps_error
 from qerl.run.memory_budget import budget_error, hold_to_budget
 from qerl.rollout.vllm import unsupported_policy
 from qerl.run.memory_plan import MemoryPlanError
+from qerl.run.renamed_options import grouped_hparams
 from qerl.run.resolve import (Resolution, UnknownArchitecture, device_memory, engine_kind, model_shape, plan_settings,
                               planning_device, resolve)
 
@@ -56,7 +57,8 @@ class QeRLCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        # predict has no meaning for a policy trained by RL: validate / test write every completion (eval_jsonl)
+        # predict has no meaning for a policy trained by RL: validate / test write every completion
+        # (model.evaluation.jsonl)
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
     def parse_arguments(self, parser, args) -> None:
@@ -65,6 +67,24 @@ class QeRLCLI(LightningCLI):
             if Path(path).is_file() and (problem := yaml_problem(path)):
                 parser.error(problem)
         super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's reading of ``--ckpt_path``'s saved module options into the config (they win over the config
+        files, so that a resume trains as the checkpointed run did), with the options a checkpoint of an earlier qerl
+        saved flat moved into their groups first."""
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": grouped_hparams(hparams)}},
+                                                   self.config)
+        except SystemExit:
+            sys.stderr.write(f"The module options saved in --ckpt_path={ckpt_path} do not parse (above).\n")
+            raise
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_class_arguments(AQNSchedule, "aqn")  # the schedule the module builds each step's noise from
@@ -102,6 +122,7 @@ class QeRLCLI(LightningCLI):
         # The reward is a class so that a config may swap it; its answer format is never set on its own.
         parser.set_defaults({"model.reward": {"class_path": "qerl.data.rewards.MathReward"}})
         parser.set_defaults({"model.loss": {"class_path": "qerl.modules.loss.DAPOLoss"}})  # --print_config shows it
+        parser.set_defaults({"model.advantage": {"class_path": "qerl.modules.advantages.GroupAdvantage"}})
         parser.link_arguments("data.answer_format", "model.reward.init_args.answer_format", compute_fn=reward_format)
 
     def before_instantiate_classes(self) -> None:
@@ -156,7 +177,8 @@ class QeRLCLI(LightningCLI):
     def _check_refill(self, config) -> None:
         """Refills read the training stream in the main process: refuse worker processes now, not at fit's setup."""
         model, data = config.get("model") or {}, config.get("data") or {}
-        if self.subcommand == "fit" and model.get("max_refill_rounds") and data.get("num_workers"):
+        refills = (model.get("dapo") or {}).get("max_refill_rounds")
+        if self.subcommand == "fit" and refills and data.get("num_workers"):
             self._parser(self.subcommand).error(refill_workers_error(data.get("num_workers")))
 
     def instantiate_classes(self) -> None:
@@ -335,7 +357,7 @@ ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_
 
 def default_allocator_settings(rollout_class_path: str) -> None:
     """PyTorch's CUDA allocator with expandable segments, unless the user configured the allocator or CUDA already
-    started. The rollout frees a KV cache and a bf16 weight copy of tens of GiB that the update's activations then take
+    started. The rollout frees a large KV cache and a bf16 weight copy that the update's activations then take
     over: in fixed-size segments those end up in pieces too small for a [tokens, intermediate] tensor, and a plan near
     the GPU's size runs out of memory with much of it held free (bench/README); expandable segments map what a tensor
     needs, wherever it lies. vLLM's sleep-mode pool cannot use them: vLLM (>= 0.26) turns them off around its own

@@ -18,7 +18,8 @@ from qerl.run.renamed_options import renamed_hints
 
 class QeRLArgumentParser(LightningArgumentParser):
     """Errors as one line (``error: ...``) instead of the full usage, with the closest valid option for a typo;
-    ``--model.lr -1e-5`` read as a value (argparse's own pattern knows no exponent, so it took it for an option)."""
+    ``--model.optimizer.lr -1e-5`` read as a value (argparse's own pattern knows no exponent, so it took it for an
+    option)."""
 
     NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 

@@ -40,7 +40,7 @@ def test_a_finite_source_gives_its_rows_once(tokenizer):
 
 
 def test_data_sections_of_several_configs_merge_like_repeated_config_flags(tmp_path):
-    (tmp_path / "a.yaml").write_text("data:\n  seed: 1\n  batch_size: 4\nmodel:\n  lr: 1.0\n")
+    (tmp_path / "a.yaml").write_text("data:\n  seed: 1\n  batch_size: 4\nmodel:\n  optimizer:\n    lr: 1.0\n")
     (tmp_path / "b.yaml").write_text("data:\n  seed: 2\n")
     assert read_data_section([tmp_path / "a.yaml", tmp_path / "b.yaml"]) == {"seed": 2, "batch_size": 4}
     with pytest.raises(FileNotFoundError, match="--calibration"):

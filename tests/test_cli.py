@@ -29,11 +29,11 @@ def fails(args: list[str], capsys) -> str:
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--model.lr", "-1"], "model.lr=-1.0: must be >= 0"),
-    (["--model.group_size", "1"], "model.group_size=1: must be >= 2"),
-    (["--model.group_size", "two"], "model.group_size=two: expected a value of type int"),
-    (["--model.betas", "[0.9, 1.5]"], "model.betas=(0.9, 1.5): must be two values in [0, 1)"),
-    (["--model.max_grad_norm", "-0.1"], "model.max_grad_norm=-0.1: must be >= 0"),
+    (["--model.optimizer.lr", "-1"], "model.optimizer.lr=-1.0: must be >= 0"),
+    (["--model.sampling.group_size", "1"], "model.sampling.group_size=1: must be >= 2"),
+    (["--model.sampling.group_size", "two"], "model.sampling.group_size=two: expected a value of type int"),
+    (["--model.optimizer.betas", "[0.9, 1.5]"], "model.optimizer.betas=(0.9, 1.5): must be two values in [0, 1)"),
+    (["--model.optimizer.max_grad_norm", "-0.1"], "model.optimizer.max_grad_norm=-0.1: must be >= 0"),
     (["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.eps_low", "1.5"],
      "model.loss eps_low=1.5: must be in [0, 1)"),
     (["--data.batch_size", "0"], "data.batch_size=0: must be >= 1"),
@@ -41,12 +41,12 @@ def fails(args: list[str], capsys) -> str:
     (["--model.sampling.temperature", "0"], "model.sampling: temperature must be > 0"),
     (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: set it to the number of optimizer steps"),
     (["--model.policy.model", "./no/such/dir"], "model.policy.model='./no/such/dir': no config.json there"),
-    (["--model.reward_funcs", "[no_such_module:fn]"], "reward function 'no_such_module:fn' cannot be loaded"),
+    (["--model.rewards.functions", "[no_such_module:fn]"], "reward function 'no_such_module:fn' cannot be loaded"),
     (["--model.policy.model", "qerl-test/no-such-model"],  # no network here, or a 404 where there is one
      "model.policy.model='qerl-test/no-such-model': "),
     (["--trainer.strategy", "fsdp", "--trainer.devices", "2"], "trainer.strategy=fsdp: not supported"),
-    (["--model.dynamic_sampling", "true", "--model.max_refill_rounds", "2", "--data.num_workers", "1"],
-     "data.num_workers=1: refilling a batch (model.max_refill_rounds) draws prompts"),
+    (["--model.dapo.dynamic_sampling", "true", "--model.dapo.max_refill_rounds", "2", "--data.num_workers", "1"],
+     "data.num_workers=1: refilling a batch (model.dapo.max_refill_rounds) draws prompts"),
 ])
 def test_a_bad_value_is_one_short_error_before_anything_loads(args, expected, capsys, no_model_loads, tmp_path,
                                                               monkeypatch):
@@ -63,8 +63,8 @@ def test_a_hub_id_that_is_not_cached_with_the_hub_offline_is_one_line_with_the_f
 
 
 @pytest.mark.parametrize(("typo", "suggestion"), [
-    (["--model.lrr", "1e-5"], "did you mean --model.lr?"),
-    (["--model.group_szie", "4"], "did you mean --model.group_size?"),
+    (["--model.lrr", "1e-5"], "did you mean --model.optimizer.lr?"),
+    (["--model.group_szie", "4"], "did you mean --model.sampling.group_size?"),
     (["--trainer.max_stesp", "4"], "did you mean --trainer.max_steps?"),
     (["--model.loss", "qerl.modules.loss.DAPOLoss", "--model.loss.init_args.eps_hihg", "0.3"],
      "did you mean eps_high?"),
@@ -77,7 +77,7 @@ def test_a_misspelled_option_suggests_the_closest_valid_one(typo, suggestion, ca
 def test_a_misspelled_key_in_a_config_file_suggests_the_closest_valid_one(capsys, no_model_loads, tmp_path):
     typo = tmp_path / "typo.yaml"
     typo.write_text("model:\n  warmup_ratoi: 0.1\n")
-    assert fails(["--config", str(typo)], capsys).endswith("(did you mean --model.warmup_ratio?)")
+    assert fails(["--config", str(typo)], capsys).endswith("(did you mean --model.optimizer.warmup_ratio?)")
 
 
 @pytest.mark.parametrize(("engine", "old"), [("qerl.rollout.builtin.BuiltinRollout", "max_new_tokens"),
@@ -91,6 +91,20 @@ def test_a_moved_sampling_option_names_its_new_key(engine, old, capsys, no_model
     assert line.endswith(f"(did you mean model.sampling.{old}? model.rollout.init_args.{old} moved there)"), line
     line = fails(["--model.rollout", engine, f"--model.rollout.init_args.{old}", "1"], capsys)
     assert f"did you mean model.sampling.{old}?" in line, line
+
+
+@pytest.mark.parametrize(("old", "value", "new"), [("lr", "1.0e-5", "model.optimizer.lr"),
+                                                   ("group_size", "4", "model.sampling.group_size"),
+                                                   ("micro_batch_tokens", "auto", "model.update.micro_batch_tokens"),
+                                                   ("dynamic_sampling", "true", "model.dapo.dynamic_sampling"),
+                                                   ("reward_funcs", "[m:f]", "model.rewards.functions"),
+                                                   ("eval_samples", "4", "model.evaluation.samples"),
+                                                   ("scale_std", "false", "model.advantage.init_args.scale_std")])
+def test_a_flat_module_option_names_its_group(old, value, new, capsys, no_model_loads, tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text(f"model:\n  {old}: {value}\n")
+    assert fails(["--config", str(config)], capsys).endswith(f"(did you mean {new}? model.{old} moved there)")
+    assert f"did you mean {new}? model.{old} moved there" in fails([f"--model.{old}", value], capsys)
 
 
 def test_a_mostly_bad_data_file_is_refused_at_parse_time(capsys, no_model_loads, tmp_path):
@@ -123,7 +137,7 @@ def test_a_misspelled_checkpoint_is_one_line_listing_the_checkpoints_and_leaves_
 
 def test_a_negative_number_in_scientific_notation_is_a_value(capsys, no_model_loads):
     # argparse takes "-1e-5" for an option unless told it is a number; the README's example
-    assert fails(["--model.lr", "-1e-5"], capsys).startswith("error: model.lr=-1e-05: must be >= 0")
+    assert fails(["--model.optimizer.lr", "-1e-5"], capsys).startswith("error: model.optimizer.lr=-1e-05: must be >= 0")
 
 
 def test_a_yaml_syntax_error_names_the_file_and_the_line(capsys, no_model_loads, tmp_path):
@@ -254,7 +268,7 @@ def test_print_memory_plan_prints_the_table_and_loads_no_model(capsys, no_model_
     assert f"\nmicro_batch_tokens: {tokens} (longest row 2304 tokens" in printed
     resolved = printed.strip().splitlines()[-1]  # what the resolution writes into the config before building
     assert resolved.startswith("resolved (what the run is built with): ")
-    assert f"model.micro_batch_tokens={tokens}" in resolved
+    assert f"model.update.micro_batch_tokens={tokens}" in resolved
     assert "model.rollout.init_args.wave_rows=" in resolved and "model.rollout.init_args.keep_kv_cache=" in resolved
     assert not (tmp_path / "runs").exists()
 
@@ -350,14 +364,14 @@ def test_micro_batch_tokens_auto_takes_the_plans_budget(no_model_loads, tiny_mod
     from qerl.modules.grpo_module import GRPOModule
 
     monkeypatch.chdir(tmp_path)
-    args = ["--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.micro_batch_tokens",
+    args = ["--config", DEBUG, "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.update.micro_batch_tokens",
             "auto"]
     planned = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_plan_device_gb", "4"])
-    assert planned.config.model.micro_batch_tokens == "auto"  # the config as the user wrote it (saved with the run)
-    assert planned.model.hparams.micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
+    assert planned.config.model["update"].micro_batch_tokens == "auto"  # the config as the user wrote it (saved with the run)
+    assert planned.model.update_options.micro_batch_tokens == 2 * (128 + 4)  # 2 rows of the longest prompt + completion fit
     assert planned.resolution.micro_batch_tokens == 2 * (128 + 4)
     on_cpu = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=args)  # no plan without a device
-    assert on_cpu.model.hparams.micro_batch_tokens is None
+    assert on_cpu.model.update_options.micro_batch_tokens is None
 
 
 def test_the_plan_gives_the_graph_engine_its_waves(no_model_loads, tmp_path, monkeypatch):
@@ -390,7 +404,7 @@ def test_the_graph_engine_follows_the_plans_bf16_copy_and_kv_cache(no_model_load
     monkeypatch.chdir(tmp_path)
     model = config_only_model(tmp_path / "qwen2.5-7b", "qwen2.5-7b")
     args = ["--config", GPU, "--config", str(Path(DEBUG).parent / "recipes" / "qwen2.5-7b_gsm8k.yaml"),
-            "--model.policy.model", str(model), "--trainer.accelerator", "cpu", "--model.micro_batch_tokens", "auto",
+            "--model.policy.model", str(model), "--trainer.accelerator", "cpu", "--model.update.micro_batch_tokens", "auto",
             "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout"]
     small = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,  # (without checkpointing one row's update won't fit)
                     args=[*args, "--memory_plan_device_gb", "24", "--model.policy.gradient_checkpointing", "true"])

@@ -49,7 +49,9 @@ def test_the_bf16_baseline_differs_from_its_recipe_in_quantization_lr_and_log_di
         (h16, p16, dir16, data16, reward16) = settings([CONFIGS / "gpu.yaml", recipe, BF16])
         assert (p4["quantization"], p16["quantization"]) == ("nvfp4", "bf16")
         assert {k for k in p4 if p4[k] != p16[k]} == {"quantization"}
-        assert (h4["lr"], h16["lr"]) == (1e-5, 5e-6) and {k for k in h4 if h4[k] != h16[k]} == {"lr"}
+        assert {k for k in h4 if h4[k] != h16[k]} == {"optimizer"}
+        o4, o16 = h4["optimizer"], h16["optimizer"]  # the saved hparams: the config's values
+        assert (o4["lr"], o16["lr"]) == (1e-5, 5e-6) and {k for k in o4 if o4[k] != o16[k]} == {"lr"}
         assert Path(dir16).relative_to("runs/bf16") == Path(dir4).relative_to("runs")
         assert data4 == data16 == reward4 == reward16 in ("gsm8k", "boxed")  # the reward checks what the prompt asks
 

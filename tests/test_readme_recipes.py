@@ -53,7 +53,7 @@ def least_gib(recipe: str, quantization: str) -> tuple[int, float]:
         try:
             return plan_memory(shape, settings, free_bytes=gib * GIB, total_bytes=gib * GIB,
                                wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
-                               micro_batch_tokens=cli.config.model.micro_batch_tokens)
+                               micro_batch_tokens=cli.config.model["update"].micro_batch_tokens)
         except MemoryPlanError:
             return None
 

@@ -22,7 +22,8 @@ import torch
 
 from qerl.cli import cli_main
 from qerl.model.aqn import aqn_sigma
-from qerl.modules.grpo_module import GRPOModule, warmup_cosine
+from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.optimizer import warmup_cosine
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
 SCALARS = (
@@ -85,7 +86,25 @@ def runs(tiny_model_dirs, tmp_path_factory):
         out["S"] = fit("S", "--trainer.max_steps", "4", *KL)
         step2 = out["S"]["log_dir"] / "checkpoints" / "epoch=0-step=2.ckpt"
         out["R"] = fit("R", "--trainer.max_steps", "4", *KL, "--ckpt_path", str(step2))
+        flat = root / "flat_options.ckpt"  # the same checkpoint as an earlier qerl saved it: the options not grouped
+        checkpoint = torch.load(step2, weights_only=False)
+        checkpoint["hyper_parameters"] = flat_options(checkpoint["hyper_parameters"])
+        torch.save(checkpoint, flat)
+        out["F"] = fit("F", "--trainer.max_steps", "4", *KL, "--ckpt_path", str(flat))
     return out
+
+
+def flat_options(hparams: dict) -> dict:
+    """Module options as qerl saved them before they were grouped: ``lr`` where it now saves ``optimizer.lr``."""
+    from qerl.run.renamed_options import RENAMED
+
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in hparams.items()}
+    for old, new in RENAMED.items():
+        name, (group, *path) = old.removeprefix("model."), new.removeprefix("model.").split(".")
+        if "." not in name and group != "advantage":
+            out[name] = out[group].pop(path[0])
+    out["scale_std"] = True  # the default advantage's option (the advantage itself was never saved)
+    return {k: v for k, v in out.items() if v != {}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,6 +222,14 @@ def test_data_stream_continues_after_resume(runs):
     assert dict(runs["A"]["steps"]) == {0: straight[0], 1: straight[1]}
 
 
+def test_a_checkpoint_with_the_earlier_flat_options_resumes_exactly(runs):
+    assert "lr" in flat_options(runs["S"]["cli"].model.hparams) and "optimizer" not in flat_options(
+        runs["S"]["cli"].model.hparams)
+    assert runs["F"]["global_step"] == 4
+    for name, value in runs["S"]["weights"].items():
+        assert torch.equal(runs["F"]["weights"][name], value), name
+
+
 def test_resumed_run_ends_with_the_weights_of_the_straight_run(runs):
     s, r = runs["S"], runs["R"]
     assert r["global_step"] == 4 and [step for step, _ in r["steps"]] == [2, 3]
@@ -297,8 +324,8 @@ def test_two_ranks_on_fixed_rollouts_make_the_update_of_one_process_over_the_sam
                "--trainer.devices", str(devices), "--trainer.max_steps", "1", "--data.batch_size", str(batch_size),
                "--model.rollout.class_path", "qerl.testing.fixed_rollouts.FixedRollout",
                "--model.sampling.max_new_tokens", "12", "--model.reward.class_path",
-               "qerl.testing.fixed_rollouts.HashReward", "--model.group_size", "4", "--model.micro_batch_size", "3",
-               "--model.weight_decay", "0", "--model.max_grad_norm", "0", "--aqn.enabled", "false",
+               "qerl.testing.fixed_rollouts.HashReward", "--model.sampling.group_size", "4", "--model.update.micro_batch_size", "3",
+               "--model.optimizer.weight_decay", "0", "--model.optimizer.max_grad_norm", "0", "--aqn.enabled", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", version,
                *(["--trainer.strategy", "ddp"] if devices > 1 else [])]
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)

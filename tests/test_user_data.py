@@ -65,7 +65,7 @@ def user_dir(tmp_path, monkeypatch):
 
 def fit(tmp_path: Path, *args: str):
     cli = cli_main(["fit", "--config", DEBUG, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-                    "--model.reward_timeout_s", "1", *args])
+                    "--model.rewards.timeout_s", "1", *args])
     return cli, events(Path(cli.trainer.log_dir))
 
 
@@ -76,8 +76,8 @@ def test_a_chat_jsonl_with_a_trl_reward_function_and_a_hanging_one_trains(user_d
     sources = [{"class_path": "qerl.data.sources.HubSource", "init_args": {"path": str(data),
                                                                           "question_field": "messages"}}]
     with pytest.warns(UserWarning, match="Reward function hang: it took longer than 1.0 s"):
-        cli, acc = fit(user_dir, "--data.sources", json.dumps(sources), "--model.reward_funcs",
-                       "[my_rewards:bonus, my_rewards:hang]", "--model.reward_weights", "[1.0, 2.0, 1.0]")
+        cli, acc = fit(user_dir, "--data.sources", json.dumps(sources), "--model.rewards.functions",
+                       "[my_rewards:bonus, my_rewards:hang]", "--model.rewards.weights", "[1.0, 2.0, 1.0]")
     assert cli.trainer.global_step == 2  # the hanging function did not stop the run
     assert scalars(acc, "train/rewards/bonus") == {0: 0.25, 1: 0.25}  # the column reached it, as a conversation
     assert scalars(acc, "train/rewards/hang") == {0: 0.0, 1: 0.0}
@@ -97,8 +97,8 @@ def test_a_reward_failing_on_every_completion_stops_the_run_with_a_checkpoint_an
 
     monkeypatch.setattr(sys, "argv", [
         "train.py", "fit", "--config", DEBUG, "--trainer.logger.init_args.save_dir", str(user_dir / "runs"),
-        "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.reward_funcs", "[my_rewards:broken]",
-        "--model.reward_failure_steps", "2", "--trainer.max_steps", "10"])
+        "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.rewards.functions", "[my_rewards:broken]",
+        "--model.rewards.failure_steps", "2", "--trainer.max_steps", "10"])
     with pytest.warns(UserWarning, match="Reward function broken: KeyError"), pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 1
@@ -106,8 +106,8 @@ def test_a_reward_failing_on_every_completion_stops_the_run_with_a_checkpoint_an
     err = capsys.readouterr()
     assert "Traceback" not in err.err and (
         "error: reward broken failed on all 4 completions of 2 batches in a row (KeyError: 'solution'): the run stops "
-        "rather than train on zeros. Fix the function (or raise model.reward_timeout_s for a slow one) and resume; "
-        "model.reward_failure_steps sets how many such batches stop a run.") in err.err.splitlines()
+        "rather than train on zeros. Fix the function (or raise model.rewards.timeout_s for a slow one) and resume; "
+        "model.rewards.failure_steps sets how many such batches stop a run.") in err.err.splitlines()
     checkpoint = run / "checkpoints" / "interrupted.ckpt"
     assert f"Stopped after step 1: checkpoint {checkpoint}" in caplog.text and f"--ckpt_path {checkpoint}" in caplog.text
     assert torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"] == 1  # the whole first step
@@ -125,7 +125,7 @@ def test_verl_parquet_with_its_compute_score_trains(user_dir):
                                  "extra_info": {"index": 7}}] * 4).to_parquet(str(data))
     sources = [{"class_path": "qerl.data.sources.VerlParquet", "init_args": {"data_files": str(data)}}]
     constant = {"class_path": "my_rewards.Constant", "init_args": {"value": 0.5}}  # a class_path with settings
-    cli, acc = fit(user_dir, "--data.sources", json.dumps(sources), "--model.reward_funcs",
+    cli, acc = fit(user_dir, "--data.sources", json.dumps(sources), "--model.rewards.functions",
                    json.dumps([f"{user_dir / 'my_rewards.py'}:compute_score", constant]))
     assert cli.trainer.global_step == 2
     assert scalars(acc, "train/rewards/compute_score") == {0: 1.0, 1: 1.0}

@@ -6,7 +6,7 @@
     python docs/experiments/aqn_report.py docs/results/aqn_seeds.json     # statistics, plots, docs/learning.md
 
 Every run is ``train.py fit --config configs/experiments/aqn_arithmetic.yaml`` with the arm's options (the config's
-``model.lr`` is the recipe rate; ``bf16_lr_low`` scales it by the recipes' rule, ``configs/recipes/bf16.yaml``'s rate
+``model.optimizer.lr`` is the recipe rate; ``bf16_lr_low`` scales it by the recipes' rule, ``configs/recipes/bf16.yaml``'s rate
 over ``configs/gpu.yaml``'s):
 
     nvfp4_aqn         NVFP4 base weights + LoRA + AQN          (the QeRL method)
@@ -152,8 +152,8 @@ TRAIN_TAGS = {  # key in the JSON -> TensorBoard tag, one value per step
 
 def bf16_lr_ratio(root: Path = ROOT) -> float:
     """The recipes' rule for the 16-bit LoRA rate: ``configs/recipes/bf16.yaml``'s rate over ``configs/gpu.yaml``'s."""
-    gpu = yaml.safe_load((root / "configs" / "gpu.yaml").read_text())["model"]["lr"]
-    bf16 = yaml.safe_load((root / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["lr"]
+    gpu = yaml.safe_load((root / "configs" / "gpu.yaml").read_text())["model"]["optimizer"]["lr"]
+    bf16 = yaml.safe_load((root / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["optimizer"]["lr"]
     return float(bf16) / float(gpu)
 
 
@@ -184,7 +184,7 @@ class Job:
 def plan(args, config: dict) -> list[Job]:
     """The base scores of the quantizations in use, then every (arm, seed) run, seeds outermost (a partial
     experiment then has whole seeds of every arm, which can be paired)."""
-    lr_high = float(config["model"]["lr"])
+    lr_high = float(config["model"]["optimizer"]["lr"])
     rates = {"high": lr_high, "low": lr_high * bf16_lr_ratio()}
     common = ["--config", args.config, *DEVICES[args.device]]
     work = Path(args.work)
@@ -204,7 +204,7 @@ def plan(args, config: dict) -> list[Job]:
                 "fit", *common,
                 "--seed_everything", str(seed), "--aqn.seed", str(seed), "--data.seed", str(seed),
                 "--model.sampling.seed", str(seed), "--data.sources", json.dumps(seeded_sources(config, seed)),
-                "--model.policy.quantization", quantization, "--aqn.enabled", str(aqn).lower(), "--model.lr", repr(lr),
+                "--model.policy.quantization", quantization, "--aqn.enabled", str(aqn).lower(), "--model.optimizer.lr", repr(lr),
                 "--trainer.logger.init_args.save_dir", str(work / arm),
                 "--trainer.logger.init_args.name", f"seed_{seed}", "--trainer.logger.init_args.version", "0",
             ]

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from qerl.data.answers import grade
-from qerl.data.prompts import format_prompt
+from qerl.data.prompt_format import format_prompt
 from qerl.data.sources import ArithmeticSource
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer
 from qerl.model.checkpoint_io import load_model

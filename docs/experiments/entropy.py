@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qerl.data.answers import grade
-from qerl.data.prompts import format_prompt
+from qerl.data.prompt_format import format_prompt
 from qerl.data.sources import ArithmeticSource
 from qerl.model.aqn import aqn_sigma
 from qerl.hub import EMBEDDED_MODEL, load_tokenizer

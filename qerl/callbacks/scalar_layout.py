@@ -8,7 +8,7 @@ import lightning as L
 LAYOUT: dict[str, dict[str, list[str]]] = {
     "1 reward and accuracy": {
         "reward (mean, within-group std)": [r"^train/reward$", r"^train/reward_std$"],
-        "each reward (math and your reward_funcs)": [r"^train/rewards/[^/]+$"],
+        "each reward (math and your model.rewards.functions)": [r"^train/rewards/[^/]+$"],
         "accuracy (training samples)": [r"^train/accuracy$"],
         "held-out accuracy (strict, flexible)": [r"^val/.*_acc$", r"^val/.*_acc_flexible$", r"^val/.*_mean@\d+$"],
         "groups without signal": [r"^train/zero_std_groups_frac$"],

@@ -51,8 +51,8 @@ class CustomRewardFunction(MathReward):
         self.spec = f"{where}:{name}"
         if reward_style(load_function(self.spec), self.spec) != "verl":  # imported here: a wrong name fails early
             raise ValueError(f"CustomRewardFunction({self.spec!r}): takes TRL's arguments; give it in "
-                             "model.reward_funcs instead, or a compute_score(data_source, solution_str, ground_truth, "
-                             "extra_info).")
+                             "model.rewards.functions instead, or a compute_score(data_source, solution_str, "
+                             "ground_truth, extra_info).")
         self._pool = TimeoutPool(verl_score_and_acc, num_workers=num_workers, timeout_s=timeout_s)
         self._last: tuple | None = None  # (key, scores, acc): evaluation checks the same completions twice
 

@@ -21,12 +21,12 @@ class FailureStreak:
 
     def __init__(self, limit: int):
         if limit < 0:
-            raise ValueError(f"model.reward_failure_steps={limit}: must be >= 0 (0 never stops the run).")
+            raise ValueError(f"model.rewards.failure_steps={limit}: must be >= 0 (0 never stops the run).")
         self.limit = limit
         self.streaks: Counter[str] = Counter()
 
     def update(self, name: str, completions: int, failed: int, reason: str,
-               timeout_option: str = "model.reward_timeout_s") -> None:
+               timeout_option: str = "model.rewards.timeout_s") -> None:
         """One batch of ``name``: ``failed`` of ``completions`` failed, the last of them because of ``reason``;
         raises ``RewardsFailing`` when that makes ``limit`` batches in a row that failed entirely. ``timeout_option``:
         the option that sets this reward's time limit (the error names it)."""
@@ -35,4 +35,4 @@ class FailureStreak:
             raise RewardsFailing(
                 f"reward {name} failed on all {completions} completions of {self.limit} batches in a row ({reason}): "
                 f"the run stops rather than train on zeros. Fix the function (or raise {timeout_option} for a "
-                "slow one) and resume; model.reward_failure_steps sets how many such batches stop a run.")
+                "slow one) and resume; model.rewards.failure_steps sets how many such batches stop a run.")

@@ -127,10 +127,10 @@ class RewardSum:
         self.names = ["math"] + [n if names.count(n) == 1 and n != "math" else f"{n}_{i}" for i, n in enumerate(names)]
         self.weights = [1.0] * len(self.names) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.names):
-            raise ValueError(f"model.reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
+            raise ValueError(f"model.rewards.weights has {len(self.weights)} values for {len(self.names)} rewards "
                              f"({', '.join(self.names)}): give one per reward, the math reward's first.")
         if timeout_s <= 0 or num_workers < 1:
-            raise ValueError("model.reward_timeout_s must be > 0.")
+            raise ValueError("model.rewards.timeout_s must be > 0.")
         self.timeout_s, self.num_workers = timeout_s, num_workers
         self.failures: Counter[str] = Counter()  # "<name>/timeout" or "<name>/error" -> completions scored 0
         self.streak = FailureStreak(failure_steps)

@@ -30,7 +30,8 @@ RESERVED = ("prompt", "prompts", "completion", "completions")  # never passed as
 
 
 def reward_key(entry: str | dict) -> str:
-    """One string for a ``reward_funcs`` entry (a name, or a ``class_path`` / ``init_args`` dict): what workers get."""
+    """One string for a ``model.rewards.functions`` entry (a name, or a ``class_path`` / ``init_args`` dict): what
+    workers get."""
     if isinstance(entry, str):
         return entry
     if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str) or set(entry) - {"class_path",

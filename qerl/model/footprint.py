@@ -1,6 +1,7 @@
 """What the policy keeps on the GPU for the whole run, counted from its config before any weight loads: the frozen
 weights (NVFP4 storage, the decode GEMV's repacked copy, bf16 embeddings / LM head / norms / biases), the LoRA
-matrices (fp32) and their AdamW states; and the shapes and settings every footprint of a run is counted from.
+matrices (fp32) and their AdamW states; and the shapes every footprint of a run is counted from (the run's
+settings: ``qerl.rollout.run_settings``).
 
 The rollout's footprint lives with the engine (``qerl.rollout.footprint``), the update's with the update
 (``qerl.modules.footprint``); ``qerl.run.memory_plan`` sums them and chooses. Every coefficient is a named constant:
@@ -18,9 +19,9 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target
+from qerl.model.checkpoint_io import matches_target
 
 GIB = 2**30
 
@@ -104,70 +105,14 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    """What a footprint needs of a run's configuration (``qerl.run.resolve.run_settings`` reads it off the config).
+class PolicySettings(Protocol):
+    """What the policy's footprint reads of a run's settings (``qerl.rollout.run_settings.RunSettings`` has it)."""
 
-    Args:
-        prompts: prompts per batch (``data.batch_size``).
-        group_size: completions per prompt.
-        max_prompt_tokens: the longest prompt.
-        max_new_tokens: the completion budget.
-        quantization: ``nvfp4`` or ``bf16`` base weights.
-        lora_rank: LoRA rank.
-        lora_targets: module names (leaf names or regexes) that get NVFP4 storage and LoRA.
-        train_norms: the RMSNorm weights are trained too.
-        micro_batch_size: at most this many rows per micro-batch.
-        gradient_checkpointing: decoder layers are recomputed in the backward.
-        logprob_chunk_size: tokens per LM-head chunk in the loss.
-        engine: ``cuda_graph`` (static slot cache, rounded up to ``length_bucket``), ``builtin`` (transformers'
-            growing cache) or ``vllm`` (the colocated vLLM engine: ``qerl.rollout.vllm_footprint``).
-        waves: the engine decodes the rows in waves of whole groups (else all rows at once).
-        length_bucket: the cuda_graph engine's cache length is a multiple of this.
-        gemv_copy: the decode GEMV's repacked copy of each NVFP4 weight it serves is the copy on the GPU (the
-            compressed-tensors one then lives in host memory); False: the compressed-tensors copy alone.
-        wide_batch_bf16: the engine's setting for the bf16 weight copy of wide decode steps (None: when it fits).
-        keep_kv_cache: the cuda_graph engine's setting: keep the KV cache allocated through the update (True), free
-            it (False), or by the plan's rule (None, ``qerl.rollout.kv_cache.releases_kv_cache``).
-        kv_cache_dtype: the cuda_graph engine's KV-cache element: ``auto`` (bf16) or ``fp8_e4m3`` (1 byte); vLLM's
-            (``engine_kwargs``' ``kv_cache_dtype``): ``auto`` or ``fp8...``.
-        gpu_memory_utilization: the vLLM engine's share of the GPU the user set (None: the plan chooses it).
-        max_model_len: the vLLM engine's longest prompt + completion the user set (None: ``longest_row``).
-        lora_slot_rank: the vLLM engine's LoRA slot rank (None: ``lora_rank``).
-        sleep: the vLLM engine sleeps through the update (level 1).
-    """
-
-    prompts: int
-    group_size: int
-    max_prompt_tokens: int
-    max_new_tokens: int
-    quantization: str = "nvfp4"
-    lora_rank: int = 16
-    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
-    train_norms: bool = True
-    micro_batch_size: int = 8
-    gradient_checkpointing: bool = False
-    logprob_chunk_size: int = 1024
-    engine: str = "cuda_graph"
-    waves: bool = True
-    length_bucket: int = 256
-    gemv_copy: bool = True
-    wide_batch_bf16: bool | None = None
-    keep_kv_cache: bool | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    lora_slot_rank: int | None = None
-    sleep: bool = True
-
-    @property
-    def rows(self) -> int:
-        return self.prompts * self.group_size
-
-    @property
-    def longest_row(self) -> int:
-        """Prompt + completion tokens of the longest row the update may see."""
-        return self.max_prompt_tokens + self.max_new_tokens
+    quantization: str  # nvfp4 or bf16 base weights
+    lora_rank: int
+    lora_targets: tuple[str, ...]  # module names (leaf names or regexes) that get NVFP4 storage and LoRA
+    train_norms: bool  # the RMSNorm weights are trained too
+    gemv_copy: bool  # the decode GEMV's repacked copy of each NVFP4 weight is the copy on the GPU
 
 
 class Component(NamedTuple):
@@ -195,7 +140,7 @@ def _targeted(layers: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[str, b
     return tuple(tuple((p, matches_target(name(i, p), targets)) for p in PROJECTIONS) for i in range(layers))
 
 
-def lora_parameters(shape: ModelShape, settings: RunSettings) -> int:
+def lora_parameters(shape: ModelShape, settings: PolicySettings) -> int:
     """LoRA parameters: r x (in + out) per targeted projection."""
     layers = layer_projections(shape, settings.lora_targets)
     return sum(settings.lora_rank * sum(shape.projection(p)) * shape.copies(p)
@@ -207,7 +152,7 @@ def norm_channels(shape: ModelShape) -> int:
     return (2 * shape.layers + 1) * shape.hidden + 2 * shape.layers * shape.head_dim * shape.qk_norm
 
 
-def resident_components(shape: ModelShape, settings: RunSettings) -> list[Component]:
+def resident_components(shape: ModelShape, settings: PolicySettings) -> list[Component]:
     nvfp4 = settings.quantization == "nvfp4"
     quantized = dense = gemv = tensors = 0
     for layer in layer_projections(shape, settings.lora_targets):
@@ -252,12 +197,12 @@ def resident_components(shape: ModelShape, settings: RunSettings) -> list[Compon
 
 
 
-def largest_layer_weights(shape: ModelShape, settings: RunSettings) -> int:
+def largest_layer_weights(shape: ModelShape, settings: PolicySettings) -> int:
     targeted = dict(layer_projections(shape, settings.lora_targets)[0])
     return max((math.prod(shape.projection(p)) for p in PROJECTIONS if targeted[p]), default=0)
 
 
-def nvfp4_weights(shape: ModelShape, settings: RunSettings) -> int:
+def nvfp4_weights(shape: ModelShape, settings: PolicySettings) -> int:
     if settings.quantization != "nvfp4":
         return 0
     return sum(math.prod(shape.projection(p)) * shape.copies(p)

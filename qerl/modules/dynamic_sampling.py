@@ -1,10 +1,10 @@
 """DAPO's dynamic sampling with refill: train every step on a full batch of groups that carry signal.
 
 A group whose G rewards are all equal has advantage 0 on every completion: it adds no gradient and only dilutes the
-token mean. Dropping such groups (``model.dynamic_sampling``) makes the effective batch shrink as the policy gets
+token mean. Dropping such groups (``model.dapo.dynamic_sampling``) makes the effective batch shrink as the policy gets
 good (or is hopeless on a batch). DAPO (Yu et al. 2025, Algorithm 1; verl's ``filter_groups`` with
-``max_num_gen_batches``) instead keeps sampling: with ``model.max_refill_rounds > 0`` the step draws more prompts from
-the same prompt stream and rolls them out until it holds ``data.batch_size`` informative groups, or until that many
+``max_num_gen_batches``) instead keeps sampling: with ``model.dapo.max_refill_rounds > 0`` the step draws more prompts
+from the same prompt stream and rolls them out until it holds ``data.batch_size`` informative groups, or until that many
 extra rollouts ran (then it trains on what it has, and ``train/informative_groups_frac`` says how full it was).
 
 Each refill is sized from the running fraction of informative groups, ``missing / fraction`` prompts (at most one

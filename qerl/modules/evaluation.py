@@ -36,7 +36,7 @@ from qerl.data.answers import extract_answer
 from qerl.data.rewards import MathReward
 from qerl.data.user_rewards import row_arguments
 from qerl.modules.pass_at_k import pass_at_k, reported_ks
-from qerl.modules.options import SamplingOptions
+from qerl.modules.options import EvaluationOptions, SamplingOptions
 from qerl.rollout.base import RolloutEngine
 from qerl.rollout.sampling_spec import SamplingSpec
 
@@ -50,21 +50,14 @@ class Evaluator(nn.Module):
     """Scores a policy on evaluation batches; holds one ``MeanMetric`` per logged key (created on first use).
 
     Args:
-        samples: k completions per question at ``temperature`` for ``mean@k`` (0: greedy only).
-        temperature: sampling temperature of the k samples.
-        greedy: also decode greedily for pass@1 (``<source>_acc``).
-        seed: seed of the evaluation random stream (the same seed gives the same samples).
+        options: how many samples, at which temperature, greedy or not, their seed (``model.evaluation``).
         sampling: training's sampling options: the completion budget and top-p evaluation shares with training.
     """
 
-    def __init__(self, samples: int = 0, temperature: float = 1.0, greedy: bool = True, seed: int = 1234,
-                 sampling: SamplingOptions = SamplingOptions()):
+    def __init__(self, options: EvaluationOptions = EvaluationOptions(), sampling: SamplingOptions = SamplingOptions()):
         super().__init__()
-        if samples < 0 or temperature <= 0 or (samples == 0 and not greedy):
-            raise ValueError(
-                f"Evaluation needs model.eval_samples >= 0 (got {samples}), model.eval_temperature > 0 (got "
-                f"{temperature}), and model.eval_greedy true or model.eval_samples > 0 (got {greedy}, {samples}).")
-        self.samples, self.temperature, self.greedy, self.seed = samples, temperature, greedy, seed
+        self.samples, self.temperature, self.greedy, self.seed = (options.samples, options.temperature,
+                                                                  options.greedy, options.seed)
         self.sampling = sampling
         self.metrics = nn.ModuleDict()
         self.records: list[dict] = []

@@ -74,8 +74,8 @@ class ExpertRouting:
         backward (a checkpointed layer recomputed in the backward routes as in its forward)."""
         if self._samples > 1:
             if self.replay:
-                raise ValueError("model.expert_routing.replay needs one rollout per step: set model.max_refill_rounds "
-                                 "to 0 (refilled batches join rollouts of other layouts).")
+                raise ValueError("model.expert_routing.replay needs one rollout per step: set "
+                                 "model.dapo.max_refill_rounds to 0 (refilled batches join rollouts of other layouts).")
             self._choices = None
         self._samples = 0
         self._counts = None

@@ -9,9 +9,10 @@ saved tensors), not measured.
 
 from __future__ import annotations
 
-from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, ModelShape, RunSettings,
+from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, ModelShape,
                                   largest_layer_weights, layer_projections, lora_parameters, norm_channels)
 from qerl.rollout.footprint import wave_kv_cache_bytes
+from qerl.rollout.run_settings import RunSettings
 
 NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per channel (and one fp32 rstd per token)
 NORM_RSTD_BYTES = 4  # ... the rstd: counted for the per-head q/k norms (one per head and token), not per hidden row
@@ -38,7 +39,8 @@ def micro_batch_span(settings: RunSettings, budget: int | None) -> int:
 def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     """Bytes one token keeps for the backward in one decoder layer on the GPU (qerl's fused kernels; LoRA on the
     targeted projections, NVFP4 or frozen bf16 base layers keep nothing of their input: their weight gets no
-    gradient), as the saved tensors of a 7B layer on the H100 do (``memory_<device>_7b.json`` checks the whole plan)."""
+    gradient), counted from a layer's saved tensors (``bench/results/memory_<device>_7b.json`` checks the whole
+    plan)."""
     H, I, r = shape.hidden, shape.intermediate, settings.lora_rank
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     targeted = dict(layer_projections(shape, settings.lora_targets)[0])
@@ -69,7 +71,7 @@ def update_components(shape: ModelShape, settings: RunSettings, tokens: int, kep
     working = tokens * DENSE_BYTES * (BACKWARD_INTERMEDIATE_BUFFERS * I + BACKWARD_HIDDEN_BUFFERS * H)
     if settings.gradient_checkpointing:
         # the layer recomputed in the backward frees its tensors as its gradients take their place: the larger of
-        # the two (measured on the H100: their sum over-counted the 7B / 32B update peaks by 6-21%)
+        # the two, not their sum (bench/results memory_*.json check the whole plan)
         activations = [Component("update", f"activations ({tokens} tokens, checkpointed: each layer's input)",
                                  tokens * shape.layers * H * DENSE_BYTES),
                        Component("update", "one layer recomputed, or its backward's working set (the larger)",

@@ -5,19 +5,19 @@ One ``training_step`` = one batch of B prompts:
     (1) rollout     G completions per prompt from the rollout engine (NVFP4 + AQN noise), with their log-probs
     (2) rewards     answer checking and the user's reward functions, weighted (+ DAPO overlong shaping)
     (3) advantages  group-relative (``model.advantage``: GRPO's mean/std or RLOO's leave-one-out); DAPO dynamic
-                    sampling drops groups whose rewards are all equal and, with ``max_refill_rounds``, rolls out more
-                    prompts of the stream until the batch holds ``data.batch_size`` groups with signal
+                    sampling drops groups whose rewards are all equal and, with ``dapo.max_refill_rounds``, rolls out
+                    more prompts of the stream until the batch holds ``data.batch_size`` groups with signal
     (4) loss        clipped surrogate with truncated IS, in micro-batches of rows of similar length within a token
                     budget (no padding work), log-probs from hidden states in chunks
-    (5) optimizer   clip grad-norm, AdamW step, warmup + cosine; ``num_iterations`` updates per rollout
+    (5) optimizer   clip grad-norm, AdamW step, warmup + cosine; ``update.num_iterations`` updates per rollout
 
 What this keeps and drops, against the QeRL reference: no critic, no reference model unless the loss's beta > 0
 (then the base with the adapter disabled); truncated-completion masking and dynamic sampling as in DAPO; the IS
 correction between the rollout policy (NVFP4 + noise) and the clean training policy is on by default; the
 training forward never materializes a dequantized weight (the NVFP4 kernels run on packed storage).
 
-``trainer.global_step`` counts optimizer steps (``num_iterations`` per batch), so ``max_steps``, the LR schedule and
-the AQN stages are all in optimizer steps.
+``trainer.global_step`` counts optimizer steps (``update.num_iterations`` per batch), so ``max_steps``, the LR
+schedule and the AQN stages are all in optimizer steps.
 
 ``validation_step`` / ``test_step`` score the policy (adapter applied, no noise) on the data module's ``val_sources``
 with an ``Evaluator``: greedy pass@1 and mean accuracy over k samples, logged as ``val/<source>_acc`` and
@@ -29,11 +29,9 @@ completion under ``<log_dir>/eval/``. During ``fit`` set ``trainer.val_check_int
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import torch
@@ -52,7 +50,9 @@ from qerl.modules.dynamic_sampling import InformativeFraction, Sample, cat_sampl
 from qerl.modules.evaluation import Evaluator
 from qerl.modules.expert_routing import ExpertRouting
 from qerl.modules.loss import DAPOLoss, PolicyLoss
-from qerl.modules.options import SamplingOptions, max_steps_error
+from qerl.modules.optimizer import adamw_with_schedule
+from qerl.modules.options import (DAPOOptions, EvaluationOptions, OptimizerOptions, RewardOptions, SamplingOptions,
+                                 UpdateOptions, check_options)
 from qerl.modules.policy_update import UpdateSettings, UpdateSteps, policy_update
 from qerl.modules.step_logging import StepLogger, logged_step
 from qerl.ranks import gather_rank_states, own_rank_state, rank_seed
@@ -68,53 +68,18 @@ class GRPOModule(L.LightningModule):
         policy: the model and its LoRA (see ``PolicyConfig``).
         loss: the policy loss; its class picks the variant (``DAPOLoss``, ``GRPOLoss``, ``DrGRPOLoss``, ``GSPOLoss``,
             ``CISPOLoss``).
+        advantage: the advantage estimator (``GroupAdvantage``, ``RLOOAdvantage``); None: ``GroupAdvantage()``.
         reward: scores completions against reference answers (the ``math`` reward; evaluation's accuracy).
-        reward_funcs: your own reward functions, added to ``reward``: each ``module:function`` or
-            ``path/to/file.py:function``, TRL's ``(prompts, completions, **columns) -> list[float | None]`` or verl's
-            ``compute_score(data_source, solution_str, ground_truth, extra_info)``, or a callable class as
-            ``{class_path: module.Class, init_args: {...}}``; every column of the data reaches them. Each call runs
-            under ``reward_timeout_s``: a function that hangs or raises scores 0 and is reported.
-        reward_weights: one weight per reward: ``reward``'s first, then each of ``reward_funcs`` (default: 1 each).
-        reward_timeout_s: wall-clock limit of one reward function call (one completion).
-        reward_failure_steps: a reward failing on every completion for this many batches in a row stops the run with
-            a checkpoint (0: never).
+        rewards: your own reward functions added to ``reward``, their weights and limits (``RewardOptions``).
         rollout: the rollout engine (``BuiltinRollout`` samples with the policy itself).
-        sampling: how training samples (``SamplingOptions``: max_new_tokens, temperature, top_p, seed); the module
-            hands them to the engine with every rollout, with this step's AQN noise.
+        sampling: how training samples (``SamplingOptions``: group_size, max_new_tokens, temperature, top_p, seed);
+            the module hands them to the engine with every rollout, with this step's AQN noise.
         aqn: the Adaptive Quantization Noise schedule (the YAML's ``aqn:`` section; None: no noise).
-        group_size: completions sampled per prompt (G >= 2: advantages are relative within a group).
-        micro_batch_size: at most this many sequences per forward/backward (gradient accumulation within a step).
-        micro_batch_tokens: at most this many tokens per forward/backward, counting each sequence as long as the
-            longest in its micro-batch (sequences are sorted by length first); None: ``micro_batch_size`` alone;
-            ``auto`` (config only): the largest budget the memory plan fits in the free GPU memory, made concrete
-            before the module is built (``qerl.run.resolve``; None where no plan runs: on CPU). A sequence longer than the
-            budget still gets a micro-batch of its own.
-        num_iterations: optimizer steps per rollout batch (PPO epochs); > 1 stores the old log-probs first.
-        lr: peak learning rate (1e-5 for NVFP4 LoRA in the QeRL recipe, about 10x 16-bit LoRA's).
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_ratio: fraction of ``trainer.max_steps`` spent in linear warmup.
-        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
-        max_grad_norm: gradient-norm clip (0 disables).
-        scale_std: divide advantages by the group's reward std (GRPO); False keeps mean-centering only (Dr. GRPO).
-            The default advantage's option: with ``advantage`` set, give it there.
-        advantage: the advantage estimator (``GroupAdvantage``, ``RLOOAdvantage``); None: ``GroupAdvantage`` with
-            ``scale_std``.
-        dynamic_sampling: drop groups whose rewards are all equal from the loss (DAPO).
-        max_refill_rounds: with ``dynamic_sampling``, roll out more prompts of the data stream, up to this many extra
-            rollouts per step, until the step holds ``data.batch_size`` groups whose rewards differ (DAPO's dynamic
-            sampling as published); each refill draws ``missing / (running fraction of informative groups)`` prompts,
-            at most ``data.batch_size``. 0: only drop. Needs ``data.num_workers: 0``.
-        mask_truncated: completions cut by ``sampling.max_new_tokens`` get no loss (DAPO's overlong filtering).
-        overlong_buffer: DAPO soft overlong punishment over the last ``overlong_buffer`` tokens (0 disables).
-        overlong_penalty: the punishment at the maximum length.
-        logprob_chunk_size: tokens per chunk of the LM head in the loss (memory vs speed).
+        update: how the update runs (``UpdateOptions``: micro-batches, optimizer steps per rollout, LM-head chunk).
+        optimizer: AdamW and its warmup + cosine schedule (``OptimizerOptions``: lr, betas, clip, ...).
+        dapo: DAPO's dynamic sampling (with refills), overlong filtering and soft punishment (``DAPOOptions``).
+        evaluation: how validate / test score the policy (``EvaluationOptions``).
         log_samples_every: write a few prompt/completion texts to TensorBoard every this many steps (0 disables).
-        eval_samples: k completions per evaluation question at ``eval_temperature`` (``val/<source>_mean@k``); 0: none.
-        eval_temperature: sampling temperature of those k completions.
-        eval_greedy: decode each evaluation question greedily too (``val/<source>_acc``, pass@1).
-        eval_seed: seed of the evaluation samples (separate from training's stream, which evaluation never moves).
-        eval_jsonl: write every evaluation completion to ``<log_dir>/eval/<stage>_step<N>.jsonl``.
         expert_routing: a mixture-of-experts policy's routing in the step (``ExpertRouting``: the rollout's expert
             choices recorded, their mismatch logged, router replay); None: ``ExpertRouting()``. Dense policies: unused.
         agent: multi-turn episodes with tools or an environment (see ``AgentConfig``); without tools and environment
@@ -125,72 +90,28 @@ class GRPOModule(L.LightningModule):
         self,
         policy: PolicyConfig = PolicyConfig(),
         loss: PolicyLoss | None = None,
+        advantage: Advantage | None = None,
         reward: MathReward | None = None,
-        reward_funcs: list[str | dict] | None = None,
-        reward_weights: list[float] | None = None,
-        reward_timeout_s: float = 10.0,
-        reward_failure_steps: int = 3,
+        rewards: RewardOptions = RewardOptions(),
         rollout: RolloutEngine | None = None,
         sampling: SamplingOptions = SamplingOptions(),
         aqn: AQNSchedule | None = None,
-        group_size: int = 8,
-        micro_batch_size: int = 8,
-        micro_batch_tokens: int | Literal["auto"] | None = None,
-        num_iterations: int = 1,
-        lr: float = 1e-5,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.99),
-        warmup_ratio: float = 0.1,
-        min_lr_ratio: float = 0.0,
-        max_grad_norm: float = 0.2,
-        scale_std: bool = True,
-        advantage: Advantage | None = None,
-        dynamic_sampling: bool = False,
-        max_refill_rounds: int = 0,
-        mask_truncated: bool = True,
-        overlong_buffer: int = 0,
-        overlong_penalty: float = 1.0,
-        logprob_chunk_size: int = 1024,
+        update: UpdateOptions = UpdateOptions(),
+        optimizer: OptimizerOptions = OptimizerOptions(),
+        dapo: DAPOOptions = DAPOOptions(),
+        evaluation: EvaluationOptions = EvaluationOptions(),
         log_samples_every: int = 10,
-        eval_samples: int = 0,
-        eval_temperature: float = 1.0,
-        eval_greedy: bool = True,
-        eval_seed: int = 1234,
-        eval_jsonl: bool = True,
         expert_routing: ExpertRouting | None = None,
         agent: AgentConfig = AgentConfig(),
     ):
         super().__init__()
         check_options("model", [
-            ("group_size", group_size, group_size >= 2, ">= 2: advantages compare the samples of one prompt"),
-            ("micro_batch_size", micro_batch_size, micro_batch_size >= 1, ">= 1"),
-            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens != "auto",
-             "a number here: train.py makes auto concrete before the module is built (qerl.run.resolve); in code "
-             "give a budget or None"),
-            ("micro_batch_tokens", micro_batch_tokens, micro_batch_tokens in (None, "auto") or micro_batch_tokens >= 1,
-             ">= 1, auto (the memory plan chooses) or null for micro_batch_size alone"),
-            ("num_iterations", num_iterations, num_iterations >= 1, ">= 1"),
-            ("lr", lr, lr >= 0, ">= 0 (the QeRL recipes use 1e-5 for NVFP4 LoRA, 5e-6 for bf16)"),
-            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
-            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two values in [0, 1), e.g. [0.9, 0.99]"),
-            ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
-            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
-            ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
-            ("overlong_buffer", overlong_buffer, overlong_buffer >= 0, ">= 0 (0 turns the punishment off)"),
-            ("overlong_buffer", overlong_buffer, overlong_buffer == 0 or not agent.enabled,
+            ("dapo.overlong_buffer", dapo.overlong_buffer, dapo.overlong_buffer < sampling.max_new_tokens,
+             f"smaller than model.sampling.max_new_tokens ({sampling.max_new_tokens})"),
+            ("dapo.overlong_buffer", dapo.overlong_buffer, dapo.overlong_buffer == 0 or not agent.enabled,
              "0 with model.agent (an episode's length is its turns and tool outputs: bound it with "
              "model.agent.max_episode_tokens)"),
-            ("max_refill_rounds", max_refill_rounds, max_refill_rounds >= 0,
-             ">= 0 (0: drop uninformative groups only)"),
-            ("max_refill_rounds", max_refill_rounds, max_refill_rounds == 0 or dynamic_sampling,
-             "0 unless model.dynamic_sampling is true (refills replace the groups dynamic sampling drops)"),
-            ("scale_std", scale_std, scale_std or advantage is None,
-             "true when model.advantage is set (give GroupAdvantage's scale_std there)"),
-            ("overlong_penalty", overlong_penalty, overlong_penalty >= 0, ">= 0"),
-            ("logprob_chunk_size", logprob_chunk_size, logprob_chunk_size >= 1, ">= 1"),
             ("log_samples_every", log_samples_every, log_samples_every >= 0, ">= 0 (0 turns it off)"),
-            ("eval_samples", eval_samples, eval_samples >= 0, ">= 0"),
-            ("eval_temperature", eval_temperature, eval_temperature > 0, "> 0"),
         ])
         policy.validate()
         agent.validate()
@@ -200,20 +121,21 @@ class GRPOModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trainable weights only; the frozen base comes from disk
         self.policy_config = policy
         self.loss = loss if loss is not None else DAPOLoss()
+        self.advantage = advantage if advantage is not None else GroupAdvantage()
         self.reward = reward if reward is not None else MathReward()
-        self.rewards = RewardSum(self.reward, reward_funcs, reward_weights, reward_timeout_s,
-                                 failure_steps=reward_failure_steps)
+        self.rewards = RewardSum(self.reward, rewards.functions, rewards.weights, rewards.timeout_s,
+                                 failure_steps=rewards.failure_steps)
         self.rollout = rollout if rollout is not None else BuiltinRollout()
-        self.advantage = advantage if advantage is not None else GroupAdvantage(scale_std)
-        self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
-        if overlong_buffer >= sampling.max_new_tokens:
-            raise ValueError(f"model.overlong_buffer={overlong_buffer}: must be smaller than "
-                             f"model.sampling.max_new_tokens ({sampling.max_new_tokens}).")
         self.sampling = sampling
+        self.update_options = update
+        self.optimizer_options = optimizer
+        self.dapo = dapo
+        self.informative_fraction = InformativeFraction()  # sizes the refills; checkpointed per rank
         self.aqn = aqn if aqn is not None else AQNSchedule(enabled=False)
         self.noise_generator = torch.Generator().manual_seed(self.aqn.seed)  # checkpointed: a resume draws the same
-        self.evaluator = Evaluator(eval_samples, eval_temperature, eval_greedy, eval_seed, sampling)
-        self.step_logger = StepLogger(group_size, num_iterations, with_kl=self.loss.beta > 0)
+        self.evaluator = Evaluator(evaluation, sampling)
+        self.write_eval_jsonl = evaluation.jsonl
+        self.step_logger = StepLogger(sampling.group_size, update.num_iterations, with_kl=self.loss.beta > 0)
         self.refill_prompts: Callable[[int], dict] | None = None  # the data module's, handed over at fit's setup
         self.checkpoint_step = 0  # optimizer steps behind the weights loaded by validate/test --ckpt_path
         self.expert_routing = expert_routing if expert_routing is not None else ExpertRouting()
@@ -225,10 +147,10 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # Runs once the process knows its rank, before a checkpoint's state is loaded.
         self.noise_generator.manual_seed(rank_seed(self.aqn.seed, self.trainer.global_rank))
-        if stage == "fit" and self.hparams.max_refill_rounds:  # the refills' prompts: the data module's, taken once
+        if stage == "fit" and self.dapo.max_refill_rounds:  # the refills' prompts: the data module's, taken once
             datamodule = getattr(self.trainer, "datamodule", None)
             if not hasattr(datamodule, "refill_prompts"):
-                raise ValueError(f"model.max_refill_rounds={self.hparams.max_refill_rounds}: refills draw prompts "
+                raise ValueError(f"model.dapo.max_refill_rounds={self.dapo.max_refill_rounds}: refills draw prompts "
                                  "from the data module's stream, and this run has none that can (use "
                                  "MathPromptDataModule).")
             self.refill_prompts = datamodule.refill_prompts()
@@ -249,7 +171,7 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        G = self.hparams.group_size
+        G = self.sampling.group_size
         # GPU memory held between steps (weights, optimizer), then each phase's peak
         memory = {"resident": self._allocated_gb(torch.cuda.memory_allocated)}
         self._allocated_gb(torch.cuda.max_memory_allocated)  # the rollout's peak starts here
@@ -260,7 +182,7 @@ class GRPOModule(L.LightningModule):
         sample = self._rollout_and_rewards(batch, spec)
         # DAPO's dynamic sampling as published: more prompts of the stream until B groups carry signal
         batch_size, refill_rounds = len(batch["prompt_ids"]), 0
-        if self.hparams.max_refill_rounds:
+        if self.dapo.max_refill_rounds:
             sample, refill_rounds = self._refill(sample, batch_size, spec)
         rollout, completions, rewards, _, correct, rollout_s = sample
         memory["rollout"] = self._allocated_gb(torch.cuda.max_memory_allocated, engine_asleep=False)  # peak: awake
@@ -269,11 +191,11 @@ class GRPOModule(L.LightningModule):
         # get no loss
         advantages = self.advantage(rewards, G)  # [N]
         informative = informative_groups(rewards, G)  # [groups]
-        kept = kept_groups(informative, batch_size) if self.hparams.dynamic_sampling else informative  # [groups]
+        kept = kept_groups(informative, batch_size) if self.dapo.dynamic_sampling else informative  # [groups]
         loss_mask = rollout.model_mask.clone()  # [N, L]: the model's own tokens (not tool results)
-        if self.hparams.dynamic_sampling:
+        if self.dapo.dynamic_sampling:
             loss_mask *= kept.repeat_interleave(G)[:, None]
-        if self.hparams.mask_truncated:
+        if self.dapo.mask_truncated:
             loss_mask *= (~rollout.truncated)[:, None]
 
         # (4) + (5) micro-batched clipped policy-gradient loss, backward into LoRA (+ norms), optimizer steps
@@ -317,7 +239,7 @@ class GRPOModule(L.LightningModule):
 
     def _rollout_and_rewards(self, batch: dict, spec: SamplingSpec) -> Sample:
         """(1) G samples per prompt of ``batch`` from the rollout engine, timed, and (2) their rewards."""
-        G = self.hparams.group_size
+        G = self.sampling.group_size
         start = time.perf_counter()
         episodes = None
         if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
@@ -338,20 +260,20 @@ class GRPOModule(L.LightningModule):
             rewards += episodes.environment_rewards.to(rewards)
             per_reward = {**per_reward, self.episodes.environment.name: episodes.environment_rewards}
         correct = self.reward.last_stats["correct"]
-        if self.hparams.overlong_buffer > 0:
-            rewards += overlong_penalty(rollout.lengths, spec.max_new_tokens, self.hparams.overlong_buffer,
-                                        self.hparams.overlong_penalty).to(rewards)
+        if self.dapo.overlong_buffer > 0:
+            rewards += overlong_penalty(rollout.lengths, spec.max_new_tokens, self.dapo.overlong_buffer,
+                                        self.dapo.overlong_penalty).to(rewards)
         return Sample(rollout, completions, rewards, per_reward, correct, rollout_s)
 
     def _refill(self, sample: Sample, batch_size: int, spec: SamplingSpec) -> tuple[Sample, int]:
         """Roll out more prompts of this rank's stream (``max_refill_rounds`` rollouts at most) until ``batch_size``
         groups have rewards that differ; each refill sized from the running fraction of such groups. Returns every
         rollout as one ``Sample`` (rows in sampling order) and the number of refills."""
-        G, samples = self.hparams.group_size, [sample]
+        G, samples = self.sampling.group_size, [sample]
         found = int(informative_groups(sample.rewards, G).sum())  # a device sync: the decision needs the count
         self.informative_fraction.update(found, len(sample.completions) // G)
         rounds = 0
-        while found < batch_size and rounds < self.hparams.max_refill_rounds:
+        while found < batch_size and rounds < self.dapo.max_refill_rounds:
             n = refill_size(batch_size - found, self.informative_fraction.value, batch_size)
             samples.append(self._rollout_and_rewards(self.refill_prompts(n), spec))
             new = int(informative_groups(samples[-1].rewards, G).sum())
@@ -373,9 +295,10 @@ class GRPOModule(L.LightningModule):
         return allocated
 
     def _update_settings(self) -> UpdateSettings:
-        h = self.hparams
-        return UpdateSettings(h.micro_batch_size, h.micro_batch_tokens, h.num_iterations, h.logprob_chunk_size,
-                              h.max_grad_norm, self.sampling.temperature, self.tokenizer.pad_token_id or 0)
+        u = self.update_options
+        return UpdateSettings(u.micro_batch_size, u.micro_batch_tokens, u.num_iterations, u.logprob_chunk_size,
+                              self.optimizer_options.max_grad_norm, self.sampling.temperature,
+                              self.tokenizer.pad_token_id or 0)
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -426,7 +349,7 @@ class GRPOModule(L.LightningModule):
         if in_fit:  # at the batches trained, as the JSONL's step (Lightning's step here is one less: the last batch's)
             for logger in self.loggers:
                 logger.log_metrics({k: float(v) for k, v in values.items()}, step=logged_step(self.trainer) + 1)
-        if self.hparams.eval_jsonl:
+        if self.write_eval_jsonl:
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval"
             step = self.global_step if in_fit else max(self.global_step, self.checkpoint_step)
             path = self.evaluator.write_jsonl(directory / f"{stage}_step{step}.jsonl",
@@ -437,20 +360,7 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = trainable_parameters(self.policy)
-        if not params:
-            raise ValueError("The policy has no trainable parameter: check model.policy.lora_targets.")
-        opt = torch.optim.AdamW(
-            params, lr=self.hparams.lr, betas=tuple(self.hparams.betas), weight_decay=self.hparams.weight_decay
-        )
-        total = self.trainer.max_steps
-        if error := max_steps_error(total):
-            raise ValueError(error)
-        warmup = int(self.hparams.warmup_ratio * total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: warmup_cosine(step, total, warmup, self.hparams.min_lr_ratio)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_schedule(trainable_parameters(self.policy), self.optimizer_options, self.trainer.max_steps)
 
     # Checkpoints keep only what training changes (LoRA + norms), the RNG and a PEFT export of the adapter.
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -484,17 +394,3 @@ class GRPOModule(L.LightningModule):
         if fraction:
             self.informative_fraction.load_state_dict(fraction)
 
-
-def check_options(prefix: str, checks: list[tuple[str, object, bool, str]]) -> None:
-    """Raise one ``ValueError`` naming the first option whose check failed: ``model.lr=-1.0: must be >= 0 (...)``."""
-    for name, value, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"{prefix}.{name}={value!r}: must be {rule}.")
-
-
-def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from 1 down to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -81,7 +81,7 @@ class StepLogger:
                 "0 (train/zero_std_groups_frac = 1). train/accuracy near 0 means the task is too hard or no "
                 "completion states its answer the way model.reward's answer_format expects (the prompt asks for "
                 "data.answer_format; max_new_tokens may cut the answer off); near 1 means it is too easy. Fix: "
-                "easier or harder data, a larger model.group_size, or a matching answer format."
+                "easier or harder data, a larger model.sampling.group_size, or a matching answer format."
             )
 
     def samples(self, module: L.LightningModule, batch, completions, rewards) -> None:

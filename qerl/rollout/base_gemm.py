@@ -155,7 +155,7 @@ class BaseGEMM:
 
             if x.shape[0] >= DENSE_MIN_M:
                 # what each layer's kernel does at this many rows (dequantize, then cuBLAS), once for the group: a
-                # prefill is host-bound, and per layer it was two Python calls through autograd per module
+                # prefill is host-bound, and one call per group saves two Python calls through autograd per module
                 return list(F.linear(x, self._dense_stack(x.dtype)).split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
 

@@ -224,11 +224,11 @@ class CUDAGraphRollout(RolloutEngine):
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
                              f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
-        params = list(policy.named_parameters())  # one walk of the module tree (~2,300 modules for a 7B + LoRA)
+        params = list(policy.named_parameters())  # one walk of the module tree: thousands of modules for a large model
         s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + columns, new, spec, device,
                                decoder)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch
-        # modes costs tens of ms of host time per rollout for a 7B model, so the fused path leaves them as they are
+        # modes costs host time per rollout, so the fused path leaves them as they are
         was_training = policy.training and decoder is None
         if was_training:
             policy.eval()

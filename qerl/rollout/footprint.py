@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 
-from qerl.model.footprint import (DENSE_BYTES, GIB, PROJECTIONS, Component, ModelShape, RunSettings, default_margin,
+from qerl.model.footprint import (DENSE_BYTES, GIB, PROJECTIONS, Component, ModelShape, default_margin,
                                   largest_layer_weights, layer_projections, lora_parameters, nvfp4_weights)
 from qerl.nvfp4.kernels.gemv_plan import MAX_M
 from qerl.rollout.kv_cache import releases_kv_cache, slot_bytes
+from qerl.rollout.run_settings import RunSettings
 
 LORA_ROLLOUT_COPIES = 2  # bf16 copies of the LoRA matrices during a rollout: the engine's shadows, the decoder's stacks
 SAMPLING_FP32_BUFFERS = 5  # [rows, vocab] fp32 alive at once: logits.float(), log-softmax, probs, noise, probs/noise
@@ -36,7 +37,7 @@ DECODE_GROUPS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTION
 def wave_rows_error(wave_rows: int, group_size: int) -> str | None:
     """What is wrong with ``wave_rows`` for groups of ``group_size`` (None: nothing)."""
     if wave_rows < group_size:
-        return (f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group (model.group_size="
+        return (f"model.rollout.init_args.wave_rows={wave_rows} is smaller than one group (model.sampling.group_size="
                 f"{group_size}): a wave decodes whole groups; set it >= {group_size} (or null: the memory plan "
                 "chooses).")
     return None

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 
-from qerl.model.footprint import (DENSE_BYTES, GIB, NVFP4_BYTES_PER_WEIGHT, Component, ModelShape, RunSettings,
+from qerl.model.footprint import (DENSE_BYTES, GIB, NVFP4_BYTES_PER_WEIGHT, Component, ModelShape,
                                   layer_projections, norm_channels, nvfp4_weights)
 from qerl.rollout.footprint import ROLLOUT_OUTPUT_BYTES_PER_TOKEN
+from qerl.rollout.run_settings import RunSettings
 
 VLLM_BLOCK_SIZE = 16  # vLLM's KV-cache block on CUDA (its default ``block_size``): a row holds whole blocks
 VLLM_MAX_LORAS = 1  # the engine starts vLLM with ``max_loras=1``: one adapter slot on the GPU

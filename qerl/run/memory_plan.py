@@ -19,13 +19,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from qerl.model.footprint import (GIB, PHASES, Component, ModelShape, RunSettings, default_margin,
+from qerl.model.footprint import (GIB, PHASES, Component, ModelShape, default_margin,
                                   resident_components, total)
 from qerl.modules.footprint import micro_batch_span, update_components
 from qerl.nvfp4.kernels.gemv_plan import MAX_M
 from qerl.rollout.footprint import (WIDE_BATCH_SPARE_BYTES, bf16_copy_bytes, bf16_copy_spare, kv_kept_rows,
                                     rollout_components, wants_bf16_copy, wave_kv_cache_bytes, wave_rows_error)
 from qerl.rollout.kv_cache import KV_RELEASE_FRACTION
+from qerl.rollout.run_settings import RunSettings
 from qerl.rollout.vllm_footprint import (UTILIZATION_STEP, fixed_bytes, kv_rows_of, max_model_len, row_kv_bytes,
                                          share_bytes, utilization, vllm_rollout_components, vllm_update_components)
 
@@ -35,9 +36,9 @@ MICRO_BATCH_TOKENS_MULTIPLE = 256  # a chosen micro-batch budget is rounded down
 OPT_NEW = "model.sampling.max_new_tokens"
 OPT_PROMPT = "data.max_prompt_tokens"
 OPT_PROMPTS = "data.batch_size"
-OPT_GROUP = "model.group_size"
-OPT_MB_TOKENS = "model.micro_batch_tokens"
-OPT_MB_SIZE = "model.micro_batch_size"
+OPT_GROUP = "model.sampling.group_size"
+OPT_MB_TOKENS = "model.update.micro_batch_tokens"
+OPT_MB_SIZE = "model.update.micro_batch_size"
 OPT_CHECKPOINTING = "model.policy.gradient_checkpointing"
 OPT_QUANTIZATION = "model.policy.quantization"
 OPT_WAVE_ROWS = "model.rollout.init_args.wave_rows"

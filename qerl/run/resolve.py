@@ -7,7 +7,7 @@ values and nobody writes into them afterwards.
 
 What is decided (each only where the config leaves it open):
 
-    model.micro_batch_tokens                      ``auto``: the plan's budget (no plan: None, rows alone)
+    model.update.micro_batch_tokens               ``auto``: the plan's budget (no plan: None, rows alone)
     model.rollout.init_args.wave_rows             None: the plan's wave (no plan: None, every row at once)
     model.rollout.init_args.wide_batch_bf16       None: whether the plan counts the bf16 decode copy
     model.rollout.init_args.keep_kv_cache         None: whether the plan keeps the KV cache through the update
@@ -32,8 +32,9 @@ import torch
 
 from qerl.agents.config import longest_context
 from qerl.hub import load_config
-from qerl.model.footprint import GIB, ModelShape, RunSettings
-from qerl.modules.options import SamplingOptions
+from qerl.model.footprint import GIB, ModelShape
+from qerl.rollout.run_settings import RunSettings
+from qerl.modules.options import SamplingOptions, UpdateOptions
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.engine_settings import EngineSettings, GraphEngineSettings, VLLMEngineSettings
@@ -74,8 +75,9 @@ class Resolution:
         leaves them open; values the user set stay. Returns what was written, by option. Afterwards no planned value
         of the config is ``auto`` or unset (except ``wave_rows`` None: one wave, and vLLM's own length limit)."""
         model, written = config.model, {}
-        if model.get("micro_batch_tokens") == "auto":
-            model.micro_batch_tokens = written["model.micro_batch_tokens"] = self.micro_batch_tokens
+        update = model.get("update")  # by key: a namespace's attribute ``update`` is its method
+        if update is not None and update.get("micro_batch_tokens") == "auto":
+            update.micro_batch_tokens = written["model.update.micro_batch_tokens"] = self.micro_batch_tokens
         kind = engine_kind(model.get("rollout"))
         if kind in ("cuda_graph", "vllm"):
             args = model.rollout.init_args
@@ -135,8 +137,20 @@ def engine_settings(rollout) -> EngineSettings:
 
 def sampling_options(model) -> SamplingOptions:
     """The parsed ``model.sampling`` section as the module will get it (its defaults where the config has none)."""
-    given = model.get("sampling")
-    return SamplingOptions(**(dict(given.items()) if given is not None else {}))
+    return SamplingOptions(**section(model, "sampling"))
+
+
+def update_options(model) -> UpdateOptions:
+    """The parsed ``model.update`` section as the plan reads it (``micro_batch_tokens`` left as written: ``auto`` is
+    what the plan decides)."""
+    given = section(model, "update")
+    return UpdateOptions(**{**given, "micro_batch_tokens": None})
+
+
+def section(model, name: str) -> dict:
+    """One option group of a parsed ``model`` namespace as keyword arguments (empty where the config has none)."""
+    given = model.get(name)
+    return dict(given.items()) if given is not None else {}
 
 
 def run_settings(config) -> RunSettings:
@@ -145,28 +159,29 @@ def run_settings(config) -> RunSettings:
     kind = engine_kind(model.get("rollout"))
     graphs = kind == "cuda_graph"  # decodes in waves, keeps or frees its static cache
     engine = engine_settings(model.get("rollout"))
-    new_tokens = sampling_options(model).max_new_tokens
+    sampling, update = sampling_options(model), update_options(model)
+    new_tokens = sampling.max_new_tokens
     agent = model.get("agent")  # an episode's later turns hand the engine its whole context as the prompt
     prompt_tokens = data.max_prompt_tokens if agent is None else longest_context(
         data.max_prompt_tokens, new_tokens, agent.get("tools"), agent.get("environment"), agent.get("max_turns", 1),
         agent.get("max_episode_tokens"))
     if kind == "vllm":
         return RunSettings(
-            prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=prompt_tokens,
+            prompts=data.batch_size, group_size=sampling.group_size, max_prompt_tokens=prompt_tokens,
             max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
             lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
-            micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
-            logprob_chunk_size=model.logprob_chunk_size, engine="vllm", waves=False, length_bucket=1,
+            micro_batch_size=update.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
+            logprob_chunk_size=update.logprob_chunk_size, engine="vllm", waves=False, length_bucket=1,
             wide_batch_bf16=False, keep_kv_cache=False,
             kv_cache_dtype=str((engine.engine_kwargs or {}).get("kv_cache_dtype", "auto")),
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
             lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine.max_lora_rank), sleep=bool(engine.sleep))
     return RunSettings(
-        prompts=data.batch_size, group_size=model.group_size, max_prompt_tokens=prompt_tokens,
+        prompts=data.batch_size, group_size=sampling.group_size, max_prompt_tokens=prompt_tokens,
         max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
         lora_targets=tuple(policy.lora_targets), train_norms=policy.train_norms,
-        micro_batch_size=model.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
-        logprob_chunk_size=model.logprob_chunk_size, engine="cuda_graph" if graphs else "builtin", waves=graphs,
+        micro_batch_size=update.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
+        logprob_chunk_size=update.logprob_chunk_size, engine="cuda_graph" if graphs else "builtin", waves=graphs,
         length_bucket=engine.length_bucket if graphs else 1,
         wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
         keep_kv_cache=engine.keep_kv_cache if graphs else False,
@@ -177,12 +192,11 @@ def run_settings(config) -> RunSettings:
 def plan_settings(config) -> RunSettings | None:
     """The plan's settings of a parsed config; None where a value the plan reads is out of range (the constructors
     then refuse it, naming the option)."""
-    model, data = config.get("model"), config.get("data")
+    data = config.get("data")
     try:
-        if not (model.group_size >= 2 and model.micro_batch_size >= 1 and data.batch_size >= 1
-                and data.max_prompt_tokens >= 1 and model.logprob_chunk_size >= 1):
+        if not (data.batch_size >= 1 and data.max_prompt_tokens >= 1):
             return None
-        settings = run_settings(config)
+        settings = run_settings(config)  # the option groups check their own values
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
     return settings if settings.max_new_tokens >= 1 and settings.length_bucket >= 1 else None
@@ -245,7 +259,7 @@ def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes:
     """
     engine = engine_settings(config.model.get("rollout"))
     graphs, vllm = settings.engine == "cuda_graph", settings.engine == "vllm"
-    micro_batch_tokens = config.model.get("micro_batch_tokens")
+    micro_batch_tokens = section(config.model, "update").get("micro_batch_tokens")
     if vllm and max_model_len_error(settings):
         raise MemoryPlanError(max_model_len_error(settings))
     if shape is None:  # no device (or no plan for this model): the engines' unplanned values

@@ -28,8 +28,8 @@ def fails(args, capsys) -> str:
     (["--model.agent.environment", f"{MY_TOOLS}:multiply"], "model.agent.environment="),
     ([*CALCULATOR], "model.agent.chat_template: the chat template of 'smollm2-135m-instruct' does not show tools"),
     ([*CALCULATOR, "--model.agent.chat_template", "chatml9"], "model.agent.chat_template='chatml9': neither"),
-    ([*CALCULATOR, "--model.agent.chat_template", "qwen2_5", "--model.overlong_buffer", "2"],
-     "model.overlong_buffer=2: must be 0 with model.agent"),
+    ([*CALCULATOR, "--model.agent.chat_template", "qwen2_5", "--model.dapo.overlong_buffer", "2"],
+     "model.dapo.overlong_buffer=2: must be 0 with model.agent"),
     ([*CALCULATOR, "--model.agent.chat_template", "qwen2_5", "--model.agent.max_turns", "0"],
      "model.agent.max_turns=0: must be >= 1"),
 ])

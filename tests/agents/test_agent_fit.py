@@ -79,7 +79,7 @@ def test_validation_plays_whole_episodes_and_scores_the_last_turn(tmp_path, monk
     val = '[{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 2, "seed": 3}}]'
     cli_main(["validate", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.policy.model", str(model),
               "--model.agent.environment", ENV, "--model.agent.max_turns", "3", "--model.sampling.max_new_tokens", "8",
-              "--model.eval_samples", "2", "--data.val_sources", val, "--data.max_prompt_tokens", "512",
+              "--model.evaluation.samples", "2", "--data.val_sources", val, "--data.max_prompt_tokens", "512",
               "--trainer.logger.init_args.save_dir", str(tmp_path)])
     records = [json.loads(line) for line in (tmp_path / "debug" / "version_0" / "eval" / "val_step0.jsonl").open()]
     assert len(records) == 2 * (1 + 2)  # greedy + 2 samples per question

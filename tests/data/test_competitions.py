@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qerl.data.prompts import PromptStream
+from qerl.data.prompt_stream import PromptStream
 from qerl.data.rewards import MathReward
 from qerl.data.sources import AIME2024, AIME2025, AMC2023, LIGHTEVAL_MATH_PROMPT, MATH500
 

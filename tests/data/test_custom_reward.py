@@ -85,7 +85,7 @@ def test_a_compute_score_failing_on_every_completion_stops_the_run_naming_its_ow
             total(["bug", "bug", "bug", "bug"], batch_of(["a", "b"], [{"index": 1}, {"index": 1}]), group_size=2)
         message = str(error.value)
         assert "reward math failed on all 4 completions of 1 batches in a row (0 timeouts, 4 errors)" in message
-        # model.reward's calls run under its own timeout_s; model.reward_timeout_s is the reward_funcs' limit
+        # model.reward's calls run under its own timeout_s; model.rewards.timeout_s is the reward_funcs' limit
         assert "raise model.reward.init_args.timeout_s for a slow one" in message, message
     finally:
         total.close()
@@ -93,7 +93,7 @@ def test_a_compute_score_failing_on_every_completion_stops_the_run_naming_its_ow
 
 
 def test_a_trl_style_function_or_a_missing_one_is_refused_when_built(user_dir):
-    with pytest.raises(ValueError, match="takes TRL's arguments; give it in model.reward_funcs"):
+    with pytest.raises(ValueError, match="takes TRL's arguments; give it in model.rewards.functions"):
         CustomRewardFunction("verl_rewards.py", name="trl_style")
     with pytest.raises(ValueError, match="cannot be loaded"):
         CustomRewardFunction("verl_rewards.py", name="nope")
@@ -110,7 +110,7 @@ def test_only_a_reward_that_reads_rows_gets_them():
 def test_verl_parquet_prompts_go_as_verl_sends_them(tmp_path, tokenizer):
     import datasets
 
-    from qerl.data.prompts import PromptStream
+    from qerl.data.prompt_stream import PromptStream
     from qerl.data.sources import VerlParquet
 
     verl_prompt = [{"role": "user", "content": 'What is 2 + 3? Let\'s think step by step and output the final answer '

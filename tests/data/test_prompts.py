@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from qerl.data.prompts import MathPromptDataModule, PromptStream, collate
+from qerl.data.prompt_stream import PromptStream, collate
+from qerl.data.prompts import MathPromptDataModule
 from qerl.data.sources import GSM8K, ArithmeticSource, HubSource
 
 from .helpers import write_jsonl

@@ -19,5 +19,5 @@ def test_a_limit_of_zero_never_stops_and_a_negative_one_is_refused():
     streak = FailureStreak(limit=0)
     for _ in range(100):
         streak.update("mine", 2, 2, "error")
-    with pytest.raises(ValueError, match="model.reward_failure_steps=-1"):
+    with pytest.raises(ValueError, match="model.rewards.failure_steps=-1"):
         FailureStreak(limit=-1)

@@ -40,8 +40,8 @@ def test_the_experiment_config_holds_out_at_least_200_questions_training_never_d
 
 
 def test_the_bf16_low_rate_follows_the_recipes_rule():
-    gpu = yaml.safe_load((ROOT / "configs" / "gpu.yaml").read_text())["model"]["lr"]
-    bf16 = yaml.safe_load((ROOT / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["lr"]
+    gpu = yaml.safe_load((ROOT / "configs" / "gpu.yaml").read_text())["model"]["optimizer"]["lr"]
+    bf16 = yaml.safe_load((ROOT / "configs" / "recipes" / "bf16.yaml").read_text())["model"]["optimizer"]["lr"]
     assert seeds_script.bf16_lr_ratio() == pytest.approx(bf16 / gpu) == pytest.approx(0.5)
 
 
@@ -62,7 +62,7 @@ def arguments(work: Path, out: Path, config: Path, model: Path, *extra: str) -> 
         "--device", "cpu", "--arms", "nvfp4_aqn", "--seeds", "0", "--steps", str(STEPS), "--threads", "1",
         "--config", str(config), "--work", str(work), "--out", str(out), "--poll", "0.2", "--",
         "--model.policy.model", str(model), "--model.sampling.max_new_tokens", "4",
-        "--model.group_size", "2", "--data.batch_size", "2", "--model.micro_batch_size", "4",
+        "--model.sampling.group_size", "2", "--data.batch_size", "2", "--model.update.micro_batch_size", "4",
         "--trainer.val_check_interval", "1", "--data.val_batch_size", "4", "--data.val_sources", json.dumps(heldout),
         "--trainer.enable_progress_bar", "false", *extra,
     ]
@@ -134,7 +134,7 @@ def test_runs_resumes_and_writes_one_json(tiny_model_dirs, small_config, tmp_pat
 
     # Other arguments for an unfinished run directory are refused, not mixed in.
     with pytest.raises(SystemExit, match="holds a run with other arguments"):
-        seeds_script.main(args + ["--model.lr", "1e-3"])
+        seeds_script.main(args + ["--model.optimizer.lr", "1e-3"])
 
     capsys.readouterr()
     resumed = seeds_script.main(args)
@@ -170,7 +170,7 @@ def test_every_arm_differs_from_its_partner_in_one_setting(tmp_path):
     def settings(name: str) -> tuple[str, str, float]:
         a = next(j for j in jobs if j.name == name).args
         return a[a.index("--model.policy.quantization") + 1], a[a.index("--aqn.enabled") + 1], \
-            float(a[a.index("--model.lr") + 1])
+            float(a[a.index("--model.optimizer.lr") + 1])
 
     high, low = 2e-4, 2e-4 * seeds_script.bf16_lr_ratio()
     expected = {"bf16_aqn": ("bf16", "true", low), "bf16_lr_low": ("bf16", "false", low),

@@ -24,7 +24,7 @@ def test_the_allocator_and_the_plan_keep_to_the_budget(tiny_model_dirs, tmp_path
     try:
         cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
             "--config", str(DEBUG), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
-            "--trainer.accelerator", "gpu", "--model.micro_batch_tokens", "auto", "--memory_budget_gb", "2"])
+            "--trainer.accelerator", "gpu", "--model.update.micro_batch_tokens", "auto", "--memory_budget_gb", "2"])
         assert torch.cuda.get_per_process_memory_fraction(0) == pytest.approx(2 * GIB / total)
         assert cli.resolution.plan.total_bytes == 2 * GIB >= cli.resolution.plan.free_bytes
         torch.cuda.empty_cache()

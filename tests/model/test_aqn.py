@@ -13,10 +13,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qerl.data.prompts import format_prompt
+from qerl.data.prompt_format import format_prompt
 from qerl.model.aqn import AQNSchedule, aqn_noise, aqn_sigma, aqn_stage, noisy_norms, rms_norms
 from qerl.modules.grpo_module import GRPOModule
-from qerl.modules.options import SamplingOptions
+from qerl.modules.options import DAPOOptions, OptimizerOptions, SamplingOptions, UpdateOptions
 from qerl.model.policy import PolicyConfig, build_policy, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 from qerl.rollout.sampling_spec import SamplingSpec
@@ -236,9 +236,10 @@ def test_training_forward_sees_clean_weights(tiny_model_dirs, tokenizer, prompt_
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(tiny_model_dirs["qwen2"]), dtype="float32", lora_rank=4, lora_alpha=8),
-        reward=_HashReward(), rollout=BuiltinRollout(), sampling=SamplingOptions(max_new_tokens=4),
-        aqn=AQNSchedule(sigma_start=0.05, sigma_end=0.05, num_stages=2), group_size=2, micro_batch_size=4,
-        lr=0.0, max_grad_norm=0.0, mask_truncated=False, log_samples_every=0,
+        reward=_HashReward(), rollout=BuiltinRollout(), sampling=SamplingOptions(group_size=2, max_new_tokens=4),
+        aqn=AQNSchedule(sigma_start=0.05, sigma_end=0.05, num_stages=2), update=UpdateOptions(micro_batch_size=4),
+        optimizer=OptimizerOptions(lr=0.0, max_grad_norm=0.0), dapo=DAPOOptions(mask_truncated=False),
+        log_samples_every=0,
     )  # lr 0: the optimizer step leaves the weights as they were, so they can be compared after fit
     module.tokenizer = tokenizer
     module.configure_model()

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from qerl.model.aqn import AQNSchedule
-from qerl.modules.options import SamplingOptions
+from qerl.modules.options import DAPOOptions, OptimizerOptions, SamplingOptions
 from qerl.data.prompts import MathPromptDataModule
 from qerl.modules.dynamic_sampling import InformativeFraction, cat_rollouts, kept_groups, refill_size
 from qerl.modules.grpo_module import GRPOModule
@@ -119,10 +119,10 @@ def fit(model_dir, root, max_refill_rounds, steps=4, ckpt_path=None, num_workers
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
-        reward=QuarterReward(), rollout=BuiltinRollout(), sampling=SamplingOptions(max_new_tokens=3, seed=7),
-        aqn=AQNSchedule(num_stages=4), group_size=G,
-        dynamic_sampling=True, max_refill_rounds=max_refill_rounds, log_samples_every=0, mask_truncated=False,
-        lr=1e-2,
+        reward=QuarterReward(), rollout=BuiltinRollout(),
+        sampling=SamplingOptions(group_size=G, max_new_tokens=3, seed=7), aqn=AQNSchedule(num_stages=4),
+        dapo=DAPOOptions(dynamic_sampling=True, max_refill_rounds=max_refill_rounds, mask_truncated=False),
+        optimizer=OptimizerOptions(lr=1e-2), log_samples_every=0,
     )
     data = MathPromptDataModule(batch_size=BATCH, tokenizer=str(model_dir), seed=3, num_workers=num_workers)
     recorder = Recorder()
@@ -178,10 +178,10 @@ def test_a_resumed_run_makes_the_same_refills_on_the_same_prompts(runs):
 
 
 def test_refill_options_fail_with_one_message():
-    with pytest.raises(ValueError, match="model.max_refill_rounds=2: must be 0 unless model.dynamic_sampling"):
-        GRPOModule(max_refill_rounds=2)
-    with pytest.raises(ValueError, match="model.max_refill_rounds=-1"):
-        GRPOModule(max_refill_rounds=-1, dynamic_sampling=True)
+    with pytest.raises(ValueError, match="model.dapo.max_refill_rounds=2: must be 0 unless model.dapo.dynamic_sampling"):
+        DAPOOptions(max_refill_rounds=2)
+    with pytest.raises(ValueError, match="model.dapo.max_refill_rounds=-1"):
+        DAPOOptions(max_refill_rounds=-1, dynamic_sampling=True)
 
 
 def test_refills_with_dataloader_workers_fail_before_the_model_loads(tiny_model_dirs, tmp_path, no_model_loads):
@@ -207,8 +207,8 @@ def test_two_ranks_refill_their_own_share_and_resume_exactly(tiny_model_dirs, tm
         cmd = [sys.executable, "train.py", "fit", "--config", "configs/debug.yaml", "--model.policy.model",
                str(tiny_model_dirs["qwen2"]), "--trainer.strategy", "ddp", "--trainer.devices", "2",
                "--trainer.max_steps", "3", "--trainer.logger.init_args.save_dir", str(tmp_path),
-               "--trainer.logger.init_args.version", version, "--model.dynamic_sampling", "true",
-               "--model.max_refill_rounds", "2", *extra]
+               "--trainer.logger.init_args.version", version, "--model.dapo.dynamic_sampling", "true",
+               "--model.dapo.max_refill_rounds", "2", *extra]
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         return tmp_path / "debug" / version

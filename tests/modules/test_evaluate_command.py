@@ -64,7 +64,7 @@ def test_validate_scores_aime_amc_math500_with_lightevals_sampling_and_pass_at_k
                   "--config", str(ROOT / "configs" / "eval_lighteval.yaml"),
                   "--model.policy.model", str(tiny_model_dirs["qwen2"]), "--model.policy.dtype", "float32",
                   "--model.policy.lora_rank", "4", "--data.val_sources", json.dumps(sources),
-                  "--model.eval_samples", "4", "--model.sampling.max_new_tokens", "6",
+                  "--model.evaluation.samples", "4", "--model.sampling.max_new_tokens", "6",
                   "--model.reward", "qerl.data.custom_reward.CustomRewardFunction",
                   "--model.reward.init_args.path", "parity.py", "--model.reward.init_args.num_workers", "1",
                   "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),

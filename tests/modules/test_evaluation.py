@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from qerl.data.answers import answers_match
-from qerl.data.prompts import PromptStream, collate
+from qerl.data.prompt_stream import PromptStream, collate
 from qerl.data.rewards import MathReward
 from qerl.data.sources import GSM8K, MATH500, ArithmeticSource
 from qerl.modules.evaluation import Evaluator, metric_name
-from qerl.modules.options import SamplingOptions
+from qerl.modules.options import EvaluationOptions, SamplingOptions
 from qerl.model.policy import build_policy, trainable_parameters
 from qerl.rollout.base import Rollout, RolloutEngine
 from qerl.rollout.builtin import BuiltinRollout, sample
@@ -96,7 +96,7 @@ def test_reference_solutions_score_one_and_others_zero(tokenizer, dataset):
     reward = MathReward(answer_format="gsm8k" if dataset == "gsm8k" else "boxed", fallback_last_number=False,
                         num_workers=1)
     own = {tuple(p): solutions[q] for b in data for p, q in zip(b["prompt_ids"], b["questions"])}
-    evaluator = Evaluator(greedy=True)
+    evaluator = Evaluator(EvaluationOptions(greedy=True))
     values = score_scripted(evaluator, ScriptedRollout(own), reward, data)
     assert values[f"{dataset}_acc"] == 1.0
     assert len(evaluator.records) == 40 and all(r["correct"] for r in evaluator.records)
@@ -148,8 +148,8 @@ def arithmetic_batches(tokenizer, rows=6, batch_size=3):
     return batches(ArithmeticSource(seed=7, num_rows=rows), tokenizer, batch_size)
 
 
-def evaluate(policy, engine, reward, batch_list, tokenizer, **kwargs) -> Evaluator:
-    evaluator = Evaluator(**kwargs)
+def evaluate(policy, engine, reward, batch_list, tokenizer, sampling=SamplingOptions(), **options) -> Evaluator:
+    evaluator = Evaluator(EvaluationOptions(**options), sampling)
     for batch in batch_list:
         evaluator.step(policy, engine, reward, batch, lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
                        tokenizer.pad_token_id, [tokenizer.eos_token_id])
@@ -174,7 +174,7 @@ def test_greedy_is_deterministic_and_the_same_on_both_engines(tiny_model_dirs, t
     policy = tiny_policy(tiny_model_dirs["qwen2"])
     data = arithmetic_batches(tokenizer)
     runs = [[(r["completion"], r["length"]) for r in evaluate(policy, ENGINES[e](), reward, data, tokenizer,
-                                                              sampling=SamplingOptions(6, seed=s)).records]
+                                                              sampling=SamplingOptions(max_new_tokens=6, seed=s)).records]
             for e, s in [("builtin", 0), ("builtin", 1), ("cuda_graph", 2)]]
     assert runs[0] == runs[1] == runs[2]
     logits = torch.randn(5, 11)
@@ -247,7 +247,7 @@ def cli_args(model_dir, tmp_path, engine="qerl.rollout.builtin.BuiltinRollout"):
     val = [{"class_path": "qerl.data.sources.ArithmeticSource", "init_args": {"num_rows": 4, "seed": 11}}]
     return [
         "--model.policy.model", str(model_dir), "--model.policy.dtype", "float32", "--model.policy.lora_rank", "4",
-        "--model.group_size", "2", "--model.eval_samples", "2",
+        "--model.sampling.group_size", "2", "--model.evaluation.samples", "2",
         "--model.rollout.class_path", engine, "--model.sampling.max_new_tokens", "4",
         "--model.reward.class_path", "qerl.data.rewards.MathReward", "--model.reward.init_args.num_workers", "1",
         "--data.batch_size", "2", "--data.val_sources", json.dumps(val),
@@ -308,10 +308,10 @@ def test_evaluation_configs_parse(config, capsys):
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(samples=-1), "model.eval_samples >= 0 (got -1)"),
-    (dict(samples=4, temperature=0.0), "model.eval_temperature > 0 (got 0.0)"),
-    (dict(samples=0, greedy=False), "model.eval_greedy true or model.eval_samples > 0 (got False, 0)"),
+    (dict(samples=-1), "model.evaluation.samples=-1: must be >= 0"),
+    (dict(samples=4, temperature=0.0), "model.evaluation.temperature=0.0: must be > 0"),
+    (dict(samples=0, greedy=False), "model.evaluation.greedy=False: must be true when model.evaluation.samples is 0"),
 ])
 def test_bad_evaluation_options_are_refused_with_the_option_and_its_value(kwargs, named):
     with pytest.raises(ValueError, match=re.escape(named)):
-        Evaluator(**kwargs)
+        EvaluationOptions(**kwargs)

@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 
 from qerl.cli import cli_main
 from qerl.modules import grpo_module, policy_update
-from qerl.modules.grpo_module import GRPOModule, warmup_cosine
-from qerl.modules.options import SamplingOptions
+from qerl.modules.grpo_module import GRPOModule
+from qerl.modules.optimizer import warmup_cosine
+from qerl.modules.options import DAPOOptions, OptimizerOptions, SamplingOptions, UpdateOptions
 from qerl.model.policy import PolicyConfig, trainable_parameters
 from qerl.rollout.builtin import BuiltinRollout
 
@@ -66,15 +67,18 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return [tokenizer(q)["input_ids"] for q in QUESTIONS]
 
 
-def make_module(model_dir, tokenizer, reward=None, max_new_tokens=2, **hparams) -> GRPOModule:
+def make_module(model_dir, tokenizer, reward=None, max_new_tokens=2, update=None, optimizer=None,
+                dapo=None) -> GRPOModule:
     """A module with its policy built now (LoRA init from seed 0), trainable weights moved off their init so that
-    every one of them gets a gradient (LoRA B starts at 0, which zeroes the gradient of A)."""
-    hparams = {"group_size": 2, "log_samples_every": 0, "max_grad_norm": 0.0, "mask_truncated": False, **hparams}
+    every one of them gets a gradient (LoRA B starts at 0, which zeroes the gradient of A); ``update``, ``optimizer``
+    and ``dapo``: options of those groups that differ from the test defaults."""
     torch.manual_seed(0)
     module = GRPOModule(
         policy=PolicyConfig(model=str(model_dir), dtype="float32", lora_rank=4, lora_alpha=8),
         reward=reward or HashReward(), rollout=BuiltinRollout(),
-        sampling=SamplingOptions(max_new_tokens=max_new_tokens), **hparams,
+        sampling=SamplingOptions(group_size=2, max_new_tokens=max_new_tokens), log_samples_every=0,
+        update=UpdateOptions(**(update or {})), optimizer=OptimizerOptions(**{"max_grad_norm": 0.0, **(optimizer or {})}),
+        dapo=DAPOOptions(**{"mask_truncated": False, **(dapo or {})}),
     )
     module.tokenizer = tokenizer
     module.configure_model()
@@ -128,7 +132,7 @@ def qwen2(tiny_model_dirs):
 
 
 def test_gradients_reach_only_lora_and_norms_and_a_step_moves_the_adapter(qwen2, tokenizer, prompt_ids):
-    module = make_module(qwen2, tokenizer, lr=1e-2)
+    module = make_module(qwen2, tokenizer, optimizer={"lr": 1e-2})
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     grads = GradRecorder()
     trainer = fit(module, prompt_ids, callbacks=[grads])
@@ -147,7 +151,7 @@ def test_gradients_reach_only_lora_and_norms_and_a_step_moves_the_adapter(qwen2,
 def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids, monkeypatch):
     grads, forwards, tokens = {}, {}, {}
     for mbs in (3, 8):  # 8 rows: one micro-batch, or three uneven ones (3 + 3 + 2)
-        module = make_module(qwen2, tokenizer, micro_batch_size=mbs)
+        module = make_module(qwen2, tokenizer, update={"micro_batch_size": mbs})
         calls = []
         spy_function(monkeypatch, policy_update, "policy_logprobs", calls)
         recorder = GradRecorder()
@@ -175,7 +179,7 @@ def test_micro_batch_size_does_not_change_the_accumulated_gradient(qwen2, tokeni
 
 
 def test_num_iterations_does_that_many_optimizer_steps_per_batch(qwen2, tokenizer, prompt_ids):
-    module = make_module(qwen2, tokenizer, num_iterations=2, lr=1e-2)
+    module = make_module(qwen2, tokenizer, update={"num_iterations": 2}, optimizer={"lr": 1e-2})
     steps, recorder = [], GradRecorder()
     spy(module, "training_step", steps)
     trainer = fit(module, prompt_ids, steps=2, callbacks=[recorder])
@@ -192,7 +196,7 @@ def test_num_iterations_does_that_many_optimizer_steps_per_batch(qwen2, tokenize
 def test_dynamic_sampling_masks_zero_variance_groups(qwen2, tokenizer, prompt_ids, monkeypatch):
     # group 0 all correct (no signal), group 1 mixed, group 2 all wrong, group 3 mixed
     module = make_module(qwen2, tokenizer, reward=ScriptedReward([1, 1, 0, 1, 0, 0, 1, 0]),
-                         dynamic_sampling=True)
+                         dapo={"dynamic_sampling": True})
     rollouts, updates = [], []
     spy(module.rollout, "generate", rollouts)
     spy_function(monkeypatch, grpo_module, "policy_update", updates)
@@ -206,7 +210,7 @@ def test_dynamic_sampling_masks_zero_variance_groups(qwen2, tokenizer, prompt_id
 
 @pytest.mark.parametrize("mask_truncated", [True, False])
 def test_truncated_completions_get_no_loss_when_masked(qwen2, tokenizer, prompt_ids, monkeypatch, mask_truncated):
-    module = make_module(qwen2, tokenizer, mask_truncated=mask_truncated)
+    module = make_module(qwen2, tokenizer, dapo={"mask_truncated": mask_truncated})
     # A third of the vocabulary ends a completion, so 2 new tokens give both finished and truncated samples.
     module._eos_ids = lambda: list(range(0, tokenizer.vocab_size, 3))
     rollouts, updates = [], []
@@ -222,7 +226,7 @@ def test_truncated_completions_get_no_loss_when_masked(qwen2, tokenizer, prompt_
 
 def test_a_batch_without_any_loss_token_still_steps(qwen2, tokenizer, prompt_ids):
     """All completions truncated and masked: no forward, no gradient, but the step (and the schedules) advance."""
-    module = make_module(qwen2, tokenizer, mask_truncated=True)
+    module = make_module(qwen2, tokenizer, dapo={"mask_truncated": True})
     module._eos_ids = lambda: [tokenizer.vocab_size + 5]  # nothing ever stops
     trainer = fit(module, prompt_ids)
     assert trainer.global_step == 1
@@ -254,13 +258,13 @@ def test_warmup_cosine_by_hand():
 @pytest.mark.parametrize(
     "override,option",
     [
-        (["--model.group_size", "1"], "model.group_size"),
+        (["--model.sampling.group_size", "1"], "model.sampling.group_size"),
         (["--aqn.num_stages", "1"], "aqn.num_stages"),
         (["--model.policy.lora_targets", "[no_such_proj]"], "model.policy.lora_targets"),
         (["--model.policy.model", "/nonexistent/qwen"], "model.policy.model"),
-        (["--model.max_refill_rounds", "2"], "model.max_refill_rounds"),  # without dynamic_sampling
-        (["--model.scale_std", "false", "--model.advantage", "qerl.modules.advantages.RLOOAdvantage"],
-         "model.scale_std"),
+        (["--model.dapo.max_refill_rounds", "2"], "model.dapo.max_refill_rounds"),  # without dynamic_sampling
+        (["--model.advantage", "qerl.modules.advantages.RLOOAdvantage", "--model.advantage.init_args.scale_std",
+          "false"], "scale_std"),
     ],
 )
 def test_bad_config_fails_before_any_model_loads(qwen2, tmp_path, no_model_loads, capsys, override, option):
@@ -301,7 +305,8 @@ def _padded_logprobs(module, rollout):
 def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, tokenizer, prompt_ids, budget):
     from qerl.modules.micro_batches import micro_batches, plan_micro_batches
 
-    module = make_module(qwen2, tokenizer, max_new_tokens=5, micro_batch_size=3, micro_batch_tokens=budget)
+    module = make_module(qwen2, tokenizer, max_new_tokens=5,
+                         update={"micro_batch_size": 3, "micro_batch_tokens": budget})
     with torch.no_grad():
         rollout = module.rollout.generate(module.policy, prompt_ids, 2, tokenizer.pad_token_id,
                                           [tokenizer.eos_token_id], module.sampling.training_spec(0.0, None))
@@ -346,7 +351,7 @@ def test_aligned_micro_batches_give_the_padded_log_probs_and_gradients(qwen2, to
 def test_token_budget_does_not_change_the_accumulated_gradient(qwen2, tokenizer, prompt_ids, monkeypatch):
     grads, forwards = {}, {}
     for budget in (None, 8):  # 8 tokens: every row alone (each prompt has more than 4 tokens)
-        module = make_module(qwen2, tokenizer, micro_batch_size=8, micro_batch_tokens=budget)
+        module = make_module(qwen2, tokenizer, update={"micro_batch_size": 8, "micro_batch_tokens": budget})
         calls = []
         spy_function(monkeypatch, policy_update, "policy_logprobs", calls)
         recorder = GradRecorder()

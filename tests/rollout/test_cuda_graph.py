@@ -435,7 +435,7 @@ def test_waves_and_compaction_sample_the_same_rows(policy, fused):
 
 def test_a_wave_holds_whole_groups_and_the_kv_cache_can_be_released(policy):
     engine = CUDAGraphRollout(wave_rows=2)
-    with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.group_size=3\)"):
+    with pytest.raises(ValueError, match=r"wave_rows=2 is smaller than one group \(model.sampling.group_size=3\)"):
         spec = SamplingSpec(max_new_tokens=5, seed=0, stream="separate")
         engine.generate(policy, PROMPTS, 3, PAD, [], spec)
     with pytest.raises(ValueError, match="wave_rows must be >= 1"):
@@ -471,7 +471,8 @@ def test_fp8_kv_cache_samples_from_the_policy_over_an_e4m3_cache(policy, fused):
 
 
 def test_fp8_kv_cache_halves_the_cache_and_bad_values_are_refused(policy):
-    from qerl.model.footprint import ModelShape, RunSettings
+    from qerl.model.footprint import ModelShape
+    from qerl.rollout.run_settings import RunSettings
     from qerl.rollout.footprint import wave_kv_cache_bytes as planned_kv_bytes
 
     config = policy.get_base_model().config

@@ -291,7 +291,7 @@ def fit_run(tmp_path, name: str, *overrides: str) -> Path:
     """A 2-step ``train.py fit`` of the smoke config on the bf16 base; returns its run folder (version_0)."""
     train_py(tmp_path, "fit", "--config", str(ROOT / "configs" / "smoke.yaml"), "--trainer.max_steps", "2",
              "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
-             "--data.batch_size", "2", "--model.group_size", "2", "--model.policy.quantization", "bf16",
+             "--data.batch_size", "2", "--model.sampling.group_size", "2", "--model.policy.quantization", "bf16",
              "--model.sampling.max_new_tokens", "8", *overrides)
     return next((tmp_path / name).glob("version_*"))
 
@@ -318,8 +318,8 @@ def builtin_run(tmp_path_factory) -> Path:
     repeated newlines, answers that a broken adapter could match too); 8 validation questions of 16 tokens."""
     val = [{"class_path": "qerl.data.sources.ArithmeticSource",
             "init_args": {"seed": 1234, "num_rows": VAL_QUESTIONS}}]
-    return fit_run(tmp_path_factory.mktemp("fit"), "builtin", "--model.lr", "2e-3", "--model.warmup_ratio", "0",
-                   "--model.group_size", "4", "--model.sampling.max_new_tokens", str(VAL_TOKENS),
+    return fit_run(tmp_path_factory.mktemp("fit"), "builtin", "--model.optimizer.lr", "2e-3", "--model.optimizer.warmup_ratio", "0",
+                   "--model.sampling.group_size", "4", "--model.sampling.max_new_tokens", str(VAL_TOKENS),
                    "--data.val_sources", json.dumps(val))
 
 

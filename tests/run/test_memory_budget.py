@@ -64,7 +64,7 @@ def test_the_70b_recipes_decode_in_waves_on_an_80gb_card_and_in_fewer_on_a_141gb
     model_config(shape).save_pretrained(tmp_path / shape)  # config.json alone: the plan reads nothing else
     args = ["--config", str(CONFIGS / "gpu.yaml"), "--config", str(CONFIGS / "recipes" / f"{recipe}.yaml"),
             "--model.policy.model", str(tmp_path / shape), "--trainer.accelerator", "cpu",
-            "--model.micro_batch_tokens", "auto"]
+            "--model.update.micro_batch_tokens", "auto"]
     built = {}
     for gb in (H100_FREE_GB, H200_FREE_GB):
         cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[*args, "--memory_budget_gb", str(gb)])
@@ -72,7 +72,7 @@ def test_the_70b_recipes_decode_in_waves_on_an_80gb_card_and_in_fewer_on_a_141gb
         assert plan.free_bytes == plan.total_bytes == int(gb * GIB)  # planned for the budget, off CUDA too
         assert plan.peak_bytes <= plan.free_bytes - plan.margin_bytes
         # what the run is built with is the plan's choice
-        assert cli.model.rollout.wave_rows == plan.wave_rows and cli.model.hparams.micro_batch_tokens == \
+        assert cli.model.rollout.wave_rows == plan.wave_rows and cli.model.update_options.micro_batch_tokens == \
             plan.micro_batch_tokens
         built[gb] = plan
     small, large = built[H100_FREE_GB], built[H200_FREE_GB]

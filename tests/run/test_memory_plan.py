@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape, RunSettings
+from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape
+from qerl.rollout.run_settings import RunSettings
 from qerl.modules.footprint import layer_activation_bytes, micro_batch_span
 from qerl.rollout.footprint import bf16_copy_spare
 from qerl.run.memory_plan import MemoryPlanError, plan_memory
@@ -297,18 +298,18 @@ def test_a_wave_size_or_micro_batch_the_user_set_too_large_is_refused_with_what_
     rows = int(str(error.value).split("<= ")[1].split(" ")[0])
     assert fits(shape, checkpointed, 20 * GIB, wave_rows=rows, micro_batch_tokens=2304)
     assert not fits(shape, checkpointed, 20 * GIB, wave_rows=rows + 8, micro_batch_tokens=2304)
-    with pytest.raises(MemoryPlanError, match=r"wave_rows=4 is smaller than one group \(model.group_size=8\)"):
+    with pytest.raises(MemoryPlanError, match=r"wave_rows=4 is smaller than one group \(model.sampling.group_size=8\)"):
         plan_memory(shape, settings, 20 * GIB, wave_rows=4)
     assert plan_memory(shape, settings, wave_rows=20).wave_rows == 16  # whole groups, as the engine decodes them
     with pytest.raises(MemoryPlanError) as error:
         plan_memory(shape, settings, 40 * GIB, micro_batch_tokens=65536)
     message = str(error.value)
-    assert "micro-batches of 65536 tokens need" in message and "lower model.micro_batch_tokens to <= " in message
+    assert "micro-batches of 65536 tokens need" in message and "lower model.update.micro_batch_tokens to <= " in message
     span = int(message.split("<= ")[1].split(" ")[0])
     assert fits(shape, settings, 40 * GIB, micro_batch_tokens=span)
     assert not fits(shape, settings, 40 * GIB, micro_batch_tokens=span + 1)
-    with pytest.raises(MemoryPlanError, match=r"set model.micro_batch_tokens to <= \d+ \(or auto\), or lower "
-                                              r"model.micro_batch_size to <= \d+ \(now 64\)"):
+    with pytest.raises(MemoryPlanError, match=r"set model.update.micro_batch_tokens to <= \d+ \(or auto\), or lower "
+                                              r"model.update.micro_batch_size to <= \d+ \(now 64\)"):
         plan_memory(shape, settings, 40 * GIB, micro_batch_tokens=None)
 
 

@@ -19,7 +19,7 @@ from qerl.rollout.engine_settings import VLLMEngineSettings
 from qerl.run.resolve import ENGINE_OPTIONS, VLLM_OPTIONS, engine_settings, planning_device, run_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-RECIPES = sorted((CONFIGS / "recipes").glob("qwen*.yaml"))
+RECIPES = sorted(p for p in (CONFIGS / "recipes").glob("*.yaml") if p.name != "bf16.yaml")  # every model's recipe
 CASES = [[CONFIGS / "debug.yaml"], [CONFIGS / "smoke.yaml"]] + [[CONFIGS / "gpu.yaml", r] for r in RECIPES] + [
     [CONFIGS / "gpu.yaml", r, CONFIGS / "recipes" / "bf16.yaml"] for r in RECIPES]
 VLLM = "qerl.rollout.vllm.VLLMRollout"
@@ -47,17 +47,18 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
     from qerl.testing.random_models import model_config
 
     monkeypatch.chdir(tmp_path)
-    # an 80 GB GPU; a 72B in bf16 (145 GB of weights) fits no GPU and Qwen3-30B-A3B's bf16 baseline (61 GB of weights,
-    # LoRA on all 6,144 experts) needs an H200's 141: their resolution is checked on a device large enough
+    # an 80 GB GPU; a 70B / 72B in bf16 fits no GPU and Qwen3-30B-A3B's bf16 baseline (LoRA on every expert) needs an
+    # H200: their resolution is checked on a device large enough
     bf16 = paths[-1].name == "bf16.yaml"
-    gpu_gb = "400" if bf16 and "72b" in paths[1].name else "139" if any("a3b" in p.stem for p in paths) else "79"
+    largest = bf16 and any(size in paths[1].name for size in ("70b", "72b"))
+    gpu_gb = "400" if largest else "139" if any("a3b" in p.stem for p in paths) else "79"
     args = [arg for p in paths for arg in ("--config", str(p))] + ["--trainer.accelerator", "cpu",
                                                                    "--memory_plan_device_gb", gpu_gb]
     if engine is not None:
         pretend_vllm_is_installed(monkeypatch)
         args += ["--model.rollout.class_path", engine]
-    if paths[-1].parent.name == "recipes" or paths[-1].name == "bf16.yaml":  # a config.json of the recipe's size
-        size = next(p.stem.split("_")[0] for p in paths if p.stem.startswith("qwen"))
+    if paths[-1].parent.name == "recipes":  # a config.json of the recipe's size
+        size = next(p.stem.split("_")[0] for p in paths if p.parent.name == "recipes" and p.name != "bf16.yaml")
         model_config(size).save_pretrained(tmp_path / size)
         args += ["--model.policy.model", str(tmp_path / size)]
     else:
@@ -85,16 +86,16 @@ def test_each_recipe_is_built_from_resolved_values_and_never_written_into(paths,
 
     # the plan ran and decided every open value; the constructors received them
     assert resolution.plan is not None
-    assert module.hparams.micro_batch_tokens == (resolution.micro_batch_tokens
-                                                 if cli.config.model.micro_batch_tokens == "auto"
-                                                 else cli.config.model.micro_batch_tokens)
-    assert module.hparams.micro_batch_tokens != "auto"
+    assert module.update_options.micro_batch_tokens == (resolution.micro_batch_tokens
+                                                 if cli.config.model["update"].micro_batch_tokens == "auto"
+                                                 else cli.config.model["update"].micro_batch_tokens)
+    assert module.update_options.micro_batch_tokens != "auto"
     if isinstance(engine, CUDAGraphRollout):
         written = engine_settings(cli.config.model.rollout)  # the config as the user wrote it
         for name in ENGINE_OPTIONS:
             expected = getattr(resolution, name) if getattr(written, name) is None else getattr(written, name)
             assert getattr(engine, name) == expected is not None, name
-        assert engine.wave_rows == resolution.plan.wave_rows and engine.wave_rows % module.hparams.group_size == 0
+        assert engine.wave_rows == resolution.plan.wave_rows and engine.wave_rows % module.sampling.group_size == 0
     if isinstance(engine, VLLMRollout):  # the plan's share and length, within (0, 1] and the recipe's longest row
         for name in VLLM_OPTIONS:
             assert getattr(engine, name) == getattr(resolution, name) == getattr(resolution.plan, name) is not None
@@ -114,12 +115,12 @@ def test_nothing_is_decided_for_memory_without_a_device(no_model_loads, tiny_mod
     monkeypatch.chdir(tmp_path)
     cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
         "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
-        "--model.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout"])
-    assert cli.resolution.plan is None and cli.model.hparams.micro_batch_tokens is None  # rows alone
+        "--model.update.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout"])
+    assert cli.resolution.plan is None and cli.model.update_options.micro_batch_tokens is None  # rows alone
     engine = cli.model.rollout
     # a CPU engine keeps its cache and makes no bf16 copy (its own rule off CUDA), now said on the config
     assert (engine.wave_rows, engine.wide_batch_bf16, engine.keep_kv_cache) == (None, False, True)
-    assert cli.config.model.micro_batch_tokens == "auto"
+    assert cli.config.model["update"].micro_batch_tokens == "auto"
 
 
 def test_an_evaluation_run_builds_concrete_planned_values_too(no_model_loads, tiny_model_dirs, tmp_path, monkeypatch):
@@ -130,11 +131,11 @@ def test_an_evaluation_run_builds_concrete_planned_values_too(no_model_loads, ti
     monkeypatch.chdir(tmp_path)
     cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
         "--config", str(CONFIGS / "debug.yaml"), "--model.policy.model", str(tiny_model_dirs["qwen2"]),
-        "--model.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
+        "--model.update.micro_batch_tokens", "auto", "--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraphRollout",
         "--trainer.max_steps", "-1"])  # (as validate parses it: nothing trains)
     engine, unplanned = cli.model.rollout, GraphEngineSettings.unplanned()
     assert {name: getattr(engine, name) for name in ENGINE_OPTIONS} == unplanned
-    assert cli.model.hparams.micro_batch_tokens is None
+    assert cli.model.update_options.micro_batch_tokens is None
 
 
 def test_the_module_and_engines_never_decide_a_planned_value():
@@ -144,13 +145,13 @@ def test_the_module_and_engines_never_decide_a_planned_value():
 
     import pytest
 
-    from qerl.model.policy import PolicyConfig
+    from qerl.modules.options import UpdateOptions
     from qerl.rollout import cuda_graph, vllm
     from qerl.rollout.cuda_graph import CUDAGraphRollout
     from qerl.rollout.engine_settings import GraphEngineSettings, VLLMEngineSettings
 
-    with pytest.raises(ValueError, match="model.micro_batch_tokens='auto'"):
-        GRPOModule(policy=PolicyConfig(), micro_batch_tokens="auto")
+    with pytest.raises(ValueError, match="model.update.micro_batch_tokens='auto'"):
+        UpdateOptions(micro_batch_tokens="auto")
     engine = CUDAGraphRollout()
     assert {name: getattr(engine, name) for name in ENGINE_OPTIONS} == GraphEngineSettings.unplanned()
     assert CUDAGraphRollout.settings is GraphEngineSettings and vllm.VLLMRollout.settings is VLLMEngineSettings

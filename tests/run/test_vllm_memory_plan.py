@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from qerl.model.footprint import GIB, ModelShape, RunSettings
+from qerl.model.footprint import GIB, ModelShape
+from qerl.rollout.run_settings import RunSettings
 from qerl.rollout.vllm_footprint import (VLLM_ASLEEP_BYTES, VLLM_BLOCK_SIZE, fixed_bytes, lora_slot_bytes,
                                          row_kv_bytes, utilization, weight_bytes)
 from qerl.run.memory_plan import MemoryPlanError, plan_memory

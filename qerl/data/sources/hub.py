@@ -51,7 +51,7 @@ class HubSource(PromptSource):
             the question in its place; ``""``: none (the question is the prompt as it is). ``None``: the data
             module's.
 
-    Every column of a record reaches the reward functions (``GRPOModule.reward_funcs``) as it is in the data.
+    Every column of a record reaches the reward functions (``model.rewards.functions``) as it is in the data.
     Local files are scanned once when the source is built; ``report`` (a ``SkipReport``) holds what that pass found.
     """
 
