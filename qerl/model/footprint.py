@@ -135,6 +135,9 @@ class RunSettings:
         max_model_len: the vLLM engine's longest prompt + completion the user set (None: ``longest_row``).
         lora_slot_rank: the vLLM engine's LoRA slot rank (None: ``lora_rank``).
         sleep: the vLLM engine sleeps through the update (level 1).
+        episode_tokens: with ``model.agent``: a trajectory's token budget, prompt + every turn + every observation
+            (``qerl.agents.config.episode_tokens``); a later turn hands the engine up to all but one of them as its
+            prompt. None: single-turn.
     """
 
     prompts: int
@@ -159,6 +162,7 @@ class RunSettings:
     max_model_len: int | None = None
     lora_slot_rank: int | None = None
     sleep: bool = True
+    episode_tokens: int | None = None
 
     @property
     def rows(self) -> int:
@@ -166,8 +170,20 @@ class RunSettings:
 
     @property
     def longest_row(self) -> int:
-        """Prompt + completion tokens of the longest row the update may see."""
-        return self.max_prompt_tokens + self.max_new_tokens
+        """Prompt + completion tokens of the longest row the update may see (with an agent: a whole trajectory)."""
+        return self.max_prompt_tokens + self.max_new_tokens if self.episode_tokens is None else self.episode_tokens
+
+    @property
+    def longest_context(self) -> int:
+        """The longest prompt the engine is handed: the prompt, or a later turn's whole context."""
+        return self.max_prompt_tokens if self.episode_tokens is None else max(self.max_prompt_tokens,
+                                                                              self.episode_tokens - 1)
+
+    @property
+    def engine_row(self) -> int:
+        """Positions of the longest row the engine holds: its longest prompt and one turn (a later turn's rows are
+        left-padded to the longest context of the call and all get the call's token budget)."""
+        return self.longest_context + self.max_new_tokens
 
 
 class Component(NamedTuple):
