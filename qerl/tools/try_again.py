@@ -19,12 +19,11 @@ class TryAgain:
 
     def __init__(self, message: str = "That is not right. Try again."):
         self.message = message
-        self.answer, self.tries = "", 0
+        self.answer = ""
 
     def reset(self, answer: str = "", **row) -> None:
-        self.answer, self.tries = str(answer).strip(), 0
+        self.answer = str(answer).strip()
 
     def step(self, message: str) -> str | None:
-        self.tries += 1
         numbers = NUMBER.findall(message.replace(",", ""))
         return None if numbers and numbers[-1] == self.answer else self.message
