@@ -16,6 +16,7 @@ from qerl.modules.episode_routing import RecordingEngine, episode_choices
 from qerl.modules.expert_routing import ExpertRouting
 from qerl.modules.micro_batches import micro_batches
 from qerl.rollout.builtin import BuiltinRollout
+from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.tiny_agents import GoOn, save_tiny_chat_model
 from qerl.tools.environment import EnvironmentFactory
@@ -53,9 +54,10 @@ def play(moe_chat, noise: float):
     return over
 
 
-def test_every_turn_is_routed_as_a_full_forward_of_the_trajectory_routes_it(moe_chat):
+@pytest.mark.parametrize("engine", [BuiltinRollout, CUDAGraphRollout])
+def test_every_turn_is_routed_as_a_full_forward_of_the_trajectory_routes_it(moe_chat, engine):
     policy, tokenizer, _ = moe_chat
-    recording = RecordingEngine(BuiltinRollout())
+    recording = RecordingEngine(engine())
     episodes = play(moe_chat, 0.0)(recording)
     trajectories = episodes.trajectories
     assert max(t.turns for t in trajectories) >= 2 and len(recording.calls) >= 2  # later turns were sampled
