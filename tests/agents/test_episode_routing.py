@@ -104,3 +104,26 @@ def test_the_update_compares_and_replays_the_routing_of_every_turn(moe_chat, rep
     noisy = routing.play(play(moe_chat, 0.5), BuiltinRollout(), policy)  # AQN noise moves some tokens' experts
     metrics = update_metrics(routing, policy, noisy.rollout)
     assert 0 < metrics["train/router_mismatch_frac"] <= metrics["train/router_mismatch_token_frac"] <= 1
+
+
+def test_an_agent_run_of_a_moe_policy_logs_the_routing_of_its_episodes(tmp_path, monkeypatch):
+    """``train.py fit`` with an environment on the tiny Qwen3-MoE and router replay: the update replays and compares
+    the episodes' recorded routing (the mismatch is logged), as it does single-turn."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qerl.cli import cli_main
+
+    model = save_tiny_chat_model(tmp_path / "model", "qwen3_moe", end_logit=11.0)
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main(["fit", "--config", str(root / "configs" / "debug.yaml"), "--model.policy.model", str(model),
+                    "--model.agent.environment", str(Path(__file__).with_name("episode_envs.py")) + ":Echo",
+                    "--model.agent.max_turns", "3", "--model.sampling.max_new_tokens", "8",
+                    "--model.expert_routing.replay", "true", "--model.max_refill_rounds", "0",
+                    "--data.max_prompt_tokens", "512", "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    acc = EventAccumulator(cli.trainer.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    assert max(e.value for e in acc.Scalars("agent/turns")) > 1  # later turns were sampled and routed
+    assert len(acc.Scalars("train/router_mismatch_frac")) == 2
