@@ -202,7 +202,9 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     total_bytes = free_bytes if total_bytes is None else total_bytes
     margin = (default_margin(free_bytes) if margin_bytes is None else margin_bytes) if free_bytes is not None else 0
     budget = None if free_bytes is None else free_bytes - margin
-    notes = []
+    notes = [] if settings.episode_tokens is None else [
+        f"multi-turn episodes: update rows of up to {settings.episode_tokens} tokens ({OPT_EPISODE}); a later turn's "
+        f"prompt of up to {settings.longest_context} tokens, each row its own"]
     forced_copy = settings.wide_batch_bf16 is True
 
     # waves

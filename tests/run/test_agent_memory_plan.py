@@ -38,6 +38,8 @@ def test_an_episode_is_planned_as_whole_trajectories_and_whole_contexts():
     assert (single.longest_row, agent.longest_row) == (340, 1000)  # the update's longest row: a whole trajectory
     assert micro_batch_span(agent, None) == agent.micro_batch_size * 1000
     plan = plan_memory(shape, agent, wave_rows=4)
+    assert plan.notes[0] == ("multi-turn episodes: update rows of up to 1000 tokens (model.agent.max_episode_tokens); "
+                             "a later turn's prompt of up to 999 tokens, each row its own")
     # a later turn's row: its context (all of the budget but the turn's first token) and one turn's tokens
     cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, 999 + 300, head_dim(config),
                       torch.bfloat16, "cpu")
