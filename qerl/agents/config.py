@@ -68,12 +68,13 @@ class AgentConfig:
         return tools, environment
 
 
-def longest_context(max_prompt_tokens: int, max_new_tokens: int, tools: list | None, environment: str | dict | None,
-                    max_turns: int, max_episode_tokens: int | None) -> int:
-    """The longest prompt an engine is handed: the prompt itself in single-turn RL; with an agent, a trajectory's
-    whole context before its last turn (its token budget, ``max_episode_tokens`` or the default of ``token_limit``)."""
+def episode_tokens(max_prompt_tokens: int, max_new_tokens: int, tools: list | None, environment: str | dict | None,
+                   max_turns: int, max_episode_tokens: int | None) -> int | None:
+    """The longest trajectory, prompt + every turn + every observation (what the memory plan sizes the update's rows
+    and the later turns' prompts for): ``max_episode_tokens``, or the default budget of the episode loop's
+    ``token_limit``; None without tools and environment (single-turn)."""
     if not tools and environment is None:
-        return max_prompt_tokens
+        return None
     return max_episode_tokens if max_episode_tokens is not None else max_prompt_tokens + max_turns * max_new_tokens
 
 

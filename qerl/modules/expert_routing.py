@@ -4,10 +4,11 @@ training forward's (``train/router_mismatch_frac``), and optionally replayed in 
 One object, handed to ``GRPOModule`` (``model.expert_routing``), sits at the step's two seams: ``sample`` wraps the
 engine's ``generate`` (an engine that can say where its tokens go records the choices), ``forward`` wraps each
 training forward of a micro-batch (its own choices are compared with the rollout's, or replaced by them). A dense
-policy, or an engine that cannot record (vLLM), leaves both as plain calls.
+policy, or an engine that cannot record (vLLM), leaves both as plain calls. ``play`` records multi-turn episodes:
+every engine call of the episode loop, laid out over the trajectories (``qerl.modules.episode_routing``).
 
-Mismatch: over the generated tokens the rollout fed through the model (every completion token but the last) and every
-MoE layer, the fraction of (token, layer) pairs whose top-k expert set differs between the sampler and the update's
+Mismatch: over the generated tokens the rollout fed through the model (every completion token but the last; in an
+episode the model's own tokens, not the observations) and every MoE layer, the fraction of (token, layer) pairs whose top-k expert set differs between the sampler and the update's
 forwards (``train/router_mismatch_frac``), and the fraction of those tokens with a difference in any layer
 (``train/router_mismatch_token_frac``). With replay on, the update's own choice is still what is compared: the
 metric says how far the replayed routing is from the one the trained policy would pick.
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from qerl.model.experts import routers
 from qerl.model.routing import NOT_FED, RoutingHooks, RoutingRecorder, topk_differs
+from qerl.modules.episode_routing import RecordingEngine, episode_choices
 from qerl.modules.micro_batches import right_align
 from qerl.rollout.base import Rollout
 from qerl.rollout.builtin import BuiltinRollout
@@ -45,7 +47,7 @@ class ExpertRouting:
         self.replay = replay
         self._choices: Tensor | None = None  # [layers, N, P + L, k] of this step's rollout
         self._masks: Tensor | None = None  # [N, P + L] its real tokens
-        self._completion_start = 0  # P: the first completion column
+        self._trained: Tensor | None = None  # [N, P + L] the tokens the policy sampled (the model's, in an episode)
         self._samples = 0  # rollouts since the last update (refills add some)
         # differing pairs, pairs, tokens differing in any layer, tokens compared: on the device until ``metrics``
         self._counts: Tensor | None = None
@@ -62,10 +64,30 @@ class ExpertRouting:
             return engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
         with recorder.recording(policy):
             rollout = engine.generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=recorder)
-        masks = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)
-        self._choices = recorder.choices(*masks.shape)
-        self._masks, self._completion_start = masks, rollout.prompt_mask.shape[1]
+        rows, width = rollout.prompt_mask.shape[0], rollout.prompt_mask.shape[1] + rollout.completion_mask.shape[1]
+        self._keep(rollout, recorder.choices(rows, width))
         return rollout
+
+    def play(self, play: Callable, engine, policy):
+        """``play(engine)``: an episode runner's whole episodes over ``engine`` (-> ``Episodes``), recording the expert
+        choices of every turn where ``sample`` would. Each trajectory token gets the routing of the last engine call
+        that fed it; a token no call fed keeps its own routing in a replay and is left out of the mismatch."""
+        self._samples += 1
+        if not self._records(engine, policy):
+            self._choices = None
+            return play(engine)
+        recording = RecordingEngine(engine)
+        episodes = play(recording)
+        trajectories = episodes.trajectories
+        self._keep(episodes.rollout, episode_choices(recording.calls, [t.prompt + t.tokens for t in trajectories],
+                                                     [t.turns for t in trajectories], episodes.rollout))
+        return episodes
+
+    def _keep(self, rollout: Rollout, choices: Tensor | None) -> None:
+        """This step's choices ``[layers, N, P + L, k]`` over ``rollout``'s columns, for the update."""
+        self._choices = choices
+        self._masks = torch.cat((rollout.prompt_mask, rollout.completion_mask), dim=1)
+        self._trained = torch.cat((torch.zeros_like(rollout.prompt_mask), rollout.model_mask), dim=1).bool()
 
     @contextlib.contextmanager
     def update(self, model) -> Iterator[None]:
@@ -134,7 +156,7 @@ class ExpertRouting:
 
     def _aligned(self, rows: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """The rollout's choices of ``rows`` in the micro-batch's layout ``[layers, n, width, k]`` (``NOT_FED`` past
-        each row's tokens), and which of those positions hold completion tokens ``[n, width]``."""
+        each row's tokens), and which of those positions hold tokens the policy sampled ``[n, width]``."""
         masks = self._masks[rows.to(self._masks.device)]
         columns = torch.arange(masks.shape[1], device=masks.device).expand_as(masks)
         source, lengths = right_align(columns, masks, 0)  # [n, width]: each aligned position's rollout column
@@ -145,7 +167,8 @@ class ExpertRouting:
         source = source.to(self._choices.device)
         choices = self._choices[:, rows[:, None], source]  # [layers, n, width, k]
         choices = choices.masked_fill(~inside.to(choices.device)[None, ..., None], NOT_FED)
-        return choices, (inside & (source.to(inside.device) >= self._completion_start)).to(choices.device)
+        trained = self._trained[rows.to(self._trained.device)].gather(1, source.to(self._trained.device))
+        return choices, (inside & trained.to(inside.device)).to(choices.device)
 
 
 def _is_graph_engine(engine) -> bool:

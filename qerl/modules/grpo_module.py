@@ -243,8 +243,9 @@ class GRPOModule(L.LightningModule):
         start = time.perf_counter()
         episodes = None
         if self.episodes is not None:  # multi-turn: the reward reads each trajectory's last turn
-            episodes = self.episodes.play(self.rollout, self.policy, batch, G, self.tokenizer.pad_token_id,
-                                          self._eos_ids(), spec)
+            episodes = self.expert_routing.play(  # MoE: every turn's expert choices, laid out over the trajectories
+                lambda engine: self.episodes.play(engine, self.policy, batch, G, self.tokenizer.pad_token_id,
+                                                  self._eos_ids(), spec), self.rollout, self.policy)
             self._step_episodes.append(episodes)
             rollout, completions = episodes.rollout, episodes.answers
         else:

@@ -76,7 +76,7 @@ def kv_element_bytes(settings: RunSettings) -> int:
 
 def kv_cache_length(settings: RunSettings) -> int:
     """Positions per row the engine's cache holds (the cuda_graph engine rounds up to its length bucket)."""
-    length = settings.longest_row
+    length = settings.engine_row
     if settings.engine == "cuda_graph":
         length = -(-length // settings.length_bucket) * settings.length_bucket
     return length
@@ -104,8 +104,9 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
     kv = wave_kv_cache_bytes(shape, settings, wave_rows)
     if settings.engine == "builtin":
         kv += BUILTIN_KV_COPY_LAYERS * kv / shape.layers
-    prompts = math.ceil(wave_rows / settings.group_size)
-    prefill_tokens = prompts * settings.max_prompt_tokens
+    # a prompt's prefill serves its G samples; an episode's later turn prefills each row's own context
+    prompts = math.ceil(wave_rows / settings.group_size) if settings.episode_tokens is None else wave_rows
+    prefill_tokens = prompts * settings.longest_context
     q = shape.heads * shape.head_dim
     prefill = prefill_tokens * DENSE_BYTES * (PREFILL_INTERMEDIATE_BUFFERS * shape.intermediate
                                               + PREFILL_HIDDEN_BUFFERS * shape.hidden + 2 * q)  # + K/V repeated to q
@@ -115,7 +116,7 @@ def rollout_components(shape: ModelShape, settings: RunSettings, wave_rows: int,
         Component("rollout", f"sampling workspace ({wave_rows} rows x vocab, {SAMPLING_FP32_BUFFERS} fp32 buffers)",
                   wave_rows * shape.vocab * (4 * SAMPLING_FP32_BUFFERS + DENSE_BYTES * SAMPLING_MODEL_DTYPE_BUFFERS)),
         Component("rollout", f"prefill activations ({prompts} prompt{'s' * (prompts > 1)} x "
-                             f"{settings.max_prompt_tokens} tokens)", prefill),
+                             f"{settings.longest_context} tokens)", prefill),
         Component("rollout", f"sampled tokens, log-probs, entropies ({settings.rows} rows + one wave's)",
                   (settings.rows + wave_rows) * settings.max_new_tokens * ROLLOUT_OUTPUT_BYTES_PER_TOKEN),
         Component("rollout", f"bf16 LoRA copies for decoding (x{LORA_ROLLOUT_COPIES})",

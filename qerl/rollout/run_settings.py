@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qerl.model.checkpoint_io import DEFAULT_TARGETS
+from qerl.rollout.episode_wave import episode_columns
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class RunSettings:
         max_model_len: the vLLM engine's longest prompt + completion the user set (None: ``longest_row``).
         lora_slot_rank: the vLLM engine's LoRA slot rank (None: ``lora_rank``).
         sleep: the vLLM engine sleeps through the update (level 1).
+        episode_tokens: with ``model.agent``: a trajectory's token budget, prompt + every turn + every observation
+            (``qerl.agents.config.episode_tokens``); a later turn hands the engine up to all but one of them as its
+            prompt. None: single-turn.
+        check_every: the cuda_graph engine's decode steps between host checks (an episode wave's cache holds that
+            many columns past an appended observation).
     """
 
     prompts: int
@@ -64,6 +70,8 @@ class RunSettings:
     max_model_len: int | None = None
     lora_slot_rank: int | None = None
     sleep: bool = True
+    episode_tokens: int | None = None
+    check_every: int = 16
 
     @property
     def rows(self) -> int:
@@ -71,5 +79,20 @@ class RunSettings:
 
     @property
     def longest_row(self) -> int:
-        """Prompt + completion tokens of the longest row the update may see."""
-        return self.max_prompt_tokens + self.max_new_tokens
+        """Prompt + completion tokens of the longest row the update may see (with an agent: a whole trajectory)."""
+        return self.max_prompt_tokens + self.max_new_tokens if self.episode_tokens is None else self.episode_tokens
+
+    @property
+    def longest_context(self) -> int:
+        """The longest prompt the engine is handed: the prompt, or (resubmitting engines) a later turn's context."""
+        return self.max_prompt_tokens if self.episode_tokens is None else max(self.max_prompt_tokens,
+                                                                              self.episode_tokens - 1)
+
+    @property
+    def engine_row(self) -> int:
+        """Positions of the longest row the engine holds: its longest prompt and one turn (a later turn's rows are
+        left-padded to the longest context of the call and all get the call's token budget); the cuda_graph engine
+        keeps an episode in its cache instead: the prompt and ``episode_columns`` after it."""
+        if self.episode_tokens is not None and self.engine == "cuda_graph":
+            return self.max_prompt_tokens + episode_columns(self.episode_tokens - 1, self.check_every)
+        return self.longest_context + self.max_new_tokens

@@ -43,15 +43,16 @@ UTILIZATION_STEP = 0.01  # a chosen gpu_memory_utilization is rounded up to this
 
 def max_model_len(settings: RunSettings) -> int:
     """The longest prompt + completion vLLM serves: the user's ``max_model_len``, else the step's longest row."""
-    return settings.max_model_len or settings.longest_row
+    return settings.max_model_len or settings.engine_row
 
 
 def max_model_len_error(settings: RunSettings) -> str | None:
     """What is wrong with the user's ``max_model_len`` for the step's rows (None: nothing)."""
-    if settings.max_model_len is not None and settings.max_model_len < settings.longest_row:
-        return (f"model.rollout.init_args.max_model_len={settings.max_model_len} is shorter than data.max_prompt_tokens"
-                f" + max_new_tokens = {settings.max_prompt_tokens} + {settings.max_new_tokens}: a long prompt would be "
-                f"refused mid-run; raise it to >= {settings.longest_row} (or null: the plan sets it).")
+    if settings.max_model_len is not None and settings.max_model_len < settings.engine_row:
+        prompt = "data.max_prompt_tokens" if settings.episode_tokens is None else "an episode's longest context"
+        return (f"model.rollout.init_args.max_model_len={settings.max_model_len} is shorter than {prompt}"
+                f" + max_new_tokens = {settings.longest_context} + {settings.max_new_tokens}: a long prompt would be "
+                f"refused mid-run; raise it to >= {settings.engine_row} (or null: the plan sets it).")
     return None
 
 

@@ -35,6 +35,7 @@ MICRO_BATCH_TOKENS_MULTIPLE = 256  # a chosen micro-batch budget is rounded down
 # The options a refusal names (as a user writes them in a config or on the command line).
 OPT_NEW = "model.sampling.max_new_tokens"
 OPT_PROMPT = "data.max_prompt_tokens"
+OPT_EPISODE = "model.agent.max_episode_tokens"
 OPT_PROMPTS = "data.batch_size"
 OPT_GROUP = "model.sampling.group_size"
 OPT_MB_TOKENS = "model.update.micro_batch_tokens"
@@ -202,7 +203,9 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     total_bytes = free_bytes if total_bytes is None else total_bytes
     margin = (default_margin(free_bytes) if margin_bytes is None else margin_bytes) if free_bytes is not None else 0
     budget = None if free_bytes is None else free_bytes - margin
-    notes = []
+    notes = [] if settings.episode_tokens is None else [
+        f"multi-turn episodes: update rows of up to {settings.episode_tokens} tokens ({OPT_EPISODE}); a later turn's "
+        f"prompt of up to {settings.longest_context} tokens, each row its own"]
     forced_copy = settings.wide_batch_bf16 is True
 
     # waves
@@ -296,15 +299,24 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
                               f"GiB, {have}: {fix}.")
 
     def lengths_fix(fits: Callable[[RunSettings], bool]) -> str:
-        """'lower max_new_tokens to <= X (now Y) or data.max_prompt_tokens to <= Z (now W)', for what can."""
+        """'lower max_new_tokens to <= X (now Y) or data.max_prompt_tokens to <= Z (now W)' (with an agent: or
+        model.agent.max_episode_tokens, the trajectory's budget, which bounds the prompt too), for what can."""
         fixes = []
         new = _largest(lambda n: fits(replace(s, max_new_tokens=n)), 1, s.max_new_tokens - 1)
         if new is not None:
             fixes.append(f"{OPT_NEW} to <= {new} (now {s.max_new_tokens})")
+        if s.episode_tokens is not None:
+            episode = _largest(lambda n: fits(replace(s, episode_tokens=n)), 2, s.episode_tokens - 1)
+            if episode is not None:
+                fixes.append(f"{OPT_EPISODE} to <= {episode} (now {s.episode_tokens})")
+            return " or ".join(fixes)
         prompt = _largest(lambda n: fits(replace(s, max_prompt_tokens=n)), 1, s.max_prompt_tokens - 1)
         if prompt is not None:
             fixes.append(f"{OPT_PROMPT} to <= {prompt} (now {s.max_prompt_tokens})")
         return " or ".join(fixes)
+
+    lengths = (f"{OPT_NEW}={s.max_new_tokens} with {OPT_PROMPT}={s.max_prompt_tokens}" if s.episode_tokens is None
+               else f"{OPT_NEW}={s.max_new_tokens} per turn with {OPT_EPISODE}={s.episode_tokens}")
 
     if s.engine == "vllm":
         _refuse_vllm_share(plan, budget, have, resident, lengths_fix)
@@ -327,7 +339,7 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
             fixes.append(by_length)
         where = f"at one group per wave ({G} rows)" if s.waves else \
             f"with all {rows} rows at once (this engine decodes no waves: CUDAGraphRollout does)"
-        raise MemoryPlanError(f"memory plan: {OPT_NEW}={s.max_new_tokens} with {OPT_PROMPT}={s.max_prompt_tokens} "
+        raise MemoryPlanError(f"memory plan: {lengths} "
                               f"needs {rollout / GIB:.1f} GiB in the rollout {where}, {have}: lower "
                               + (" or ".join(fixes) or f"{OPT_GROUP}") + ".")
 
@@ -342,8 +354,9 @@ def _refuse_what_does_not_fit(plan: MemoryPlan, budget: float, micro_batch_token
             by_length = lengths_fix(lambda t: update_peak(shape, t, t.longest_row, kept, share) <= budget)
             if by_length:
                 fixes.append("lower " + by_length)
+            row = f"{OPT_PROMPT} + {OPT_NEW}" if s.episode_tokens is None else OPT_EPISODE
             raise MemoryPlanError(f"memory plan: the update of the longest row alone ({s.longest_row} tokens: "
-                                  f"{OPT_PROMPT} + {OPT_NEW}) needs {one_row / GIB:.1f} GiB, {have}: "
+                                  f"{row}) needs {one_row / GIB:.1f} GiB, {have}: "
                                   + (" or ".join(fixes) or "use a larger GPU") + ".")
         span = _largest(lambda t: update_peak(shape, s, t, kept, share) <= budget, s.longest_row, tokens)
         if micro_batch_tokens is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl.agents.config import longest_context
+from qerl.agents.config import episode_tokens
 from qerl.hub import load_config
 from qerl.model.footprint import GIB, ModelShape
 from qerl.rollout.run_settings import RunSettings
@@ -161,10 +161,11 @@ def run_settings(config) -> RunSettings:
     engine = engine_settings(model.get("rollout"))
     sampling, update = sampling_options(model), update_options(model)
     new_tokens = sampling.max_new_tokens
-    agent = model.get("agent")  # an episode's later turns hand the engine its whole context as the prompt
-    prompt_tokens = data.max_prompt_tokens if agent is None else longest_context(
+    agent = model.get("agent")  # an episode's trajectory: the update's rows, its later turns' prompts
+    episode = None if agent is None else episode_tokens(
         data.max_prompt_tokens, new_tokens, agent.get("tools"), agent.get("environment"), agent.get("max_turns", 1),
         agent.get("max_episode_tokens"))
+    prompt_tokens = data.max_prompt_tokens
     if kind == "vllm":
         return RunSettings(
             prompts=data.batch_size, group_size=sampling.group_size, max_prompt_tokens=prompt_tokens,
@@ -175,7 +176,8 @@ def run_settings(config) -> RunSettings:
             wide_batch_bf16=False, keep_kv_cache=False,
             kv_cache_dtype=str((engine.engine_kwargs or {}).get("kv_cache_dtype", "auto")),
             gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-            lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine.max_lora_rank), sleep=bool(engine.sleep))
+            lora_slot_rank=vllm_lora_rank(policy.lora_rank, engine.max_lora_rank), sleep=bool(engine.sleep),
+            episode_tokens=episode)
     return RunSettings(
         prompts=data.batch_size, group_size=sampling.group_size, max_prompt_tokens=prompt_tokens,
         max_new_tokens=new_tokens, quantization=policy.quantization, lora_rank=policy.lora_rank,
@@ -185,7 +187,8 @@ def run_settings(config) -> RunSettings:
         length_bucket=engine.length_bucket if graphs else 1,
         wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
         keep_kv_cache=engine.keep_kv_cache if graphs else False,
-        kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto",
+        kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto", episode_tokens=episode,
+        check_every=engine.check_every if graphs else 16,
     )
 
 
@@ -263,7 +266,7 @@ def resolve(settings: RunSettings, config, shape: ModelShape | None, free_bytes:
     if vllm and max_model_len_error(settings):
         raise MemoryPlanError(max_model_len_error(settings))
     if shape is None:  # no device (or no plan for this model): the engines' unplanned values
-        return Resolution(max_model_len=settings.longest_row if vllm else None)  # lengths need no device
+        return Resolution(max_model_len=settings.engine_row if vllm else None)  # lengths need no device
     plan = plan_memory(shape, settings, free_bytes, wave_rows=engine.wave_rows if graphs else None,
                        micro_batch_tokens=micro_batch_tokens, total_bytes=total_bytes)
     if vllm:

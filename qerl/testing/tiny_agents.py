@@ -21,9 +21,10 @@ from qerl.tools.chat_template import with_chat_template
 def save_tiny_chat_model(directory: str | Path, architecture: str = "qwen2", end_logit: float = 9.2, seed: int = 0
                          ) -> Path:
     """Write the tiny model (float32) and its tokenizer (``qwen2_5`` template) to ``directory``; ``architecture``
-    one with its own output matrix (``qwen2``, ``llama``: the tied ones would move the embeddings too)."""
-    if architecture not in ("qwen2", "llama"):
-        raise ValueError(f"architecture must be qwen2 or llama (untied output matrix), got {architecture!r}.")
+    one with its own output matrix (``qwen2``, ``llama``, ``qwen3_moe``: the tied ones would move the embeddings too)."""
+    if architecture not in ("qwen2", "llama", "qwen3_moe"):
+        raise ValueError(f"architecture must be qwen2, llama or qwen3_moe (untied output matrix), got "
+                         f"{architecture!r}.")
     from transformers import AutoModelForCausalLM
 
     directory = save_tiny_model(directory, architecture, seed=seed, dtype=torch.float32)

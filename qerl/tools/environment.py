@@ -10,9 +10,10 @@
             ...                                        # Google-style docstring, as TRL requires)
 
 What maps from TRL: ``reset(**row)``, public methods as tools, ``get_reward``, one instance per trajectory reused
-across steps. What does not: ``reset``'s returned string (TRL's prompt when there is no dataset) is ignored: the data
-module's row is the prompt, the same for the G trajectories of a group; ``step`` is qerl's (a text game where the
-model answers in plain text); async methods are not awaited.
+across steps. What does not: ``reset``'s returned string (TRL appends it to the last user message) is ignored: the
+prompt is rendered from the dataset row before the episodes start, the same for the G trajectories of a group, so
+an initial state belongs in the row; ``step`` is qerl's (a text game where the model answers in plain text); async
+methods are refused at load.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def load_environment(entry: str | dict | None, option: str = "model.environment"
     if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
         raise ValueError(f"{option}={entry!r}: not a class with a reset(**row) method. Fix: name the environment "
                          "class (TRL's environment_factory), e.g. my_envs:Counter.")
+    for name in ("reset", "step", "get_reward"):
+        if inspect.iscoroutinefunction(getattr(cls, name, None)):
+            raise ValueError(f"{option}={entry!r}: its {name} is async; episodes call the environment synchronously. "
+                             "Fix: make it a plain def.")
     factory = EnvironmentFactory(cls, init_args or {})
     try:
         instance = factory.make()

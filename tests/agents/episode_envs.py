@@ -27,3 +27,17 @@ class Echo:
         """
         self.echoes += 1
         return text
+
+
+class RowTurns:
+    """Answers (the row's answer mod 3) plain replies with "Go on.", then ends: an episode's length depends on its
+    dataset row alone, so the episodes of a batch differ from one rank's share of it."""
+
+    def reset(self, answer: str = "0", **row) -> None:
+        self.left = int(answer) % 3
+
+    def step(self, message: str) -> str | None:
+        if self.left == 0:
+            return None
+        self.left -= 1
+        return "Go on."

@@ -46,9 +46,9 @@ def test_refills_keep_which_tokens_are_the_models():
     assert cat_rollouts([single, single], PAD).generated_mask is None
 
 
-def test_the_memory_plan_sees_an_episodes_longest_context():
-    from qerl.agents.config import longest_context
+def test_the_memory_plan_sees_an_episodes_whole_trajectory():
+    from qerl.agents.config import episode_tokens
 
-    assert longest_context(256, 1024, None, None, 4, None) == 256  # single-turn: the prompt
-    assert longest_context(256, 1024, ["m:f"], None, 4, 4096) == 4096  # the episode's budget
-    assert longest_context(256, 1024, None, "m:Env", 4, None) == 256 + 4 * 1024  # the loop's default budget
+    assert episode_tokens(256, 1024, None, None, 4, None) is None  # single-turn
+    assert episode_tokens(256, 1024, ["m:f"], None, 4, 4096) == 4096  # the episode's budget
+    assert episode_tokens(256, 1024, None, "m:Env", 4, None) == 256 + 4 * 1024  # the loop's default budget

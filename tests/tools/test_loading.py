@@ -51,6 +51,21 @@ def test_an_environment_class_exposes_its_public_methods_as_tools():
     assert env.get_reward() == 1.0
 
 
+class AsyncScore:
+    """An environment whose reward is a coroutine (TRL awaits one; the episodes here would not)."""
+
+    def reset(self, **row) -> None:
+        pass
+
+    async def get_reward(self) -> float:
+        return 1.0
+
+
+def test_an_environment_with_an_async_reward_is_refused_at_load():
+    with pytest.raises(ValueError, match="its get_reward is async.*Fix: make it a plain def"):
+        load_environment(f"{Path(__file__)}:AsyncScore")
+
+
 def test_an_environment_that_is_not_a_class_is_refused():
     with pytest.raises(ValueError, match="model.environment=.*not a class with a reset"):
         load_environment(f"{MY_TOOLS}:multiply")
