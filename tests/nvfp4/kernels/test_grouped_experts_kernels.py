@@ -14,7 +14,8 @@ def interpreted(run_interpreted):
 
 
 def test_grouped_experts_equal_float64_per_pair(interpreted):
-    assert len(interpreted) == 11  # NVFP4 / 16-bit weights x fp32 / fp16 x base / LoRA; 40, 200 tokens: NVFP4 + LoRA
+    # NVFP4 / 16-bit weights x fp32 / fp16 x base / LoRA, NVFP4 in pair order + LoRA; 40, 200 tokens: NVFP4 + LoRA
+    assert len(interpreted) == 13 and {"nvfp4pair-float32-lora-9", "nvfp4pair-float16-lora-9"} <= set(interpreted)
     for key, v in interpreted.items():
         assert v["dtype"] == key.split("-")[1], key
         if "float32" in key:  # fp32 sums in another order
@@ -24,7 +25,7 @@ def test_grouped_experts_equal_float64_per_pair(interpreted):
 
 
 def test_pairs_are_sorted_by_expert_with_offsets():
-    from qerl.nvfp4.kernels.grouped_experts import sort_pairs
+    from qerl.nvfp4.kernels.pair_sort import sort_pairs
 
     index = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
     order, offsets = sort_pairs(index, 5)
