@@ -58,15 +58,20 @@ class GroupedConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    unpack: str = "asm"
+    """NVFP4 weights in bf16 on CUDA (elsewhere ``natural``, the one unpack every dtype and the interpreter run)."""
 
 
-# (weight format, gated, pairs bucket) -> configuration; pairs = rows x top-k (the down projection's too). The one
-# place the sweep's winners (bench/sweep_grouped_experts.py, which prints this table) replace.
+FORMATS = ("nvfp4", "bf16", "lora_a")
+"""The table's weight kinds: NVFP4 experts, 16-bit experts, and the LoRA-A products (16-bit, rank-sized outputs)."""
+# (weight kind, gated, pairs bucket) -> configuration; pairs = rows x top-k (the down projection's too). The one place
+# the sweep's winners replace (bench/sweep_grouped_experts.py prints these entries).
 DEFAULT_CONFIGS: dict[tuple[str, bool, int], GroupedConfig] = {
-    (fmt, gated, pairs): GroupedConfig(32 if pairs <= 64 else 64, 128, 4, 3)
-    for fmt in ("nvfp4", "bf16") for gated in (False, True) for pairs in (8, 16, 32, 64, 128, 256, 512, 1024)
+    (kind, gated, pairs): GroupedConfig(32 if pairs <= 64 else 64, 128, 4, 3)
+    for kind in FORMATS for gated in (False, True) for pairs in (8, 16, 32, 64, 128, 256, 512, 1024)
 }
 _WIDE = GroupedConfig(64, 128, 8, 3)  # a prefill's 64-pair tiles
+_LORA_A_ROWS = 64  # a 16-bit weight of at most this many output rows per expert is a LoRA-A (2r or r rows)
 
 
 def pairs_bucket(pairs: int) -> int:
@@ -74,11 +79,18 @@ def pairs_bucket(pairs: int) -> int:
     return min(max(8, next_power_of_2(pairs)), 1024)
 
 
-def default_config(pairs: int, num_experts: int, nvfp4: bool, gated: bool) -> GroupedConfig:
-    """The launch configuration for ``pairs`` (token, expert) pairs over ``num_experts`` experts."""
+def weight_kind(weight) -> str:
+    """The table's weight kind of a :func:`grouped` weight argument (one of :data:`FORMATS`)."""
+    if isinstance(weight, tuple):
+        return "nvfp4"
+    return "lora_a" if weight.shape[1] <= _LORA_A_ROWS else "bf16"
+
+
+def default_config(pairs: int, num_experts: int, kind: str, gated: bool) -> GroupedConfig:
+    """The launch configuration for ``pairs`` (token, expert) pairs over ``num_experts`` experts of weight ``kind``."""
     if pairs >= WIDE_BLOCK_M * num_experts:
         return _WIDE
-    return DEFAULT_CONFIGS[("nvfp4" if nvfp4 else "bf16", gated, pairs_bucket(pairs))]
+    return DEFAULT_CONFIGS[(kind, gated, pairs_bucket(pairs))]
 
 
 @triton.jit
@@ -202,7 +214,8 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
             and the scaled LoRA-B matrices; None: no adapter.
         route: router weight per pair ``[P]`` multiplied into the output (the down projection), or None.
         config: the launch configuration (None: :func:`default_config`).
-        unpack: one of :data:`UNPACKS` for NVFP4 weights (None: ``asm`` for bf16 on CUDA, else ``natural``).
+        unpack: one of :data:`UNPACKS` for NVFP4 weights (None: the configuration's where it applies, else
+            ``natural``).
     """
     P, K = order.numel(), x.shape[1]
     nvfp4 = isinstance(weight, tuple)
@@ -213,8 +226,9 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         return out
     if not x.is_cuda and not _INTERPRET:
         return grouped_torch(x, order, offsets, weight, top_k=top_k, gated=gated, lora=lora, route=route)
+    cfg = config or default_config(P, E, weight_kind(weight), gated)
     asm_ok = x.dtype == torch.bfloat16 and x.is_cuda and not _INTERPRET
-    unpack = unpack or ("asm" if asm_ok else "natural")
+    unpack = unpack or (cfg.unpack if asm_ok or cfg.unpack != "asm" else "natural")
     if unpack not in UNPACKS or (unpack == "asm" and not asm_ok):
         raise ValueError(f"unpack={unpack!r}: use one of {UNPACKS} ('asm' for bf16 on CUDA only).")
     pair_order = nvfp4 and unpack != "natural"
@@ -225,7 +239,6 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         packed = scale = gs = weight
     u, b = lora if lora is not None else (x, x)
     r = b.shape[2] if lora is not None else 0
-    cfg = config or default_config(P, E, nvfp4, gated)
     block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
     block_k = min(cfg.block_k, max(16, next_power_of_2(K)))
     block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
@@ -281,5 +294,5 @@ def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
 
 
-__all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "UNPACKS", "GroupedConfig", "combine", "default_config", "expert_weight",
-           "grouped", "grouped_torch", "pairs_bucket"]
+__all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
+           "expert_weight", "grouped", "grouped_torch", "pairs_bucket", "weight_kind"]
