@@ -12,8 +12,9 @@ weights, block scales and LoRA-B) at the measured copy bandwidth.
         [--variants nvfp4-asm nvfp4-natural bf16] [--rows 1 16 64 128] [--block-n 16 32 64] [--block-k 128 256]
         [--warps 4 8] [--stages 2 3]
 
-Prints a line per case (floor, the default's ms, the best configuration's ms, GB/s, x floor, error) and the winners
-as ``DEFAULT_CONFIGS`` entries to paste into ``qerl/nvfp4/kernels/grouped_experts.py``; writes every row to ``--out``.
+Also times the pair sort (``pair_sort``: kernel vs torch) per row count. Prints a line per case (floor, the default's
+ms, the best configuration's ms, GB/s, x floor, error) and the winners as ``DEFAULT_CONFIGS`` entries to paste into
+``qerl/nvfp4/kernels/grouped_experts.py``; writes every row to ``--out``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import copy_bandwidth_gbps, graph_ms, random_nvfp4  # noqa: E402
 
 from qerl.nvfp4.kernels import grouped_experts as G  # noqa: E402
-from qerl.nvfp4.kernels.pair_sort import sort_pairs  # noqa: E402
+from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch  # noqa: E402
 
 H, I, E, TOP_K, RANK = 2048, 768, 128, 8, 16
 L2_ROTATION_BYTES = 600e6  # what one graph's calls read in all: ten times the H200's 60 MB L2
@@ -95,6 +96,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
+def sort_times(rows_list: list[int], device) -> list[dict]:
+    """The pair sort per decode step: the one-program kernel against the torch sort + binary search it replaces."""
+    out = []
+    for rows in rows_list:
+        gen = torch.Generator(device=device).manual_seed(rows)
+        indices = [torch.rand(rows, E, device=device, generator=gen).topk(TOP_K, dim=1).indices for _ in range(8)]
+        same = all(torch.equal(a, b) for i in indices for a, b in zip(sort_pairs(i, E), sort_pairs_torch(i, E)))
+        row = dict(rows=rows, same=same, ms_kernel=graph_ms(lambda i: sort_pairs(indices[i % 8], E), 8),
+                   ms_torch=graph_ms(lambda i: sort_pairs_torch(indices[i % 8], E), 8))
+        print(f"pair sort rows {rows:4d}: kernel {row['ms_kernel'] * 1e3:.1f} us, torch "
+              f"{row['ms_torch'] * 1e3:.1f} us, same order: {same}", flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -109,6 +125,7 @@ def main() -> None:
     device = torch.device("cuda")
     copy = copy_bandwidth_gbps(device)
     print(f"{torch.cuda.get_device_name(device)}: copy {copy:.0f} GB/s", flush=True)
+    sorts = sort_times(args.rows, device)
     grid = [G.GroupedConfig(*c) for c in itertools.product(args.block_n, args.block_k, args.warps, args.stages)]
     rows_out, winners = [], {}
     variants = [v for v in VARIANTS if (f"{v[0]}-{v[1]}" if v[1] else v[0]) in args.variants]
@@ -160,7 +177,7 @@ def main() -> None:
         "shape": dict(hidden=H, intermediate=I, experts=E, top_k=TOP_K, lora_rank=RANK),
         "winners": [dict(format=f, gated=g, pairs=p, config=b["config"], unpack=u, ms=b["ms"])
                     for (f, g, p), (b, u) in sorted(winners.items())],
-        "rows": rows_out}, indent=2) + "\n")
+        "pair_sort": sorts, "rows": rows_out}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -2,13 +2,15 @@
 
 ``index [T, k]`` holds the expert ids of ``P = T * k`` pairs (pair ``p = t * k + j``). The kernel reads them twice in
 chunks: first a histogram over the ``E`` experts (a one-hot ``[chunk, E]`` summed), whose exclusive prefix sum gives
-each expert's first slot (``offsets``); then it writes each pair id at its expert's running cursor plus its rank among
-the chunk's earlier pairs of the same expert. The result is the stable sort's, element for element (what
-``torch.sort(stable=True)`` + ``searchsorted`` give, :func:`sort_pairs_torch`), so the grouped kernels' values do not
-depend on which one ran. Static shapes, no host sync: a CUDA graph captures it.
+each expert's first slot (``offsets``); then it writes each pair id at its expert's running cursor plus the count of
+the chunk's earlier pairs of the same expert (a cumulative sum of the one-hot down the chunk). The result is the
+stable sort's, element for element (what ``torch.sort(stable=True)`` + ``searchsorted`` give,
+:func:`sort_pairs_torch`), so the grouped kernels' values do not depend on which one ran. Static shapes, no host sync:
+a CUDA graph captures it.
 
-One program is the right size for a decode step (P = rows x top-k, a few thousand at most) and replaces a radix sort
-plus a binary search (several launches); a prefill's hundreds of thousands of pairs take the torch path.
+One program is meant for a decode step (P = rows x top-k, a few thousand at most), in place of a radix sort plus a
+binary search (several launches; ``bench/sweep_grouped_experts.py`` times both); a prefill's hundreds of thousands of
+pairs take the torch path.
 """
 
 from __future__ import annotations
@@ -41,10 +43,9 @@ def _sort_pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, BLOCK: tl.constexp
         p = p0 + q
         ids = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
         hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, EP]
-        first = tl.sum(hit * cursor[None, :], axis=1)  # the cursor of each pair's expert
-        earlier = (ids[:, None] == ids[None, :]) & (q[None, :] < q[:, None])  # the chunk's earlier pairs, same expert
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(order_ptr + first + rank, p.to(tl.int64), mask=p < P)
+        before = tl.cumsum(hit, axis=0) - hit  # the chunk's earlier pairs of each expert
+        slot = tl.sum(hit * (cursor[None, :] + before), axis=1)  # read at each pair's own expert
+        tl.store(order_ptr + slot, p.to(tl.int64), mask=p < P)
         cursor += tl.sum(hit, axis=0)
 
 
@@ -58,8 +59,8 @@ def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     order = torch.empty(P, dtype=torch.long, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
     ep = next_power_of_2(num_experts)
-    _sort_pairs_kernel[(1,)](ids.contiguous(), order, offsets, P, num_experts, BLOCK=64 if ep > 128 else 128, EP=ep,
-                             num_warps=4)
+    _sort_pairs_kernel[(1,)](ids.contiguous(), order, offsets, P, num_experts, BLOCK=min(1024, 32768 // ep), EP=ep,
+                             num_warps=8)
     return order, offsets
 
 

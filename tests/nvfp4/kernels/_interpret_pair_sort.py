@@ -10,7 +10,7 @@ res = {}
 g = torch.Generator().manual_seed(0)
 # decode shapes (128 experts top-8 over 1 and 40 rows: several chunks), 256 experts (the narrower chunks), a few
 # experts chosen by all (long runs of one id across chunks), ragged P
-for T, E, k in ((1, 128, 8), (40, 128, 8), (9, 256, 8), (300, 6, 2), (7, 60, 4)):
+for T, E, k in ((1, 128, 8), (40, 128, 8), (9, 256, 8), (700, 6, 2), (7, 60, 4)):
     scores = torch.rand(T, E, generator=g)
     if E == 6:
         scores[:, :2] += 1.0  # experts 0 and 1 take every token
