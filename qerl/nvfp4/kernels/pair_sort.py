@@ -59,8 +59,9 @@ def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     order = torch.empty(P, dtype=torch.long, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
     ep = next_power_of_2(num_experts)
-    _sort_pairs_kernel[(1,)](ids.contiguous(), order, offsets, P, num_experts, BLOCK=min(1024, 32768 // ep), EP=ep,
-                             num_warps=8)
+    # [chunk, E] one-hots of 32k entries where E = 128 (their cumulative sum then needs no shared-memory round trip)
+    _sort_pairs_kernel[(1,)](ids.contiguous(), order, offsets, P, num_experts, BLOCK=256 if ep == 128 else 128, EP=ep,
+                             num_warps=4)
     return order, offsets
 
 
