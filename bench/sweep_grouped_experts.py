@@ -9,8 +9,8 @@ the dequantized weights). Each time is set against its floor: the bytes of the e
 weights, block scales and LoRA-B) at the measured copy bandwidth.
 
     PYTHONPATH=. python bench/sweep_grouped_experts.py --out bench/results/grouped_experts_sweep_h200.json
-        [--variants nvfp4-asm nvfp4-natural bf16] [--rows 1 16 64 128] [--block-n 16 32 64] [--block-k 128 256]
-        [--warps 4 8] [--stages 2 3]
+        [--variants nvfp4-asm nvfp4-natural bf16] [--against EARLIER.json ...] [--rows 1 16 64 128]
+        [--block-n 16 32 64] [--block-k 128 256] [--warps 4 8] [--stages 2 3 4]
 
 Also times the pair sort (``pair_sort``: kernel vs torch) per row count. Prints a line per case (floor, the default's
 ms, the best configuration's ms, GB/s, x floor, error) and the winners as ``DEFAULT_CONFIGS`` entries to paste into
@@ -115,12 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--against", nargs="*", default=[],
+                        help="earlier runs' JSON files (other variants) whose winners compete in the printed entries")
     parser.add_argument("--variants", nargs="+", default=[f"{f}-{u}" if u else f for f, u in VARIANTS],
                         help="nvfp4-asm, nvfp4-natural, bf16 (split a long sweep over several runs)")
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     args = parser.parse_args()
     device = torch.device("cuda")
     copy = copy_bandwidth_gbps(device)
@@ -165,6 +167,11 @@ def main() -> None:
         key = (fmt, gated, G.pairs_bucket(rows * TOP_K))
         if key not in winners or best["ms"] < winners[key][0]["ms"]:
             winners[key] = (best, unpack)
+    for earlier in args.against:  # a sweep split over several runs: the best of all of them per entry
+        for w in json.loads(Path(earlier).read_text())["winners"]:
+            key = (w["format"], w["gated"], w["pairs"])
+            if key not in winners or w["ms"] < winners[key][0]["ms"]:
+                winners[key] = ({"ms": w["ms"], "config": w["config"]}, w["unpack"])
     print("\n# DEFAULT_CONFIGS entries (qerl/nvfp4/kernels/grouped_experts.py) from this sweep:")
     for (fmt, gated, pairs), (best, unpack) in sorted(winners.items()):
         extra = f', unpack="{unpack}"' if unpack and unpack != "asm" else ""
