@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import grouped_experts as G
+from qerl.nvfp4.kernels.pair_sort import sort_pairs
 from qerl.nvfp4.kernels.topk_router import topk_route, topk_route_torch
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
@@ -159,7 +160,7 @@ class MoEStep:
         weight, index = self.route(x)
         if choices is not None:
             choices.copy_(index)
-        order, offsets = G.sort_pairs(index, len(self.bases))
+        order, offsets = sort_pairs(index, len(self.bases))
         run = G.grouped if self.fast else G.grouped_torch
         k = self.top_k
         lora_gu = lora_d = None

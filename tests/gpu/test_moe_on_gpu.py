@@ -134,3 +134,26 @@ def test_captured_moe_steps_equal_eager_steps(policy, prompts):
             for graphs in (True, False)]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_ptx_unpack_equals_its_plain_twin_bit_for_bit_and_the_pair_sort_the_torch_sort(policy, tokens):
+    from qerl.nvfp4.kernels import grouped_experts as G
+    from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
+
+    decoder = FusedDecoder(policy.get_base_model(), Kernels.pick(torch.device("cuda")))
+    decoder.prepare(torch.bfloat16)
+    step = decoder.moe[0]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    _, index = step.route(x)
+    order, offsets = sort_pairs(index, 128)
+    assert all(torch.equal(a, b) for a, b in zip((order, offsets), sort_pairs_torch(index, 128)))
+    h = {u: G.grouped(x, order, offsets, step.gate_up, top_k=8, gated=True, unpack=u) for u in G.UNPACKS}
+    assert torch.equal(h["asm"], h["pair"])  # the same values summed in the same order
+    # another summation order: an ulp or two of each rounded output (gate and up, then their product)
+    torch.testing.assert_close(h["asm"], h["natural"], atol=float(h["asm"].abs().max()) * 2**-12, rtol=2**-6)
+    y = {u: G.grouped(h["natural"], order, offsets, step.down, top_k=1, unpack=u) for u in G.UNPACKS}
+    assert torch.equal(y["asm"], y["pair"])
+    torch.testing.assert_close(y["asm"], y["natural"], atol=float(y["asm"].abs().max()) * 2**-12, rtol=2**-7)

@@ -1,11 +1,11 @@
 """A mixture-of-experts layer's routed experts as grouped Triton GEMMs over (token, expert) pairs sorted by expert.
 
 A router sends each of ``T`` tokens to ``k`` of ``E`` experts: ``P = T * k`` pairs, pair ``p = t * k + j`` being
-token ``t``'s j-th choice. :func:`sort_pairs` orders the pairs by expert on the GPU (a stable sort, then a binary
-search for each expert's first pair: static shapes, no host sync, so a CUDA graph captures it) and gives each expert
-its slice ``offsets[e] .. offsets[e + 1]`` of that order. One launch then serves all experts: program ``(e, n)`` loops over
-expert e's pairs in tiles of 16 and computes output columns ``n`` of each; an expert no pair chose loops zero times
-and reads none of its weights (a decode step's time is the bytes of the experts it touches).
+token ``t``'s j-th choice. ``pair_sort.sort_pairs`` orders the pairs by expert on the GPU (static shapes, no host
+sync, so a CUDA graph captures it) and gives each expert its slice ``offsets[e] .. offsets[e + 1]`` of that order. One
+launch then serves all experts: program ``(e, n)`` loops over expert e's pairs in tiles of 16 and computes output
+columns ``n`` of each; an expert no pair chose loops zero times and reads none of its weights (a decode step's time is
+the bytes of the experts it touches).
 
     u_gu  = grouped(x, A_gu)                   LoRA-A of gate and up, [P, 2r]           (dense weights [E, 2r, H])
     h     = grouped(x, W_gu, gated)            silu(x Wg^T + u_g Bg^T) * (x Wu^T + u_u Bu^T), [P, I]
@@ -27,6 +27,7 @@ are summed in fp32 and rounded once (transformers adds them one by one in the dt
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -36,31 +37,75 @@ import triton.language as tl
 
 from qerl.nvfp4.format import dequantize
 from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
-from qerl.nvfp4.kernels.matmul import _unpacked_weight_tile
+from qerl.nvfp4.kernels.weight_tile import _pair_order_tile, _unpacked_weight_tile
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}  # what the unpacked tile is scaled by
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # pairs per tile (the smallest tl.dot operand); 64 where experts get many pairs (a prefill)
 WIDE_BLOCK_M = 64
+UNPACKS = ("asm", "pair", "natural")
+"""NVFP4 unpacks: ``asm`` the PTX unpack (2 codes per 32-bit op, bf16 on CUDA only) with the weight's columns in pair
+order and the input's columns gathered in that order; ``pair`` the same order and values in plain Triton (its twin,
+which the interpreter runs); ``natural`` the bit-trick unpack in column order (any dtype)."""
 
 
-def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``index [T, k]`` (expert ids) -> ``(order [T*k]`` pair ids sorted by expert, ``offsets [E + 1]`` int32):
-    expert e's pairs are ``order[offsets[e]:offsets[e + 1]]``. Graph-capturable (no host sync)."""
-    experts, order = torch.sort(index.reshape(-1), stable=True)
-    bounds = torch.arange(num_experts + 1, dtype=experts.dtype, device=index.device)
-    return order, torch.searchsorted(experts, bounds, out_int32=True)  # first pair of each expert id and above
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """One launch configuration of :func:`_grouped_kernel` (``block_m``: from the pairs per expert, not here)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    unpack: str = "asm"
+    """NVFP4 weights in bf16 on CUDA (elsewhere ``natural``, the one unpack every dtype and the interpreter run)."""
+
+
+FORMATS = ("nvfp4", "bf16", "lora_a")
+"""The table's weight kinds: NVFP4 experts, 16-bit experts, and the LoRA-A products (16-bit, rank-sized outputs)."""
+# (weight kind, gated, pairs bucket) -> configuration; pairs = rows x top-k (the down projection's too). The one place
+# the sweep's winners replace (bench/sweep_grouped_experts.py prints these entries).
+DEFAULT_CONFIGS: dict[tuple[str, bool, int], GroupedConfig] = {
+    (kind, gated, pairs): GroupedConfig(32 if pairs <= 64 else 64, 128, 4, 3)
+    for kind in FORMATS for gated in (False, True) for pairs in (8, 16, 32, 64, 128, 256, 512, 1024)
+}
+_WIDE = GroupedConfig(64, 128, 8, 3)  # a prefill's 64-pair tiles
+_LORA_A_ROWS = 64  # a 16-bit weight of at most this many output rows per expert is a LoRA-A (2r or r rows)
+
+
+def pairs_bucket(pairs: int) -> int:
+    """The table's key for ``pairs``: the next power of two in 8 .. 1024."""
+    return min(max(8, next_power_of_2(pairs)), 1024)
+
+
+def weight_kind(weight) -> str:
+    """The table's weight kind of a :func:`grouped` weight argument (one of :data:`FORMATS`)."""
+    if isinstance(weight, tuple):
+        return "nvfp4"
+    return "lora_a" if weight.shape[1] <= _LORA_A_ROWS else "bf16"
+
+
+def default_config(pairs: int, num_experts: int, kind: str, gated: bool) -> GroupedConfig:
+    """The launch configuration for ``pairs`` (token, expert) pairs over ``num_experts`` experts of weight ``kind``."""
+    if pairs >= WIDE_BLOCK_M * num_experts:
+        return _WIDE
+    return DEFAULT_CONFIGS[(kind, gated, pairs_bucket(pairs))]
 
 
 @triton.jit
 def _weight_tile(w_ptr, scale_ptr, e, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NVFP4: tl.constexpr, DT: tl.constexpr):
-    """Rows ``n0 ..`` x columns ``k0 ..`` of expert e's weight in ``DT`` (NVFP4: times the unpack's 2^SHIFT)."""
+                 NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr, DT: tl.constexpr):
+    """Rows ``n0 ..`` x columns ``k0 ..`` of expert e's weight in ``DT`` (NVFP4: times the unpack's 2^SHIFT; in pair
+    order within each 8 columns where ``PAIR_ORDER``, ``w_ptr`` then the packed codes viewed as int32)."""
     e64 = e.to(tl.int64)
     if NVFP4:
-        w = _unpacked_weight_tile(w_ptr + e64 * N * (K // 2), scale_ptr + e64 * N * (K // 16), n0, k0, N, K,
-                                  BLOCK_N, BLOCK_K, DT)
+        if PAIR_ORDER:
+            w = _pair_order_tile(w_ptr + e64 * N * (K // 8), scale_ptr + e64 * N * (K // 16), n0, k0, N, K,
+                                 BLOCK_N, BLOCK_K, DT, USE_ASM)
+        else:
+            w = _unpacked_weight_tile(w_ptr + e64 * N * (K // 2), scale_ptr + e64 * N * (K // 16), n0, k0, N, K,
+                                      BLOCK_N, BLOCK_K, DT)
     else:
         rows = n0 + tl.arange(0, BLOCK_N)
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -79,17 +124,32 @@ def _dot(a, b, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, u_col, b_ptr, r,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-                NVFP4: tl.constexpr, HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
-    """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
+def _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, n1, N, K, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr,
+                   USE_ASM: tl.constexpr, TWO: tl.constexpr, DT: tl.constexpr):
+    """fp32 ``x W[n0:+BLOCK_N]^T`` (and ``x W[n1:+BLOCK_N]^T`` where ``TWO``: gate and up in one pass over x)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    j = tl.arange(0, BLOCK_K)
+    if PAIR_ORDER:  # pair-order position j holds column (j >> 1) + 4 (j & 1) of its 8: x's columns gathered so
+        j = (j // 8) * 8 + (j % 8) // 2 + (j % 2) * 4
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = k0 + j
         x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=pair_ok[:, None] & (cols[None, :] < K),
                     other=0.0).to(DT)
-        w = _weight_tile(w_ptr, scale_ptr, e, n0, k0, N, K, BLOCK_N, BLOCK_K, NVFP4, DT)
+        w = _weight_tile(w_ptr, scale_ptr, e, n0, k0, N, K, BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, DT)
         acc = _dot(x, tl.trans(w), acc, DT)
+        if TWO:
+            w2 = _weight_tile(w_ptr, scale_ptr, e, n1, k0, N, K, BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, DT)
+            acc2 = _dot(x, tl.trans(w2), acc2, DT)
+    return acc, acc2
+
+
+@triton.jit
+def _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, RP: tl.constexpr, NVFP4: tl.constexpr, HAS_LORA: tl.constexpr,
+              DT: tl.constexpr, SHIFT: tl.constexpr):
+    """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
     if NVFP4:
         acc = acc * (SHIFT / gs)
     v = acc.to(DT).to(tl.float32)
@@ -108,7 +168,7 @@ def _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_p
 def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, b_ptr, r,
                     route_ptr, out_ptr, N, K, TOPK_IN,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-                    NVFP4: tl.constexpr,
+                    NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
                     SHIFT: tl.constexpr):
     e = tl.program_id(0)
@@ -119,21 +179,20 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
     if NVFP4:
         gs = tl.load(gs_ptr + e)
     cols = n0 + tl.arange(0, BLOCK_N)
+    N_W = 2 * N if GATED else N  # [Wg; Wu] stacked per expert: rows n of the gate, N + n of the up projection
     for m0 in range(start, end, BLOCK_M):  # zero iterations for an expert no pair chose: none of its bytes read
         slot = m0 + tl.arange(0, BLOCK_M)
         pair_ok = slot < end
         pairs = tl.load(order_ptr + slot, mask=pair_ok, other=0)
         rows = pairs // TOPK_IN
-        if GATED:  # [Wg; Wu] stacked per expert: rows n of the gate, N + n of the up projection
-            g = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, 2 * N, K, u_ptr, su, pairs, 0,
-                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
-            up = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, N + n0, 2 * N, K, u_ptr, su, pairs,
-                             r, b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
-            s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-            v = s * up
-        else:
-            v = _projection(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, gs, e, n0, N, K, u_ptr, su, pairs, 0,
-                            b_ptr, r, BLOCK_M, BLOCK_N, BLOCK_K, RP, NVFP4, HAS_LORA, DT, SHIFT)
+        acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
+        v = _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
+                      HAS_LORA, DT, SHIFT)
+        if GATED:
+            up = _epilogue(acc_up, gs, u_ptr, su, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
+                           NVFP4, HAS_LORA, DT, SHIFT)
+            v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
             v = v * tl.load(route_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * N + cols[None, :], v.to(DT),
@@ -141,18 +200,22 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
 
 
 def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight, *, top_k: int, gated: bool = False,
-            lora=None, route: torch.Tensor | None = None, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+            lora=None, route: torch.Tensor | None = None, config: GroupedConfig | None = None,
+            unpack: str | None = None) -> torch.Tensor:
     """Each pair's expert applied to its input row (see the module docstring); returns ``[P, N]`` in ``x``'s dtype.
 
     Args:
         x: ``[T, K]`` token rows (pair p reads row ``p // top_k``) or ``[P, K]`` pair rows (``top_k=1``).
-        order, offsets: from :func:`sort_pairs` (``P = order.numel()``).
+        order, offsets: from ``pair_sort.sort_pairs`` (``P = order.numel()``).
         weight: ``(packed [E, N', K/2] uint8, scale [E, N', K/16] e4m3, global_scale [E] fp32)`` NVFP4 or a 16-bit
             ``[E, N', K]`` tensor; ``N' = 2N`` when ``gated`` (``[Wg; Wu]`` per expert), else ``N``.
         gated: return ``silu(gate) * up`` of the stacked pair of projections.
         lora: ``(u [P, r'], B [E, N', r])``: LoRA-A outputs per pair (``r' = 2r`` when gated: gate's, then up's)
             and the scaled LoRA-B matrices; None: no adapter.
         route: router weight per pair ``[P]`` multiplied into the output (the down projection), or None.
+        config: the launch configuration (None: :func:`default_config`).
+        unpack: one of :data:`UNPACKS` for NVFP4 weights (None: the configuration's where it applies, else
+            ``natural``).
     """
     P, K = order.numel(), x.shape[1]
     nvfp4 = isinstance(weight, tuple)
@@ -163,20 +226,29 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         return out
     if not x.is_cuda and not _INTERPRET:
         return grouped_torch(x, order, offsets, weight, top_k=top_k, gated=gated, lora=lora, route=route)
-    packed, scale, gs = (weight[0], weight[1].view(torch.uint8), weight[2]) if nvfp4 else (weight, weight, weight)
+    cfg = config or default_config(P, E, weight_kind(weight), gated)
+    asm_ok = x.dtype == torch.bfloat16 and x.is_cuda and not _INTERPRET
+    unpack = unpack or (cfg.unpack if asm_ok or cfg.unpack != "asm" else "natural")
+    if unpack not in UNPACKS or (unpack == "asm" and not asm_ok):
+        raise ValueError(f"unpack={unpack!r}: use one of {UNPACKS} ('asm' for bf16 on CUDA only).")
+    pair_order = nvfp4 and unpack != "natural"
+    if nvfp4:
+        packed = weight[0].view(torch.int32) if pair_order else weight[0]
+        scale, gs = weight[1].view(torch.uint8), weight[2]
+    else:
+        packed = scale = gs = weight
     u, b = lora if lora is not None else (x, x)
     r = b.shape[2] if lora is not None else 0
-    block_k = min(block_k, max(16, next_power_of_2(K)))
-    if P <= 4 * BLOCK_M:  # a few experts touched: narrower tiles spread their bytes over more programs
-        block_n //= 2
     block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
-    block_n = min(block_n, max(16, next_power_of_2(N)))
+    block_k = min(cfg.block_k, max(16, next_power_of_2(K)))
+    block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
     _grouped_kernel[(E, cdiv(N, block_n))](
         x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
         route if route is not None else x, out, N, K, top_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4, GATED=gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4,
+        PAIR_ORDER=pair_order, USE_ASM=pair_order and unpack == "asm", GATED=gated,
         HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
-        num_warps=8 if block_m == WIDE_BLOCK_M else 4, num_stages=1 if _INTERPRET else 3)
+        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
     return out
 
 
@@ -222,4 +294,5 @@ def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
 
 
-__all__ = ["BLOCK_M", "combine", "expert_weight", "grouped", "grouped_torch", "sort_pairs"]
+__all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
+           "expert_weight", "grouped", "grouped_torch", "pairs_bucket", "weight_kind"]

@@ -1,13 +1,15 @@
 """Run by test_grouped_experts_kernels.py under TRITON_INTERPRET=1: the grouped expert kernels (NVFP4 and 16-bit
 weights, with and without LoRA) against a float64 per-pair reference and against their torch twin."""
 
+import functools
 import json
 
 import torch
 import torch.nn.functional as F
 
 from qerl.nvfp4.format import dequantize, global_scale, quantize
-from qerl.nvfp4.kernels.grouped_experts import combine, grouped, grouped_torch, sort_pairs
+from qerl.nvfp4.kernels.grouped_experts import combine, grouped, grouped_torch
+from qerl.nvfp4.kernels.pair_sort import sort_pairs
 
 g = torch.Generator().manual_seed(0)
 E, H, I, k, r = 6, 64, 48, 2, 4  # I not a power of two: ragged output tiles
@@ -79,17 +81,20 @@ deq = ([dequantize(*(t[e:e + 1] if i == 2 else t[e] for i, t in enumerate(q_gu))
 for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float32, 40), (torch.float16, 40), (torch.float16, 200)):
     index, route = routing(T)
     x = torch.randn(T, H, generator=g).to(dtype)
-    for fmt in ("nvfp4", "dense"):
-        if fmt == "nvfp4":
+    for fmt in ("nvfp4", "nvfp4pair", "dense"):
+        if fmt.startswith("nvfp4"):
             w_gu, w_d, ref_w = q_gu, q_d, deq
         else:
             w_gu, w_d = torch.stack(dense[0]).to(dtype), torch.stack(dense[1]).to(dtype)
             ref_w = ([w.double() for w in w_gu], [w.double() for w in w_d])
         for with_lora in (False, True):
-            if T > 9 and (fmt == "dense" or not with_lora):  # (the interpreter is slow: the pair loop once a dtype)
+            if T > 9 and (fmt != "nvfp4" or not with_lora):  # (the interpreter is slow: the pair loop once a dtype)
+                continue
+            if fmt == "nvfp4pair" and not with_lora:  # (the PTX unpack's order and its gathered input, in plain Triton)
                 continue
             key = f"{fmt}-{str(dtype)[6:]}-{'lora' if with_lora else 'base'}-{T}"
-            out = run(x, w_gu, w_d, with_lora, grouped)
+            unpack = "pair" if fmt == "nvfp4pair" else None
+            out = run(x, w_gu, w_d, with_lora, functools.partial(grouped, unpack=unpack))
             twin = run(x, w_gu, w_d, with_lora, grouped_torch)
             ref = reference(x, *ref_w, with_lora)
             scale = float(ref.abs().max())

@@ -14,7 +14,8 @@ def interpreted(run_interpreted):
 
 
 def test_grouped_experts_equal_float64_per_pair(interpreted):
-    assert len(interpreted) == 11  # NVFP4 / 16-bit weights x fp32 / fp16 x base / LoRA; 40, 200 tokens: NVFP4 + LoRA
+    # NVFP4 / 16-bit weights x fp32 / fp16 x base / LoRA, NVFP4 in pair order + LoRA; 40, 200 tokens: NVFP4 + LoRA
+    assert len(interpreted) == 13 and {"nvfp4pair-float32-lora-9", "nvfp4pair-float16-lora-9"} <= set(interpreted)
     for key, v in interpreted.items():
         assert v["dtype"] == key.split("-")[1], key
         if "float32" in key:  # fp32 sums in another order
@@ -24,7 +25,7 @@ def test_grouped_experts_equal_float64_per_pair(interpreted):
 
 
 def test_pairs_are_sorted_by_expert_with_offsets():
-    from qerl.nvfp4.kernels.grouped_experts import sort_pairs
+    from qerl.nvfp4.kernels.pair_sort import sort_pairs
 
     index = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
     order, offsets = sort_pairs(index, 5)
@@ -40,3 +41,21 @@ def test_moe_step_on_the_grouped_kernels_equals_its_torch_twin_and_the_modules(r
     assert set(res) == {"nvfp4", "bf16"}
     for v in res.values():
         assert v["adapter"] and v["same_choices"] and v["vs_twin"] <= 1e-5 and v["vs_modules"] <= 1e-5, v
+
+
+def test_every_launch_the_moe_step_makes_has_a_valid_default_configuration():
+    """The table the sweep's winners replace: each (weight kind, gated, pairs) a step can ask for is there, with tile
+    sizes tl.dot and the unpack accept (a pasted entry with a typo fails here, not on the GPU)."""
+    from qerl.nvfp4.kernels import grouped_experts as G
+
+    for kind in G.FORMATS:
+        for gated in (False, True):
+            for pairs in (1, 8, 9, 128, 500, 1024, 4096):
+                config = G.default_config(pairs, 128, kind, gated)
+                assert config.unpack in G.UNPACKS, (kind, gated, pairs, config)
+                for size in (config.block_n, config.block_k):
+                    assert size >= 16 and size & (size - 1) == 0, (kind, gated, pairs, config)
+                assert config.num_warps in (1, 2, 4, 8, 16) and config.num_stages >= 1, (kind, gated, pairs, config)
+    stacked = torch.zeros(4, 96, 64)
+    assert G.weight_kind(stacked) == "bf16" and G.weight_kind(stacked[:, :32]) == "lora_a"
+    assert G.weight_kind((torch.zeros(4, 8, 32, dtype=torch.uint8),) * 3) == "nvfp4"

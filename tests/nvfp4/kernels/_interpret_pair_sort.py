@@ -1,0 +1,23 @@
+"""Run by test_pair_sort_kernel.py under TRITON_INTERPRET=1: the pair-sort kernel against the stable torch sort."""
+
+import json
+
+import torch
+
+from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch
+
+res = {}
+g = torch.Generator().manual_seed(0)
+# decode shapes (128 experts top-8 over 1 and 40 rows: several chunks), 256 experts (the narrower chunks), a few
+# experts chosen by all (long runs of one id across chunks), ragged P
+for T, E, k in ((1, 128, 8), (40, 128, 8), (9, 256, 8), (700, 6, 2), (7, 60, 4)):
+    scores = torch.rand(T, E, generator=g)
+    if E == 6:
+        scores[:, :2] += 1.0  # experts 0 and 1 take every token
+    index = torch.topk(scores, k, dim=1).indices
+    order, offsets = sort_pairs(index, E)
+    order_ref, offsets_ref = sort_pairs_torch(index, E)
+    res[f"{T}-{E}-{k}"] = {"same_order": bool(torch.equal(order, order_ref)),
+                           "same_offsets": bool(torch.equal(offsets, offsets_ref)),
+                           "dtypes": [str(order.dtype), str(offsets.dtype)]}
+print(json.dumps(res))
