@@ -344,6 +344,19 @@ def agent_section(result: dict) -> list[str]:
     return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "update s"], rows)
 
 
+def grouped_sweep_section(result: dict) -> list[str]:
+    best = {}
+    for r in result["rows"]:
+        key = (r["format"], r.get("unpack") or "-", r["projection"], r["rows"])
+        if r.get("ok", True) and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    rows = [[*map(str, key), str(r["config"]), num(r["ms"] * 1e3, 1), f"{r['gb_s']:.0f}"]
+            for key, r in sorted(best.items())]
+    lines = [result["floor_note"], ""] if "floor_note" in result else []
+    return lines + table(["weights", "unpack", "projection", "rows", "best (block N, block K, warps, stages)",
+                          "us", "GB/s"], rows)
+
+
 def generic_section(result: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
     return table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
@@ -702,6 +715,12 @@ SECTIONS = (
             "generated tokens, on a random-init model with the real shape, NVFP4 (`bench/bench_agent_rollout.py`); "
             "decode throughput is the model's tokens over the decode seconds.",
             agent_section),
+    Section("Mixture-of-experts: grouped expert kernels", "grouped_experts_sweep_*.json",
+            "PYTHONPATH=. python bench/sweep_grouped_experts.py --out bench/results/grouped_experts_sweep_h200.json",
+            "The fused MoE step's grouped gate/up and down kernels at the Qwen3-30B-A3B expert shapes (H 2048, I 768, "
+            "128 experts, top-8, LoRA r16) over a grid of launch settings, CUDA-graph timed, every output checked "
+            "against float64 (`bench/sweep_grouped_experts.py`); the best setting per row count, whose winners are "
+            "`grouped_experts.DEFAULT_CONFIGS`.", grouped_sweep_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "

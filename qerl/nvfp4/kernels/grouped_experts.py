@@ -70,6 +70,26 @@ DEFAULT_CONFIGS: dict[tuple[str, bool, int], GroupedConfig] = {
     (kind, gated, pairs): GroupedConfig(32 if pairs <= 64 else 64, 128, 4, 3)
     for kind in FORMATS for gated in (False, True) for pairs in (8, 16, 32, 64, 128, 256, 512, 1024)
 }
+# the winners of bench/sweep_grouped_experts.py on an H200 (bench/results/grouped_experts_sweep_h200.json): at every
+# row count the portable unpack beat the PTX one in these kernels
+DEFAULT_CONFIGS.update({
+    ("bf16", False, 8): GroupedConfig(64, 128, 4, 3),
+    ("bf16", False, 128): GroupedConfig(64, 128, 4, 3),
+    ("bf16", False, 512): GroupedConfig(64, 128, 4, 3),
+    ("bf16", False, 1024): GroupedConfig(32, 128, 4, 4),
+    ("bf16", True, 8): GroupedConfig(32, 128, 4, 4),
+    ("bf16", True, 128): GroupedConfig(32, 128, 4, 3),
+    ("bf16", True, 512): GroupedConfig(64, 128, 4, 3),
+    ("bf16", True, 1024): GroupedConfig(32, 128, 4, 3),
+    ("nvfp4", False, 8): GroupedConfig(64, 128, 4, 4, unpack="natural"),
+    ("nvfp4", False, 128): GroupedConfig(64, 128, 4, 2, unpack="natural"),
+    ("nvfp4", False, 512): GroupedConfig(64, 128, 4, 2, unpack="natural"),
+    ("nvfp4", False, 1024): GroupedConfig(64, 128, 4, 2, unpack="natural"),
+    ("nvfp4", True, 8): GroupedConfig(32, 256, 4, 3, unpack="natural"),
+    ("nvfp4", True, 128): GroupedConfig(32, 128, 4, 2, unpack="natural"),
+    ("nvfp4", True, 512): GroupedConfig(32, 128, 4, 2, unpack="natural"),
+    ("nvfp4", True, 1024): GroupedConfig(32, 128, 4, 2, unpack="natural"),
+})
 _WIDE = GroupedConfig(64, 128, 8, 3)  # a prefill's 64-pair tiles
 _LORA_A_ROWS = 64  # a 16-bit weight of at most this many output rows per expert is a LoRA-A (2r or r rows)
 
