@@ -31,7 +31,7 @@ from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan  # noqa: E402
 from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
-from qerl.nvfp4.kernels.split_k import counters  # noqa: E402
+from qerl.kernels.split_k import counters  # noqa: E402
 
 MMA_SYNC = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))
 
@@ -44,7 +44,7 @@ def poison(device):
 def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
     kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
-    from qerl.nvfp4.kernels import fused_decode
+    from qerl.kernels import fused_decode
 
     a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
     frags = gemv_layout.dense_fragments(a)
@@ -67,7 +67,7 @@ def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
 def pdl_variants(x, acts, weights, calls) -> dict:
     """Back-to-back launches of the default GEMV with and without programmatic dependent launch (each starts while the
     one before finishes). The output must not change (bitwise)."""
-    from qerl.nvfp4.kernels import pdl
+    from qerl.kernels import pdl
 
     if not pdl.supported(x.device):
         return {}

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 import nvfp4_tuning as tuning
-from qerl.nvfp4.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv
 from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize
 from qerl.nvfp4.linear import NVFP4Linear, reference_backward_input, reference_forward
 

@@ -44,7 +44,7 @@ def relative(a, b) -> float:
 
 
 def norm_row(width: int, generator) -> dict:
-    from qerl.nvfp4.kernels.rms_norm import FusedRMSNorm
+    from qerl.kernels.rms_norm import FusedRMSNorm
 
     x = (torch.randn(TOKENS, width, device="cuda", generator=generator) * 3).bfloat16()
     w = (1 + 0.1 * torch.randn(width, device="cuda", generator=generator)).bfloat16()

@@ -16,7 +16,7 @@ import torch
 from qerl.nvfp4.kernels import gemv_layout, gemv_plan, gemv_ptx
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig
 from qerl.nvfp4.kernels.matmul import DENSE, GEMV, TileConfig, _launch, default_config, m_bucket
-from qerl.nvfp4.kernels.split_k import counters
+from qerl.kernels.split_k import counters
 
 TUNED: dict[tuple, TileConfig] = {}
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from qerl.nvfp4.kernels import fused_decode as K
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels import fused_decode as K
+from qerl.kernels.grid import cdiv, next_power_of_2
 
 HQ, HKV, D = 28, 4, 128
 

@@ -34,7 +34,7 @@ from bench_nvfp4_kernel import graph_ms, random_nvfp4  # noqa: E402
 from bench_rollout import copy_bandwidth  # noqa: E402
 
 from qerl.nvfp4.kernels import grouped_experts as G  # noqa: E402
-from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch  # noqa: E402
+from qerl.kernels.pair_sort import sort_pairs, sort_pairs_torch  # noqa: E402
 
 H, I, E, TOP_K, RANK = 2048, 768, 128, 8, 16
 L2_ROTATION_BYTES = 600e6  # what one graph's calls read in all: ten times the H200's 60 MB L2

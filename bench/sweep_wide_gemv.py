@@ -25,7 +25,7 @@ from qerl.nvfp4.format import BYTES_PER_WEIGHT, dequantize  # noqa: E402
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan  # noqa: E402
 from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
-from qerl.nvfp4.kernels.split_k import counters  # noqa: E402
+from qerl.kernels.split_k import counters  # noqa: E402
 
 
 SHAPES_SWEPT = [tuple(s.split(".")) for s in os.environ.get(

@@ -3,9 +3,10 @@ to the same or a lower layer, and no modules import each other in a circle.
 
 Layers, lowest first (a module belongs to the layer of its longest matching prefix):
 
+    kernels                  the Triton kernels every weight format shares (the ground floor)
     nvfp4 format, kernels    the weight format and the Triton kernels on it
-    nvfp4 layer, checkpoint  the frozen Linear and the compressed-tensors checkpoint format (nothing else of qerl
-                             below: the NVFP4 package is the ground floor)
+    nvfp4 layer, checkpoint  the frozen Linear and the compressed-tensors checkpoint format (below it only the
+                             shared kernels)
     hub                      where models and tokenizers come from
     ranks                    what each process of a multi-process run owns (its seeds, its share of a checkpoint)
     user code                functions and classes the config names (rewards, tools, environments), imported
@@ -31,6 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kernels", ("qerl.kernels",)),
     ("nvfp4 format, kernels", ("qerl.nvfp4.format", "qerl.nvfp4.kernels")),
     ("nvfp4 layer, checkpoint", ("qerl.nvfp4",)),
     ("hub", ("qerl.hub",)),
@@ -155,10 +157,13 @@ def test_no_import_cycles(graph):
     assert cycles(graph) == []
 
 
-def test_nvfp4_is_the_ground_floor(graph):
+def test_nvfp4_stands_on_the_shared_kernels_alone(graph):
     outside = {b for a, targets in graph.items() if a.startswith("qerl.nvfp4") for b in targets
-               if not b.startswith("qerl.nvfp4")}
+               if not b.startswith(("qerl.nvfp4", "qerl.kernels"))}
     assert outside == set()
+    shared = {b for a, targets in graph.items() if a.startswith("qerl.kernels") for b in targets
+              if not b.startswith("qerl.kernels")}
+    assert shared == set()
     assert any(b.startswith("qerl.nvfp4.kernels") for b in graph["qerl.nvfp4.linear"])  # deferred imports are read
 
 

@@ -5,7 +5,7 @@ embedding of the query and key in fused kernels on CUDA.
 ``Qwen2Attention``, ...), holding the same ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and the attributes the
 attention functions read (``layer_idx``, ``scaling``, ``is_causal``, ...): state dicts, LoRA targets, the KV caches of
 the rollout engines and the fused decoder see it as before. What changes is the rotation: one kernel forward and one
-backward per tensor on CUDA (``qerl.nvfp4.kernels.rotary``: within one bf16 step of transformers' values), elsewhere
+backward per tensor on CUDA (``qerl.kernels.rotary``: within one bf16 step of transformers' values), elsewhere
 transformers' expression.
 """
 
@@ -33,7 +33,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x [B, H, T, D]``, ``cos``, ``sin`` ``[B or 1, T, D]``."""
     if x.is_cuda and _kernels_take(x, cos, sin):
-        from qerl.nvfp4.kernels.rotary import Rotary
+        from qerl.kernels.rotary import Rotary
 
         return Rotary.apply(x, cos, sin)
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -41,7 +41,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _kernels_take(x, cos, sin) -> bool:
     try:
-        from qerl.nvfp4.kernels.rotary import supported
+        from qerl.kernels.rotary import supported
     except ImportError:  # no Triton
         return False
     return supported(x, cos, sin)

@@ -4,7 +4,7 @@ the middle product in fused kernels on CUDA.
 ``load_model`` puts a ``GatedMLP`` in the place of every transformers MLP of that family (``LlamaMLP``,
 ``Qwen2MLP``, ...) whose activation is SiLU, holding the same ``gate_proj`` / ``up_proj`` / ``down_proj`` modules
 (same names: state dicts, LoRA targets and the rollout's fused decoder see them as before). On CUDA the product is one
-kernel forward and one backward (``qerl.nvfp4.kernels.silu_mul``: two tensors kept for the backward instead of
+kernel forward and one backward (``qerl.kernels.silu_mul``: two tensors kept for the backward instead of
 three, six elementwise passes fewer per layer and micro-batch), elsewhere transformers' expression.
 """
 
@@ -30,7 +30,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.is_cuda and _kernels_take(gate, up):
-            from qerl.nvfp4.kernels.silu_mul import SiluMul
+            from qerl.kernels.silu_mul import SiluMul
 
             return self.down_proj(SiluMul.apply(gate, up))
         return self.down_proj(F.silu(gate) * up)
@@ -38,7 +38,7 @@ class GatedMLP(nn.Module):
 
 def _kernels_take(gate: torch.Tensor, up: torch.Tensor) -> bool:
     try:
-        from qerl.nvfp4.kernels.silu_mul import supported
+        from qerl.kernels.silu_mul import supported
     except ImportError:  # no Triton
         return False
     return supported(gate, up)

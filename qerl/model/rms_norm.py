@@ -2,7 +2,7 @@
 
 ``load_model`` puts an ``RMSNorm`` in the place of every transformers norm of that family (``LlamaRMSNorm``,
 ``Qwen2RMSNorm``, ...): same ``weight`` and ``variance_epsilon``, same state-dict names, same values. On CUDA its forward
-and backward are one kernel each (``qerl.nvfp4.kernels.rms_norm``; transformers' runs about twenty per norm and keeps
+and backward are one kernel each (``qerl.kernels.rms_norm``; transformers' runs about twenty per norm and keeps
 the fp32 input for the backward), elsewhere the torch expression itself. The class name ends in ``RMSNorm``: AQN and
 the trained-norm setup find it as they find transformers' norms.
 """
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and _kernels_take(x, self.weight):
-            from qerl.nvfp4.kernels.rms_norm import FusedRMSNorm
+            from qerl.kernels.rms_norm import FusedRMSNorm
 
             return FusedRMSNorm.apply(x, self.weight, self.variance_epsilon)
         h = x.to(torch.float32)
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
 def _kernels_take(x: torch.Tensor, weight: torch.Tensor) -> bool:
     try:
-        from qerl.nvfp4.kernels.rms_norm import supported
+        from qerl.kernels.rms_norm import supported
     except ImportError:  # no Triton
         return False
     return supported(x, weight)

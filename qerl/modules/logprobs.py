@@ -6,7 +6,7 @@ inputs are kept; the backward recomputes its logits. Peak extra memory is then a
 whatever N and T.
 
 On CUDA a chunk is one autograd node (``_FusedChunk``): the LM-head GEMM writes fp32 logits, one Triton pass gives the
-log-probs, the entropy and the logsumexp (``qerl.nvfp4.kernels.token_logprobs``); the backward recomputes the logits
+log-probs, the entropy and the logsumexp (``qerl.kernels.token_logprobs``); the backward recomputes the logits
 and one pass writes their gradient in the GEMM's dtype. Elsewhere the torch expression (``_chunk``) under a
 non-reentrant checkpoint computes the same values.
 """
@@ -68,7 +68,7 @@ class _FusedChunk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float):
-        from qerl.nvfp4.kernels.token_logprobs import logprob_forward
+        from qerl.kernels.token_logprobs import logprob_forward
 
         logp, entropy, lse = logprob_forward(torch.mm(hidden, weight.t(), out_dtype=torch.float32), targets,
                                              temperature)
@@ -79,7 +79,7 @@ class _FusedChunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor | None):
-        from qerl.nvfp4.kernels.token_logprobs import logprob_backward
+        from qerl.kernels.token_logprobs import logprob_backward
 
         hidden, weight, targets, lse = ctx.saved_tensors
         logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # recomputed, as the checkpoint would
@@ -94,7 +94,7 @@ def _fused(hidden: Tensor, weight: Tensor) -> bool:
     if not (hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)):
         return False
     try:
-        import qerl.nvfp4.kernels.token_logprobs  # noqa: F401
+        import qerl.kernels.token_logprobs  # noqa: F401
     except ImportError:  # no Triton
         return False
     return True

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
-from qerl.nvfp4.kernels.split_k import counters
+from qerl.kernels.split_k import counters
 from qerl.model.projection_layout import stacked_weight
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.kernel_choice import Kernels

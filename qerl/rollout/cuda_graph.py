@@ -49,7 +49,7 @@ import torch
 
 from qerl.model.aqn import noisy_norms
 from qerl.model.routing import RoutingRecorder
-from qerl.nvfp4.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
+from qerl.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.rollout.adapter_copies import AdapterCopies
 from qerl.rollout.base import Rollout, RolloutEngine, cut_at_eos
 from qerl.rollout.builtin import left_pad, position_ids

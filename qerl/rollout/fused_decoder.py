@@ -35,7 +35,7 @@ epilogue writes token t of prompt s to cache row s, column t; the attention is t
 causal + padding mask); above 128 rows each NVFP4 group is dequantized into one stacked bf16 weight for one cuBLAS
 GEMM. Through transformers + peft the prefill is thousands of kernel launches, host-bound.
 
-On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``):
+On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.kernels.pdl``):
 each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
 """
 
@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from qerl.nvfp4.kernels import fused_decode as K
+from qerl.kernels import fused_decode as K
 from qerl.nvfp4.kernels import gemv_plan
 from qerl.rollout.base_gemm import BaseGEMM
 from qerl.rollout.gemm_group import AdapterBuffers, GemmGroup, gemm_group

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from qerl.nvfp4.kernels import fused_decode as K
+from qerl.kernels import fused_decode as K
 from qerl.nvfp4.kernels import gemv_layout
 from qerl.rollout.base_gemm import BaseGEMM
 from qerl.rollout.peft_layers import Unsupported, lora_of

@@ -15,7 +15,7 @@ class Kernels(NamedTuple):
     """Which kernels the fused step launches, picked once per device (:meth:`pick`) and handed down as one value.
 
     ``fast``: the Triton kernels and stacked weights (CUDA); otherwise their torch twins (CPU, tests). ``pdl``: launch
-    the Triton kernels with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``). ``wgmma``: the NVFP4 GEMV's
+    the Triton kernels with programmatic dependent launch (``qerl.kernels.pdl``). ``wgmma``: the NVFP4 GEMV's
     loop (``gemv.launch``: None = the warpgroup-MMA loop on sm_90, False = the mma.sync loop)."""
 
     fast: bool
@@ -26,7 +26,7 @@ class Kernels(NamedTuple):
     def pick(cls, device: torch.device, pdl: bool | None = None, wgmma: bool | None = None) -> Kernels:
         """The kernels for ``device``: ``pdl`` / ``wgmma`` None where supported; True is refused where not (a
         comparison of the two launch orders or GEMV loops asks for one explicitly)."""
-        from qerl.nvfp4.kernels import pdl as _pdl  # (Triton: imported where the kernels run)
+        from qerl.kernels import pdl as _pdl  # (Triton: imported where the kernels run)
 
         fast = device.type == "cuda"
         pdl = fast and _pdl.supported(device) if pdl is None else pdl

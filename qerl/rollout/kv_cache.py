@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.nvfp4.kernels.kv_cache_element import cache_bytes, to_cache_element
+from qerl.kernels.kv_cache_element import cache_bytes, to_cache_element
 
 KV_RELEASE_FRACTION = 0.05  # by default a KV cache above this share of the GPU is freed for the update
 
@@ -73,7 +73,7 @@ class SlotCache:
     ``append``: new tokens of some rows go after their columns (``start_append``), all their columns are returned.
     ``decode(b, L)``: the new key goes to column ``position`` (a device tensor) of rows 0..b-1; the first ``L``
     columns of those rows are returned as views, so the attention reads nothing else.
-    ``dtype``: the model's, or e4m3 (``qerl.nvfp4.kernels.kv_cache_element``; then what is returned is the rounded
+    ``dtype``: the model's, or e4m3 (``qerl.kernels.kv_cache_element``; then what is returned is the rounded
     values widened back to the model's dtype)."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device,

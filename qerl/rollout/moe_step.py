@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import grouped_experts as G
-from qerl.nvfp4.kernels.pair_sort import sort_pairs
-from qerl.nvfp4.kernels.topk_router import topk_route, topk_route_torch
+from qerl.kernels.pair_sort import sort_pairs
+from qerl.kernels.topk_router import topk_route, topk_route_torch
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qerl.nvfp4.kernels.grid import sm_count
+from qerl.kernels.grid import sm_count
 from qerl.rollout.row_noise import row_exponentials, row_steps
 
 try:  # Triton is optional off CUDA (the CPU path is torch)
     import triton
     import triton.language as tl
 
-    from qerl.nvfp4.kernels.online_softmax import first_best, merge, online_update
+    from qerl.kernels.online_softmax import first_best, merge, online_update
     from qerl.rollout.row_noise import row_seed_tl, uniform_tl
 except ImportError:
     triton = None

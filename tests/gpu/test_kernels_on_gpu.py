@@ -17,7 +17,8 @@ if not torch.cuda.is_available():  # the kernel modules stay out of a CPU run (i
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from qerl.nvfp4.format import dequantize  # noqa: E402
-from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, pdl  # noqa: E402
+from qerl.kernels import pdl  # noqa: E402
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
 from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
@@ -174,7 +175,7 @@ def qkv_epilogues(b: int, gen: torch.Generator, rnd, cache_dtype: torch.dtype, y
     """The 7B q/k/v epilogue (bias, split-K LoRA-A partials, LoRA-B, rotary at random positions, cache column 300)
     by the kernel and by its torch twin, each into zeroed caches of ``cache_dtype``:
     (q kernel, q twin, [k kernel, v kernel, k twin, v twin])."""
-    from qerl.nvfp4.kernels import fused_decode as K
+    from qerl.kernels import fused_decode as K
 
     yq, yk, yv = rnd(b, 4608, scale=y_scale).split([3584, 512, 512], 1)
     biases = (rnd(3584, scale=0.1), rnd(512, scale=0.1), rnd(512, scale=0.1))
@@ -193,7 +194,7 @@ def qkv_epilogues(b: int, gen: torch.Generator, rnd, cache_dtype: torch.dtype, y
 
 @pytest.mark.parametrize("b", [1, 64])
 def test_fused_decode_kernels_match_their_torch_twins(b):
-    from qerl.nvfp4.kernels import fused_decode as K
+    from qerl.kernels import fused_decode as K
 
     gen = torch.Generator(device="cuda").manual_seed(b)
 
@@ -242,7 +243,7 @@ def test_first_training_call_of_a_layer_releases_its_packed_copy_before_autograd
 def test_fp8_kv_cache_writes_and_reads_like_the_torch_twins():
     """An e4m3 cache: the epilogue stores the twin's bytes (rounded to nearest even, saturated at 448: no NaN) but
     where fp32 sums in another order tip a value over a rounding boundary; the attention reads it widened, exactly."""
-    from qerl.nvfp4.kernels import fused_decode as K
+    from qerl.kernels import fused_decode as K
 
     b, gen = 64, torch.Generator(device="cuda").manual_seed(3)
 
@@ -312,8 +313,8 @@ def test_down_projection_keeps_no_bf16_copy_up_to_one_token_block():
 def test_silu_product_kernels_round_as_autograd_and_as_the_decode_epilogue():
     import torch.nn.functional as F
 
-    from qerl.nvfp4.kernels.fused_decode import silu_mul_epilogue
-    from qerl.nvfp4.kernels.silu_mul import SiluMul
+    from qerl.kernels.fused_decode import silu_mul_epilogue
+    from qerl.kernels.silu_mul import SiluMul
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate, up, dh = ((torch.randn(2, 300, 18944, device="cuda", generator=gen) * s).to(torch.bfloat16)
@@ -391,7 +392,7 @@ def test_fused_logprob_chunks_match_the_torch_expression():
 
 def test_rotary_kernels_are_transformers_rotation_within_one_step_in_the_projection_layout():
     from qerl.model.attention import rotate_half
-    from qerl.nvfp4.kernels.rotary import Rotary
+    from qerl.kernels.rotary import Rotary
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     x = torch.randn(2, 300, 28, 128, device="cuda", generator=gen).bfloat16().transpose(1, 2)  # q_proj's output

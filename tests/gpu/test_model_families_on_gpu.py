@@ -81,7 +81,7 @@ def test_lora_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
 
 @pytest.mark.parametrize("b", [1, 128])
 def test_qwen3_qk_norm_epilogue_matches_its_twin_at_the_8b_shape(b):
-    from qerl.nvfp4.kernels import fused_decode as K
+    from qerl.kernels import fused_decode as K
 
     gen = torch.Generator(device="cuda").manual_seed(b)
 

@@ -139,7 +139,7 @@ def test_captured_moe_steps_equal_eager_steps(policy, prompts):
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_ptx_unpack_equals_its_plain_twin_bit_for_bit_and_the_pair_sort_the_torch_sort(policy, tokens):
     from qerl.nvfp4.kernels import grouped_experts as G
-    from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch
+    from qerl.kernels.pair_sort import sort_pairs, sort_pairs_torch
     from qerl.rollout.fused_decoder import FusedDecoder, Kernels
 
     decoder = FusedDecoder(policy.get_base_model(), Kernels.pick(torch.device("cuda")))

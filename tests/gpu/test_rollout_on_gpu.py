@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qerl.model.aqn import rms_norms
-from qerl.nvfp4.kernels import pdl
+from qerl.kernels import pdl
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.comparison_rollout import ComparisonRollout

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from qerl.nvfp4.kernels.token_logprobs import logprob_backward, logprob_forward
+from qerl.kernels.token_logprobs import logprob_backward, logprob_forward
 
 res = {}
 g = torch.Generator().manual_seed(0)

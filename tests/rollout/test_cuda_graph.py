@@ -195,7 +195,7 @@ def test_fused_step_follows_the_adapter_state(policy):
 
 
 def test_pdl_is_off_where_unsupported_and_refused_when_forced(policy):
-    from qerl.nvfp4.kernels import pdl
+    from qerl.kernels import pdl
 
     assert not pdl.supported("cpu") and pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
     base = policy.get_base_model()

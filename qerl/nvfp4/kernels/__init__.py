@@ -1,4 +1,3 @@
-"""Triton kernels, one concept per file: on NVFP4 weights ``matmul`` (the training tiles and the per-layer dispatch),
-the decode GEMV (``gemv*``) and ``fused_decode`` (the decode step's fused epilogues and attention); the update's fused
-elementwise passes (``rms_norm``, ``silu_mul``, ``rotary``, ``token_logprobs``, their shared ``online_softmax``); and
-their helpers."""
+"""Triton kernels on NVFP4 weights, one concept per file: ``matmul`` (the training tiles and the per-layer dispatch),
+the decode GEMV (``gemv*``), the weight-tile unpacks (``weight_tile``) and the MoE step's grouped expert kernels
+(``grouped_experts``, which take 16-bit experts too). Kernels every format shares live in ``qerl.kernels``."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels import pdl as _pdl
+from qerl.kernels import pdl as _pdl
 from qerl.nvfp4.kernels.gemv_layout import CHUNK
 from qerl.nvfp4.kernels.gemv_plan import (
     _CTAS_PER_SM,
@@ -43,8 +43,8 @@ from qerl.nvfp4.kernels.gemv_plan import (
     wide_reduce_unroll,
 )
 from qerl.nvfp4.kernels.gemv_ptx import WGMMA_SMEM_LIMIT, _asm, _dense_asm, wgmma_ring_bytes
-from qerl.nvfp4.kernels.grid import cdiv, sm_count
-from qerl.nvfp4.kernels.split_k import counters, sum_splits
+from qerl.kernels.grid import cdiv, sm_count
+from qerl.kernels.split_k import counters, sum_splits
 
 try:  # Triton >= 3.4: kernels that declare their shared memory (the wgmma rings above 48 KiB)
     from triton.experimental import gluon
@@ -202,7 +202,7 @@ def _mma_gemv_kernel(
     else:
         _weight_program(pid_b, pid_s, x_addr, w_addr, f_addr, gs_ptr, out_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS,
                         p_addr, o_addr, c_addr, NT, WARPS, ASM, SHIFT, FUSED, RB, PDL, CL)
-    _pdl.release(PDL)  # after the main loop: see qerl.nvfp4.kernels.pdl
+    _pdl.release(PDL)  # after the main loop: see qerl.kernels.pdl
 
 
 if gl is not None:
@@ -266,7 +266,7 @@ if gl is not None:
         tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [offs], dtype=gl.int32, is_pure=True, pack=1)
         warp = tid // 32
         lane = tid % 32
-        if PDL:  # nothing read before the kernel before this one has completed (qerl.nvfp4.kernels.pdl)
+        if PDL:  # nothing read before the kernel before this one has completed (qerl.kernels.pdl)
             gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [offs], dtype=gl.int32,
                                       is_pure=False, pack=1)
         fac = gl.zeros([32 * WARPS], gl.float32, layout) + SHIFT / gl.load(gs_ptr)

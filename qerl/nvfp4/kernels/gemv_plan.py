@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from qerl.nvfp4.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv
 from qerl.nvfp4.kernels.gemv_ptx import WGMMA_SMEM_LIMIT, wgmma_ring_bytes
 
 try:  # Triton >= 3.4: kernels that declare their shared memory (the wgmma rings above 48 KiB)
@@ -47,7 +47,7 @@ class GemvConfig:
             one token tile).
         stream_k: token blocks only: spread the work units evenly over one wave of CTAs (:func:`stream_k_plan`)
             instead of the split grid (None: :func:`token_blocks_stream_k`).
-        pdl: launch with programmatic dependent launch (``qerl.nvfp4.kernels.pdl``; the caller checks
+        pdl: launch with programmatic dependent launch (``qerl.kernels.pdl``; the caller checks
             ``pdl.supported``).
     """
 

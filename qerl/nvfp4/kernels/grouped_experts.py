@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from qerl.nvfp4.format import dequantize
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.nvfp4.kernels.weight_tile import _pair_order_tile, _unpacked_weight_tile
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
-from qerl.nvfp4.kernels.split_k import counters, sum_splits
+from qerl.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels.split_k import counters, sum_splits
 from qerl.nvfp4.kernels.weight_tile import _from_pair_order, _pair_order_tile, _to_pair_order, _unpacked_weight_tile
 
 # ---------------------------------------------------------------------------------------------------------------

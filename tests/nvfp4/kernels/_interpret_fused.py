@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qerl.nvfp4.kernels import fused_decode as K
+from qerl.kernels import fused_decode as K
 
 res = {}
 g = torch.Generator().manual_seed(0)

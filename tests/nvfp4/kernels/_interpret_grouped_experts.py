@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from qerl.nvfp4.format import dequantize, global_scale, quantize
 from qerl.nvfp4.kernels.grouped_experts import combine, grouped, grouped_torch
-from qerl.nvfp4.kernels.pair_sort import sort_pairs
+from qerl.kernels.pair_sort import sort_pairs
 
 g = torch.Generator().manual_seed(0)
 E, H, I, k, r = 6, 64, 48, 2, 4  # I not a power of two: ragged output tiles

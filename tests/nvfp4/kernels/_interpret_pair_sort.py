@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qerl.nvfp4.kernels.pair_sort import sort_pairs, sort_pairs_torch
+from qerl.kernels.pair_sort import sort_pairs, sort_pairs_torch
 
 res = {}
 g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qerl.nvfp4.kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from qerl.kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 res = {}
 g = torch.Generator().manual_seed(0)

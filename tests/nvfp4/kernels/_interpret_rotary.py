@@ -6,7 +6,7 @@ import json
 import torch
 
 from qerl.model.attention import rotate_half
-from qerl.nvfp4.kernels.rotary import Rotary, supported
+from qerl.kernels.rotary import Rotary, supported
 
 res = {}
 g = torch.Generator().manual_seed(0)

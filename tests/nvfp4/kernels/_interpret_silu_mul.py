@@ -6,8 +6,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from qerl.nvfp4.kernels.fused_decode import silu_mul_epilogue
-from qerl.nvfp4.kernels.silu_mul import SiluMul
+from qerl.kernels.fused_decode import silu_mul_epilogue
+from qerl.kernels.silu_mul import SiluMul
 
 res = {}
 g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from qerl.nvfp4.kernels.topk_router import topk_route, topk_route_torch
+from qerl.kernels.topk_router import topk_route, topk_route_torch
 
 res = {}
 g = torch.Generator().manual_seed(0)

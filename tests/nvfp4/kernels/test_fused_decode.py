@@ -109,7 +109,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qerl.nvfp4.kernels import fused_decode as K
+from qerl.kernels import fused_decode as K
 consts = {
     "_lora_a_kernel": dict(BP=16, NAP=64, BLOCK_K=64),
     "_qkv_epilogue_kernel": dict(HALF=64, HAS_BIAS=True, HAS_LORA=True, RP=16, SP=4, DT=triton.language.bfloat16,

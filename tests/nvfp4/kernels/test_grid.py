@@ -1,6 +1,6 @@
 import pytest
 
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels.grid import cdiv, next_power_of_2
 
 triton = pytest.importorskip("triton")  # the reference
 

@@ -25,7 +25,7 @@ def test_grouped_experts_equal_float64_per_pair(interpreted):
 
 
 def test_pairs_are_sorted_by_expert_with_offsets():
-    from qerl.nvfp4.kernels.pair_sort import sort_pairs
+    from qerl.kernels.pair_sort import sort_pairs
 
     index = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
     order, offsets = sort_pairs(index, 5)

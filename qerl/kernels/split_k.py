@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import next_power_of_2
+from qerl.kernels.grid import next_power_of_2
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

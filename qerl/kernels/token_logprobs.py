@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import cdiv
-from qerl.nvfp4.kernels.online_softmax import merge, online_update
+from qerl.kernels.grid import cdiv
+from qerl.kernels.online_softmax import merge, online_update
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FORWARD_BLOCK = 1024

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _BLOCK = 2048

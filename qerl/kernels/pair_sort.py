@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import next_power_of_2
+from qerl.kernels.grid import next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_MAX_PAIRS = 8192

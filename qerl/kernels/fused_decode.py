@@ -30,10 +30,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels import pdl as _pdl
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2, sm_count
-from qerl.nvfp4.kernels.kv_cache_element import FP8_KV, cache_bytes, to_cache_element
-from qerl.nvfp4.kernels.split_k import counters
+from qerl.kernels import pdl as _pdl
+from qerl.kernels.grid import cdiv, next_power_of_2, sm_count
+from qerl.kernels.kv_cache_element import FP8_KV, cache_bytes, to_cache_element
+from qerl.kernels.split_k import counters
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

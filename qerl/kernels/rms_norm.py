@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.nvfp4.kernels.grid import cdiv, next_power_of_2, sm_count
+from qerl.kernels.grid import cdiv, next_power_of_2, sm_count
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_WIDTH = 16384
