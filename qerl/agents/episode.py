@@ -21,6 +21,7 @@ observation tokens, which are context for the loss and never trained.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -303,8 +304,23 @@ def finish(trajectories: list[Trajectory], tokenizer, pad_id: int, device) -> Ep
     scores = [getattr(t.environment, "get_reward", None) for t in trajectories]
     rewards = None
     if any(callable(s) for s in scores):
-        rewards = torch.tensor([float(s()) if callable(s) else 0.0 for s in scores])
+        rewards = torch.tensor([environment_reward(s, t) for s, t in zip(scores, trajectories)])
     return Episodes(rollout,
                     [tokenizer.decode(t.last_turn, skip_special_tokens=True) for t in trajectories],
                     [tokenizer.decode(t.tokens, skip_special_tokens=False) for t in trajectories],
                     rewards, trajectories)
+
+
+def environment_reward(get_reward, trajectory: Trajectory) -> float:
+    """The environment's score of ``trajectory`` (0 without ``get_reward``); a ``get_reward`` that raises or returns
+    no finite number scores 0 and counts as the environment having raised: the step goes on."""
+    if not callable(get_reward):
+        return 0.0
+    try:
+        value = float(get_reward())
+    except Exception:  # the user's code: whatever it raises, the batch is not lost
+        value = float("nan")
+    if not math.isfinite(value):
+        trajectory.errors["raised"] += 1
+        return 0.0
+    return value

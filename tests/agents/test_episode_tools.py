@@ -126,6 +126,36 @@ def test_an_environment_step_that_raises_ends_its_episode(tokenizer):
     assert [(t.end, t.turns, dict(t.errors)) for t in episodes.trajectories] == [("environment", 1, {"raised": 1})] * 2
 
 
+class BrokenScore:
+    """Ends at once and fails to score: a raising ``get_reward``, or one that returns no number."""
+
+    def reset(self, answer: str = "raise", **row) -> None:
+        self.kind = answer
+
+    def step(self, message: str) -> str | None:
+        return None
+
+    def get_reward(self) -> float:
+        if self.kind == "raise":
+            raise RuntimeError("the scorer crashed")
+        return {"nan": float("nan"), "none": None, "fine": 0.25}[self.kind]
+
+
+def test_an_environment_reward_that_fails_scores_zero_and_is_counted(tokenizer):
+    SCRIPTS["plain"] = ["Hello there."]
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "plain"}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        rows = [{"answer": kind} for kind in ("raise", "nan", "none", "fine")]
+        episodes = run_episodes(scripted_sampler(tokenizer, []), [prompt] * 4, rows, 1, tokenizer,
+                                [tokenizer.eos_token_id], tokenizer.pad_token_id, AgentConfig(), [],
+                                EnvironmentFactory(BrokenScore), MAX_NEW_TOKENS, "qwen")
+    finally:
+        del SCRIPTS["plain"]
+    assert episodes.environment_rewards.tolist() == [0.0, 0.0, 0.0, 0.25]
+    assert [dict(t.errors) for t in episodes.trajectories] == [{"raised": 1}] * 3 + [{}]
+
+
 class Built:
     """Counts its constructions and resets (an environment that is costly to build: a sandbox, a browser)."""
 
