@@ -62,7 +62,8 @@ def check_kv_cache_fits(nbytes: int, free: int, rows: int, length: int, where: s
         raise torch.cuda.OutOfMemoryError(
             f"CUDAGraphRollout: the static KV cache for {rows} rows x {length} positions needs {nbytes / 2**30:.1f} "
             f"GiB, {free / 2**30:.1f} GiB are free on {where}. Lower data.batch_size, model.sampling.group_size or "
-            "model.sampling.max_new_tokens (or data.max_prompt_tokens), or use "
+            "model.sampling.max_new_tokens (or data.max_prompt_tokens; with model.agent, "
+            "model.agent.max_episode_tokens), or use "
             "qerl.rollout.builtin.BuiltinRollout, whose cache grows with the longest live sequence.")
 
 
