@@ -44,8 +44,10 @@ class RoutingRecorder:
 
     def __init__(self):
         self._placement: tuple[Tensor, Tensor, Tensor | None] | None = None
-        # per router: (rows [b, r], columns [c], choices [b, c, k])
+        # per router: (rows [b, r], columns [c], choices [b, c, k]) of each hooked forward
         self._records: list[list[tuple[Tensor, Tensor, Tensor]]] = []
+        # every router at once: (rows [b, r], columns [c], choices [layers, b, c, k]) of each fused step
+        self._steps: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def place(self, rows: Tensor, columns: Tensor, fed: Tensor | None = None) -> None:
         """The next forward's tokens ``[b, c]``: rollout rows ``rows`` (``[b]`` or ``[b, r]``), columns
@@ -59,7 +61,7 @@ class RoutingRecorder:
     def recording(self, model: nn.Module) -> Iterator[RoutingRecorder]:
         """Record every router of ``model`` inside the block (forward hooks, removed on exit)."""
         found = list(routers(model).values())
-        self._records = [[] for _ in found]
+        self._records, self._steps = [[] for _ in found], []
         handles = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(found)]
         try:
             yield self
@@ -74,17 +76,24 @@ class RoutingRecorder:
         if len(self._records) != choices.shape[0]:
             raise RuntimeError(f"RoutingRecorder: {choices.shape[0]} layers of choices for {len(self._records)} "
                                f"routers recorded (add() inside recording(model)).")
-        for layer, index in enumerate(choices):
-            self._append(layer, index.clone())
+        # one copy of every layer's choices per step (a decode step's hot path: no per-layer work)
+        rows, columns, index = self._placed(choices.view(choices.shape[0], -1, choices.shape[-1]), 1)
+        self._steps.append((rows, columns, index))
 
     def _append(self, layer: int, index: Tensor) -> None:
+        self._records[layer].append(self._placed(index, 0))
+
+    def _placed(self, index: Tensor, row_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(rows, columns, index)`` with the token axis of ``index`` (dim ``row_dim``) laid out as the placement's
+        ``[b, c]``, unfed rows marked ``NOT_FED``: a new tensor, as engines overwrite their buffers."""
         if self._placement is None:
             raise RuntimeError("RoutingRecorder: a forward ran before the engine placed its tokens (place()).")
         rows, columns, fed = self._placement
-        index = index.view(rows.shape[0], columns.shape[0], -1)
-        if fed is not None:
-            index = index.masked_fill(~fed[:, None, None], NOT_FED)
-        self._records[layer].append((rows, columns, index))
+        shape = (*index.shape[:row_dim], rows.shape[0], columns.shape[0], index.shape[-1])
+        index = index.reshape(shape)
+        if fed is None:
+            return rows, columns, index.clone()
+        return rows, columns, index.masked_fill(~fed.view(-1, 1, 1), NOT_FED)
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -94,16 +103,18 @@ class RoutingRecorder:
     def choices(self, rows: int, width: int) -> Tensor | None:
         """The recorded choices as ``[layers, rows, width, k]`` (``NOT_FED`` where no token was fed); None when the
         model has no router or nothing was recorded."""
-        if not self._records or not self._records[0]:
+        first = self._steps[0] if self._steps else self._records[0][0] if self._records and self._records[0] else None
+        if first is None:
             return None
-        k = self._records[0][0][2].shape[-1]
-        device = self._records[0][0][2].device
+        k, device = first[2].shape[-1], first[2].device
         out = torch.full((len(self._records), rows, width, k), NOT_FED, dtype=torch.long, device=device)
-        for layer, records in enumerate(self._records):
-            for target_rows, columns, index in records:
-                keep = columns < width  # the last sampled token's column may lie past a cut completion
-                for r in range(target_rows.shape[1]):
-                    out[layer][target_rows[:, r, None].to(device), columns[None, keep].to(device)] = index[:, keep]
+        laid = [(out, *step) for step in self._steps]  # every layer at once
+        laid += [(out[layer], *record) for layer, records in enumerate(self._records) for record in records]
+        for target, target_rows, columns, index in laid:
+            keep = columns < width  # the last sampled token's column may lie past a cut completion
+            cols = columns[None, keep].to(device)
+            for r in range(target_rows.shape[1]):
+                target[..., target_rows[:, r, None].to(device), cols, :] = index[..., keep, :]
         return out
 
 
