@@ -35,12 +35,6 @@ def policy(request):
     return policy
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (9, 4, 17)]
-
-
 def generate(policy, prompts, group, **options):
     engine = CUDAGraphRollout(check_every=4, **options)
     with warnings.catch_warnings(record=True) as caught:

@@ -35,12 +35,6 @@ def policy():
     return build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (9, 4, 17)]
-
-
 def test_routed_nvfp4_experts_equal_float64_on_the_gpu(policy):
     experts = next(m for m in policy.modules() if isinstance(m, Experts))
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -32,12 +32,6 @@ def policy():
     return build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (9, 4, 17)]
-
-
 def eager_engine(**options) -> CUDAGraphRollout:
     return ComparisonRollout(use_graphs=False, **options)  # the same steps, not captured
 
