@@ -105,9 +105,9 @@ def test_a_reward_failing_on_every_completion_stops_the_run_with_a_checkpoint_an
     run = user_dir / "runs" / "debug" / "version_0"
     err = capsys.readouterr()
     assert "Traceback" not in err.err and (
-        "error: reward broken failed on all 4 completions of 2 batches in a row (KeyError: 'solution'): the run stops "
+        "error: reward broken failed on all 4 completions of 2 steps in a row (KeyError: 'solution'): the run stops "
         "rather than train on zeros. Fix the function (or raise model.rewards.timeout_s for a slow one) and resume; "
-        "model.rewards.failure_steps sets how many such batches stop a run.") in err.err.splitlines()
+        "model.rewards.failure_steps sets how many such steps stop a run.") in err.err.splitlines()
     checkpoint = run / "checkpoints" / "interrupted.ckpt"
     assert f"Stopped after step 1: checkpoint {checkpoint}" in caplog.text and f"--ckpt_path {checkpoint}" in caplog.text
     assert torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"] == 1  # the whole first step

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -104,7 +105,8 @@ class RewardSum:
     A user function runs in worker processes, each call under ``timeout_s``: one that hangs, raises or returns
     something that is not a number scores 0 for that completion, is counted in ``failures`` and reported once (the
     first time each function fails), and training goes on. A reward (the math one included) that fails on every
-    completion of ``failure_steps`` batches in a row raises ``RewardsFailing`` (``reward_health``). ``None`` (TRL: "no
+    completion of ``failure_steps`` steps in a row raises ``RewardsFailing`` (``reward_health``) from
+    :meth:`check_streaks`, which the module calls once per step (every rank: the counts are summed over ranks). ``None`` (TRL: "no
     score here") scores 0 too. The time spent scoring is read, per step, with ``take_seconds``.
 
     Args:
@@ -115,7 +117,7 @@ class RewardSum:
             weight of 0 keeps ``train/accuracy`` but takes the math reward out of the total).
         timeout_s: Wall-clock limit of one user function call on one completion.
         num_workers: Processes that run the user functions.
-        failure_steps: Batches in a row on which a reward fails on every completion that stop the run (0: never).
+        failure_steps: Steps in a row on which a reward fails on every completion that stop the run (0: never).
     """
 
     def __init__(self, math: MathReward, functions: list[str | dict] | None = None,
@@ -134,6 +136,7 @@ class RewardSum:
         self.timeout_s, self.num_workers = timeout_s, num_workers
         self.failures: Counter[str] = Counter()  # "<name>/timeout" or "<name>/error" -> completions scored 0
         self.streak = FailureStreak(failure_steps)
+        self._tally: dict[str, list] = {}  # name -> [completions, failed, last reason, its time-limit option] this step
         self._seconds = 0.0  # scoring time since the last take_seconds
         self._pool = TimeoutPool(score_one, num_workers=num_workers, timeout_s=timeout_s)  # processes start on use
 
@@ -148,9 +151,9 @@ class RewardSum:
         scores = {"math": self.math(completions, answers, **row_arguments(self.math, batch, group_size))}  # [N]
         stats = self.math.last_stats
         self._seconds += time.perf_counter() - start
-        self.streak.update("math", len(rows), stats["timeouts"] + stats["errors"],
-                           f"{stats['timeouts']} timeouts, {stats['errors']} errors",
-                           timeout_option="model.reward.init_args.timeout_s")  # model.reward's own limit
+        self._count("math", len(rows), stats["timeouts"] + stats["errors"],
+                    f"{stats['timeouts']} timeouts, {stats['errors']} errors",
+                    "model.reward.init_args.timeout_s")  # model.reward's own limit
         if self.specs:
             start = time.perf_counter()
             prompts = batch.get("questions") or batch["prompts"]
@@ -163,9 +166,30 @@ class RewardSum:
                 mine = results[k * len(rows) : (k + 1) * len(rows)]
                 scores[name] = torch.tensor([self._value(name, *result) for result in mine], dtype=torch.float32)
                 failed = [(status, result) for status, result in mine if status != "ok" or result != result]
-                self.streak.update(name, len(rows), len(failed), self._reason(*failed[-1]) if failed else "")
+                self._count(name, len(rows), len(failed), self._reason(*failed[-1]) if failed else "")
         total = sum(w * scores[name] for name, w in zip(self.names, self.weights))
         return total, scores
+
+    def _count(self, name: str, completions: int, failed: int, reason: str,
+               timeout_option: str = "model.rewards.timeout_s") -> None:
+        tally = self._tally.setdefault(name, [0, 0, "", timeout_option])
+        tally[0] += completions
+        tally[1] += failed
+        tally[2] = reason or tally[2]
+
+    def check_streaks(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      device: torch.device | str = "cpu") -> None:
+        """End of a step's scoring (refills included): each reward's completions and failures of the step, summed
+        over ranks by ``all_reduce_sum`` (a collective: every rank calls this once per step; None: one process),
+        move its failure streak; raises ``RewardsFailing`` on every rank at once when a streak reaches the limit."""
+        counts = torch.tensor([self._tally.get(name, [0, 0])[:2] for name in self.names], dtype=torch.float64,
+                              device=device)
+        if all_reduce_sum is not None:
+            counts = all_reduce_sum(counts)
+        tally, self._tally = self._tally, {}
+        for name, (completions, failed) in zip(self.names, counts.long().tolist()):
+            _, _, reason, option = tally.get(name, [0, 0, "", "model.rewards.timeout_s"])
+            self.streak.update(name, completions, failed, reason or "failed on another rank", option)
 
     def take_seconds(self) -> float:
         """Seconds spent scoring since the last call (the step's ``perf/reward_s``)."""

@@ -185,6 +185,7 @@ class GRPOModule(L.LightningModule):
         if self.dapo.max_refill_rounds:
             sample, refill_rounds = self._refill(sample, batch_size, spec)
         rollout, completions, rewards, _, correct, rollout_s = sample
+        self.rewards.check_streaks(self._all_reduce_sum, self.device)  # a reward failing everywhere stops the run
         memory["rollout"] = self._allocated_gb(torch.cuda.max_memory_allocated, engine_asleep=False)  # peak: awake
 
         # (3) advantages within each group; uninformative groups (and those past the batch) and truncated completions

@@ -134,7 +134,7 @@ class RewardOptions:
             under ``timeout_s``: a function that hangs or raises scores 0 and is reported.
         weights: one weight per reward: ``model.reward``'s first, then each of ``functions`` (default: 1 each).
         timeout_s: wall-clock limit of one reward function call (one completion).
-        failure_steps: a reward failing on every completion for this many batches in a row stops the run with a
+        failure_steps: a reward failing on every completion for this many steps in a row stops the run with a
             checkpoint (0: never).
     """
 

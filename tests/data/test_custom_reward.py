@@ -83,8 +83,9 @@ def test_a_compute_score_failing_on_every_completion_stops_the_run_naming_its_ow
     try:
         with pytest.warns(UserWarning, match="my bug"), pytest.raises(RewardsFailing) as error:
             total(["bug", "bug", "bug", "bug"], batch_of(["a", "b"], [{"index": 1}, {"index": 1}]), group_size=2)
+            total.check_streaks()  # the end of the step's scoring: where the streak moves
         message = str(error.value)
-        assert "reward math failed on all 4 completions of 1 batches in a row (0 timeouts, 4 errors)" in message
+        assert "reward math failed on all 4 completions of 1 steps in a row (0 timeouts, 4 errors)" in message
         # model.reward's calls run under its own timeout_s; model.rewards.timeout_s is the reward_funcs' limit
         assert "raise model.reward.init_args.timeout_s for a slow one" in message, message
     finally:
