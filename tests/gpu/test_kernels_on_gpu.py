@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # the kernel modules stay out of a CPU run (i
 
 from qerl.nvfp4.format import dequantize  # noqa: E402
 from qerl.kernels import pdl  # noqa: E402
-from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, gemv_ptx  # noqa: E402
 from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
 from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
@@ -86,6 +86,32 @@ def test_mma_sync_gemv_matches_float64(layer, m):
     config = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))  # the loop of GPUs other than sm_90
     y = kernels._launch(x, *weights(layer), False, config, layer.gemv_weight)
     assert rel_err(y, x.double() @ w64.t()) < REL_TOL
+
+
+# the wgmma loop with two row blocks per warp and with rings deeper than static shared memory takes (gemv_plan's
+# candidates for 16-64 tokens): (warps, stages, row blocks per warp)
+WGMMA_VARIANTS = [(8, 7, 1), (4, 10, 1), (4, 5, 2), (8, 7, 2), (4, 8, 2)]
+
+
+@pytest.mark.parametrize("m", [9, 16, 20, 32, 47, 64])
+@pytest.mark.parametrize("variant", WGMMA_VARIANTS, ids=lambda v: "w{}s{}rb{}".format(*v))
+def test_wgmma_row_block_and_deep_ring_variants_match_float64(m, variant):
+    if not gemv_plan.wgmma_supported(torch.device("cuda")) or not gemv_plan.HAS_GLUON:
+        pytest.skip("the wgmma loop needs sm_90 (and Gluon for rings past 48 KiB)")
+    warps, stages, rb = variant
+    if gemv_ptx.wgmma_ring_bytes(gemv_plan.tiles_for(m), stages, warps, rb) > gemv_ptx.WGMMA_DYNAMIC_LIMIT:
+        pytest.skip("ring beyond the dynamic shared memory limit")
+    # 1040 rows: an odd row-block count (65), so the last warp's second row block is missing
+    for n, k in ((1040, 3584), (3584, 18944)):
+        layer = random_layer(n, k, seed=n + m)
+        w64 = dequantize(*weights(layer), torch.float64)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        words, factors = layer.gemv_weight()
+        config = GemvConfig(warps=warps, smem_stages=stages, row_blocks=rb, wgmma=True)
+        poisoned_allocator()
+        y = gemv.launch(x, words, factors, layer.weight_global_scale, config)
+        assert rel_err(y, x.double() @ w64.t()) < REL_TOL, (n, k)
+        assert torch.equal(y, gemv.launch(x, words, factors, layer.weight_global_scale, config))
 
 
 @pytest.mark.parametrize("m", [100, 256])

@@ -208,14 +208,14 @@ def _mma_gemv_kernel(
 if gl is not None:
     @gluon.jit
     def _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, rg, t, c0, n_chunks, slot, count, p_addr, o_addr, c_addr,
-                      warp, lane, WARPS: gl.constexpr, ASM: gl.constexpr, TB: gl.constexpr):
+                      warp, lane, WARPS: gl.constexpr, ASM: gl.constexpr, TB: gl.constexpr, RB: gl.constexpr = 1):
         """One run of the asm: row group ``rg`` (WARPS row blocks), token block ``t``, chunks ``c0 .. c0 + n_chunks``,
         split-K partial ``slot`` of ``count`` (1: the result itself)."""
         g = lane // 4
         q = lane % 4
         t0 = t * TB
         nchunks_all = K // 64
-        rb = rg * WARPS + warp
+        rb = (rg * WARPS + warp) * RB
         valid = (rb < N // 16) & (n_chunks > 0)
         n = gl.zeros_like(rb) + n_chunks
         base = (gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane
@@ -234,12 +234,14 @@ if gl is not None:
         cnt = c_addr + (t * (N // 16) + rb).to(gl.int64) * 4
         ns = gl.zeros_like(tok) + count
         valid2 = (rb + 1 < N // 16).to(gl.int32)
+        w_step = zero64 + (valid2 * nchunks_all * 512).to(gl.int64)  # the warp's second row block (RB = 2; if any)
+        f_step = zero64 + (valid2 * nchunks_all * 128).to(gl.int64)
         xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
         k2 = zero64 + K.to(gl.int64) * 2
         zero = gl.zeros_like(tok)
         return gl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS (the mma.sync loops' unused: 0)
             ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
-            [w_ptr, f_ptr, n, zero64, zero64, zero, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+            [w_ptr, f_ptr, n, zero64, zero64, zero, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
              valid.to(gl.int32), fac, valid2, xs_base, k2],
             dtype=gl.int32, is_pure=False, pack=1)
 
@@ -247,7 +249,7 @@ if gl is not None:
     def _wide_gemv_kernel(
         x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr, plan_ptr,
         WARPS: gl.constexpr, ASM: gl.constexpr, SHIFT: gl.constexpr, TB: gl.constexpr, PDL: gl.constexpr,
-        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0, RB: gl.constexpr = 1,
     ):
         """The fused wgmma loop (:func:`_wgmma_mainloop_asm`) with its ring in dynamic shared memory: Gluon lets a
         kernel declare shared memory that Triton's language does not (static ``.shared`` in the asm stops at 48 KiB).
@@ -274,7 +276,7 @@ if gl is not None:
             c0 = gl.program_id(1) * CHUNKS_PER_SPLIT
             done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.program_id(0), gl.program_id(2), c0,
                                  gl.minimum(CHUNKS_PER_SPLIT, K // 64 - c0), gl.program_id(1), SPLITS, p_addr,
-                                 o_addr, c_addr, warp, lane, WARPS, ASM, TB)
+                                 o_addr, c_addr, warp, lane, WARPS, ASM, TB, RB)
         else:
             entry = plan_ptr + gl.program_id(0) * SEGS * 6
             done = offs
@@ -285,7 +287,7 @@ if gl is not None:
                 e = entry + s * 6
                 done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.load(e + 1), gl.load(e),
                                      gl.load(e + 2), gl.load(e + 3), gl.load(e + 4), gl.load(e + 5), p_addr, o_addr,
-                                     c_addr, warp, lane, WARPS, ASM, TB)
+                                     c_addr, warp, lane, WARPS, ASM, TB, RB)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [done],
                                       dtype=gl.int32, is_pure=False, pack=1)
@@ -352,9 +354,10 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         raise ValueError("the wgmma GEMV needs an sm_90 GPU (H100/H200)")
     if m > MAX_M and not (wgmma and gluon is not None):
         raise ValueError(f"above {MAX_M} rows the GEMV runs the wgmma loop only (sm_90, Triton >= 3.4 for Gluon)")
-    if wgmma:  # warpgroups of 4 single-row-block warps, activations and weights through shared memory
+    if wgmma:  # warpgroups of 4 warps (1 or 2 row blocks each), activations and weights through shared memory
         w, st = default_wgmma(nt, n, k)
-        warps, smem_stages, row_blocks_per_warp, x_prefetch = warps or w, smem_stages or st, 1, False
+        warps, smem_stages, x_prefetch = warps or w, smem_stages or st, False
+        row_blocks_per_warp = row_blocks_per_warp or 1
     xpre = default_x_prefetch(nt) if x_prefetch is None else x_prefetch
     stages = default_smem_stages(nt, n, k) if smem_stages is None else smem_stages
     rbw = default_row_blocks(n, k, stages) if row_blocks_per_warp is None else row_blocks_per_warp
@@ -365,10 +368,12 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     if not warps:
         warps = auto_warps(n, k, nt)
     # a ring beyond static shared memory: the Gluon launcher (no dense rows, no clusters there)
-    dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
+    dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps, rbw) > WGMMA_SMEM_LIMIT
+    if wgmma and rbw > 1 and (dense is not None or cluster):
+        raise ValueError("the wgmma loop's two row blocks per warp take neither dense rows nor clusters")
     if dynamic and dense is not None:
         raise ValueError(f"dense rows ride along up to {DENSE_MAX_M} tokens and a 48 KiB ring only")
-    cluster = False if dynamic else cluster
+    cluster = False if dynamic or rbw > 1 else cluster
     token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""
     constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
@@ -459,16 +464,17 @@ def _split_counters(counter: torch.Tensor | None, device: torch.device, size: in
 
 
 def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
-    s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps) + 1024)
+    rb = constants.get("RB", 1)
+    s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps, rb) + 1024)
     return dict(WARPS=warps, ASM=constants["ASM"], SHIFT=constants["SHIFT"], TB=TOKEN_BLOCK, PDL=constants["PDL"],
-                S0=s0, S1=s1, S2=s2, num_warps=warps, **_pdl.options(constants["PDL"]))
+                S0=s0, S1=s1, S2=s2, RB=rb, num_warps=warps, **_pdl.options(constants["PDL"]))
 
 
 def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:
     """:func:`_variant_registers` of the Gluon launcher; also checks that Gluon reserved the ring's bytes."""
     wide = _wide_constants(constants, nt, stages, warps)
     compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, 0, grid=(1, 1, 1), **wide)
-    need = wgmma_ring_bytes(nt, stages, warps) + 1024
+    need = wgmma_ring_bytes(nt, stages, warps, wide["RB"]) + 1024
     if compiled.metadata.shared < need:
         raise RuntimeError(f"Gluon reserved {compiled.metadata.shared} bytes of shared memory for a {need}-byte ring")
     compiled[(1, 1, 1)]

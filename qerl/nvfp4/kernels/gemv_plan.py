@@ -172,10 +172,10 @@ def shared_reservation(nbytes: int) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def wgmma_shared_bytes(nt: int, stages: int, warps: int) -> int:
+def wgmma_shared_bytes(nt: int, stages: int, warps: int, rb: int = 1) -> int:
     """Shared memory one program of the wgmma loop takes: its static ring, or the dynamic reservation of a larger
     one (the ring + 1024 bytes to align it, rounded up by :func:`shared_reservation`)."""
-    ring = wgmma_ring_bytes(nt, stages, warps)
+    ring = wgmma_ring_bytes(nt, stages, warps, rb)
     return ring if ring <= WGMMA_SMEM_LIMIT else sum(shared_reservation(ring + 1024))
 
 
@@ -224,7 +224,7 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
-    smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps) + 1024)) if wgmma else 32
+    smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps, rb) + 1024)) if wgmma else 32
     regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch

@@ -302,7 +302,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P",
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
-                "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc"]
+                "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc",
+                "4fn25w", "2fn26w", "8fn23w"]  # the wgmma loop with two row blocks per warp
     lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
@@ -334,12 +335,12 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
        "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
-       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = the stream-K table's runs
-    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").split(".")] + [0])[:4]
-    pdl = spec.endswith("P")
-    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
-                               nt, st, warps)
+       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr", "RB": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][P]: segments > 0 = the stream-K table's runs, B = 2 row blocks
+    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("B").split(".")] + [0])[:4]
+    pdl, rb = spec.endswith("P"), 2 if "B" in spec else 1
+    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True), "SHIFT": 256.0, "PDL": pdl,
+                                "RB": rb}, nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
@@ -356,7 +357,7 @@ for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = th
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
-    print(spec, k.metadata.shared, gemv_ptx.wgmma_ring_bytes(nt, st, warps) + 1024,
+    print(spec, k.metadata.shared, gemv_ptx.wgmma_ring_bytes(nt, st, warps, rb) + 1024,
           " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
 """
 
@@ -371,7 +372,8 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
         pytest.skip("this triton has no Gluon or no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
-    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P"]
+    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P",
+                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP"]
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
