@@ -40,11 +40,24 @@ MMA_SYNC = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))
 # the fused decoder's four GEMVs per layer (q|k|v, o, gate|up, down): (name, out, in)
 LAYER_SHAPES = {"72b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gu", 59136, 8192), ("down", 8192, 29568)],
                 "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gu", 55296, 5120), ("down", 5120, 27648)]}
-# the wgmma loop's variants for 16-64 tokens set against the default: w = warps, s = shared-memory stages (rings past
-# 48 KiB in dynamic shared memory), rb = row blocks per warp
-VARIANTS = {f"w{w}s{st}rb{rb}": GemvConfig(warps=w, smem_stages=st, row_blocks=rb, wgmma=True)
-            for w, st, rb in ((8, 7, 1), (8, 8, 1), (4, 8, 1), (4, 10, 1), (16, 6, 1),
-                              (4, 5, 2), (4, 6, 2), (4, 8, 2), (8, 4, 2), (8, 6, 2), (8, 7, 2))}
+# the wgmma loop's variants for 16-64 tokens set against the default, each with the token tiles (8 rows) it is built
+# for: w = warps, s = shared-memory stages (rings past 48 KiB in dynamic shared memory), rb = row blocks per warp,
+# r80 = at most 80 registers (one more 8-warp program per SM), sk = stream-K over one wave of programs
+_V = GemvConfig(wgmma=True)
+VARIANTS = {
+    "w8s7rb1": (dataclasses.replace(_V, warps=8, smem_stages=7), (2, 4, 8)),
+    "w4s10rb1": (dataclasses.replace(_V, warps=4, smem_stages=10), (2, 4)),
+    "w16s6rb1": (dataclasses.replace(_V, warps=16, smem_stages=6), (4, 8)),
+    "w8s5rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=5, max_registers=80), (4,)),
+    "w8s7rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=7, max_registers=80), (2, 4)),
+    "w4s5rb2": (dataclasses.replace(_V, warps=4, smem_stages=5, row_blocks=2), (2, 4, 8)),
+    "w4s6rb2": (dataclasses.replace(_V, warps=4, smem_stages=6, row_blocks=2), (2, 4, 8)),
+    "w8s6rb2": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2), (2, 4, 8)),
+    "w8s7rb2": (dataclasses.replace(_V, warps=8, smem_stages=7, row_blocks=2), (2, 4)),
+    "w8s7rb1sk": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True), (2, 4, 8)),
+    "w8s6rb2sk": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2, stream_k=True), (2, 4, 8)),
+    "w8s7rb1skr80": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True, max_registers=80), (4,)),
+}
 
 
 def poison(device):
@@ -93,7 +106,7 @@ def pdl_variants(x, acts, weights, calls) -> dict:
 def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> None:
     """The default GEMV vs every :data:`VARIANTS` entry on one model's per-layer shapes: rel err vs fp64 (outputs over
     NaN poison), bitwise repeatability, median CUDA-graph time over rotated weight copies, GB/s of weight read, the
-    pure-read floor; a ratio table (default time / variant time) and DIR/gemv_compare_<device>_<model>.json."""
+    pure-read floor; a ratio table (default time / variant time) and DIR/gemv_compare_<device>_<model>_m<ms>.json."""
     name, tag, copy = device_header(dev)
     rows = []
     for sname, n, k in LAYER_SHAPES[model]:
@@ -110,7 +123,9 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> Non
             calls = max(len(gw), 8)
             row = {"shape": f"{model}.{sname}[{n}x{k}]", "M": m, "ms_read_floor": floor, "ms": {}, "rel_err": {},
                    "repeatable": {}, "weight_gbps": {}}
-            for vname, cfg in {"default": GemvConfig(), **VARIANTS}.items():
+            nt = gemv_plan.tiles_for(m)
+            for vname, cfg in {"default": GemvConfig(), **{v: c for v, (c, tiles) in VARIANTS.items()
+                                                           if nt in tiles}}.items():
                 try:
                     poison(dev)
                     o1 = gemv.launch(x, *gw[0], cfg)
@@ -152,11 +167,11 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> Non
               f"({layer['default'] / best:.2f}x), read floor {floor * 1e3:.1f} us; per variant: " + ", ".join(
                   f"{v} {layer['default'] / t:.2f}x" for v, t in layer.items() if v != "default"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gemv_compare_{tag}_{model}.json").write_text(json.dumps(
+    (out / f"gemv_compare_{tag}_{model}_m{'_'.join(map(str, ms_list))}.json").write_text(json.dumps(
         {"device": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
          "command": " ".join(["PYTHONPATH=. python", *sys.argv]), "copy_gbps": copy, "torch": torch.__version__,
          "triton": __import__("triton").__version__,
-         "variants": {v: dataclasses.asdict(c) for v, c in VARIANTS.items()},
+         "variants": {v: {**dataclasses.asdict(c), "tiles": t} for v, (c, t) in VARIANTS.items()},
          "gemv_regs": {str(k_): v for k_, v in gemv_plan._REGS.items()}, "rows": rows, "summary": summary},
         indent=1))
 

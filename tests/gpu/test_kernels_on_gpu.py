@@ -88,26 +88,33 @@ def test_mma_sync_gemv_matches_float64(layer, m):
     assert rel_err(y, x.double() @ w64.t()) < REL_TOL
 
 
-# the wgmma loop with two row blocks per warp and with rings deeper than static shared memory takes (gemv_plan's
-# candidates for 16-64 tokens): (warps, stages, row blocks per warp)
-WGMMA_VARIANTS = [(8, 7, 1), (4, 10, 1), (4, 5, 2), (8, 7, 2), (4, 8, 2)]
+# the wgmma loop's variants for 16-64 tokens (bench_gemv.VARIANTS): rings deeper than static shared memory takes, two
+# row blocks per warp, stream-K over one wave, a register cap
+WGMMA_VARIANTS = {
+    "w8s7": GemvConfig(warps=8, smem_stages=7, wgmma=True),
+    "w4s5rb2": GemvConfig(warps=4, smem_stages=5, row_blocks=2, wgmma=True),
+    "w8s7rb2": GemvConfig(warps=8, smem_stages=7, row_blocks=2, wgmma=True),
+    "w8s6rb2sk": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, stream_k=True),
+    "w8s7skr80": GemvConfig(warps=8, smem_stages=7, wgmma=True, stream_k=True, max_registers=80),
+}
 
 
 @pytest.mark.parametrize("m", [9, 16, 20, 32, 47, 64])
-@pytest.mark.parametrize("variant", WGMMA_VARIANTS, ids=lambda v: "w{}s{}rb{}".format(*v))
-def test_wgmma_row_block_and_deep_ring_variants_match_float64(m, variant):
+@pytest.mark.parametrize("variant", list(WGMMA_VARIANTS))
+def test_wgmma_row_block_stream_k_and_deep_ring_variants_match_float64(m, variant):
     if not gemv_plan.wgmma_supported(torch.device("cuda")) or not gemv_plan.HAS_GLUON:
         pytest.skip("the wgmma loop needs sm_90 (and Gluon for rings past 48 KiB)")
-    warps, stages, rb = variant
-    if gemv_ptx.wgmma_ring_bytes(gemv_plan.tiles_for(m), stages, warps, rb) > gemv_ptx.WGMMA_DYNAMIC_LIMIT:
-        pytest.skip("ring beyond the dynamic shared memory limit")
+    config = WGMMA_VARIANTS[variant]
+    nt = gemv_plan.tiles_for(m)
+    if gemv_ptx.wgmma_ring_bytes(nt, config.smem_stages, config.warps, config.row_blocks or 1) > (
+            gemv_ptx.WGMMA_DYNAMIC_LIMIT) or (config.max_registers and nt > 4):
+        pytest.skip("ring beyond the dynamic shared memory limit / register cap below the accumulators' need")
     # 1040 rows: an odd row-block count (65), so the last warp's second row block is missing
     for n, k in ((1040, 3584), (3584, 18944)):
         layer = random_layer(n, k, seed=n + m)
         w64 = dequantize(*weights(layer), torch.float64)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         words, factors = layer.gemv_weight()
-        config = GemvConfig(warps=warps, smem_stages=stages, row_blocks=rb, wgmma=True)
         poisoned_allocator()
         y = gemv.launch(x, words, factors, layer.weight_global_scale, config)
         assert rel_err(y, x.double() @ w64.t()) < REL_TOL, (n, k)

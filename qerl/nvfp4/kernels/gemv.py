@@ -339,6 +339,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     x_prefetch, row_blocks_per_warp, smem_stages = config.x_prefetch, config.row_blocks, config.smem_stages
     wgmma, reduce_unroll, cluster, stream_k, pdl = (config.wgmma, config.reduce_unroll, config.cluster,
                                                     config.stream_k, config.pdl)
+    maxnreg = config.max_registers
     m, k = a.shape
     n = words.shape[0] * 16
     if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
@@ -378,22 +379,26 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     dasm = _dense_asm(nt) if dense is not None else ""
     constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
                      FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
+    if maxnreg:
+        constants["maxnreg"] = maxnreg
     if target_warps:
         splits = max(1, min(cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, maxnreg=maxnreg)
         if key not in _REGS:
             _REGS[key] = (_wide_registers(a, weight_global_scale, constants, nt, stages, warps) if dynamic
                           else _variant_registers(a, weight_global_scale, constants, nt))
         splits = auto_splits(row_blocks, chunks, nt, warps, sm_count(a.device), fused, xpre=xpre, rb=rbw,
-                             stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks)
+                             stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks,
+                             maxnreg=maxnreg)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     weight_programs = cdiv(row_blocks, warps * rbw)
     if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
         # the work units spread evenly over one wave of CTAs (instead of the split count above); the plan's table is
         # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
         units = token_blocks * weight_programs * chunks
-        programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
+        programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma,
+                                                              maxnreg=maxnreg),
                        max(1, units // STREAM_K_MIN_CHUNKS))
         plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
         if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
@@ -428,11 +433,11 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
         # the round trips saved
         unroll = wide_reduce_unroll(nt, rbw)
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll, maxnreg)
         if key not in _REGS:  # once per variant: compiled, not launched
             wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
             _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
-        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll)
+        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll, maxnreg)
         unroll = unroll if grid_b * splits <= sm_count(a.device) * resident else 0
     if unroll:
         constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
@@ -467,7 +472,8 @@ def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
     rb = constants.get("RB", 1)
     s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps, rb) + 1024)
     return dict(WARPS=warps, ASM=constants["ASM"], SHIFT=constants["SHIFT"], TB=TOKEN_BLOCK, PDL=constants["PDL"],
-                S0=s0, S1=s1, S2=s2, RB=rb, num_warps=warps, **_pdl.options(constants["PDL"]))
+                S0=s0, S1=s1, S2=s2, RB=rb, num_warps=warps, **_pdl.options(constants["PDL"]),
+                **({"maxnreg": constants["maxnreg"]} if "maxnreg" in constants else {}))
 
 
 def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:

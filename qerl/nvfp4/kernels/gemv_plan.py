@@ -49,6 +49,8 @@ class GemvConfig:
             instead of the split grid (None: :func:`token_blocks_stream_k`).
         pdl: launch with programmatic dependent launch (``qerl.kernels.pdl``; the caller checks
             ``pdl.supported``).
+        max_registers: cap ptxas' registers per thread (``maxnreg``; 0: its own choice), so that one more program
+            fits an SM.
     """
 
     warps: int = 0
@@ -63,6 +65,7 @@ class GemvConfig:
     cluster: bool | None = None
     stream_k: bool | None = None
     pdl: bool = False
+    max_registers: int = 0
 
 
 MAX_M = 64
@@ -214,18 +217,20 @@ _REGS: dict[tuple, int] = {}
 
 
 def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool,
-              unroll: int = 0) -> tuple:
+              unroll: int = 0, maxnreg: int = 0) -> tuple:
     return (nt, fused, warps, xpre and not stages, rb, stages) + ((True,) if dense else ()) + (
-        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ())
+        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ()) + (
+        ("maxnreg", maxnreg) if maxnreg else ())
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
-                      stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0) -> int:
+                      stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0,
+                      maxnreg: int = 0) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
     smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps, rb) + 1024)) if wgmma else 32
-    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll))
+    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll, maxnreg))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
     regs = -(-regs // 8) * 8
@@ -234,11 +239,11 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
-                wgmma: bool = False, dense: bool = False, token_blocks: int = 1) -> int:
+                wgmma: bool = False, dense: bool = False, token_blocks: int = 1, maxnreg: int = 0) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks; on
     token blocks (``nt`` = 16) :func:`wide_splits` instead."""
     programs = cdiv(row_blocks, warps * rb) * token_blocks
-    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense, maxnreg=maxnreg)
     if nt > MAX_M // 8:
         return wide_splits(programs, capacity, chunks // min_chunks, min(token_blocks * TOKEN_BLOCK, 256), chunks)
     return max(1, min(capacity // programs, chunks // min_chunks))
@@ -251,10 +256,12 @@ STREAM_K_MIN_CHUNKS = 8
 def token_blocks_stream_k(nt: int, stream_k: bool | None, token_blocks: int) -> bool:
     """Whether a token-block launch spreads its work by stream-K (:func:`stream_k_plan`) rather than the (row group,
     split, token block) grid. None: from two token blocks (129-256 tokens) on, where it was as fast or faster on all
-    the 7B/32B shapes swept; at one block the grid's unsplit row groups mostly win."""
-    if nt <= MAX_M // 8 or stream_k is False:
-        return False
-    return bool(stream_k) or token_blocks >= 2
+    the 7B/32B shapes swept; at one block the grid's unsplit row groups mostly win. At 1-64 tokens only when asked
+    (True; a ring in dynamic shared memory): the grid of a large weight there can leave most of a second wave
+    empty."""
+    if stream_k is not None or nt <= MAX_M // 8:
+        return bool(stream_k)
+    return token_blocks >= 2
 
 
 def wide_splits(programs: int, capacity: int, max_splits: int, tokens: int, chunks: int) -> int:
