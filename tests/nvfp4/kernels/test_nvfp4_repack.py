@@ -196,6 +196,29 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
+def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
+    # two row blocks per warp: twice the weight bytes per stage, the same activation tile
+    assert gemv_ptx.wgmma_ring_bytes(4, 5, 4, 2) == (4096 + 5120) * 5
+    assert gemv_ptx.wgmma_ring_bytes(4, 7, 8, 2) == (4096 + 10240) * 7 > gemv_ptx.WGMMA_SMEM_LIMIT
+    with pytest.raises(ValueError, match="row blocks"):
+        gemv_ptx._wgmma_mainloop_asm(4, 5, 4, cluster=True, rb=2)
+    asm = gemv_ptx._wgmma_mainloop_asm(4, 5, 4, rb=2)  # one accumulator set per row block, both fed by one tile
+    assert asm.count("wgmma.mma_async") == 8 and "%c31" in asm and "%c32" not in asm
+    # stream-K below 65 rows only when asked; unchanged for the token blocks
+    assert not gemv_plan.token_blocks_stream_k(4, None, 1) and gemv_plan.token_blocks_stream_k(4, True, 1)
+    assert gemv_plan.token_blocks_stream_k(16, None, 2) and not gemv_plan.token_blocks_stream_k(16, None, 1)
+    assert not gemv_plan.token_blocks_stream_k(16, False, 2)
+    # a register cap is its own variant: the programs per SM read its registers, not the uncapped build's
+    plain, capped = (gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True),
+                     gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True, maxnreg=80))
+    gemv_plan._REGS[plain], gemv_plan._REGS[capped] = 92, 80
+    try:
+        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True) == 2
+        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True, maxnreg=80) == 3
+    finally:
+        del gemv_plan._REGS[plain], gemv_plan._REGS[capped]
+
+
 def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
     # every default the wgmma launch can pick fits shared memory (static up to 16 tokens), a token row per warp
     for nt in (1, 2, 4, 8, 16):
