@@ -234,8 +234,11 @@ if gl is not None:
         cnt = c_addr + (t * (N // 16) + rb).to(gl.int64) * 4
         ns = gl.zeros_like(tok) + count
         valid2 = (rb + 1 < N // 16).to(gl.int32)
-        w_step = zero64 + (valid2 * nchunks_all * 512).to(gl.int64)  # the warp's second row block (RB = 2; if any)
-        f_step = zero64 + (valid2 * nchunks_all * 128).to(gl.int64)
+        w_step = zero64
+        f_step = zero64
+        if RB > 1:  # the warp's second row block (if any)
+            w_step = zero64 + (valid2 * nchunks_all * 512).to(gl.int64)
+            f_step = zero64 + (valid2 * nchunks_all * 128).to(gl.int64)
         xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
         k2 = zero64 + K.to(gl.int64) * 2
         zero = gl.zeros_like(tok)
