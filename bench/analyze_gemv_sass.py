@@ -5,8 +5,8 @@ ahead-of-time compiler, disassembles them with the ``nvdisasm`` Triton ships, an
 bounds on the weight-read rate: issue (instructions per weight byte x SMs x 4 schedulers x clock), tensor cores
 (``HGMMA`` cycles per chunk) and latency (bytes in flight per SM / DRAM latency, Little's law).
 
-    PYTHONPATH=. python bench/analyze_gemv_sass.py [--model 72b] [--ms 16,32,64] [--measured bench/results/gemv_h200_72b.json]
-        [--out bench/results/gemv_sass_sm90_72b.json]
+    PYTHONPATH=. python bench/analyze_gemv_sass.py [--model 72b] [--ms 16,32,64]
+        [--measured bench/results/gemv_h200_72b.json] [--out bench/results/gemv_sass_sm90_72b.json]
 
 Rates are given per byte of the compressed-tensors weight (0.5625 bytes per weight, what ``bench_gemv`` reports); the
 loop reads the repacked copy, 0.625 bytes per weight (``gemv_layout``). Where a GPU run's registers are known
@@ -65,10 +65,10 @@ _DYNAMIC_SIG = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*f
                 "SEGS": "constexpr", "RB": "constexpr"}
 
 
-def build(nt: int, warps: int, stages: int, rb: int, workdir: Path) -> tuple[Path, bool]:
+def build(nt: int, warps: int, stages: int, rb: int, workdir: Path, l2: int = 0) -> tuple[Path, bool]:
     """The sm_90 cubin of the fused wgmma loop (static ring: the Triton launcher; past 48 KiB: the Gluon one) and
     whether its ring is dynamic."""
-    asm = gemv_ptx._asm(nt, True, False, rb, stages, warps, True)
+    asm = gemv_ptx._asm(nt, True, False, rb, stages, warps, True, l2=l2)
     dynamic = gemv_ptx.wgmma_ring_bytes(nt, stages, warps, rb) > gemv_ptx.WGMMA_SMEM_LIMIT
     target = GPUTarget("cuda", 90, 32)
     if dynamic:
@@ -84,7 +84,7 @@ def build(nt: int, warps: int, stages: int, rb: int, workdir: Path) -> tuple[Pat
                   "DASM": "", "PDL": False, "CL": 1}
         kernel = triton.compile(ASTSource(gemv._mma_gemv_kernel, _STATIC_SIG, constexprs=consts), target=target,
                                 options={"num_warps": warps})
-    path = workdir / f"gemv_nt{nt}_w{warps}_s{stages}_rb{rb}.cubin"
+    path = workdir / f"gemv_nt{nt}_w{warps}_s{stages}_rb{rb}_l2{l2}.cubin"
     path.write_bytes(kernel.asm["cubin"])
     return path, dynamic
 
@@ -154,8 +154,8 @@ def classify(body: list[str]) -> Counter:
     return counts
 
 
-def analyze(nt: int, warps: int, stages: int, rb: int, workdir: Path, gpu_regs: int | None) -> dict:
-    cubin, dynamic = build(nt, warps, stages, rb, workdir)
+def analyze(nt: int, warps: int, stages: int, rb: int, workdir: Path, gpu_regs: int | None, l2: int = 0) -> dict:
+    cubin, dynamic = build(nt, warps, stages, rb, workdir, l2)
     regs, static_smem = resources(cubin)
     body = main_loop(sass(cubin))
     counts = classify(body)
@@ -176,8 +176,10 @@ def analyze(nt: int, warps: int, stages: int, rb: int, workdir: Path, gpu_regs: 
     # a warpgroup's m64n(8 nt)k16 wgmma: 64 x 8 nt x 16 MACs on the SM's 4 tensor cores; 4 per chunk and row block
     tensor_clk = 4 * rb * 64 * 8 * nt * 16 / MACS_PER_CLK
     tensor_tbs = SMS * CLOCK * (4 * weight_bytes) / tensor_clk * ct / 1e12
-    in_flight = ctas * warps * weight_bytes * (stages - 2)  # bytes per SM: stages - 2 chunks copied ahead
-    return {"nt": nt, "warps": warps, "stages": stages, "rb": rb, "dynamic_ring": dynamic, "regs_here": regs,
+    # bytes per SM: stages - 2 chunks copied ahead (an L2 prefetch: l2 chunks requested from DRAM ahead)
+    in_flight = ctas * warps * weight_bytes * max(stages - 2, l2)
+    return {"nt": nt, "warps": warps, "stages": stages, "rb": rb, "l2_prefetch": l2, "dynamic_ring": dynamic,
+            "regs_here": regs,
             "regs_gpu": gpu_regs, "ring_bytes": ring, "smem_per_program": smem if dynamic else static_smem,
             "programs_per_sm": ctas, "limited_by": min(("registers", by_regs), ("shared memory", by_smem),
                                                        ("warps", 64 // warps), key=lambda t: t[1])[0],
@@ -216,21 +218,21 @@ def main() -> None:
     built: dict[tuple, dict] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        def get(nt, w, st, rb):
-            if (nt, w, st, rb) not in built:
-                built[nt, w, st, rb] = analyze(nt, w, st, rb, Path(tmp), _gpu_regs(measured, nt, w, st, rb))
-            return built[nt, w, st, rb]
+        def get(nt, w, st, rb, l2):
+            if (nt, w, st, rb, l2) not in built:
+                built[nt, w, st, rb, l2] = analyze(nt, w, st, rb, Path(tmp), _gpu_regs(measured, nt, w, st, rb), l2)
+            return built[nt, w, st, rb, l2]
 
         for sname, n, k in LAYER_SHAPES[args.model]:
             for m in ms:
                 nt = gemv_plan.tiles_for(m)
                 w, st = gemv_plan.default_wgmma(nt, n, k)
-                variants = {"default": (w, st, 1)}
+                variants = {"default": (w, st, 1, 0)}
                 for name, (cfg, tiles) in VARIANTS.items():  # the grid variants (stream-K: the same loop)
                     if nt in tiles and not cfg.stream_k and not cfg.max_registers:
-                        variants[name] = (cfg.warps, cfg.smem_stages, cfg.row_blocks or 1)
-                for name, (w_, st_, rb_) in variants.items():
-                    a = get(nt, w_, st_, rb_)
+                        variants[name] = (cfg.warps, cfg.smem_stages, cfg.row_blocks or 1, cfg.l2_prefetch)
+                for name, (w_, st_, rb_, l2_) in variants.items():
+                    a = get(nt, w_, st_, rb_, l2_)
                     # the grid: programs of warps x rb row blocks, K split to fill one wave (the plan's rule)
                     gemv_plan._REGS[gemv_plan._regs_key(nt, True, w_, False, rb_, st_, False, True)] = (
                         a["regs_gpu"] or a["regs_here"])

@@ -42,21 +42,24 @@ LAYER_SHAPES = {"72b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gu", 59136, 8
                 "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gu", 55296, 5120), ("down", 5120, 27648)]}
 # the wgmma loop's variants for 16-64 tokens set against the default, each with the token tiles (8 rows) it is built
 # for: w = warps, s = shared-memory stages (rings past 48 KiB in dynamic shared memory), rb = row blocks per warp,
-# r80 = at most 80 registers (one more 8-warp program per SM), sk = stream-K over one wave of programs
+# r80 = at most 80 registers (one more 8-warp program per SM), sk = stream-K over one wave of programs, pfN = weights
+# prefetched N chunks ahead into L2
 _V = GemvConfig(wgmma=True)
 VARIANTS = {
     "w8s7rb1": (dataclasses.replace(_V, warps=8, smem_stages=7), (2, 4, 8)),
-    "w4s10rb1": (dataclasses.replace(_V, warps=4, smem_stages=10), (2, 4)),
     "w16s6rb1": (dataclasses.replace(_V, warps=16, smem_stages=6), (4, 8)),
     "w8s5rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=5, max_registers=80), (4,)),
     "w8s7rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=7, max_registers=80), (2, 4)),
     "w4s5rb2": (dataclasses.replace(_V, warps=4, smem_stages=5, row_blocks=2), (2, 4, 8)),
     "w4s6rb2": (dataclasses.replace(_V, warps=4, smem_stages=6, row_blocks=2), (2, 4, 8)),
     "w8s6rb2": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2), (2, 4, 8)),
-    "w8s7rb2": (dataclasses.replace(_V, warps=8, smem_stages=7, row_blocks=2), (2, 4)),
     "w8s7rb1sk": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True), (2, 4, 8)),
     "w8s6rb2sk": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2, stream_k=True), (2, 4, 8)),
     "w8s7rb1skr80": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True, max_registers=80), (4,)),
+    "w8s5pf12": (dataclasses.replace(_V, warps=8, smem_stages=5, l2_prefetch=12), (4,)),
+    "w8s6pf12": (dataclasses.replace(_V, warps=8, smem_stages=6, l2_prefetch=12), (2, 8)),
+    "w8s7pf16": (dataclasses.replace(_V, warps=8, smem_stages=7, l2_prefetch=16), (2, 4, 8)),
+    "w8s6rb2pf12": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2, l2_prefetch=12), (2, 4, 8)),
 }
 
 

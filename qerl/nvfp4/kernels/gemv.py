@@ -29,6 +29,7 @@ from qerl.nvfp4.kernels.gemv_plan import (
     _regs_key,
     auto_splits,
     auto_warps,
+    build_extras,
     default_row_blocks,
     default_smem_stages,
     default_wgmma,
@@ -342,7 +343,8 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     x_prefetch, row_blocks_per_warp, smem_stages = config.x_prefetch, config.row_blocks, config.smem_stages
     wgmma, reduce_unroll, cluster, stream_k, pdl = (config.wgmma, config.reduce_unroll, config.cluster,
                                                     config.stream_k, config.pdl)
-    maxnreg = config.max_registers
+    maxnreg, l2 = config.max_registers, config.l2_prefetch
+    extras = build_extras(maxnreg, l2)
     m, k = a.shape
     n = words.shape[0] * 16
     if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
@@ -380,20 +382,22 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     cluster = False if dynamic or rbw > 1 else cluster
     token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""
-    constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
+    if l2 and not wgmma:
+        raise ValueError("the L2 prefetch is built into the wgmma loop only")
+    constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, l2=l2), SHIFT=256.0,
                      FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
     if maxnreg:
         constants["maxnreg"] = maxnreg
     if target_warps:
         splits = max(1, min(cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, maxnreg=maxnreg)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, extras=extras)
         if key not in _REGS:
             _REGS[key] = (_wide_registers(a, weight_global_scale, constants, nt, stages, warps) if dynamic
                           else _variant_registers(a, weight_global_scale, constants, nt))
         splits = auto_splits(row_blocks, chunks, nt, warps, sm_count(a.device), fused, xpre=xpre, rb=rbw,
                              stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks,
-                             maxnreg=maxnreg)
+                             extras=extras)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     weight_programs = cdiv(row_blocks, warps * rbw)
     if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
@@ -401,7 +405,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
         units = token_blocks * weight_programs * chunks
         programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma,
-                                                              maxnreg=maxnreg),
+                                                              extras=extras),
                        max(1, units // STREAM_K_MIN_CHUNKS))
         plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
         if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
@@ -436,14 +440,14 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
         # the round trips saved
         unroll = wide_reduce_unroll(nt, rbw)
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll, maxnreg)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll, extras)
         if key not in _REGS:  # once per variant: compiled, not launched
-            wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
+            wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll, l2=l2)}
             _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
-        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll, maxnreg)
+        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll, extras)
         unroll = unroll if grid_b * splits <= sm_count(a.device) * resident else 0
     if unroll:
-        constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
+        constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll, l2=l2)
     if dynamic:
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
@@ -451,7 +455,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
             **_wide_constants(constants, nt, stages, warps))
         return out
     if clustered:
-        constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True),
+        constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True, l2=l2),
                          CL=splits, num_ctas=splits)
     _mma_gemv_kernel[(grid_b, 1 if clustered else splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,

@@ -51,6 +51,8 @@ class GemvConfig:
             ``pdl.supported``).
         max_registers: cap ptxas' registers per thread (``maxnreg``; 0: its own choice), so that one more program
             fits an SM.
+        l2_prefetch: the wgmma loop also prefetches the weights this many chunks ahead into L2 (0: none), beyond the
+            chunks its shared-memory ring holds.
     """
 
     warps: int = 0
@@ -66,6 +68,7 @@ class GemvConfig:
     stream_k: bool | None = None
     pdl: bool = False
     max_registers: int = 0
+    l2_prefetch: int = 0
 
 
 MAX_M = 64
@@ -216,21 +219,26 @@ _CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3, 16: 2}
 _REGS: dict[tuple, int] = {}
 
 
+def build_extras(max_registers: int = 0, l2_prefetch: int = 0) -> tuple:
+    """The knobs that change a build but not its shape (:class:`GemvConfig`'s register cap and L2 prefetch), as the
+    last part of its register-cache key."""
+    return tuple((name, v) for name, v in (("maxnreg", max_registers), ("l2", l2_prefetch)) if v)
+
+
 def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool,
-              unroll: int = 0, maxnreg: int = 0) -> tuple:
+              unroll: int = 0, extras: tuple = ()) -> tuple:
     return (nt, fused, warps, xpre and not stages, rb, stages) + ((True,) if dense else ()) + (
-        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ()) + (
-        ("maxnreg", maxnreg) if maxnreg else ())
+        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ()) + extras
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
                       stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0,
-                      maxnreg: int = 0) -> int:
+                      extras: tuple = ()) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
     smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps, rb) + 1024)) if wgmma else 32
-    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll, maxnreg))
+    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll, extras))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
     regs = -(-regs // 8) * 8
@@ -239,11 +247,11 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
-                wgmma: bool = False, dense: bool = False, token_blocks: int = 1, maxnreg: int = 0) -> int:
+                wgmma: bool = False, dense: bool = False, token_blocks: int = 1, extras: tuple = ()) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks; on
     token blocks (``nt`` = 16) :func:`wide_splits` instead."""
     programs = cdiv(row_blocks, warps * rb) * token_blocks
-    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense, maxnreg=maxnreg)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense, extras=extras)
     if nt > MAX_M // 8:
         return wide_splits(programs, capacity, chunks // min_chunks, min(token_blocks * TOKEN_BLOCK, 256), chunks)
     return max(1, min(capacity // programs, chunks // min_chunks))

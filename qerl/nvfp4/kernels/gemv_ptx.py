@@ -348,7 +348,7 @@ def wgmma_ring_bytes(nt: int, stages: int, warps: int, rb: int = 1) -> int:
 
 
 def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, cluster: bool = False,
-                        rb: int = 1) -> str:
+                        rb: int = 1, l2: int = 0) -> str:
     """The wide-batch main loop on Hopper's warpgroup MMA: each warpgroup of the program (4 warps, one 16-row block
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
@@ -372,7 +372,13 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     barrier and copy round serve twice the weight bytes (half the activation reads and per-chunk overhead per weight
     byte); the two row blocks' register fragments double-buffer each other (row block 0 is unpacked while row block
     1's wgmma group of the chunk before runs, and the reverse), so the fragments take no more registers than at
-    ``rb`` = 1."""
+    ``rb`` = 1.
+
+    ``l2`` > 0: every chunk's copy round also prefetches the thread's weight words and factors of the chunk ``l2``
+    ahead into L2 (``prefetch.global.L2``), so that the DRAM reads run further ahead than the ring's ``stages - 2``
+    chunks (bounded by shared memory) and the ring's copies hit L2."""
+    if l2 and l2 <= stages - 2:
+        raise ValueError(f"an L2 prefetch {l2} chunks ahead is inside the {stages}-stage ring's reach")
     if rb not in (1, 2) or (rb > 1 and cluster):
         raise ValueError(f"the wgmma loop takes 1 or 2 row blocks per warp (2 without clusters), got {rb}")
     if stages < 3:
@@ -420,8 +426,12 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
         for r in range(rb):
             a(f"@%pcc cp.async.cg.shared.global [%u+{words_at[r]}], [%pw{r}], 16;")
         a("add.u32 %u, %t, %s4;")
+        if l2:
+            a(f"add.s32 %tl, %cc, {l2}; setp.lt.s32 %ppf, %tl, %ntot;")
         for r in range(rb):
             a(f"@%pcc cp.async.ca.shared.global [%u+{facs_at[r]}], [%pf{r}], 4;")
+            if l2:
+                a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * l2}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * l2}];")
             a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
         a("cp.async.commit_group;")
         a("add.s32 %cc, %cc, 1; add.s64 %cx, %cx, 128;")
@@ -439,8 +449,8 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("{")
     if not dynamic:
         a(f".shared .align 1024 .b8 qsm[{ring}];")
-    a(".reg .pred %p1, %pcc, %pr, %pcp, %pd;")
-    a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %tq, %wp, %ln, %sb, %rd, %wr, %nv, %sw, %s4;")
+    a(".reg .pred %p1, %pcc, %pr, %pcp, %pd, %ppf;")
+    a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %tq, %wp, %ln, %sb, %rd, %wr, %nv, %sw, %s4, %tl;")
     a(".reg .b32 " + ", ".join(f"%sd{z}, %e{z}" for z in swz) + ";")
     a(".reg .b32 %dl, %dl0, %dh, %kq, %kj, %kh, %lp;")
     a(".reg .b64 %k2, %k8, %xb, %cx, %cs, %o64, %desc;")
@@ -484,6 +494,10 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("fence.proxy.async.shared::cta;")
     a(f"bar.sync 1, {threads};")
     a("mov.u32 %cc, 0; mov.u32 %wr, 0; mov.u32 %rd, 0;")
+    for j in range(stages - 2, l2):  # the chunks between the ring's first fill and the loop's first prefetch
+        a(f"setp.gt.s32 %ppf, %ntot, {j};")
+        for r in range(rb):
+            a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * j}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * j}];")
     for _ in range(stages - 2):
         copy_next()
     # descriptor: start address >> 4 (+ stage, + 2 per k16 step), leading offset 1 (unused), stride 1024 >> 4,
@@ -770,12 +784,12 @@ _ASM: dict[tuple, str] = {}
 
 
 def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4, wgmma: bool = False,
-         unroll: int = 0, cluster: bool = False) -> str:
-    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll, cluster)
+         unroll: int = 0, cluster: bool = False, l2: int = 0) -> str:
+    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll, cluster, l2)
     if cluster and not (wgmma and fused):
         raise ValueError("the cluster split-K reduction is built for the fused wgmma loop only")
     if key not in _ASM:
-        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll, cluster, rb) if wgmma
+        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll, cluster, rb, l2) if wgmma
                      else _smem_mainloop_asm(nt, rb, stages, warps, unroll) if stages
                      else _mainloop_asm(nt, fused, xpre, rb, unroll))
     return _ASM[key]

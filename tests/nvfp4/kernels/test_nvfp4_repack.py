@@ -210,11 +210,12 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
     assert not gemv_plan.token_blocks_stream_k(16, False, 2)
     # a register cap is its own variant: the programs per SM read its registers, not the uncapped build's
     plain, capped = (gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True),
-                     gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True, maxnreg=80))
+                     gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True, extras=gemv_plan.build_extras(80)))
     gemv_plan._REGS[plain], gemv_plan._REGS[capped] = 92, 80
     try:
         assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True) == 2
-        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True, maxnreg=80) == 3
+        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True,
+                                           extras=gemv_plan.build_extras(80)) == 3
     finally:
         del gemv_plan._REGS[plain], gemv_plan._REGS[capped]
 
@@ -358,12 +359,14 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
        "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
-       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr", "RB": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][P]: segments > 0 = the stream-K table's runs, B = 2 row blocks
-    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("B").split(".")] + [0])[:4]
-    pdl, rb = spec.endswith("P"), 2 if "B" in spec else 1
-    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True), "SHIFT": 256.0, "PDL": pdl,
-                                "RB": rb}, nt, st, warps)
+       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr",
+       "RB": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P]: segments > 0 = the stream-K table's runs,
+    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead
+    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
+    pdl, rb, l2 = spec.endswith("P"), 2 if "B" in spec else 1, 12 if "L" in spec else 0
+    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True, l2=l2), "SHIFT": 256.0,
+                                "PDL": pdl, "RB": rb}, nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
@@ -396,7 +399,7 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
     variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P",
-                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP"]
+                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP"]
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
