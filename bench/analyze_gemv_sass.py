@@ -199,11 +199,34 @@ def _gpu_regs(measured: dict, nt: int, warps: int, stages: int, rb: int) -> int 
 
 
 def _measured_tbs(measured: dict, shape: str, m: int) -> float | None:
-    """The GPU run's default-path GB/s at (shape, m) where that run timed the same weight (its per-module shapes)."""
+    """The GPU run's default-path TB/s at (shape, m): its per-module rows (q for q|k|v, the mean of gate and up
+    for gate|up: half the rows of the stacked launch)."""
     names = {"qkv": ("q",), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}[shape]
     rates = [r["weight_gbps"] for r in measured.get("rows", []) if r["M"] == m
              and r["shape"].split(".")[1].split("[")[0] in names]
     return sum(rates) / len(rates) / 1e3 if rates else None
+
+
+def findings(rows: list[dict]) -> None:
+    """Per shape, the default at each batch width side by side: what grows with the token tiles, and (where a GPU run
+    measured it) the DRAM latency that its bytes in flight and rate imply (Little's law), and the bytes in flight a
+    target rate would need at that latency."""
+    print("\nThe default per batch width (what changes with the token tiles):")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for r in (r for r in rows if r["shape"] == shape and r["variant"] == "default"):
+            line = (f"{shape} M={r['M']}: {r['warps']} warps x {r['stages']} stages, "
+                    f"{r['regs_gpu'] or r['regs_here']} registers -> {r['programs_per_sm']} programs "
+                    f"({r['limited_by']}), {r['in_flight_kib_per_sm']:.0f} KiB in flight per SM, "
+                    f"{r['instructions_per_chunk_per_warp']:.0f} instructions per chunk and warp "
+                    f"({r['activation_copies_per_chunk_per_thread']} activation copies per thread), "
+                    f"HGMMA {r['tensor_clk_per_chunk_per_warpgroup']:.0f} clk per chunk and warpgroup, "
+                    f"{r['waves']:.2f} waves")
+            if r["measured_tbs"]:
+                latency = r["in_flight_kib_per_sm"] * 1024 * SMS / (r["measured_tbs"] * 1e12 * REPACKED_BYTES / CT_BYTES)
+                need = 3.3e12 * REPACKED_BYTES / CT_BYTES * latency / SMS / 1024
+                line += (f"; measured {r['measured_tbs']:.2f} TB/s -> implied latency {latency * 1e6:.2f} us, "
+                         f"3.3 TB/s would need {need:.0f} KiB in flight")
+            print(line)
 
 
 def main() -> None:
@@ -264,6 +287,7 @@ def main() -> None:
               f"{other:.0f} | {r['issue_bound_tbs']:.2f} | {r['tensor_bound_tbs']:.2f} | "
               f"{r['in_flight_kib_per_sm']:.0f} | {r['latency_bound_tbs_at_1us']:.2f} | {r['splits']} | "
               f"{r['waves']:.2f} | {r['measured_tbs'] or '':.3} |")
+    findings(rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "triton": triton.__version__, "sms": SMS,
                                               "clock_hz": CLOCK, "rows": rows}, indent=1))
