@@ -222,7 +222,8 @@ def findings(rows: list[dict]) -> None:
                     f"HGMMA {r['tensor_clk_per_chunk_per_warpgroup']:.0f} clk per chunk and warpgroup, "
                     f"{r['waves']:.2f} waves")
             if r["measured_tbs"]:
-                latency = r["in_flight_kib_per_sm"] * 1024 * SMS / (r["measured_tbs"] * 1e12 * REPACKED_BYTES / CT_BYTES)
+                repacked_rate = r["measured_tbs"] * 1e12 * REPACKED_BYTES / CT_BYTES
+                latency = r["in_flight_kib_per_sm"] * 1024 * SMS / repacked_rate
                 need = 3.3e12 * REPACKED_BYTES / CT_BYTES * latency / SMS / 1024
                 line += (f"; measured {r['measured_tbs']:.2f} TB/s -> implied latency {latency * 1e6:.2f} us, "
                          f"3.3 TB/s would need {need:.0f} KiB in flight")
