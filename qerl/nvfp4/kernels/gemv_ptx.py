@@ -494,12 +494,13 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("fence.proxy.async.shared::cta;")
     a(f"bar.sync 1, {threads};")
     a("mov.u32 %cc, 0; mov.u32 %wr, 0; mov.u32 %rd, 0;")
-    for j in range(stages - 2, l2):  # the chunks between the ring's first fill and the loop's first prefetch
-        a(f"setp.gt.s32 %ppf, %ntot, {j};")
-        for r in range(rb):
-            a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * j}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * j}];")
     for _ in range(stages - 2):
         copy_next()
+    for j in range(stages - 2, l2):  # the chunks between the ring's first fill and the loop's first prefetch
+        a(f"setp.gt.s32 %ppf, %ntot, {j};")  # (the pointers are at chunk stages - 2 now)
+        for r in range(rb):
+            d = j - (stages - 2)
+            a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * d}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * d}];")
     # descriptor: start address >> 4 (+ stage, + 2 per k16 step), leading offset 1 (unused), stride 1024 >> 4,
     # 128-byte swizzle (layout type 1 at bits 62-63)
     a("mov.u32 %dh, 0x40000040;")
