@@ -33,6 +33,7 @@ from qerl.nvfp4.kernels.gemv_plan import (
     default_row_blocks,
     default_smem_stages,
     default_wgmma,
+    default_wgmma_build,
     default_x_prefetch,
     resident_programs,
     shared_reservation,
@@ -344,7 +345,6 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     wgmma, reduce_unroll, cluster, stream_k, pdl = (config.wgmma, config.reduce_unroll, config.cluster,
                                                     config.stream_k, config.pdl)
     maxnreg, l2 = config.max_registers, config.l2_prefetch
-    extras = build_extras(maxnreg, l2)
     m, k = a.shape
     n = words.shape[0] * 16
     if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
@@ -361,9 +361,14 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     if m > MAX_M and not (wgmma and gluon is not None):
         raise ValueError(f"above {MAX_M} rows the GEMV runs the wgmma loop only (sm_90, Triton >= 3.4 for Gluon)")
     if wgmma:  # warpgroups of 4 warps (1 or 2 row blocks each), activations and weights through shared memory
+        if not (warps or smem_stages or row_blocks_per_warp):  # the plan's whole build, not a mix with a pinned one
+            row_blocks_per_warp, l2_d, stream_k_d, maxnreg_d = default_wgmma_build(nt, n, k, dense is not None)
+            l2, maxnreg = l2 or l2_d, maxnreg or maxnreg_d
+            stream_k = stream_k_d if stream_k is None and stream_k_d else stream_k
         w, st = default_wgmma(nt, n, k)
         warps, smem_stages, x_prefetch = warps or w, smem_stages or st, False
         row_blocks_per_warp = row_blocks_per_warp or 1
+    extras = build_extras(maxnreg, l2)
     xpre = default_x_prefetch(nt) if x_prefetch is None else x_prefetch
     stages = default_smem_stages(nt, n, k) if smem_stages is None else smem_stages
     rbw = default_row_blocks(n, k, stages) if row_blocks_per_warp is None else row_blocks_per_warp

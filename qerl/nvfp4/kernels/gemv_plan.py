@@ -131,6 +131,14 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
     return 8, 4
 
 
+def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[int, int, bool, int]:
+    """(row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop where a launch
+    pins none of warps, stages and row blocks: the plain loop (1, 0, False, 0) everywhere until a GPU measurement
+    (``bench_gemv.py --compare``) shows a variant faster at that width. ``dense``: LoRA-A rows ride in the launch
+    (static ring, one row block per warp)."""
+    return 1, 0, False, 0
+
+
 WIDE_MIN_WEIGHTS = 20_000_000
 """Above :data:`MAX_M` tokens the GEMV is the default for weights of at least this many entries; the smaller ones
 (the 7B/32B attention projections) dequantize and run cuBLAS, which is as fast or faster there."""

@@ -204,6 +204,14 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
         gemv_ptx._wgmma_mainloop_asm(4, 5, 4, cluster=True, rb=2)
     asm = gemv_ptx._wgmma_mainloop_asm(4, 5, 4, rb=2)  # one accumulator set per row block, both fed by one tile
     assert asm.count("wgmma.mma_async") == 8 and "%c31" in asm and "%c32" not in asm
+    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp and a static
+    # ring, whatever wins without them
+    for nt in (1, 2, 4, 8):
+        for n, k in ((1024, 8192), (10240, 8192), (59136, 8192), (8192, 29568), (512, 3584)):
+            rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            warps, stages = gemv_plan.default_wgmma(nt, n, k)
+            assert rb == 1 and not sk and (l2 == 0 or l2 > stages - 2) and cap in (0, 80, 96)
+            assert nt > 2 or gemv_ptx.wgmma_ring_bytes(nt, stages, warps) <= gemv_ptx.WGMMA_SMEM_LIMIT
     # stream-K below 65 rows only when asked; unchanged for the token blocks
     assert not gemv_plan.token_blocks_stream_k(4, None, 1) and gemv_plan.token_blocks_stream_k(4, True, 1)
     assert gemv_plan.token_blocks_stream_k(16, None, 2) and not gemv_plan.token_blocks_stream_k(16, None, 1)
