@@ -106,10 +106,15 @@ def pdl_variants(x, acts, weights, calls) -> dict:
             "ms_chain_pdl": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], with_pdl), calls)}
 
 
-def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> None:
-    """The default GEMV vs every :data:`VARIANTS` entry on one model's per-layer shapes: rel err vs fp64 (outputs over
+def compare(model: str, ms_list: list[int], out: Path, dev: torch.device, only: list[str] | None = None,
+            floor: bool = True, shapes: list[str] | None = None) -> None:
+    """The default GEMV vs the :data:`VARIANTS` entries (``only``: these) on one model's per-layer shapes: rel err vs
+    fp64 (outputs over
     NaN poison), bitwise repeatability, median CUDA-graph time over rotated weight copies, GB/s of weight read, the
-    pure-read floor; a ratio table (default time / variant time) and DIR/gemv_compare_<device>_<model>_m<ms>.json."""
+    pure-read floor (``floor``); a ratio table (default time / variant time) and
+    DIR/gemv_compare_<device>_<model>_m<ms>.json."""
+    variants = {v: VARIANTS[v] for v in only} if only else VARIANTS
+    layer_shapes = [s for s in LAYER_SHAPES[model] if not shapes or s[0] in shapes]
     name, tag, copy = device_header(dev)
     rows = []
 
@@ -119,26 +124,26 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> Non
             {"device": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "command": " ".join(["PYTHONPATH=. python", *sys.argv]), "copy_gbps": copy, "torch": torch.__version__,
              "triton": __import__("triton").__version__,
-             "variants": {v: {**dataclasses.asdict(c), "tiles": t} for v, (c, t) in VARIANTS.items()},
+             "variants": {v: {**dataclasses.asdict(c), "tiles": t} for v, (c, t) in variants.items()},
              "gemv_regs": {str(k_): v for k_, v in gemv_plan._REGS.items()}, "rows": rows, "summary": summary},
             indent=1))
 
-    for sname, n, k in LAYER_SHAPES[model]:
+    for sname, n, k in layer_shapes:
         nbytes = n * k * BYTES_PER_WEIGHT
         weights = [random_nvfp4(n, k, dev) for _ in range(copies_for(nbytes))]
         gw = [(*gemv_layout.repack(p, sc), gs) for p, sc, gs in weights]
         counters(dev, n // 16)
         w64 = dequantize(*weights[0], torch.float64)
-        floor = read_floor_ms(gemv_layout.repack(*weights[0][:2])[0].numel() * 4 * 1.25, dev)
+        read_ms = read_floor_ms(n * k * 0.625, dev) if floor else float("nan")  # the repacked bytes
         for m in ms_list:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ w64.t()
             acts = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(4)]
             calls = max(len(gw), 8)
-            row = {"shape": f"{model}.{sname}[{n}x{k}]", "M": m, "ms_read_floor": floor, "ms": {}, "rel_err": {},
+            row = {"shape": f"{model}.{sname}[{n}x{k}]", "M": m, "ms_read_floor": read_ms, "ms": {}, "rel_err": {},
                    "repeatable": {}, "weight_gbps": {}}
             nt = gemv_plan.tiles_for(m)
-            for vname, cfg in {"default": GemvConfig(), **{v: c for v, (c, tiles) in VARIANTS.items()
+            for vname, cfg in {"default": GemvConfig(), **{v: c for v, (c, tiles) in variants.items()
                                                            if nt in tiles}}.items():
                 try:
                     poison(dev)
@@ -155,14 +160,14 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device) -> Non
             row["best"] = min(ok, key=ok.get) if ok else "default"
             rows.append(row)
             d, b = row["ms"]["default"], row["best"]
-            print(f"{row['shape']:>22} M={m:<3} floor {floor * 1e3:6.1f} default {d * 1e3:6.1f} us "
+            print(f"{row['shape']:>22} M={m:<3} floor {read_ms * 1e3:6.1f} default {d * 1e3:6.1f} us "
                   f"{row['weight_gbps']['default']:5.0f} GB/s | best {b} {row['ms'][b] * 1e3:6.1f} us "
                   f"{row['weight_gbps'][b]:5.0f} GB/s | wrong or not repeatable: "
                   f"{[(v, row['rel_err'][v]) for v in row['ms'] if v not in ok]}", flush=True)
         del weights, gw
         torch.cuda.empty_cache()
         write(rows, [])  # what is measured so far, should a later variant hang
-    names = ["default", *VARIANTS]
+    names = ["default", *variants]
     print(f"\n{name}, copy {copy:.0f} GB/s. default time / variant time (> 1: the variant is faster)")
     print("| shape | M | floor us | default us | " + " | ".join(names[1:]) + " |")
     print("| --- " * (len(names) + 3) + "|")
@@ -190,11 +195,16 @@ def main():
     ap.add_argument("--ms", default="1,4,16,32,64")
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--compare", default="", help="a model of LAYER_SHAPES: the default vs VARIANTS on its layer")
+    ap.add_argument("--variants", default="", help="with --compare: only these VARIANTS (comma-separated)")
+    ap.add_argument("--no-floor", action="store_true", help="with --compare: skip the read floor")
+    ap.add_argument("--shapes", default="", help="with --compare: only these of the model's LAYER_SHAPES")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if args.compare:
-        return compare(args.compare, [int(v) for v in args.ms.split(",")], Path(args.out), dev)
+        return compare(args.compare, [int(v) for v in args.ms.split(",")], Path(args.out), dev,
+                       [v for v in args.variants.split(",") if v], not args.no_floor,
+                       [v for v in args.shapes.split(",") if v])
     name, tag, copy = device_header(dev)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows, errors = [], []

@@ -91,12 +91,12 @@ def test_mma_sync_gemv_matches_float64(layer, m):
 # the wgmma loop's variants for 16-64 tokens (bench_gemv.VARIANTS): rings deeper than static shared memory takes, two
 # row blocks per warp, stream-K over one wave, a register cap, an L2 prefetch ahead of the ring
 WGMMA_VARIANTS = {
-    "w8s7": GemvConfig(warps=8, smem_stages=7, wgmma=True),
-    "w4s5rb2": GemvConfig(warps=4, smem_stages=5, row_blocks=2, wgmma=True),
-    "w8s7rb2": GemvConfig(warps=8, smem_stages=7, row_blocks=2, wgmma=True),
-    "w8s6rb2sk": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, stream_k=True),
-    "w8s7skr80": GemvConfig(warps=8, smem_stages=7, wgmma=True, stream_k=True, max_registers=80),
+    "w8s5pf12": GemvConfig(warps=8, smem_stages=5, wgmma=True, l2_prefetch=12),
+    "w8s7rb1r80": GemvConfig(warps=8, smem_stages=7, wgmma=True, max_registers=80),
     "w8s6rb2pf12": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, l2_prefetch=12),
+    "w4s5rb2": GemvConfig(warps=4, smem_stages=5, row_blocks=2, wgmma=True),
+    "w8s6rb2sk": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, stream_k=True),
+    "w8s7sk80": GemvConfig(warps=8, smem_stages=7, wgmma=True, stream_k=True, max_registers=80),
 }
 
 
