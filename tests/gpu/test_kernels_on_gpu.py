@@ -94,6 +94,7 @@ WGMMA_VARIANTS = {
     "w8s5pf12": GemvConfig(warps=8, smem_stages=5, wgmma=True, l2_prefetch=12),
     "w8s7rb1r80": GemvConfig(warps=8, smem_stages=7, wgmma=True, max_registers=80),
     "w8s6rb2pf12": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, l2_prefetch=12),
+    "w8s6rb2": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True),  # the plan's pick for >= 200M weights
     "w4s5rb2": GemvConfig(warps=4, smem_stages=5, row_blocks=2, wgmma=True),
     "w8s6rb2sk": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, stream_k=True),
     "w8s7sk80": GemvConfig(warps=8, smem_stages=7, wgmma=True, stream_k=True, max_registers=80),

@@ -362,10 +362,11 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         raise ValueError(f"above {MAX_M} rows the GEMV runs the wgmma loop only (sm_90, Triton >= 3.4 for Gluon)")
     if wgmma:  # warpgroups of 4 warps (1 or 2 row blocks each), activations and weights through shared memory
         if not (warps or smem_stages or row_blocks_per_warp):  # the plan's whole build, not a mix with a pinned one
-            row_blocks_per_warp, l2_d, stream_k_d, maxnreg_d = default_wgmma_build(nt, n, k, dense is not None)
+            w, st, row_blocks_per_warp, l2_d, stream_k_d, maxnreg_d = default_wgmma_build(nt, n, k, dense is not None)
             l2, maxnreg = l2 or l2_d, maxnreg or maxnreg_d
             stream_k = stream_k_d if stream_k is None and stream_k_d else stream_k
-        w, st = default_wgmma(nt, n, k)
+        else:
+            w, st = default_wgmma(nt, n, k)
         warps, smem_stages, x_prefetch = warps or w, smem_stages or st, False
         row_blocks_per_warp = row_blocks_per_warp or 1
     extras = build_extras(maxnreg, l2)
@@ -441,7 +442,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         u = torch.empty(splits * dx, m, na, device=a.device, dtype=torch.float32)
         grid_b += cdiv(frags.shape[0], warps) * dx
     unroll = reduce_unroll or 0
-    if reduce_unroll is None and split_fused and splits > 4 and wide_reduce_unroll(nt, rbw):
+    if reduce_unroll is None and split_fused and splits > 4 and wide_reduce_unroll(nt, rbw) and not dynamic:
         # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
         # the round trips saved
         unroll = wide_reduce_unroll(nt, rbw)

@@ -131,12 +131,20 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
     return 8, 4
 
 
-def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[int, int, bool, int]:
-    """(row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop where a launch
-    pins none of warps, stages and row blocks: the plain loop (1, 0, False, 0) everywhere until a GPU measurement
-    (``bench_gemv.py --compare``) shows a variant faster at that width. ``dense``: LoRA-A rows ride in the launch
-    (static ring, one row block per warp)."""
-    return 1, 0, False, 0
+ROW_BLOCK_PAIR_MIN_WEIGHTS = 200_000_000
+"""From this many weight entries the wgmma loop at 9-64 tokens gives each warp two row blocks (8 warps, 6 stages in
+dynamic shared memory): on Qwen2.5-72B's stacked gate|up 1.10-1.16x and down 1.00-1.04x at 16/32/64 tokens on an
+H200; its q|k|v and o (84M / 67M entries) lose 13-19% with it (``bench_gemv.py --compare``)."""
+
+
+def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[int, int, int, int, bool, int]:
+    """(warps, stages, row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop
+    where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
+    :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries at 9-64 tokens, else :func:`default_wgmma`'s one. ``dense``: LoRA-A
+    rows ride in the launch (a static ring, one row block per warp)."""
+    if 2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and not dense and HAS_GLUON:
+        return 8, 6, 2, 0, False, 0
+    return (*default_wgmma(nt, n, k), 1, 0, False, 0)
 
 
 WIDE_MIN_WEIGHTS = 20_000_000

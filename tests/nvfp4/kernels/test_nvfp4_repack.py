@@ -208,10 +208,19 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
     # ring, whatever wins without them
     for nt in (1, 2, 4, 8):
         for n, k in ((1024, 8192), (10240, 8192), (59136, 8192), (8192, 29568), (512, 3584)):
-            rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
-            warps, stages = gemv_plan.default_wgmma(nt, n, k)
-            assert rb == 1 and not sk and (l2 == 0 or l2 > stages - 2) and cap in (0, 80, 96)
+            warps, stages, rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            assert (warps, stages, rb, l2, sk, cap) == (*gemv_plan.default_wgmma(nt, n, k), 1, 0, False, 0)
             assert nt > 2 or gemv_ptx.wgmma_ring_bytes(nt, stages, warps) <= gemv_ptx.WGMMA_SMEM_LIMIT
+    # without them: two row blocks per warp on the 72B gate|up (59136 x 8192) and down at 9-64 tokens, its q|k|v and o
+    # keep one; the ring of every pick fits the dynamic shared memory
+    if gemv_plan.HAS_GLUON:
+        for nt in (2, 4, 8):
+            for n, k in ((59136, 8192), (8192, 29568)):
+                assert gemv_plan.default_wgmma_build(nt, n, k)[:3] == (8, 6, 2)
+                assert gemv_ptx.wgmma_ring_bytes(nt, 6, 8, 2) <= gemv_ptx.WGMMA_DYNAMIC_LIMIT
+            for n, k in ((10240, 8192), (8192, 8192)):
+                assert gemv_plan.default_wgmma_build(nt, n, k)[2] == 1
+    assert gemv_plan.default_wgmma_build(1, 59136, 8192)[2] == 1 and gemv_plan.default_wgmma_build(16, 59136, 8192)[2] == 1
     # stream-K below 65 rows only when asked; unchanged for the token blocks
     assert not gemv_plan.token_blocks_stream_k(4, None, 1) and gemv_plan.token_blocks_stream_k(4, True, 1)
     assert gemv_plan.token_blocks_stream_k(16, None, 2) and not gemv_plan.token_blocks_stream_k(16, None, 1)
