@@ -6,7 +6,7 @@ bounds on the weight-read rate: issue (instructions per weight byte x SMs x 4 sc
 (``HGMMA`` cycles per chunk) and latency (bytes in flight per SM / DRAM latency, Little's law).
 
     PYTHONPATH=. python bench/analyze_gemv_sass.py [--model 72b] [--ms 16,32,64]
-        [--measured bench/results/gemv_h200_72b.json] [--out bench/results/gemv_sass_sm90_72b.json]
+        [--measured bench/results/gemv_h200_72b.json] [--out bench/results/gemv_variants/gemv_sass_sm90_72b.json]
 
 Rates are given per byte of the compressed-tensors weight (0.5625 bytes per weight, what ``bench_gemv`` reports); the
 loop reads the repacked copy, 0.625 bytes per weight (``gemv_layout``). Where a GPU run's registers are known
