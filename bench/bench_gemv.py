@@ -2,6 +2,7 @@
 Triton tile kernel vs cuBLAS bf16.
 
     PYTHONPATH=. python bench/bench_gemv.py --out DIR [--ms 1,4,16,32,64] [--models 7b,32b]
+    PYTHONPATH=. python bench/bench_gemv.py --out DIR --compare 72b --ms 16,32,64   # default vs VARIANTS
 
 Correctness of every GEMV configuration vs the fp64 product on fresh random inputs (outputs allocated over NaN
 poison), including M that are not tile multiples; then median times over CUDA-graph replays cycling through > 2x L2
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nvfp4_kernel import SHAPES, copies_for, device_header, graph_ms, random_nvfp4, rel_err  # noqa: E402
+from bench_nvfp4_kernel import (  # noqa: E402
+    SHAPES, copies_for, device_header, graph_ms, random_nvfp4, read_floor_ms, rel_err)
 
 import nvfp4_tuning as tuning  # noqa: E402
 
@@ -34,6 +36,31 @@ from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
 from qerl.kernels.split_k import counters  # noqa: E402
 
 MMA_SYNC = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))
+
+# the fused decoder's four GEMVs per layer (q|k|v, o, gate|up, down): (name, out, in)
+LAYER_SHAPES = {"72b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gu", 59136, 8192), ("down", 8192, 29568)],
+                "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gu", 55296, 5120), ("down", 5120, 27648)]}
+# the wgmma loop's variants for 16-64 tokens set against the default, each with the token tiles (8 rows) it is built
+# for: w = warps, s = shared-memory stages (rings past 48 KiB in dynamic shared memory), rb = row blocks per warp,
+# r80 = at most 80 registers (one more 8-warp program per SM), sk = stream-K over one wave of programs, pfN = weights
+# prefetched N chunks ahead into L2
+_V = GemvConfig(wgmma=True)
+VARIANTS = {
+    "w8s7rb1": (dataclasses.replace(_V, warps=8, smem_stages=7), (2, 4, 8)),
+    "w16s6rb1": (dataclasses.replace(_V, warps=16, smem_stages=6), (4, 8)),
+    "w8s5rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=5, max_registers=80), (4,)),
+    "w8s7rb1r80": (dataclasses.replace(_V, warps=8, smem_stages=7, max_registers=80), (2, 4)),
+    "w4s5rb2": (dataclasses.replace(_V, warps=4, smem_stages=5, row_blocks=2), (2, 4, 8)),
+    "w4s6rb2": (dataclasses.replace(_V, warps=4, smem_stages=6, row_blocks=2), (2, 4, 8)),
+    "w8s6rb2": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2), (2, 4, 8)),
+    "w8s7rb1sk": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True), (2, 4, 8)),
+    "w8s6rb2sk": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2, stream_k=True), (2, 4, 8)),
+    "w8s7rb1skr80": (dataclasses.replace(_V, warps=8, smem_stages=7, stream_k=True, max_registers=80), (4,)),
+    "w8s5pf12": (dataclasses.replace(_V, warps=8, smem_stages=5, l2_prefetch=12), (4,)),
+    "w8s6pf12": (dataclasses.replace(_V, warps=8, smem_stages=6, l2_prefetch=12), (2, 8)),
+    "w8s7pf16": (dataclasses.replace(_V, warps=8, smem_stages=7, l2_prefetch=16), (2, 4, 8)),
+    "w8s6rb2pf12": (dataclasses.replace(_V, warps=8, smem_stages=6, row_blocks=2, l2_prefetch=12), (2, 4, 8)),
+}
 
 
 def poison(device):
@@ -79,14 +106,105 @@ def pdl_variants(x, acts, weights, calls) -> dict:
             "ms_chain_pdl": graph_ms(lambda i: gemv.launch(acts[i % 4], *weights[i % nw], with_pdl), calls)}
 
 
+def compare(model: str, ms_list: list[int], out: Path, dev: torch.device, only: list[str] | None = None,
+            floor: bool = True, shapes: list[str] | None = None) -> None:
+    """The default GEMV vs the :data:`VARIANTS` entries (``only``: these) on one model's per-layer shapes: rel err vs
+    fp64 (outputs over
+    NaN poison), bitwise repeatability, median CUDA-graph time over rotated weight copies, GB/s of weight read, the
+    pure-read floor (``floor``); a ratio table (default time / variant time) and
+    DIR/gemv_compare_<device>_<model>_m<ms>.json."""
+    variants = {v: VARIANTS[v] for v in only} if only else VARIANTS
+    layer_shapes = [s for s in LAYER_SHAPES[model] if not shapes or s[0] in shapes]
+    name, tag, copy = device_header(dev)
+    rows = []
+
+    def write(rows: list[dict], summary: list[dict]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"gemv_compare_{tag}_{model}_m{'_'.join(map(str, ms_list))}.json").write_text(json.dumps(
+            {"device": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "command": " ".join(["PYTHONPATH=. python", *sys.argv]), "copy_gbps": copy, "torch": torch.__version__,
+             "triton": __import__("triton").__version__,
+             "variants": {v: {**dataclasses.asdict(c), "tiles": t} for v, (c, t) in variants.items()},
+             "gemv_regs": {str(k_): v for k_, v in gemv_plan._REGS.items()}, "rows": rows, "summary": summary},
+            indent=1))
+
+    for sname, n, k in layer_shapes:
+        nbytes = n * k * BYTES_PER_WEIGHT
+        weights = [random_nvfp4(n, k, dev) for _ in range(copies_for(nbytes))]
+        gw = [(*gemv_layout.repack(p, sc), gs) for p, sc, gs in weights]
+        counters(dev, n // 16)
+        w64 = dequantize(*weights[0], torch.float64)
+        read_ms = read_floor_ms(n * k * 0.625, dev) if floor else float("nan")  # the repacked bytes
+        for m in ms_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.double() @ w64.t()
+            acts = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+            calls = max(len(gw), 8)
+            row = {"shape": f"{model}.{sname}[{n}x{k}]", "M": m, "ms_read_floor": read_ms, "ms": {}, "rel_err": {},
+                   "repeatable": {}, "weight_gbps": {}}
+            nt = gemv_plan.tiles_for(m)
+            for vname, cfg in {"default": GemvConfig(), **{v: c for v, (c, tiles) in variants.items()
+                                                           if nt in tiles}}.items():
+                try:
+                    poison(dev)
+                    o1 = gemv.launch(x, *gw[0], cfg)
+                except Exception as e:  # noqa: BLE001 (a ring past the shared memory limit, a build ptxas refuses)
+                    print(f"{row['shape']} M={m} {vname}: skipped ({type(e).__name__}: {str(e)[:300]})", flush=True)
+                    continue
+                row["rel_err"][vname] = rel_err(o1, ref) if bool(torch.isfinite(o1).all()) else float("nan")
+                row["repeatable"][vname] = bool(torch.equal(o1, gemv.launch(x, *gw[0], cfg)))
+                t = graph_ms(lambda i, cfg=cfg: gemv.launch(acts[i % 4], *gw[i % len(gw)], cfg), calls)
+                row["ms"][vname] = t
+                row["weight_gbps"][vname] = nbytes / (t * 1e-3) / 1e9
+            ok = {v: t for v, t in row["ms"].items() if row["rel_err"][v] < 4e-3 and row["repeatable"][v]}
+            row["best"] = min(ok, key=ok.get) if ok else "default"
+            rows.append(row)
+            d, b = row["ms"]["default"], row["best"]
+            print(f"{row['shape']:>22} M={m:<3} floor {read_ms * 1e3:6.1f} default {d * 1e3:6.1f} us "
+                  f"{row['weight_gbps']['default']:5.0f} GB/s | best {b} {row['ms'][b] * 1e3:6.1f} us "
+                  f"{row['weight_gbps'][b]:5.0f} GB/s | wrong or not repeatable: "
+                  f"{[(v, row['rel_err'][v]) for v in row['ms'] if v not in ok]}", flush=True)
+        del weights, gw
+        torch.cuda.empty_cache()
+        write(rows, [])  # what is measured so far, should a later variant hang
+    names = ["default", *variants]
+    print(f"\n{name}, copy {copy:.0f} GB/s. default time / variant time (> 1: the variant is faster)")
+    print("| shape | M | floor us | default us | " + " | ".join(names[1:]) + " |")
+    print("| --- " * (len(names) + 3) + "|")
+    for r in rows:
+        cells = [f"{r['ms']['default'] / r['ms'][v]:.2f}" if v in r["ms"] else "-" for v in names[1:]]
+        print(f"| {r['shape']} | {r['M']} | {r['ms_read_floor'] * 1e3:.1f} | {r['ms']['default'] * 1e3:.1f} | "
+              + " | ".join(cells) + " |")
+    summary = []
+    for m in ms_list:  # one layer's four GEMVs: the sum of the default's, each variant's, the best per shape
+        sel = [r for r in rows if r["M"] == m]
+        layer = {v: sum(r["ms"][v] for r in sel) for v in names if all(v in r["ms"] for r in sel)}
+        best = sum(r["ms"][r["best"]] for r in sel)
+        floor = sum(r["ms_read_floor"] for r in sel)
+        summary.append({"M": m, "layer_ms": layer, "layer_ms_best_per_shape": best, "layer_ms_read_floor": floor,
+                        "best_per_shape": {r["shape"]: r["best"] for r in sel}})
+        print(f"M={m}: layer default {layer['default'] * 1e3:.1f} us, best per shape {best * 1e3:.1f} us "
+              f"({layer['default'] / best:.2f}x), read floor {floor * 1e3:.1f} us; per variant: " + ", ".join(
+                  f"{v} {layer['default'] / t:.2f}x" for v, t in layer.items() if v != "default"))
+    write(rows, summary)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--ms", default="1,4,16,32,64")
     ap.add_argument("--models", default="7b,32b")
+    ap.add_argument("--compare", default="", help="a model of LAYER_SHAPES: the default vs VARIANTS on its layer")
+    ap.add_argument("--variants", default="", help="with --compare: only these VARIANTS (comma-separated)")
+    ap.add_argument("--no-floor", action="store_true", help="with --compare: skip the read floor")
+    ap.add_argument("--shapes", default="", help="with --compare: only these of the model's LAYER_SHAPES")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.compare:
+        return compare(args.compare, [int(v) for v in args.ms.split(",")], Path(args.out), dev,
+                       [v for v in args.variants.split(",") if v], not args.no_floor,
+                       [v for v in args.shapes.split(",") if v])
     name, tag, copy = device_header(dev)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows, errors = [], []

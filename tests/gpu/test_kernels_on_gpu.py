@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # the kernel modules stay out of a CPU run (i
 
 from qerl.nvfp4.format import dequantize  # noqa: E402
 from qerl.kernels import pdl  # noqa: E402
-from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
+from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan, gemv_ptx  # noqa: E402
 from qerl.nvfp4.kernels import matmul as kernels  # noqa: E402
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig  # noqa: E402
 from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
@@ -86,6 +86,41 @@ def test_mma_sync_gemv_matches_float64(layer, m):
     config = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))  # the loop of GPUs other than sm_90
     y = kernels._launch(x, *weights(layer), False, config, layer.gemv_weight)
     assert rel_err(y, x.double() @ w64.t()) < REL_TOL
+
+
+# the wgmma loop's variants for 16-64 tokens (bench_gemv.VARIANTS): rings deeper than static shared memory takes, two
+# row blocks per warp, stream-K over one wave, a register cap, an L2 prefetch ahead of the ring
+WGMMA_VARIANTS = {
+    "w8s5pf12": GemvConfig(warps=8, smem_stages=5, wgmma=True, l2_prefetch=12),
+    "w8s7rb1r80": GemvConfig(warps=8, smem_stages=7, wgmma=True, max_registers=80),
+    "w8s6rb2pf12": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, l2_prefetch=12),
+    "w8s6rb2": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True),  # the plan's pick for >= 200M weights
+    "w4s5rb2": GemvConfig(warps=4, smem_stages=5, row_blocks=2, wgmma=True),
+    "w8s6rb2sk": GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True, stream_k=True),
+    "w8s7sk80": GemvConfig(warps=8, smem_stages=7, wgmma=True, stream_k=True, max_registers=80),
+}
+
+
+@pytest.mark.parametrize("m", [9, 16, 20, 32, 47, 64])
+@pytest.mark.parametrize("variant", list(WGMMA_VARIANTS))
+def test_wgmma_row_block_stream_k_and_deep_ring_variants_match_float64(m, variant):
+    if not gemv_plan.wgmma_supported(torch.device("cuda")) or not gemv_plan.HAS_GLUON:
+        pytest.skip("the wgmma loop needs sm_90 (and Gluon for rings past 48 KiB)")
+    config = WGMMA_VARIANTS[variant]
+    nt = gemv_plan.tiles_for(m)
+    if gemv_ptx.wgmma_ring_bytes(nt, config.smem_stages, config.warps, config.row_blocks or 1) > (
+            gemv_ptx.WGMMA_DYNAMIC_LIMIT) or (config.max_registers and nt > 4):
+        pytest.skip("ring beyond the dynamic shared memory limit / register cap below the accumulators' need")
+    # 1040 rows: an odd row-block count (65), so the last warp's second row block is missing
+    for n, k in ((1040, 3584), (3584, 18944)):
+        layer = random_layer(n, k, seed=n + m)
+        w64 = dequantize(*weights(layer), torch.float64)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        words, factors = layer.gemv_weight()
+        poisoned_allocator()
+        y = gemv.launch(x, words, factors, layer.weight_global_scale, config)
+        assert rel_err(y, x.double() @ w64.t()) < REL_TOL, (n, k)
+        assert torch.equal(y, gemv.launch(x, words, factors, layer.weight_global_scale, config))
 
 
 @pytest.mark.parametrize("m", [100, 256])

@@ -29,9 +29,11 @@ from qerl.nvfp4.kernels.gemv_plan import (
     _regs_key,
     auto_splits,
     auto_warps,
+    build_extras,
     default_row_blocks,
     default_smem_stages,
     default_wgmma,
+    default_wgmma_build,
     default_x_prefetch,
     resident_programs,
     shared_reservation,
@@ -208,14 +210,14 @@ def _mma_gemv_kernel(
 if gl is not None:
     @gluon.jit
     def _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, rg, t, c0, n_chunks, slot, count, p_addr, o_addr, c_addr,
-                      warp, lane, WARPS: gl.constexpr, ASM: gl.constexpr, TB: gl.constexpr):
+                      warp, lane, WARPS: gl.constexpr, ASM: gl.constexpr, TB: gl.constexpr, RB: gl.constexpr = 1):
         """One run of the asm: row group ``rg`` (WARPS row blocks), token block ``t``, chunks ``c0 .. c0 + n_chunks``,
         split-K partial ``slot`` of ``count`` (1: the result itself)."""
         g = lane // 4
         q = lane % 4
         t0 = t * TB
         nchunks_all = K // 64
-        rb = rg * WARPS + warp
+        rb = (rg * WARPS + warp) * RB
         valid = (rb < N // 16) & (n_chunks > 0)
         n = gl.zeros_like(rb) + n_chunks
         base = (gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane
@@ -234,12 +236,17 @@ if gl is not None:
         cnt = c_addr + (t * (N // 16) + rb).to(gl.int64) * 4
         ns = gl.zeros_like(tok) + count
         valid2 = (rb + 1 < N // 16).to(gl.int32)
+        w_step = zero64
+        f_step = zero64
+        if RB > 1:  # the warp's second row block (if any)
+            w_step = zero64 + (valid2 * nchunks_all * 512).to(gl.int64)
+            f_step = zero64 + (valid2 * nchunks_all * 128).to(gl.int64)
         xs_base = zero64 + (x_addr + (t0.to(gl.int64) * K + c0 * 64) * 2)
         k2 = zero64 + K.to(gl.int64) * 2
         zero = gl.zeros_like(tok)
         return gl.inline_asm_elementwise(  # inputs in the order of _FUSED_INPUTS (the mma.sync loops' unused: 0)
             ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
-            [w_ptr, f_ptr, n, zero64, zero64, zero, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+            [w_ptr, f_ptr, n, zero64, zero64, zero, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
              valid.to(gl.int32), fac, valid2, xs_base, k2],
             dtype=gl.int32, is_pure=False, pack=1)
 
@@ -247,7 +254,7 @@ if gl is not None:
     def _wide_gemv_kernel(
         x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr, plan_ptr,
         WARPS: gl.constexpr, ASM: gl.constexpr, SHIFT: gl.constexpr, TB: gl.constexpr, PDL: gl.constexpr,
-        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0, RB: gl.constexpr = 1,
     ):
         """The fused wgmma loop (:func:`_wgmma_mainloop_asm`) with its ring in dynamic shared memory: Gluon lets a
         kernel declare shared memory that Triton's language does not (static ``.shared`` in the asm stops at 48 KiB).
@@ -274,7 +281,7 @@ if gl is not None:
             c0 = gl.program_id(1) * CHUNKS_PER_SPLIT
             done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.program_id(0), gl.program_id(2), c0,
                                  gl.minimum(CHUNKS_PER_SPLIT, K // 64 - c0), gl.program_id(1), SPLITS, p_addr,
-                                 o_addr, c_addr, warp, lane, WARPS, ASM, TB)
+                                 o_addr, c_addr, warp, lane, WARPS, ASM, TB, RB)
         else:
             entry = plan_ptr + gl.program_id(0) * SEGS * 6
             done = offs
@@ -285,7 +292,7 @@ if gl is not None:
                 e = entry + s * 6
                 done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.load(e + 1), gl.load(e),
                                      gl.load(e + 2), gl.load(e + 3), gl.load(e + 4), gl.load(e + 5), p_addr, o_addr,
-                                     c_addr, warp, lane, WARPS, ASM, TB)
+                                     c_addr, warp, lane, WARPS, ASM, TB, RB)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [done],
                                       dtype=gl.int32, is_pure=False, pack=1)
@@ -337,6 +344,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     x_prefetch, row_blocks_per_warp, smem_stages = config.x_prefetch, config.row_blocks, config.smem_stages
     wgmma, reduce_unroll, cluster, stream_k, pdl = (config.wgmma, config.reduce_unroll, config.cluster,
                                                     config.stream_k, config.pdl)
+    maxnreg, l2 = config.max_registers, config.l2_prefetch
     m, k = a.shape
     n = words.shape[0] * 16
     if m > WIDE_MAX_M or a.dtype != torch.bfloat16:
@@ -352,9 +360,16 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         raise ValueError("the wgmma GEMV needs an sm_90 GPU (H100/H200)")
     if m > MAX_M and not (wgmma and gluon is not None):
         raise ValueError(f"above {MAX_M} rows the GEMV runs the wgmma loop only (sm_90, Triton >= 3.4 for Gluon)")
-    if wgmma:  # warpgroups of 4 single-row-block warps, activations and weights through shared memory
-        w, st = default_wgmma(nt, n, k)
-        warps, smem_stages, row_blocks_per_warp, x_prefetch = warps or w, smem_stages or st, 1, False
+    if wgmma:  # warpgroups of 4 warps (1 or 2 row blocks each), activations and weights through shared memory
+        if not (warps or smem_stages or row_blocks_per_warp):  # the plan's whole build, not a mix with a pinned one
+            w, st, row_blocks_per_warp, l2_d, stream_k_d, maxnreg_d = default_wgmma_build(nt, n, k, dense is not None)
+            l2, maxnreg = l2 or l2_d, maxnreg or maxnreg_d
+            stream_k = stream_k_d if stream_k is None and stream_k_d else stream_k
+        else:
+            w, st = default_wgmma(nt, n, k)
+        warps, smem_stages, x_prefetch = warps or w, smem_stages or st, False
+        row_blocks_per_warp = row_blocks_per_warp or 1
+    extras = build_extras(maxnreg, l2)
     xpre = default_x_prefetch(nt) if x_prefetch is None else x_prefetch
     stages = default_smem_stages(nt, n, k) if smem_stages is None else smem_stages
     rbw = default_row_blocks(n, k, stages) if row_blocks_per_warp is None else row_blocks_per_warp
@@ -365,30 +380,38 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     if not warps:
         warps = auto_warps(n, k, nt)
     # a ring beyond static shared memory: the Gluon launcher (no dense rows, no clusters there)
-    dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
+    dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps, rbw) > WGMMA_SMEM_LIMIT
+    if wgmma and rbw > 1 and (dense is not None or cluster):
+        raise ValueError("the wgmma loop's two row blocks per warp take neither dense rows nor clusters")
     if dynamic and dense is not None:
         raise ValueError(f"dense rows ride along up to {DENSE_MAX_M} tokens and a 48 KiB ring only")
-    cluster = False if dynamic else cluster
+    cluster = False if dynamic or rbw > 1 else cluster
     token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""
-    constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma), SHIFT=256.0,
+    if l2 and not wgmma:
+        raise ValueError("the L2 prefetch is built into the wgmma loop only")
+    constants = dict(NT=nt, WARPS=warps, ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, l2=l2), SHIFT=256.0,
                      FUSED=fused, RB=rbw, DENSE=bool(dasm), DASM=dasm, PDL=pdl, num_warps=warps, **_pdl.options(pdl))
+    if maxnreg:
+        constants["maxnreg"] = maxnreg
     if target_warps:
         splits = max(1, min(cdiv(target_warps * rbw, row_blocks), chunks // min_chunks))
     else:
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, extras=extras)
         if key not in _REGS:
             _REGS[key] = (_wide_registers(a, weight_global_scale, constants, nt, stages, warps) if dynamic
                           else _variant_registers(a, weight_global_scale, constants, nt))
         splits = auto_splits(row_blocks, chunks, nt, warps, sm_count(a.device), fused, xpre=xpre, rb=rbw,
-                             stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks)
+                             stages=stages, wgmma=wgmma, dense=bool(dasm), token_blocks=token_blocks,
+                             extras=extras)
     splits, per_split, clustered = split_plan(chunks, splits, nt, cluster, wgmma, fused, dense is not None)
     weight_programs = cdiv(row_blocks, warps * rbw)
     if dynamic and token_blocks_stream_k(nt, stream_k, token_blocks):
         # the work units spread evenly over one wave of CTAs (instead of the split count above); the plan's table is
         # built by an eager call (a host-to-device copy cannot be captured: the grid below runs then)
         units = token_blocks * weight_programs * chunks
-        programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma),
+        programs = min(sm_count(a.device) * resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma,
+                                                              extras=extras),
                        max(1, units // STREAM_K_MIN_CHUNKS))
         plan_key = (a.device, token_blocks, weight_programs, chunks, programs)
         if plan_key in _PLANS or not torch.cuda.is_current_stream_capturing():
@@ -419,18 +442,18 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         u = torch.empty(splits * dx, m, na, device=a.device, dtype=torch.float32)
         grid_b += cdiv(frags.shape[0], warps) * dx
     unroll = reduce_unroll or 0
-    if reduce_unroll is None and split_fused and splits > 4 and wide_reduce_unroll(nt, rbw):
+    if reduce_unroll is None and split_fused and splits > 4 and wide_reduce_unroll(nt, rbw) and not dynamic:
         # only where the grid still fits one wave with the wide variant's registers: a second wave costs more than
         # the round trips saved
         unroll = wide_reduce_unroll(nt, rbw)
-        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll)
+        key = _regs_key(nt, fused, warps, xpre, rbw, stages, bool(dasm), wgmma, unroll, extras)
         if key not in _REGS:  # once per variant: compiled, not launched
-            wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)}
+            wide = {**constants, "ASM": _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll, l2=l2)}
             _REGS[key] = _variant_registers(a, weight_global_scale, wide, nt)
-        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll)
+        resident = resident_programs(nt, fused, warps, xpre, rbw, stages, wgmma, bool(dasm), unroll, extras)
         unroll = unroll if grid_b * splits <= sm_count(a.device) * resident else 0
     if unroll:
-        constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll)
+        constants["ASM"] = _asm(nt, fused, xpre, rbw, stages, warps, wgmma, unroll, l2=l2)
     if dynamic:
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
@@ -438,7 +461,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
             **_wide_constants(constants, nt, stages, warps))
         return out
     if clustered:
-        constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True),
+        constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True, l2=l2),
                          CL=splits, num_ctas=splits)
     _mma_gemv_kernel[(grid_b, 1 if clustered else splits)](
         a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, target, m, n, k, per_split, splits,
@@ -459,16 +482,18 @@ def _split_counters(counter: torch.Tensor | None, device: torch.device, size: in
 
 
 def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
-    s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps) + 1024)
+    rb = constants.get("RB", 1)
+    s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps, rb) + 1024)
     return dict(WARPS=warps, ASM=constants["ASM"], SHIFT=constants["SHIFT"], TB=TOKEN_BLOCK, PDL=constants["PDL"],
-                S0=s0, S1=s1, S2=s2, num_warps=warps, **_pdl.options(constants["PDL"]))
+                S0=s0, S1=s1, S2=s2, RB=rb, num_warps=warps, **_pdl.options(constants["PDL"]),
+                **({"maxnreg": constants["maxnreg"]} if "maxnreg" in constants else {}))
 
 
 def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:
     """:func:`_variant_registers` of the Gluon launcher; also checks that Gluon reserved the ring's bytes."""
     wide = _wide_constants(constants, nt, stages, warps)
     compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, 0, grid=(1, 1, 1), **wide)
-    need = wgmma_ring_bytes(nt, stages, warps) + 1024
+    need = wgmma_ring_bytes(nt, stages, warps, wide["RB"]) + 1024
     if compiled.metadata.shared < need:
         raise RuntimeError(f"Gluon reserved {compiled.metadata.shared} bytes of shared memory for a {need}-byte ring")
     compiled[(1, 1, 1)]

@@ -49,6 +49,10 @@ class GemvConfig:
             instead of the split grid (None: :func:`token_blocks_stream_k`).
         pdl: launch with programmatic dependent launch (``qerl.kernels.pdl``; the caller checks
             ``pdl.supported``).
+        max_registers: cap ptxas' registers per thread (``maxnreg``; 0: its own choice), so that one more program
+            fits an SM.
+        l2_prefetch: the wgmma loop also prefetches the weights this many chunks ahead into L2 (0: none), beyond the
+            chunks its shared-memory ring holds.
     """
 
     warps: int = 0
@@ -63,6 +67,8 @@ class GemvConfig:
     cluster: bool | None = None
     stream_k: bool | None = None
     pdl: bool = False
+    max_registers: int = 0
+    l2_prefetch: int = 0
 
 
 MAX_M = 64
@@ -125,6 +131,22 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
     return 8, 4
 
 
+ROW_BLOCK_PAIR_MIN_WEIGHTS = 200_000_000
+"""From this many weight entries the wgmma loop at 9-64 tokens gives each warp two row blocks (8 warps, 6 stages in
+dynamic shared memory): on Qwen2.5-72B's stacked gate|up 1.10-1.16x and down 1.00-1.04x at 16/32/64 tokens on an
+H200; its q|k|v and o (84M / 67M entries) lose 13-19% with it (``bench_gemv.py --compare``)."""
+
+
+def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[int, int, int, int, bool, int]:
+    """(warps, stages, row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop
+    where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
+    :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries at 9-64 tokens, else :func:`default_wgmma`'s one. ``dense``: LoRA-A
+    rows ride in the launch (a static ring, one row block per warp)."""
+    if 2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and not dense and HAS_GLUON:
+        return 8, 6, 2, 0, False, 0
+    return (*default_wgmma(nt, n, k), 1, 0, False, 0)
+
+
 WIDE_MIN_WEIGHTS = 20_000_000
 """Above :data:`MAX_M` tokens the GEMV is the default for weights of at least this many entries; the smaller ones
 (the 7B/32B attention projections) dequantize and run cuBLAS, which is as fast or faster there."""
@@ -172,10 +194,10 @@ def shared_reservation(nbytes: int) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def wgmma_shared_bytes(nt: int, stages: int, warps: int) -> int:
+def wgmma_shared_bytes(nt: int, stages: int, warps: int, rb: int = 1) -> int:
     """Shared memory one program of the wgmma loop takes: its static ring, or the dynamic reservation of a larger
     one (the ring + 1024 bytes to align it, rounded up by :func:`shared_reservation`)."""
-    ring = wgmma_ring_bytes(nt, stages, warps)
+    ring = wgmma_ring_bytes(nt, stages, warps, rb)
     return ring if ring <= WGMMA_SMEM_LIMIT else sum(shared_reservation(ring + 1024))
 
 
@@ -213,19 +235,26 @@ _CTAS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 3, 16: 2}
 _REGS: dict[tuple, int] = {}
 
 
+def build_extras(max_registers: int = 0, l2_prefetch: int = 0) -> tuple:
+    """The knobs that change a build but not its shape (:class:`GemvConfig`'s register cap and L2 prefetch), as the
+    last part of its register-cache key."""
+    return tuple((name, v) for name, v in (("maxnreg", max_registers), ("l2", l2_prefetch)) if v)
+
+
 def _regs_key(nt: int, fused: bool, warps: int, xpre: bool, rb: int, stages: int, dense: bool, wgmma: bool,
-              unroll: int = 0) -> tuple:
+              unroll: int = 0, extras: tuple = ()) -> tuple:
     return (nt, fused, warps, xpre and not stages, rb, stages) + ((True,) if dense else ()) + (
-        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ())
+        ("wgmma", wgmma) if wgmma else ()) + (("unroll", unroll) if unroll else ()) + extras
 
 
 def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None, rb: int = 1,
-                      stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0) -> int:
+                      stages: int = 0, wgmma: bool = False, dense: bool = False, unroll: int = 0,
+                      extras: tuple = ()) -> int:
     """Programs of ``warps`` warps one SM holds at once (register-limited; the wgmma loop's ring also
     shared-memory-limited), from the built kernel when known."""
     xpre = default_x_prefetch(nt) if xpre is None else xpre
-    smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps) + 1024)) if wgmma else 32
-    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll))
+    smem = (228 * 1024 // (wgmma_shared_bytes(nt, stages, warps, rb) + 1024)) if wgmma else 32
+    regs = _REGS.get(_regs_key(nt, fused, warps, xpre, rb, stages, dense, wgmma, unroll, extras))
     if regs is None:
         return max(1, min(smem, _CTAS_PER_SM[nt] * 4 // (warps * rb) - 1))  # conservative until the first launch
     regs = -(-regs // 8) * 8
@@ -234,11 +263,11 @@ def resident_programs(nt: int, fused: bool, warps: int, xpre: bool | None = None
 
 def auto_splits(row_blocks: int, chunks: int, nt: int, warps: int, sms: int, fused: bool = True,
                 min_chunks: int = 4, xpre: bool | None = None, rb: int = 1, stages: int = 0,
-                wgmma: bool = False, dense: bool = False, token_blocks: int = 1) -> int:
+                wgmma: bool = False, dense: bool = False, token_blocks: int = 1, extras: tuple = ()) -> int:
     """The most K splits that keep every program resident in one wave, each split >= ``min_chunks`` chunks; on
     token blocks (``nt`` = 16) :func:`wide_splits` instead."""
     programs = cdiv(row_blocks, warps * rb) * token_blocks
-    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense)
+    capacity = sms * resident_programs(nt, fused, warps, xpre, rb, stages, wgmma, dense, extras=extras)
     if nt > MAX_M // 8:
         return wide_splits(programs, capacity, chunks // min_chunks, min(token_blocks * TOKEN_BLOCK, 256), chunks)
     return max(1, min(capacity // programs, chunks // min_chunks))
@@ -251,10 +280,12 @@ STREAM_K_MIN_CHUNKS = 8
 def token_blocks_stream_k(nt: int, stream_k: bool | None, token_blocks: int) -> bool:
     """Whether a token-block launch spreads its work by stream-K (:func:`stream_k_plan`) rather than the (row group,
     split, token block) grid. None: from two token blocks (129-256 tokens) on, where it was as fast or faster on all
-    the 7B/32B shapes swept; at one block the grid's unsplit row groups mostly win."""
-    if nt <= MAX_M // 8 or stream_k is False:
-        return False
-    return bool(stream_k) or token_blocks >= 2
+    the 7B/32B shapes swept; at one block the grid's unsplit row groups mostly win. At 1-64 tokens only when asked
+    (True; a ring in dynamic shared memory): the grid of a large weight there can leave most of a second wave
+    empty."""
+    if stream_k is not None or nt <= MAX_M // 8:
+        return bool(stream_k)
+    return token_blocks >= 2
 
 
 def wide_splits(programs: int, capacity: int, max_splits: int, tokens: int, chunks: int) -> int:

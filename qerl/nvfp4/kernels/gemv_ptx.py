@@ -340,13 +340,15 @@ shared memory of the Gluon launcher (:func:`_wide_gemv_kernel`), up to :data:`WG
 WGMMA_DYNAMIC_LIMIT = 200 * 1024  # of the 227 KiB an sm_90 CTA may have (+ 1 KiB to align the ring)
 
 
-def wgmma_ring_bytes(nt: int, stages: int, warps: int) -> int:
+def wgmma_ring_bytes(nt: int, stages: int, warps: int, rb: int = 1) -> int:
     """Shared memory of :func:`_wgmma_mainloop_asm`'s ring: per stage the activation tile (1024 nt bytes) and every
-    thread's 16 bytes of weight words and 4 of factors, rounded up to 1024 bytes (tiles stay 1024-aligned)."""
-    return (1024 * nt + -(-(640 * warps) // 1024) * 1024) * stages
+    thread's 16 bytes of weight words and 4 of factors per row block, rounded up to 1024 bytes (tiles stay
+    1024-aligned)."""
+    return (1024 * nt + -(-(640 * warps * rb) // 1024) * 1024) * stages
 
 
-def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, cluster: bool = False) -> str:
+def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, cluster: bool = False,
+                        rb: int = 1, l2: int = 0) -> str:
     """The wide-batch main loop on Hopper's warpgroup MMA: each warpgroup of the program (4 warps, one 16-row block
     each) issues one asynchronous ``wgmma.mma_async.m64n(8 nt)k16`` per k16 step, A = the unpacked weight fragments
     from registers (the same fragments as the mma.sync loop: the wgmma A layout is four m16n8k16 A layouts stacked),
@@ -364,30 +366,47 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     activations are copied in the same order, 4 bytes (a k pair) per ``cp.async``: position 8 j + 4 h + q (in pairs)
     of a row takes pair 8 q + 2 j + h. Every thread copies pair ``lane`` of rows warp + warps * i; rows >= M are never
     written (zeroed once). Chunk c's copies go into the stage of chunk c - 2, whose wgmma the previous iteration
-    waited for (``wgmma.wait_group 1`` before the barrier every thread passes)."""
+    waited for (``wgmma.wait_group 1`` before the barrier every thread passes).
+
+    ``rb`` = 2: each warp owns two row blocks (operands w_step / f_step point at the second), so one activation tile,
+    barrier and copy round serve twice the weight bytes (half the activation reads and per-chunk overhead per weight
+    byte); the two row blocks' register fragments double-buffer each other (row block 0 is unpacked while row block
+    1's wgmma group of the chunk before runs, and the reverse), so the fragments take no more registers than at
+    ``rb`` = 1.
+
+    ``l2`` > 0: every chunk's copy round also prefetches the thread's weight words and factors of the chunk ``l2``
+    ahead into L2 (``prefetch.global.L2``), so that the DRAM reads run further ahead than the ring's ``stages - 2``
+    chunks (bounded by shared memory) and the ring's copies hit L2."""
+    if l2 and l2 <= stages - 2:
+        raise ValueError(f"an L2 prefetch {l2} chunks ahead is inside the {stages}-stage ring's reach")
+    if rb not in (1, 2) or (rb > 1 and cluster):
+        raise ValueError(f"the wgmma loop takes 1 or 2 row blocks per warp (2 without clusters), got {rb}")
     if stages < 3:
         raise ValueError("the wgmma loop needs >= 3 shared-memory stages")
-    dynamic = wgmma_ring_bytes(nt, stages, warps) > WGMMA_SMEM_LIMIT
+    dynamic = wgmma_ring_bytes(nt, stages, warps, rb) > WGMMA_SMEM_LIMIT
     if warps not in (4, 8, 16) or 8 * nt < warps:
         raise ValueError(f"the wgmma loop takes 4, 8 or 16 warps and at least one token row per warp, got {warps}, "
                          f"{nt}")
-    ring = wgmma_ring_bytes(nt, stages, warps)
+    ring = wgmma_ring_bytes(nt, stages, warps, rb)
     if ring > WGMMA_DYNAMIC_LIMIT:
         raise ValueError(f"{stages} stages of {nt} tiles x {warps} warps need {ring} bytes of shared memory "
                          f"(> {WGMMA_DYNAMIC_LIMIT})")
     threads = 32 * warps
-    nacc = 4 * nt
+    nacc = 4 * nt * rb
     rows = 8 * nt
     copies = rows // warps  # activation rows per thread
     act = 1024 * nt
     stage = ring // stages
     i_w, i_f, i_n = _operand("w_ptr"), _operand("f_ptr"), _operand("n_chunks")
+    i_ws, i_fs = _operand("w_step"), _operand("f_step")
     base = _EPILOGUE_BASE
     i_m, i_xb, i_k2 = _operand("m"), _operand("xs_base"), _operand("k2")
     acc = "%c{}".format
     L = []
     a = L.append
-    cregs = ", ".join(acc(i) for i in range(nacc))
+    # row block r's words of a stage at act + 16 threads r (+ 16 tid), its factors after all words
+    words_at = [act + 16 * threads * r for r in range(rb)]
+    facs_at = [act + 16 * threads * rb + 4 * threads * r for r in range(rb)]
     # destination swizzle per copy: row warp + warps * i has (warp + (warps * i) % 8) % 8
     swz = sorted({(warps * i) % 8 for i in range(copies)})
 
@@ -404,15 +423,22 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
             a(f"setp.gt.s32 %pcp, %nv, {i}; and.pred %pcp, %pcp, %pcc;")
             a(f"@%pcp cp.async.ca.shared.global [%e{(warps * i) % 8}+{128 * warps * i}], [%cs], 4;")
         a("add.u32 %u, %t, %sw;")
-        a(f"@%pcc cp.async.cg.shared.global [%u+{act}], [%pw0], 16;")
+        for r in range(rb):
+            a(f"@%pcc cp.async.cg.shared.global [%u+{words_at[r]}], [%pw{r}], 16;")
         a("add.u32 %u, %t, %s4;")
-        a(f"@%pcc cp.async.ca.shared.global [%u+{act + 16 * threads}], [%pf0], 4;")
-        a("add.s64 %pw0, %pw0, 512; add.s64 %pf0, %pf0, 128;")
+        if l2:
+            a(f"add.s32 %tl, %cc, {l2}; setp.lt.s32 %ppf, %tl, %ntot;")
+        for r in range(rb):
+            a(f"@%pcc cp.async.ca.shared.global [%u+{facs_at[r]}], [%pf{r}], 4;")
+            if l2:
+                a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * l2}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * l2}];")
+            a(f"add.s64 %pw{r}, %pw{r}, 512; add.s64 %pf{r}, %pf{r}, 128;")
         a("cp.async.commit_group;")
         a("add.s32 %cc, %cc, 1; add.s64 %cx, %cx, 128;")
         a(f"add.u32 %wr, %wr, {stage}; setp.ge.u32 %pr, %wr, {stage * stages}; @%pr mov.u32 %wr, 0;")
 
-    def mma(buf):
+    def mma(buf, r=0):
+        cregs = ", ".join(acc(4 * nt * r + i) for i in range(4 * nt))
         a("wgmma.fence.sync.aligned;")
         for j in range(4):
             u = ", ".join(f"%{buf}u{4 * j + i}" for i in range(4))
@@ -423,16 +449,19 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("{")
     if not dynamic:
         a(f".shared .align 1024 .b8 qsm[{ring}];")
-    a(".reg .pred %p1, %pcc, %pr, %pcp, %pd;")
-    a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %tq, %wp, %ln, %sb, %rd, %wr, %nv, %sw, %s4;")
+    a(".reg .pred %p1, %pcc, %pr, %pcp, %pd, %ppf;")
+    a(".reg .b32 %n, %ntot, %cc, %t, %u, %m, %sel, %nz, %tq, %wp, %ln, %sb, %rd, %wr, %nv, %sw, %s4, %tl;")
     a(".reg .b32 " + ", ".join(f"%sd{z}, %e{z}" for z in swz) + ";")
     a(".reg .b32 %dl, %dl0, %dh, %kq, %kj, %kh, %lp;")
     a(".reg .b64 %k2, %k8, %xb, %cx, %cs, %o64, %desc;")
-    a(".reg .b32 %Aw0_<4>, %Af0, %fr0, %fr80;")
-    a(".reg .b64 %pw0, %pf0;")
+    for r in range(rb):
+        a(f".reg .b32 %Aw{r}_<4>, %Af{r}, %fr{r}, %fr8{r};")
+        a(f".reg .b64 %pw{r}, %pf{r};")
     a(".reg .b32 %Au<16>, %Bu<16>;")
     a(f".reg .f32 %c<{nacc}>;")
     a(f"mov.b64 %pw0, {i_w}; mov.b64 %pf0, {i_f}; mov.b32 %n, {i_n}; mov.b32 %ntot, {i_n};")
+    if rb > 1:
+        a(f"add.s64 %pw1, %pw0, {i_ws}; add.s64 %pf1, %pf0, {i_fs};")
     a(f"mov.b32 %m, {MASK:#x}; mov.b32 %sel, 0x7FFF7FFF; mov.b32 %nz, 0x80008000;")
     a(f"mov.b64 %xb, {i_xb}; mov.b64 %k2, {i_k2};")
     a("mov.b32 $0, 0; setp.ne.b32 %pd, 1, 0;")
@@ -467,24 +496,37 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     a("mov.u32 %cc, 0; mov.u32 %wr, 0; mov.u32 %rd, 0;")
     for _ in range(stages - 2):
         copy_next()
+    for j in range(stages - 2, l2):  # the chunks between the ring's first fill and the loop's first prefetch
+        a(f"setp.gt.s32 %ppf, %ntot, {j};")  # (the pointers are at chunk stages - 2 now)
+        for r in range(rb):
+            d = j - (stages - 2)
+            a(f"@%ppf prefetch.global.L2 [%pw{r}+{512 * d}]; @%ppf prefetch.global.L2 [%pf{r}+{128 * d}];")
     # descriptor: start address >> 4 (+ stage, + 2 per k16 step), leading offset 1 (unused), stride 1024 >> 4,
     # 128-byte swizzle (layout type 1 at bits 62-63)
     a("mov.u32 %dh, 0x40000040;")
     a("setp.gt.s32 %p1, %n, 0;")
     a("@!%p1 bra L_done_${:uid};")
     a("L_loop_${:uid}:")
-    for cur, last in (("A", False), ("B", True)):
+    # rb = 1: the chunks alternate between the two fragment sets A and B (loop unrolled twice); rb = 2: row block 0
+    # always unpacks into A, row block 1 into B, one chunk per iteration
+    for cur, last in (("A", False), ("B", True)) if rb == 1 else (("A", True),):
         a(f"cp.async.wait_group {stages - 3};")
         a("fence.proxy.async.shared::cta;")  # the copies (generic proxy) before the wgmma's reads (async proxy)
         a(f"bar.sync 1, {threads};")
         a("add.u32 %t, %sb, %rd; shr.u32 %dl0, %t, 4; and.b32 %dl0, %dl0, 0x3FFF; or.b32 %dl0, %dl0, 0x10000;")
-        a(f"add.u32 %u, %t, %sw; ld.shared.v4.u32 {{%Aw0_0, %Aw0_1, %Aw0_2, %Aw0_3}}, [%u+{act}];")
-        a(f"add.u32 %u, %t, %s4; ld.shared.u32 %Af0, [%u+{act + 16 * threads}];")
+        for r in range(rb):
+            a(f"add.u32 %u, %t, %sw; ld.shared.v4.u32 {{%Aw{r}_0, %Aw{r}_1, %Aw{r}_2, %Aw{r}_3}}, "
+              f"[%u+{words_at[r]}];")
+            a(f"add.u32 %u, %t, %s4; ld.shared.u32 %Af{r}, [%u+{facs_at[r]}];")
         copy_next()
-        _factor_pair(a, 0)
-        for j in range(4):
-            _unpack_step(a, 0, j, tuple(f"%{cur}u{4 * j + i}" for i in range(4)))
-        mma(cur)
+        for r in range(rb):
+            buf = cur if rb == 1 else "AB"[r]
+            if r:  # row block 1's fragments were read by its wgmma group of the chunk before: wait for it
+                a("wgmma.wait_group.sync.aligned 1;")
+            _factor_pair(a, r)
+            for j in range(4):
+                _unpack_step(a, r, j, tuple(f"%{buf}u{4 * j + i}" for i in range(4)))
+            mma(buf, r)
         a("wgmma.wait_group.sync.aligned 1;")
         a(f"add.u32 %rd, %rd, {stage}; setp.ge.u32 %pr, %rd, {stage * stages}; @%pr mov.u32 %rd, 0;")
         a("add.s32 %n, %n, -1;")
@@ -496,7 +538,7 @@ def _wgmma_mainloop_asm(nt: int, stages: int, warps: int = 4, unroll: int = 0, c
     if cluster:
         _cluster_reduce(a, nt, acc, base, warps, unroll or max(1, min(8, 32 // (4 * nt))))
     else:
-        _fused_reduce(a, nt, 1, acc, base, unroll)
+        _fused_reduce(a, nt, rb, acc, base, unroll)
     a("}")
     return "\n".join(L)
 
@@ -743,12 +785,12 @@ _ASM: dict[tuple, str] = {}
 
 
 def _asm(nt: int, fused: bool, xpre: bool, rb: int = 1, stages: int = 0, warps: int = 4, wgmma: bool = False,
-         unroll: int = 0, cluster: bool = False) -> str:
-    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll, cluster)
+         unroll: int = 0, cluster: bool = False, l2: int = 0) -> str:
+    key = (nt, fused, xpre, rb, stages, warps if stages else 0, wgmma, unroll, cluster, l2)
     if cluster and not (wgmma and fused):
         raise ValueError("the cluster split-K reduction is built for the fused wgmma loop only")
     if key not in _ASM:
-        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll, cluster) if wgmma
+        _ASM[key] = (_wgmma_mainloop_asm(nt, stages, warps, unroll, cluster, rb, l2) if wgmma
                      else _smem_mainloop_asm(nt, rb, stages, warps, unroll) if stages
                      else _mainloop_asm(nt, fused, xpre, rb, unroll))
     return _ASM[key]

@@ -196,6 +196,47 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
+def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
+    # two row blocks per warp: twice the weight bytes per stage, the same activation tile
+    assert gemv_ptx.wgmma_ring_bytes(4, 5, 4, 2) == (4096 + 5120) * 5
+    assert gemv_ptx.wgmma_ring_bytes(4, 7, 8, 2) == (4096 + 10240) * 7 > gemv_ptx.WGMMA_SMEM_LIMIT
+    with pytest.raises(ValueError, match="row blocks"):
+        gemv_ptx._wgmma_mainloop_asm(4, 5, 4, cluster=True, rb=2)
+    asm = gemv_ptx._wgmma_mainloop_asm(4, 5, 4, rb=2)  # one accumulator set per row block, both fed by one tile
+    assert asm.count("wgmma.mma_async") == 8 and "%c31" in asm and "%c32" not in asm
+    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp and a static
+    # ring, whatever wins without them
+    for nt in (1, 2, 4, 8):
+        for n, k in ((1024, 8192), (10240, 8192), (59136, 8192), (8192, 29568), (512, 3584)):
+            warps, stages, rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            assert (warps, stages, rb, l2, sk, cap) == (*gemv_plan.default_wgmma(nt, n, k), 1, 0, False, 0)
+            assert nt > 2 or gemv_ptx.wgmma_ring_bytes(nt, stages, warps) <= gemv_ptx.WGMMA_SMEM_LIMIT
+    # without them: two row blocks per warp on the 72B gate|up (59136 x 8192) and down at 9-64 tokens, its q|k|v and o
+    # keep one; the ring of every pick fits the dynamic shared memory
+    if gemv_plan.HAS_GLUON:
+        for nt in (2, 4, 8):
+            for n, k in ((59136, 8192), (8192, 29568)):
+                assert gemv_plan.default_wgmma_build(nt, n, k)[:3] == (8, 6, 2)
+                assert gemv_ptx.wgmma_ring_bytes(nt, 6, 8, 2) <= gemv_ptx.WGMMA_DYNAMIC_LIMIT
+            for n, k in ((10240, 8192), (8192, 8192)):
+                assert gemv_plan.default_wgmma_build(nt, n, k)[2] == 1
+    assert gemv_plan.default_wgmma_build(1, 59136, 8192)[2] == 1 and gemv_plan.default_wgmma_build(16, 59136, 8192)[2] == 1
+    # stream-K below 65 rows only when asked; unchanged for the token blocks
+    assert not gemv_plan.token_blocks_stream_k(4, None, 1) and gemv_plan.token_blocks_stream_k(4, True, 1)
+    assert gemv_plan.token_blocks_stream_k(16, None, 2) and not gemv_plan.token_blocks_stream_k(16, None, 1)
+    assert not gemv_plan.token_blocks_stream_k(16, False, 2)
+    # a register cap is its own variant: the programs per SM read its registers, not the uncapped build's
+    plain, capped = (gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True),
+                     gemv_plan._regs_key(4, True, 8, False, 1, 5, False, True, extras=gemv_plan.build_extras(80)))
+    gemv_plan._REGS[plain], gemv_plan._REGS[capped] = 92, 80
+    try:
+        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True) == 2
+        assert gemv_plan.resident_programs(4, True, 8, False, 1, 5, wgmma=True,
+                                           extras=gemv_plan.build_extras(80)) == 3
+    finally:
+        del gemv_plan._REGS[plain], gemv_plan._REGS[capped]
+
+
 def test_wgmma_defaults_fit_and_the_split_count_reads_the_launched_variant():
     # every default the wgmma launch can pick fits shared memory (static up to 16 tokens), a token row per warp
     for nt in (1, 2, 4, 8, 16):
@@ -302,7 +343,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fp10d", "1fp20d", "2fp10d", "2fp20d", "1fp10P", "1fp10dP", "2fp20dP", "4fn14P", "8fn24P",
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
-                "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc"]
+                "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc",
+                "4fn25w", "2fn26w", "8fn23w"]  # the wgmma loop with two row blocks per warp
     lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
@@ -334,12 +376,14 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
        "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
-       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = the stream-K table's runs
-    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").split(".")] + [0])[:4]
-    pdl = spec.endswith("P")
-    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, 1, st, warps, True), "SHIFT": 256.0, "PDL": pdl},
-                               nt, st, warps)
+       "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr",
+       "RB": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P]: segments > 0 = the stream-K table's runs,
+    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead
+    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
+    pdl, rb, l2 = spec.endswith("P"), 2 if "B" in spec else 1, 12 if "L" in spec else 0
+    consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True, l2=l2), "SHIFT": 256.0,
+                                "PDL": pdl, "RB": rb}, nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
@@ -356,7 +400,7 @@ for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][P]: segments > 0 = th
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
     path.write_bytes(k.asm["cubin"])
     usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
-    print(spec, k.metadata.shared, gemv_ptx.wgmma_ring_bytes(nt, st, warps) + 1024,
+    print(spec, k.metadata.shared, gemv_ptx.wgmma_ring_bytes(nt, st, warps, rb) + 1024,
           " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
 """
 
@@ -371,7 +415,8 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
         pytest.skip("this triton has no Gluon or no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
-    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P"]
+    variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P",
+                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP"]
     lines = _build_for_sm90(script, variants)
     for line in lines:
         spec, shared, need = line.split()[:3]
