@@ -15,7 +15,8 @@ The JSON (``bench/results/agent_learning_<device>.json`` by default): per arm, e
 (``runs``), the curves over seeds per tag (``curves``: step, mean, low, high, seeds) and the table's windows
 (``windows``: the mean of each run over its first, middle and last ``--window`` steps, then over seeds). The tool-call
 rate is ``agent/tool_calls`` (calls per trajectory; at most one call each, so the share that called), its well-formed
-part that minus the failed calls (``agent/tool_errors/*`` are counts over the step's ``batch x group`` trajectories).
+part that minus the failed calls (``agent/tool_errors/*`` are counts over the step's ``batch x group`` trajectories, read from the run's
+saved config; a step with dynamic-sampling refills counts more, which the configs do not use).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ TAGS = {  # key in the table -> TensorBoard tag ("calls_ok" is derived: well-for
     "entropy": "rollout/entropy",
 }
 ERRORS = "agent/tool_errors/"
+HELDOUT = "val/arithmetic_acc_flexible"  # greedy, the last number of the last turn, on the 64 held-out sums
 
 
 def run_args(arm: str, seed: int, args, work: Path) -> list[str]:
@@ -65,8 +67,12 @@ def run_args(arm: str, seed: int, args, work: Path) -> list[str]:
             *DEVICES[args.device], *options, *args.passthrough]
 
 
-def trajectories_per_step(arm: str) -> int:
-    config = yaml.safe_load((ROOT / ARMS[arm][0]).read_text())
+def trajectories_per_step(run: Path) -> int | None:
+    """``batch_size x group_size`` of a run, from the config Lightning saved beside its events (overrides included)."""
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None
+    config = yaml.safe_load(path.read_text())
     return int(config["data"]["batch_size"]) * int(config["model"]["sampling"]["group_size"])
 
 
@@ -128,13 +134,13 @@ def signal_group(process: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def run_scalars(directory: Path, trajectories: int) -> dict[str, dict[int, float]]:
+def run_scalars(directory: Path) -> dict[str, dict[int, float]]:
     """One run's scalars ``{tag: {step: value}}`` (empty if it logged nothing), with ``calls_ok`` derived."""
     if not list(directory.glob("events.out.tfevents.*")):
         return {}
     scalars = merged_scalars(directory)
-    calls = scalars.get(TAGS["tool_calls"])
-    if calls is not None:
+    calls, trajectories = scalars.get(TAGS["tool_calls"]), trajectories_per_step(directory)
+    if calls is not None and trajectories:
         errors = [values for tag, values in scalars.items() if tag.startswith(ERRORS)]
         scalars["calls_ok"] = {step: value - sum(e.get(step, 0.0) for e in errors) / trajectories
                                for step, value in calls.items()}
@@ -178,15 +184,13 @@ def windows(per_seed: list[dict[str, dict[int, float]]], width: int) -> dict[str
 def collect(args, work: Path, runs: dict) -> dict:
     arms = {}
     for arm in args.arms:
-        trajectories = trajectories_per_step(arm)
         per_seed, seeds = [], {}
         for seed in args.seeds:
-            scalars = run_scalars(work / arm / f"seed_{seed}" / "version_0", trajectories)
+            scalars = run_scalars(work / arm / f"seed_{seed}" / "version_0")
             seeds[str(seed)] = {tag: {str(s): v for s, v in sorted(values.items())} for tag, values in scalars.items()}
             if scalars:
                 per_seed.append(scalars)
-        arms[arm] = {"config": ARMS[arm][0], "options": ARMS[arm][1], "trajectories_per_step": trajectories,
-                     "runs": seeds, "curves": curves(per_seed), "windows": windows(per_seed, args.window)}
+        arms[arm] = {"config": ARMS[arm][0], "options": ARMS[arm][1], "runs": seeds, "curves": curves(per_seed), "windows": windows(per_seed, args.window)}
     return {"command": shlex.join([sys.executable, *sys.argv]), "device": device_name(args.device),
             "host": platform.node(), "seeds": args.seeds, "steps": args.steps, "time_limit_s": args.time_limit,
             "window": args.window, "runs": runs, "arms": arms}
@@ -211,6 +215,11 @@ def report(result: dict) -> str:
                 interval = f" [{low:.3f}, {high:.3f}]" if n > 1 else ""
                 cells.append(f"{mean:.3f}{interval} (steps {first}-{last}, {n} seeds)")
             lines.append(f"| {arm} | {key} | " + " | ".join(cells) + " |")
+    lines += ["", "| arm | step | held-out accuracy (greedy) |", "|---|---|---|"]
+    for arm, data in result["arms"].items():
+        for step, mean, low, high, n in data["curves"].get(HELDOUT, []):
+            interval = f" [{low:.3f}, {high:.3f}]" if n > 1 else ""
+            lines.append(f"| {arm} | {step} | {mean:.3f}{interval} ({n} seeds) |")
     return "\n".join(lines)
 
 
