@@ -8,15 +8,16 @@ once, their TensorBoard events read back into one JSON of per-arm curves (mean o
 Arms (``ARMS``): ``tool`` (configs/experiments/agent_calculator.yaml: the calculator shown in three worked examples)
 and ``no_tool`` (agent_calculator_no_tool.yaml: the same sums and examples answered directly); ``tool_nvfp4`` and
 ``no_tool_nvfp4`` are the same with NVFP4 base weights. Seed S sets ``seed_everything`` (LoRA init, sampling, AQN
-noise, the data order), so arms are paired by seed. ``--time-limit`` stops the runs still going (SIGTERM: Lightning
-ends the step in progress; events are flushed every ``--flush-secs``) and the JSON holds the steps they reached.
+noise); every run draws the same sums in the same order (the sources' own seeds), so arms are paired by seed.
+``--time-limit`` stops the runs still going (SIGTERM: Lightning ends the step in progress; events are flushed every
+``--flush-secs``) and the JSON holds the steps they reached.
 
 The JSON (``bench/results/agent_learning_<device>.json`` by default): per arm, every run's scalars per step
 (``runs``), the curves over seeds per tag (``curves``: step, mean, low, high, seeds) and the table's windows
 (``windows``: the mean of each run over its first, middle and last ``--window`` steps, then over seeds). The tool-call
 rate is ``agent/tool_calls`` (calls per trajectory; at most one call each, so the share that called), its well-formed
-part that minus the failed calls (``agent/tool_errors/*`` are counts over the step's ``batch x group`` trajectories, read from the run's
-saved config; a step with dynamic-sampling refills counts more, which the configs do not use).
+part that minus the failed calls (``agent/tool_errors/*`` are counts over the step's ``batch x group`` trajectories,
+read from the run's saved config; a step with dynamic-sampling refills counts more, which the configs do not use).
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def collect(args, work: Path, runs: dict) -> dict:
             seeds[str(seed)] = {tag: {str(s): v for s, v in sorted(values.items())} for tag, values in scalars.items()}
             if scalars:
                 per_seed.append(scalars)
-        arms[arm] = {"config": ARMS[arm][0], "options": ARMS[arm][1], "runs": seeds, "curves": curves(per_seed), "windows": windows(per_seed, args.window)}
+        arms[arm] = {"config": ARMS[arm][0], "options": ARMS[arm][1], "runs": seeds, "curves": curves(per_seed),
+                     "windows": windows(per_seed, args.window)}
     return {"command": shlex.join([sys.executable, *sys.argv]), "device": device_name(args.device),
             "host": platform.node(), "seeds": args.seeds, "steps": args.steps, "time_limit_s": args.time_limit,
             "window": args.window, "runs": runs, "arms": arms}

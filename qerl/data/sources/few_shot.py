@@ -43,6 +43,7 @@ class FewShot(PromptSource):
     def __iter__(self) -> Iterator[Row]:
         for row in self.source:
             question = row["question"]
-            turns = [dict(m) for m in question] if isinstance(question, list) else [{"role": "user", "content": question}]
+            turns = ([dict(m) for m in question] if isinstance(question, list)
+                     else [{"role": "user", "content": question}])
             system = turns[:1] if turns[0]["role"] == "system" else []
             yield {**row, "question": system + [dict(m) for m in self.examples] + turns[len(system):]}
