@@ -7,7 +7,8 @@ once, their TensorBoard events read back into one JSON of per-arm curves (mean o
 
 Arms (``ARMS``): ``tool`` (configs/experiments/agent_calculator.yaml: the calculator shown in three worked examples)
 and ``no_tool`` (agent_calculator_no_tool.yaml: the same sums and examples answered directly); ``tool_nvfp4`` and
-``no_tool_nvfp4`` are the same with NVFP4 base weights. Seed S sets ``seed_everything`` (LoRA init, sampling, AQN
+``no_tool_nvfp4`` are the same with NVFP4 base weights; ``tool_one_example`` shows the tool's use once (the first
+example only), where the untrained model almost never calls. Seed S sets ``seed_everything`` (LoRA init, sampling, AQN
 noise); every run draws the same sums in the same order (the sources' own seeds), so arms are paired by seed.
 ``--time-limit`` stops the runs still going (SIGTERM: Lightning ends the step in progress; events are flushed every
 ``--flush-secs``) and the JSON holds the steps they reached.
@@ -42,7 +43,18 @@ from plot_runs import merged_scalars  # noqa: E402
 
 TOOL, NO_TOOL = "configs/experiments/agent_calculator.yaml", "configs/experiments/agent_calculator_no_tool.yaml"
 NVFP4 = ["--model.policy.quantization", "nvfp4"]
-ARMS = {"tool": (TOOL, []), "no_tool": (NO_TOOL, []), "tool_nvfp4": (TOOL, NVFP4), "no_tool_nvfp4": (NO_TOOL, NVFP4)}
+
+
+def first_example_only(config: str = TOOL) -> list[str]:
+    """Options that keep the first worked example of ``config`` (its first four messages: question, call, result,
+    answer) in the training and held-out prompts: the tool's use shown once."""
+    examples = yaml.safe_load((ROOT / config).read_text())["data"]["sources"][0]["init_args"]["examples"][:4]
+    value = json.dumps(examples)
+    return ["--data.sources.init_args.examples", value, "--data.val_sources.init_args.examples", value]
+
+
+ARMS = {"tool": (TOOL, []), "no_tool": (NO_TOOL, []), "tool_nvfp4": (TOOL, NVFP4), "no_tool_nvfp4": (NO_TOOL, NVFP4),
+        "tool_one_example": (TOOL, first_example_only())}
 DEVICES = {  # --device -> train.py options: bf16 on a GPU, fp32 (the faster dtype there) on a CPU
     "cuda": ["--trainer.accelerator", "auto", "--model.policy.dtype", "bfloat16"],
     "cpu": ["--trainer.accelerator", "cpu", "--model.policy.dtype", "float32"],

@@ -72,3 +72,20 @@ def test_every_run_is_its_arms_config_with_the_seed_and_the_devices_options(runn
     assert pairs["--trainer.accelerator"] == "cpu" and pairs["--model.policy.dtype"] == "float32"
     assert pairs["--model.policy.quantization"] == "nvfp4" and pairs["--data.batch_size"] == "1"
     assert pairs["--trainer.logger.init_args.save_dir"] == str(tmp_path / "tool_nvfp4")
+
+
+def test_the_one_example_arm_shows_the_first_worked_example_in_training_and_held_out_prompts(runner, tmp_path,
+                                                                                              monkeypatch,
+                                                                                              no_model_loads):
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    config, options = runner.ARMS["tool_one_example"]
+    shipped = yaml.safe_load((ROOT / config).read_text())["data"]["sources"][0]["init_args"]["examples"]
+    monkeypatch.chdir(tmp_path)
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False,
+                  args=["--config", str(ROOT / config), "--trainer.accelerator", "cpu", *options])
+    (val,) = cli.datamodule.val_sources
+    assert cli.datamodule.source.examples == val.examples == shipped[:4]
+    assert [m["role"] for m in val.examples] == ["user", "assistant", "tool", "assistant"]
