@@ -3,7 +3,7 @@ once, their TensorBoard events read back into one JSON of per-arm curves (mean o
 
     python bench/experiment_agent_learning.py --device cuda --seeds 0 1 2 --time-limit 300
     python bench/experiment_agent_learning.py --device cpu --seeds 0 --steps 2 --parallel 1   # the same, slowly
-    python bench/experiment_agent_learning.py --report bench/results/agent_learning_h200.json  # the tables again
+    python bench/experiment_agent_learning.py --report docs/results/agent_learning_h200.json   # the tables again
 
 Arms (``ARMS``): ``tool`` (configs/experiments/agent_calculator.yaml: the calculator shown in three worked examples)
 and ``no_tool`` (agent_calculator_no_tool.yaml: the same sums and examples answered directly); ``tool_nvfp4`` and
@@ -13,7 +13,8 @@ noise); every run draws the same sums in the same order (the sources' own seeds)
 ``--time-limit`` stops the runs still going (SIGTERM: Lightning ends the step in progress; events are flushed every
 ``--flush-secs``) and the JSON holds the steps they reached.
 
-The JSON (``bench/results/agent_learning_<device>.json`` by default): per arm, every run's scalars per step
+The JSON (``docs/results/agent_learning_<device>.json`` by default, beside the other experiments' results: the
+benchmarks' ``bench/results`` are speed and memory, each on docs/performance.md): per arm, every run's scalars per step
 (``runs``), the curves over seeds per tag (``curves``: step, mean, low, high, seeds) and the table's windows
 (``windows``: the mean of each run over its first, middle and last ``--window`` steps, then over seeds). The tool-call
 rate is ``agent/tool_calls`` (calls per trajectory; at most one call each, so the share that called), its well-formed
@@ -69,6 +70,8 @@ TAGS = {  # key in the table -> TensorBoard tag ("calls_ok" is derived: well-for
     "entropy": "rollout/entropy",
 }
 ERRORS = "agent/tool_errors/"
+KEPT = ("agent/", "val/", "calls_ok", "train/reward", "train/accuracy", "train/completion_length", "train/entropy",
+        "rollout/entropy", "perf/rollout_s", "perf/train_s")  # the tags the JSON keeps (a run logs ~60)
 HELDOUT = "val/arithmetic_acc_flexible"  # greedy, the last number of the last turn, on the 64 held-out sums
 
 
@@ -157,7 +160,7 @@ def run_scalars(directory: Path) -> dict[str, dict[int, float]]:
         errors = [values for tag, values in scalars.items() if tag.startswith(ERRORS)]
         scalars["calls_ok"] = {step: value - sum(e.get(step, 0.0) for e in errors) / trajectories
                                for step, value in calls.items()}
-    return scalars
+    return {tag: values for tag, values in scalars.items() if tag.startswith(KEPT)}
 
 
 def curves(per_seed: list[dict[str, dict[int, float]]]) -> dict[str, list[list[float]]]:
@@ -206,7 +209,8 @@ def collect(args, work: Path, runs: dict) -> dict:
         arms[arm] = {"config": ARMS[arm][0], "options": ARMS[arm][1], "runs": seeds, "curves": curves(per_seed),
                      "windows": windows(per_seed, args.window)}
     return {"command": shlex.join([sys.executable, *sys.argv]), "device": device_name(args.device),
-            "host": platform.node(), "seeds": args.seeds, "steps": args.steps, "time_limit_s": args.time_limit,
+            "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seeds": args.seeds,
+            "steps": args.steps, "time_limit_s": args.time_limit,
             "window": args.window, "runs": runs, "arms": arms}
 
 
@@ -253,7 +257,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--flush-secs", type=int, default=10, help="how often the runs write their events")
     parser.add_argument("--window", type=int, default=10, help="steps per start / middle / end window")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "agent_learning")
-    parser.add_argument("--out", type=Path, help="default: bench/results/agent_learning_<device>.json")
+    parser.add_argument("--out", type=Path, help="default: docs/results/agent_learning_<device>.json")
     parser.add_argument("--report", type=Path, help="print the tables of this JSON and stop")
     args = parser.parse_args(ours)
     args.passthrough = passthrough
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 old.unlink()
     runs = run_all(args, args.work)
     result = collect(args, args.work, runs)
-    out = args.out or ROOT / "bench" / "results" / f"agent_learning_{args.device}.json"
+    out = args.out or ROOT / "docs" / "results" / f"agent_learning_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(report(result))
