@@ -98,10 +98,13 @@ def run_all(args, work: Path) -> dict[str, dict]:
            "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     pending = [(arm, seed) for seed in args.seeds for arm in args.arms]
-    running, runs = [], {}
+    running, runs, stopping = [], {}, []
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
+    # SIGTERM / Ctrl-C on this script stops the runs as the time limit does: the JSON is still written
+    previous = {s: signal.signal(s, lambda signum, frame: stopping.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while (pending or running) and (deadline is None or time.monotonic() < deadline):
+        while (pending or running) and not stopping and (deadline is None or time.monotonic() < deadline):
             while pending and len(running) < args.parallel:
                 arm, seed = pending.pop(0)
                 (work / arm).mkdir(parents=True, exist_ok=True)
@@ -115,7 +118,8 @@ def run_all(args, work: Path) -> dict[str, dict]:
             time.sleep(2.0)
             running = reap(running, runs)
         if running or pending:
-            print(f"time limit: stopping {len(running)} runs, {len(pending)} not started", flush=True)
+            print(f"{'signal' if stopping else 'time limit'}: stopping {len(running)} runs, {len(pending)} not "
+                  "started", flush=True)
         for _, _, process, _, _ in running:  # Lightning ends the step in progress, the logger flushes
             signal_group(process, signal.SIGTERM)
         grace = time.monotonic() + args.stop_grace
@@ -127,6 +131,8 @@ def run_all(args, work: Path) -> dict[str, dict]:
             signal_group(process, signal.SIGKILL)
             process.wait()
         reap(running, runs)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return runs
 
 
