@@ -13,6 +13,7 @@
 - ``arithmetic``, ``expressions``: the embedded generators (``ArithmeticSource``, the CPU default;
   ``ArithmeticExpressions``, with a held-out part that training never draws from).
 - ``mixture``: ``Mixture``, weighted interleaving of sources.
+- ``few_shot``: ``FewShot``, another source's questions after worked examples (earlier turns of the conversation).
 
 A source yields one pass over its data (``infinite`` sources never stop). Rows it cannot use (a line that is not JSON,
 a missing question or answer, a GSM8K answer without ``####``) are skipped and counted per reason in ``source.stats``
@@ -25,6 +26,7 @@ from qerl.data.sources.arithmetic import ArithmeticSource, evaluate
 from qerl.data.sources.base import PromptSource, Row, endless
 from qerl.data.sources.competitions import AIME2024, AIME2025, AMC2023, LIGHTEVAL_MATH_PROMPT
 from qerl.data.sources.expressions import ArithmeticExpressions, heldout_position
+from qerl.data.sources.few_shot import FewShot
 from qerl.data.sources.fields import conversation, field
 from qerl.data.sources.hub import HubSource
 from qerl.data.sources.mixture import Mixture
@@ -32,7 +34,7 @@ from qerl.data.sources.presets import GSM8K, MATH, MATH500, BigMath, BigMathProc
 from qerl.data.sources.trainer_formats import TRLPrompts, VerlParquet
 
 __all__ = [
-    "AIME2024", "AIME2025", "AMC2023", "GSM8K", "LIGHTEVAL_MATH_PROMPT", "MATH", "MATH500", "ArithmeticExpressions",
-    "ArithmeticSource", "BigMath", "BigMathProcessed", "HubSource", "Mixture", "PromptSource", "Row", "TRLPrompts",
+    "AIME2024", "AIME2025", "AMC2023", "FewShot", "GSM8K", "LIGHTEVAL_MATH_PROMPT", "MATH", "MATH500",
+    "ArithmeticExpressions", "ArithmeticSource", "BigMath", "BigMathProcessed", "HubSource", "Mixture", "PromptSource", "Row", "TRLPrompts",
     "VerlParquet", "conversation", "endless", "evaluate", "field", "heldout_position",
 ]
