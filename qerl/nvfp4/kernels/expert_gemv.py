@@ -1,0 +1,227 @@
+"""A mixture-of-experts layer's NVFP4 expert products as one launch of the decode GEMV's main loop (``gemv_ptx``) over
+every expert, each reading its weight in the GEMV's repacked layout (``gemv_layout``: 0.625 bytes per weight).
+
+The (token, expert) pairs are sorted by expert (``pair_sort``: expert e owns slots ``offsets[e] .. offsets[e + 1]``)
+and the caller gathers the input rows into that order once (``x_sorted [P, K]``), so expert e's rows are contiguous:
+its product is an ordinary GEMV of ``x_sorted[offsets[e]:offsets[e + 1]]`` by its own weight. Program (row group,
+K split, expert x token block) reads ``offsets[e]`` and ``offsets[e + 1]`` on the device and exits at once when its
+block of ``8 NT`` rows is empty (an expert no pair chose reads none of its bytes); otherwise it points the unchanged
+asm main loop and epilogue (the mma.sync or the warpgroup-MMA loop, fused split-K reduction) at its expert's words,
+factors and global scale, its rows of ``x_sorted`` and of the output. The token-block axis covers the worst case (an
+expert gets at most ``rows`` pairs: each token picks an expert once), so the grid is static and no host reads the
+offsets: a CUDA graph captures the launch.
+
+Stacked storage: ``words [E, N/16, K/64, 32, 4]`` int32 and ``factors [E, N/16, K/64, 32]`` int32, every expert's
+``gemv_layout.repack`` (:func:`repack_stack`; the repack is per 16-row block, so one repack of the ``[E N, K]``
+stack is every expert's); the per-expert global scales ``[E]`` fp32 enter the epilogue's factor.
+
+The asm is inline PTX (no interpreter path): the CPU tests check the stack, the program -> (expert, rows) mapping
+(:func:`program_rows`) and :func:`expert_gemv_reference` (the launch's arithmetic on ``gemv_layout.emulate_repacked``)
+against float64, and the sm_90 build; ``tests/gpu`` checks the launch itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.kernels.grid import cdiv, sm_count
+from qerl.kernels.split_k import counters
+from qerl.nvfp4.kernels import gemv_layout
+from qerl.nvfp4.kernels.gemv import _lanes
+from qerl.nvfp4.kernels.gemv_plan import MAX_M, default_wgmma, tiles_for, wgmma_supported
+from qerl.nvfp4.kernels.gemv_ptx import _asm
+
+SHIFT = 256.0  # the repacked factors carry 2^118; the unpacked fragments are W * 2^-8 (see gemv_layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemvConfig:
+    """One launch of :func:`expert_gemv`; a field left at its default takes this module's rule.
+
+    Attributes:
+        tiles: n8 token tiles per program (a token block holds ``8 tiles`` rows; 0: :func:`default_tiles`).
+        splits: K splits (0: :func:`default_splits`).
+        wgmma: the warpgroup-MMA loop (None: on sm_90), else the mma.sync loop.
+    """
+
+    tiles: int = 0
+    splits: int = 0
+    wgmma: bool | None = None
+
+
+def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked compressed-tensors experts ``(packed [E, N, K/2] uint8, scale [E, N, K/16] e4m3)`` -> ``(words [E,
+    N/16, K/64, 32, 4], factors [E, N/16, K/64, 32])`` int32: expert e's slices are ``gemv_layout.repack`` of its own."""
+    num, n, half_k = packed.shape
+    words, factors = gemv_layout.repack(packed.reshape(num * n, half_k), scale.reshape(num * n, -1))
+    return words.view(num, n // 16, *words.shape[1:]), factors.view(num, n // 16, *factors.shape[1:])
+
+
+def unrepack_stack(words: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_stack`: ``(packed [E, N, K/2], scale [E, N, K/16])``."""
+    num = words.shape[0]
+    packed, scale = gemv_layout.unrepack(words.flatten(0, 1), factors.flatten(0, 1))
+    return packed.view(num, -1, packed.shape[1]), scale.view(num, -1, scale.shape[1])
+
+
+def token_blocks(rows: int, tiles: int) -> int:
+    """Token blocks per expert in the grid: an expert gets at most ``rows`` pairs (one per token)."""
+    return cdiv(rows, 8 * tiles)
+
+
+def expected_experts(pairs: int, num_experts: int) -> float:
+    """Distinct experts ``pairs`` uniformly routed pairs touch, on average."""
+    return num_experts * (1 - (1 - 1 / num_experts) ** pairs)
+
+
+def default_tiles(pairs: int, num_experts: int) -> int:
+    """Token tiles per program: room for an expert's expected pairs with a margin (a block past the first re-reads
+    the expert's weights), at most :data:`gemv_plan.MAX_M` rows."""
+    mean = pairs / max(1.0, expected_experts(pairs, num_experts))
+    return tiles_for(min(MAX_M, math.ceil(1.5 * mean + 2)))
+
+
+def default_splits(pairs: int, num_experts: int, n: int, k: int, tiles: int, warps: int, sms: int) -> int:
+    """K splits that give the expected non-empty programs about 8 per SM (the dense GEMV's wave at one tile), each
+    split >= 4 chunks of 64."""
+    busy = expected_experts(pairs, num_experts) * cdiv(n // 16, warps)
+    return max(1, min(int(8 * sms // max(1.0, busy)), k // 64 // 4, 16))
+
+
+def program_rows(offsets: list[int], blocks: int, tiles: int, index: int) -> tuple[int, int, int] | None:
+    """What program ``index`` of the expert x token-block axis computes: ``(expert, first sorted row, rows)``, or None
+    when its block is empty (the kernel's mapping, as a pure function of the host's offsets)."""
+    e, block = divmod(index, blocks)
+    first = offsets[e] + block * 8 * tiles
+    if first >= offsets[e + 1]:
+        return None
+    return e, first, min(offsets[e + 1] - first, 8 * tiles)
+
+
+def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
+                          global_scale: torch.Tensor, rows: int, tiles: int) -> torch.Tensor:
+    """:func:`expert_gemv` in float64 from the repacked words as the asm decodes them (``emulate_repacked``), program
+    by program through :func:`program_rows`; rows no program covers stay NaN."""
+    num, nb = words.shape[:2]
+    out = torch.full((x_sorted.shape[0], nb * 16), float("nan"), dtype=torch.float64)
+    bounds, blocks = offsets.tolist(), token_blocks(rows, tiles)
+    for index in range(num * blocks):
+        hit = program_rows(bounds, blocks, tiles, index)
+        if hit is not None:
+            e, first, m = hit
+            w = gemv_layout.emulate_repacked(words[e], factors[e]).double() * (SHIFT / float(global_scale[e]))
+            out[first:first + m] = x_sorted[first:first + m].double() @ w.t()
+    return out
+
+
+@triton.jit
+def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
+                        CHUNKS_PER_SPLIT, SPLITS, BLOCKS,
+                        NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr):
+    """Program (row group, K split, expert * BLOCKS + token block); see the module docstring."""
+    pid_s = tl.program_id(1)
+    e = tl.program_id(2) // BLOCKS
+    t0 = tl.load(offsets_ptr + e) + (tl.program_id(2) % BLOCKS) * (8 * NT)
+    end = tl.load(offsets_ptr + e + 1)
+    if t0 < end:
+        warp, lane, g, q = _lanes(WARPS)
+        m = tl.minimum(end - t0, 8 * NT)
+        nchunks_all = K // 64
+        rb = tl.program_id(0) * WARPS + warp
+        c0 = pid_s * CHUNKS_PER_SPLIT
+        n = tl.zeros_like(rb) + (tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all) - c0)
+        valid = rb < N // 16
+        expert = e.to(tl.int64) * (N // 16) * nchunks_all * 32  # lanes' fragments before this expert's
+        base = expert + (tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane
+        w_ptr = w_addr + base * 16
+        f_ptr = f_addr + base * 4
+        row0 = t0.to(tl.int64)
+        x0 = x_addr + ((row0 + g) * K + c0 * 64 + 16 * q) * 2
+        x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16  # 8 token rows of bf16
+        zero64 = tl.zeros_like(x0)
+        row = rb * 16 + g
+        tok = 2 * q
+        here = (row0 + tok) * N + row
+        p_base = p_addr + here * 4
+        p_mine = p_base + pid_s.to(tl.int64) * P * N * 4
+        mn4 = zero64 + P.to(tl.int64) * N * 4
+        n4 = tl.zeros_like(tok) + N * 4
+        mm = tl.zeros_like(tok) + m
+        o_ptr = out_addr + here * 2
+        cnt = c_addr + (row0 * (N // 16) + rb) * 4  # per (block, row block): a block's first sorted row is its own
+        ns = tl.zeros_like(tok) + SPLITS
+        fac = tl.zeros([32 * WARPS], dtype=tl.float32) + SHIFT / tl.load(gs_ptr + e)
+        xs_base = zero64 + (x_addr + (row0 * K + c0 * 64) * 2)
+        k2 = zero64 + K.to(tl.int64) * 2
+        tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (one row block per warp)
+            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
+            [w_ptr, f_ptr, n, x0, x_step, m - g, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+             valid.to(tl.int32), fac, tl.zeros_like(tok), xs_base, k2],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+def variant(tiles: int, n: int, k: int, wgmma: bool) -> dict:
+    """The launch constants of one variant: the fused mma.sync loop (activations prefetched a chunk ahead) or the
+    warpgroup-MMA loop with ``gemv_plan.default_wgmma``'s warps and stages."""
+    if wgmma:
+        warps, stages = default_wgmma(tiles, n, k)
+        asm = _asm(tiles, True, False, 1, stages, warps, True)
+    else:
+        warps, asm = 4, _asm(tiles, True, tiles <= 4, 1, 0)
+    return dict(NT=tiles, WARPS=warps, ASM=asm, SHIFT=SHIFT, num_warps=warps)
+
+
+def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
+                global_scale: torch.Tensor, rows: int, config: ExpertGemvConfig = ExpertGemvConfig(),
+                counter: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[p] = x_sorted[p] @ W_e.T`` for every sorted pair row ``p`` of expert ``e`` (``offsets[e] <= p <
+    offsets[e + 1]``), bf16 ``[P, N]``, on CUDA.
+
+    Args:
+        x_sorted: ``[P, K]`` bf16 input rows in expert order (K % 64 == 0).
+        offsets: ``[E + 1]`` int32 from ``pair_sort.sort_pairs``.
+        words, factors: the stacked repacked experts (:func:`repack_stack`), N = 16 ``words.shape[1]``.
+        global_scale: ``[E]`` fp32, each expert's NVFP4 global scale (a divisor).
+        rows: the step's token rows (an expert gets at most this many pairs: the token-block axis).
+        config: pins the variant (:class:`ExpertGemvConfig`).
+        counter: split-K arrival counters, at least ``P * N / 16`` (None: the shared buffer, built outside captures).
+    """
+    p_rows, k = x_sorted.shape
+    num, nb = words.shape[:2]
+    n = nb * 16
+    if x_sorted.dtype != torch.bfloat16 or k % 64 or words.shape[2] * 64 != k:
+        raise ValueError(f"expert_gemv takes bf16 rows with K % 64 == 0 matching the weight, got "
+                         f"{x_sorted.dtype} {tuple(x_sorted.shape)} for words {tuple(words.shape)}")
+    x_sorted = x_sorted.contiguous()
+    out = torch.empty(p_rows, n, device=x_sorted.device, dtype=torch.bfloat16)
+    if p_rows == 0:
+        return out
+    tiles = config.tiles or default_tiles(p_rows, num)
+    wgmma = wgmma_supported(x_sorted.device) if config.wgmma is None else config.wgmma
+    constants = variant(tiles, n, k, wgmma)
+    groups = cdiv(nb, constants["WARPS"])
+    chunks = k // 64
+    splits = config.splits or default_splits(p_rows, num, n, k, tiles, constants["WARPS"], sm_count(x_sorted.device))
+    per_split = cdiv(chunks, splits)
+    splits = cdiv(chunks, per_split)
+    part = cnt = None
+    if splits > 1:
+        part = torch.empty(splits, p_rows, n, device=x_sorted.device, dtype=torch.float32)
+        cnt = counter if counter is not None else counters(x_sorted.device, p_rows * nb)
+        if cnt.numel() < p_rows * nb:
+            raise ValueError(f"{cnt.numel()} split-K counters for {p_rows * nb} (block, row block) pairs")
+    blocks = token_blocks(rows, tiles)
+    _expert_gemv_kernel[(groups, splits, num * blocks)](
+        x_sorted.data_ptr(), words.data_ptr(), factors.data_ptr(), global_scale, offsets, out.data_ptr(),
+        part.data_ptr() if part is not None else 0, cnt.data_ptr() if cnt is not None else 0, n, k, p_rows,
+        per_split, splits, blocks, **constants)
+    return out
+
+
+__all__ = ["ExpertGemvConfig", "default_splits", "default_tiles", "expert_gemv", "expert_gemv_reference",
+           "program_rows", "repack_stack", "token_blocks", "unrepack_stack", "variant"]

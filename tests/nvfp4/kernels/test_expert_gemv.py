@@ -1,0 +1,133 @@
+"""CPU checks of the expert GEMV (qerl.nvfp4.kernels.expert_gemv): the stacked repacked experts, the program ->
+(expert, rows) mapping and the launch's arithmetic against float64, and the sm_90 build of every variant the launcher
+can pick (the asm itself runs on the GPU only: tests/gpu/test_moe_on_gpu.py).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qerl.kernels.pair_sort import sort_pairs_torch  # noqa: E402
+from qerl.nvfp4.format import dequantize  # noqa: E402
+from qerl.nvfp4.kernels import expert_gemv as X  # noqa: E402
+from qerl.nvfp4.kernels import gemv_layout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def random_experts(num, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(num, n, k // 16, generator=gen) * 2.0 ** torch.randint(-6, 6, (num, n, k // 16), generator=gen)
+    gs = 2688.0 / (0.5 + torch.rand(num, generator=gen))
+    return packed, scale.clamp(max=448).to(torch.float8_e4m3fn), gs
+
+
+def test_repack_stack_is_every_experts_repack_and_reversible():
+    packed, scale, _ = random_experts(3, 32, 128, 0)
+    words, factors = X.repack_stack(packed, scale)
+    assert words.shape == (3, 2, 2, 32, 4) and factors.shape == (3, 2, 2, 32)
+    for e in range(3):
+        w, f = gemv_layout.repack(packed[e], scale[e])
+        assert torch.equal(words[e], w) and torch.equal(factors[e], f)
+    p2, s2 = X.unrepack_stack(words, factors)
+    assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows,top_k,num,tiles", [(1, 2, 6, 1), (5, 3, 4, 1), (12, 2, 5, 1), (12, 2, 5, 2)])
+def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles):
+    gen = torch.Generator().manual_seed(rows * 10 + num)
+    index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
+    _, offsets = sort_pairs_torch(index, num)
+    bounds, blocks = offsets.tolist(), X.token_blocks(rows, tiles)
+    covered = []
+    for i in range(num * blocks):
+        hit = X.program_rows(bounds, blocks, tiles, i)
+        if hit is None:
+            continue
+        e, first, m = hit
+        assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
+        covered += range(first, first + m)
+    assert sorted(covered) == list(range(rows * top_k))  # the worst case (rows pairs per expert) fits the grid
+    unused = [e for e in range(num) if bounds[e] == bounds[e + 1]]
+    assert all(X.program_rows(bounds, blocks, tiles, e * blocks + b) is None for e in unused for b in range(blocks))
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_launch_arithmetic_equals_float64_per_expert_products(tiles):
+    num, n, k, rows, top_k = 5, 32, 192, 12, 2
+    packed, scale, gs = random_experts(num, n, k, tiles)
+    words, factors = X.repack_stack(packed, scale)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
+    order, offsets = sort_pairs_torch(index, num)
+    x_sorted = x[order // top_k]
+    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, rows, tiles)
+    experts = index.reshape(-1)[order]  # each sorted row's expert
+    ref = torch.stack([x_sorted[p].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
+                       for p, e in enumerate(experts.tolist())])
+    # (dequantize divides the block scales by the global scale in fp32; the launch multiplies by 256 / gs)
+    assert float((out - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+
+
+def test_default_tiles_and_splits_follow_the_expected_pairs_per_expert():
+    # Qwen3-30B-A3B: 128 experts, top-8; 1 row: 8 experts of 1 pair; 128 rows: about 8 pairs per expert, room for 16
+    assert [X.default_tiles(8 * rows, 128) for rows in (1, 16, 64, 128)] == [1, 1, 2, 2]
+    assert X.default_tiles(4096, 8) == 8  # few experts, many pairs: the widest tile set
+    # 1 row: 8 experts x 24 row groups busy -> split K to fill 132 SMs; 128 rows: every expert busy, no split
+    assert X.default_splits(8, 128, 1536, 2048, 1, 4, 132) > 1
+    assert X.default_splits(1024, 128, 1536, 2048, 2, 4, 132) == 1
+    assert X.default_splits(8, 128, 2048, 768, 1, 4, 132) <= 768 // 64 // 4
+
+
+_SM90_BUILD = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.nvfp4.kernels import expert_gemv as X
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "offsets_ptr": "*i32", "out_addr": "i64",
+       "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
+       "SPLITS": "i32", "BLOCKS": "i32", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr",
+       "SHIFT": "constexpr"}
+for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync)
+    nt, wgmma = int(spec[:-1]), spec[-1] == "w"
+    consts = X.variant(nt, 1536, 2048, wgmma)
+    warps = consts.pop("num_warps")
+    k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    marks = [] if wgmma == ("wgmma.mma_async" in ptx) else ["WGMMA-MISMATCH"]
+    path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
+    path.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    print(spec, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
+"""
+
+
+def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled CUDA tools")
+    script = tmp_path / "build.py"
+    script.write_text(_SM90_BUILD)
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(variants), proc.stdout
+    for line in lines:
+        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
+        assert line.endswith("MARKS:"), line
