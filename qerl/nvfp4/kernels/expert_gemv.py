@@ -119,6 +119,19 @@ def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: 
     return out
 
 
+def expert_gemv_torch(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
+                      global_scale: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`expert_gemv` in ``x_sorted``'s dtype (the CPU path): a host loop over the experts with
+    rows, each weight decoded from its repacked words as the asm decodes them."""
+    out = torch.empty(x_sorted.shape[0], words.shape[1] * 16, dtype=x_sorted.dtype, device=x_sorted.device)
+    bounds = offsets.tolist()
+    for e in range(words.shape[0]):
+        if bounds[e] < bounds[e + 1]:
+            w = gemv_layout.emulate_repacked(words[e], factors[e]) * (SHIFT / global_scale[e].float())
+            out[bounds[e]:bounds[e + 1]] = x_sorted[bounds[e]:bounds[e + 1]] @ w.to(x_sorted.dtype).t()
+    return out
+
+
 @triton.jit
 def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
                         CHUNKS_PER_SPLIT, SPLITS, BLOCKS,
@@ -180,7 +193,7 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
                 global_scale: torch.Tensor, rows: int, config: ExpertGemvConfig = ExpertGemvConfig(),
                 counter: torch.Tensor | None = None) -> torch.Tensor:
     """``out[p] = x_sorted[p] @ W_e.T`` for every sorted pair row ``p`` of expert ``e`` (``offsets[e] <= p <
-    offsets[e + 1]``), bf16 ``[P, N]``, on CUDA.
+    offsets[e + 1]``), bf16 ``[P, N]``, on CUDA (elsewhere :func:`expert_gemv_torch`).
 
     Args:
         x_sorted: ``[P, K]`` bf16 input rows in expert order (K % 64 == 0).
@@ -191,6 +204,8 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         config: pins the variant (:class:`ExpertGemvConfig`).
         counter: split-K arrival counters, at least ``P * N / 16`` (None: the shared buffer, built outside captures).
     """
+    if not x_sorted.is_cuda:
+        return expert_gemv_torch(x_sorted, offsets, words, factors, global_scale)
     p_rows, k = x_sorted.shape
     num, nb = words.shape[:2]
     n = nb * 16
@@ -223,5 +238,5 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     return out
 
 
-__all__ = ["ExpertGemvConfig", "default_splits", "default_tiles", "expert_gemv", "expert_gemv_reference",
+__all__ = ["ExpertGemvConfig", "default_splits", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
            "program_rows", "repack_stack", "token_blocks", "unrepack_stack", "variant"]
