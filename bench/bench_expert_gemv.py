@@ -88,9 +88,9 @@ class GemvCase:
 def variants(rows: int) -> list[X.ExpertGemvConfig]:
     tiles = X.default_tiles(rows * TOP_K, E)
     out = [X.ExpertGemvConfig()]
-    for t in sorted({tiles, max(1, tiles // 2), min(8, tiles * 2)}):
+    for t in sorted({tiles, min(8, tiles * 2)}):
         for wgmma in (True, False):
-            for splits in (0, 1, 2, 4):
+            for splits in (0, 1, 4):
                 c = X.ExpertGemvConfig(t, splits, wgmma)
                 if c not in out:
                     out.append(c)

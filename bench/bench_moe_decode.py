@@ -6,7 +6,7 @@ the expert loop routes on the host; the baseline).
 Run on a CUDA machine (an H200: the bf16 model is 61 GB) from the repository root:
 
     PYTHONPATH=. python bench/bench_moe_decode.py [--out bench/results] [--rows 1 16 64 128] [--step fused]
-        [--experts table gemv grouped]
+        [--experts table gemv grouped] [--quantizations nvfp4 bf16]
 
 ``--experts``: the fused step's NVFP4 expert kernels, one NVFP4 arm each (``table``: ``moe_step.GEMV_ROWS``; ``gemv``:
 the decode GEMV's loop on the repacked stack, ``expert_gemv``; ``grouped``: the grouped kernels on the compressed one).
@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--step", choices=sorted(STEPS), default="fused")
     parser.add_argument("--experts", nargs="+", choices=("table", "gemv", "grouped"), default=["table"],
                         help="the fused step's NVFP4 expert kernels, one arm each (bf16 runs once)")
+    parser.add_argument("--quantizations", nargs="+", choices=("nvfp4", "bf16"), default=["nvfp4", "bf16"])
     parser.add_argument("--keep", default=None, help="results file whose other-step rows are kept beside this run's "
                         "(default: bench/results/moe_decode_<device>.json)")
     args = parser.parse_args()
@@ -186,7 +187,7 @@ def main() -> None:
     config = model_config(NAME)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2  # K, V bf16
     rows_out = []
-    for quantization in ("nvfp4", "bf16"):
+    for quantization in args.quantizations:
         torch.cuda.reset_peak_memory_stats()
         policy = build_random_policy(config, quantization, lora_rank=16, device="cuda")
         dense, per_expert = split_bytes(policy)

@@ -34,7 +34,7 @@ from qerl.kernels.split_k import counters
 from qerl.nvfp4.kernels import gemv_layout
 from qerl.nvfp4.kernels.gemv import _lanes
 from qerl.nvfp4.kernels.gemv_plan import MAX_M, default_wgmma, tiles_for, wgmma_supported
-from qerl.nvfp4.kernels.gemv_ptx import _asm
+from qerl.nvfp4.kernels.gemv_ptx import WGMMA_SMEM_LIMIT, _asm, wgmma_ring_bytes
 
 SHIFT = 256.0  # the repacked factors carry 2^118; the unpacked fragments are W * 2^-8 (see gemv_layout)
 
@@ -132,7 +132,7 @@ def expert_gemv_torch(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
                         CHUNKS_PER_SPLIT, SPLITS, BLOCKS,
                         NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr):
@@ -181,8 +181,12 @@ def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p
 def variant(tiles: int, n: int, k: int, wgmma: bool) -> dict:
     """The launch constants of one variant: the fused mma.sync loop (activations prefetched a chunk ahead) or the
     warpgroup-MMA loop with ``gemv_plan.default_wgmma``'s warps and stages."""
+    if tiles not in (1, 2, 4, 8):
+        raise ValueError(f"the expert GEMV takes 1, 2, 4 or 8 token tiles (up to {MAX_M} rows a block), got {tiles}")
     if wgmma:
         warps, stages = default_wgmma(tiles, n, k)
+        if wgmma_ring_bytes(tiles, stages, warps) > WGMMA_SMEM_LIMIT:  # no Gluon launcher here: a static ring
+            warps, stages = 4, 4
         asm = _asm(tiles, True, False, 1, stages, warps, True)
     else:
         warps, asm = 4, _asm(tiles, True, tiles <= 4, 1, 0)
@@ -213,6 +217,8 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         raise ValueError(f"expert_gemv takes bf16 rows with K % 64 == 0 matching the weight, got "
                          f"{x_sorted.dtype} {tuple(x_sorted.shape)} for words {tuple(words.shape)}")
     x_sorted = x_sorted.contiguous()
+    if x_sorted.data_ptr() % 16:  # the loops load 16 bytes of a row at a time
+        x_sorted = x_sorted.clone()
     out = torch.empty(p_rows, n, device=x_sorted.device, dtype=torch.bfloat16)
     if p_rows == 0:
         return out

@@ -99,9 +99,9 @@ sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "of
        "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
        "SPLITS": "i32", "BLOCKS": "i32", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr",
        "SHIFT": "constexpr"}
-for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync)
-    nt, wgmma = int(spec[:-1]), spec[-1] == "w"
-    consts = X.variant(nt, 1536, 2048, wgmma)
+for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync) [+ L: a 100M+ weight, whose 8-warp ring is not static]
+    nt, wgmma, large = int(spec[0]), spec[1] == "w", spec.endswith("L")
+    consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma)
     warps = consts.pop("num_warps")
     k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
@@ -121,7 +121,7 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"]
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
