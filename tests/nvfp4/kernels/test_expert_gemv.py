@@ -3,9 +3,6 @@
 can pick (the asm itself runs on the GPU only: tests/gpu/test_moe_on_gpu.py).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,7 @@ from qerl.kernels.pair_sort import sort_pairs_torch  # noqa: E402
 from qerl.nvfp4.format import dequantize  # noqa: E402
 from qerl.nvfp4.kernels import expert_gemv as X  # noqa: E402
 from qerl.nvfp4.kernels import gemv_layout  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
+from test_nvfp4_repack import _build_for_sm90  # noqa: E402 (the dense GEMV's build helper: a child process)
 
 
 def random_experts(num, n, k, seed):
@@ -121,13 +117,6 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script), *variants], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == len(variants), proc.stdout
-    for line in lines:
+    for line in _build_for_sm90(script, [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL"]):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         assert line.endswith("MARKS:"), line
