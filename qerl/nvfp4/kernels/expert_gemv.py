@@ -4,19 +4,19 @@ every expert, each reading its weight in the GEMV's repacked layout (``gemv_layo
 The (token, expert) pairs are sorted by expert (``pair_sort``: expert e owns slots ``offsets[e] .. offsets[e + 1]``)
 and the caller gathers the input rows into that order once (``x_sorted [P, K]``), so expert e's rows are contiguous:
 its product is an ordinary GEMV of ``x_sorted[offsets[e]:offsets[e + 1]]`` by its own weight. Program (row group,
-K split, expert x token block) reads ``offsets[e]`` and ``offsets[e + 1]`` on the device and exits at once when its
-block of ``8 NT`` rows is empty (an expert no pair chose reads none of its bytes); otherwise it points the unchanged
-asm main loop and epilogue (the mma.sync or the warpgroup-MMA loop, fused split-K reduction) at its expert's words,
-factors and global scale, its rows of ``x_sorted`` and of the output. The token-block axis covers the worst case (an
-expert gets at most ``rows`` pairs: each token picks an expert once), so the grid is static and no host reads the
-offsets: a CUDA graph captures the launch.
+K split, expert) reads ``offsets[e]`` and ``offsets[e + 1]`` on the device and walks the expert's token blocks of
+``8 NT`` rows (none for an expert no pair chose: none of its bytes read), pointing the unchanged asm main loop and
+epilogue (the mma.sync or the warpgroup-MMA loop, fused split-K reduction) at its expert's words, factors and global
+scale, the block's rows of ``x_sorted`` and of the output. (Without ``loop``: one program per token block of the
+worst case, an expert getting ``rows`` pairs, the empty ones exiting at once.) The grid is static and no host reads
+the offsets: a CUDA graph captures the launch.
 
 Stacked storage: ``words [E, N/16, K/64, 32, 4]`` int32 and ``factors [E, N/16, K/64, 32]`` int32, every expert's
 ``gemv_layout.repack`` (:func:`repack_stack`; the repack is per 16-row block, so one repack of the ``[E N, K]``
 stack is every expert's); the per-expert global scales ``[E]`` fp32 enter the epilogue's factor.
 
 The asm is inline PTX (no interpreter path): the CPU tests check the stack, the program -> (expert, rows) mapping
-(:func:`program_rows`) and :func:`expert_gemv_reference` (the launch's arithmetic on ``gemv_layout.emulate_repacked``)
+(:func:`program_blocks`) and :func:`expert_gemv_reference` (the launch's arithmetic on ``gemv_layout.emulate_repacked``)
 against float64, and the sm_90 build; ``tests/gpu`` checks the launch itself.
 """
 
@@ -47,11 +47,14 @@ class ExpertGemvConfig:
         tiles: n8 token tiles per program (a token block holds ``8 tiles`` rows; 0: :func:`default_tiles`).
         splits: K splits (0: :func:`default_splits`).
         wgmma: the warpgroup-MMA loop (None: on sm_90), else the mma.sync loop.
+        loop: one program per (row group, split, expert) walking the expert's token blocks (None: on), else one per
+            token block of the worst case (``rows`` pairs per expert; most exit at once).
     """
 
     tiles: int = 0
     splits: int = 0
     wgmma: bool | None = None
+    loop: bool | None = None
 
 
 def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +73,7 @@ def unrepack_stack(words: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Te
 
 
 def token_blocks(rows: int, tiles: int) -> int:
-    """Token blocks per expert in the grid: an expert gets at most ``rows`` pairs (one per token)."""
+    """Token blocks per expert in the grid (without ``loop``): an expert gets at most ``rows`` pairs (one per token)."""
     return cdiv(rows, 8 * tiles)
 
 
@@ -93,27 +96,26 @@ def default_splits(pairs: int, num_experts: int, n: int, k: int, tiles: int, war
     return max(1, min(int(8 * sms // max(1.0, busy)), k // 64 // 4, 16))
 
 
-def program_rows(offsets: list[int], blocks: int, tiles: int, index: int) -> tuple[int, int, int] | None:
-    """What program ``index`` of the expert x token-block axis computes: ``(expert, first sorted row, rows)``, or None
-    when its block is empty (the kernel's mapping, as a pure function of the host's offsets)."""
-    e, block = divmod(index, blocks)
-    first = offsets[e] + block * 8 * tiles
-    if first >= offsets[e + 1]:
-        return None
-    return e, first, min(offsets[e + 1] - first, 8 * tiles)
+def program_blocks(offsets: list[int], index: int, tiles: int, blocks: int = 0) -> list[tuple[int, int, int]]:
+    """What program ``index`` of the expert axis computes, as ``(expert, first sorted row, rows)`` per token block:
+    with ``blocks`` > 0 (the grid of ``blocks`` token blocks per expert) at most its one block, none when that block
+    is empty; with ``blocks`` = 0 (``loop``) every block of expert ``index`` in turn. The kernel's mapping, as a pure
+    function of the host's offsets."""
+    e, block = divmod(index, blocks) if blocks else (index, None)
+    step = 8 * tiles
+    firsts = range(offsets[e], offsets[e + 1], step) if blocks == 0 else [offsets[e] + block * step]
+    return [(e, first, min(offsets[e + 1] - first, step)) for first in firsts if first < offsets[e + 1]]
 
 
 def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
-                          global_scale: torch.Tensor, rows: int, tiles: int) -> torch.Tensor:
+                          global_scale: torch.Tensor, tiles: int, blocks: int = 0) -> torch.Tensor:
     """:func:`expert_gemv` in float64 from the repacked words as the asm decodes them (``emulate_repacked``), program
-    by program through :func:`program_rows`; rows no program covers stay NaN."""
+    by program through :func:`program_blocks`; rows no program covers stay NaN."""
     num, nb = words.shape[:2]
     out = torch.full((x_sorted.shape[0], nb * 16), float("nan"), dtype=torch.float64)
-    bounds, blocks = offsets.tolist(), token_blocks(rows, tiles)
-    for index in range(num * blocks):
-        hit = program_rows(bounds, blocks, tiles, index)
-        if hit is not None:
-            e, first, m = hit
+    bounds = offsets.tolist()
+    for index in range(num * (blocks or 1)):
+        for e, first, m in program_blocks(bounds, index, tiles, blocks):
             w = gemv_layout.emulate_repacked(words[e], factors[e]).double() * (SHIFT / float(global_scale[e]))
             out[first:first + m] = x_sorted[first:first + m].double() @ w.t()
     return out
@@ -132,50 +134,68 @@ def expert_gemv_torch(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torc
     return out
 
 
+@triton.jit
+def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P, CHUNKS_PER_SPLIT, SPLITS,
+           NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr):
+    """The asm on one token block: sorted rows ``t0 .. min(end, t0 + 8 NT)`` of expert ``e``, this program's row group
+    (axis 0) and K split (axis 1)."""
+    pid_s = tl.program_id(1)
+    warp, lane, g, q = _lanes(WARPS)
+    m = tl.minimum(end - t0, 8 * NT)
+    nchunks_all = K // 64
+    rb = tl.program_id(0) * WARPS + warp
+    c0 = pid_s * CHUNKS_PER_SPLIT
+    n = tl.zeros_like(rb) + (tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all) - c0)
+    valid = rb < N // 16
+    expert = e.to(tl.int64) * (N // 16) * nchunks_all * 32  # lanes' fragments before this expert's
+    base = expert + (tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane
+    w_ptr = w_addr + base * 16
+    f_ptr = f_addr + base * 4
+    row0 = t0.to(tl.int64)
+    x0 = x_addr + ((row0 + g) * K + c0 * 64 + 16 * q) * 2
+    x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16  # 8 token rows of bf16
+    zero64 = tl.zeros_like(x0)
+    row = rb * 16 + g
+    tok = 2 * q
+    here = (row0 + tok) * N + row
+    p_base = p_addr + here * 4
+    p_mine = p_base + pid_s.to(tl.int64) * P * N * 4
+    mn4 = zero64 + P.to(tl.int64) * N * 4
+    n4 = tl.zeros_like(tok) + N * 4
+    mm = tl.zeros_like(tok) + m
+    o_ptr = out_addr + here * 2
+    cnt = c_addr + (row0 * (N // 16) + rb) * 4  # per (block, row block): a block's first sorted row is its own
+    ns = tl.zeros_like(tok) + SPLITS
+    fac = tl.zeros([32 * WARPS], dtype=tl.float32) + SHIFT / tl.load(gs_ptr + e)
+    xs_base = zero64 + (x_addr + (row0 * K + c0 * 64) * 2)
+    k2 = zero64 + K.to(tl.int64) * 2
+    return tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (one row block per warp)
+        ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
+        [w_ptr, f_ptr, n, x0, x_step, m - g, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+         valid.to(tl.int32), fac, tl.zeros_like(tok), xs_base, k2],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
                         CHUNKS_PER_SPLIT, SPLITS, BLOCKS,
-                        NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr):
-    """Program (row group, K split, expert * BLOCKS + token block); see the module docstring."""
-    pid_s = tl.program_id(1)
-    e = tl.program_id(2) // BLOCKS
-    t0 = tl.load(offsets_ptr + e) + (tl.program_id(2) % BLOCKS) * (8 * NT)
-    end = tl.load(offsets_ptr + e + 1)
-    if t0 < end:
-        warp, lane, g, q = _lanes(WARPS)
-        m = tl.minimum(end - t0, 8 * NT)
-        nchunks_all = K // 64
-        rb = tl.program_id(0) * WARPS + warp
-        c0 = pid_s * CHUNKS_PER_SPLIT
-        n = tl.zeros_like(rb) + (tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all) - c0)
-        valid = rb < N // 16
-        expert = e.to(tl.int64) * (N // 16) * nchunks_all * 32  # lanes' fragments before this expert's
-        base = expert + (tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane
-        w_ptr = w_addr + base * 16
-        f_ptr = f_addr + base * 4
-        row0 = t0.to(tl.int64)
-        x0 = x_addr + ((row0 + g) * K + c0 * 64 + 16 * q) * 2
-        x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16  # 8 token rows of bf16
-        zero64 = tl.zeros_like(x0)
-        row = rb * 16 + g
-        tok = 2 * q
-        here = (row0 + tok) * N + row
-        p_base = p_addr + here * 4
-        p_mine = p_base + pid_s.to(tl.int64) * P * N * 4
-        mn4 = zero64 + P.to(tl.int64) * N * 4
-        n4 = tl.zeros_like(tok) + N * 4
-        mm = tl.zeros_like(tok) + m
-        o_ptr = out_addr + here * 2
-        cnt = c_addr + (row0 * (N // 16) + rb) * 4  # per (block, row block): a block's first sorted row is its own
-        ns = tl.zeros_like(tok) + SPLITS
-        fac = tl.zeros([32 * WARPS], dtype=tl.float32) + SHIFT / tl.load(gs_ptr + e)
-        xs_base = zero64 + (x_addr + (row0 * K + c0 * 64) * 2)
-        k2 = zero64 + K.to(tl.int64) * 2
-        tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (one row block per warp)
-            ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
-            [w_ptr, f_ptr, n, x0, x_step, m - g, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
-             valid.to(tl.int32), fac, tl.zeros_like(tok), xs_base, k2],
-            dtype=tl.int32, is_pure=False, pack=1)
+                        NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr,
+                        LOOP: tl.constexpr):
+    """Program (row group, K split, expert * BLOCKS + token block), or with ``LOOP`` (row group, K split, expert)
+    walking its expert's token blocks one after the other; see the module docstring."""
+    if LOOP:
+        e = tl.program_id(2)
+        end = tl.load(offsets_ptr + e + 1)
+        for t0 in range(tl.load(offsets_ptr + e), end, 8 * NT):
+            _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
+                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+    else:
+        e = tl.program_id(2) // BLOCKS
+        t0 = tl.load(offsets_ptr + e) + (tl.program_id(2) % BLOCKS) * (8 * NT)
+        end = tl.load(offsets_ptr + e + 1)
+        if t0 < end:
+            _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
+                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
 
 
 def variant(tiles: int, n: int, k: int, wgmma: bool) -> dict:
@@ -236,13 +256,14 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         cnt = counter if counter is not None else counters(x_sorted.device, p_rows * nb)
         if cnt.numel() < p_rows * nb:
             raise ValueError(f"{cnt.numel()} split-K counters for {p_rows * nb} (block, row block) pairs")
-    blocks = token_blocks(rows, tiles)
+    loop = config.loop is not False
+    blocks = 1 if loop else token_blocks(rows, tiles)
     _expert_gemv_kernel[(groups, splits, num * blocks)](
         x_sorted.data_ptr(), words.data_ptr(), factors.data_ptr(), global_scale, offsets, out.data_ptr(),
         part.data_ptr() if part is not None else 0, cnt.data_ptr() if cnt is not None else 0, n, k, p_rows,
-        per_split, splits, blocks, **constants)
+        per_split, splits, blocks, LOOP=loop, **constants)
     return out
 
 
 __all__ = ["ExpertGemvConfig", "default_splits", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
-           "program_rows", "repack_stack", "token_blocks", "unrepack_stack", "variant"]
+           "program_blocks", "repack_stack", "token_blocks", "unrepack_stack", "variant"]

@@ -36,27 +36,26 @@ def test_repack_stack_is_every_experts_repack_and_reversible():
     assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scale.view(torch.uint8))
 
 
+@pytest.mark.parametrize("loop", [True, False])
 @pytest.mark.parametrize("rows,top_k,num,tiles", [(1, 2, 6, 1), (5, 3, 4, 1), (12, 2, 5, 1), (12, 2, 5, 2)])
-def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles):
+def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles, loop):
     gen = torch.Generator().manual_seed(rows * 10 + num)
     index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
     _, offsets = sort_pairs_torch(index, num)
-    bounds, blocks = offsets.tolist(), X.token_blocks(rows, tiles)
+    bounds, blocks = offsets.tolist(), 0 if loop else X.token_blocks(rows, tiles)
     covered = []
-    for i in range(num * blocks):
-        hit = X.program_rows(bounds, blocks, tiles, i)
-        if hit is None:
-            continue
-        e, first, m = hit
-        assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
-        covered += range(first, first + m)
+    for i in range(num * (blocks or 1)):
+        for e, first, m in X.program_blocks(bounds, i, tiles, blocks):
+            assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
+            covered += range(first, first + m)
     assert sorted(covered) == list(range(rows * top_k))  # the worst case (rows pairs per expert) fits the grid
     unused = [e for e in range(num) if bounds[e] == bounds[e + 1]]
-    assert all(X.program_rows(bounds, blocks, tiles, e * blocks + b) is None for e in unused for b in range(blocks))
+    assert not any(X.program_blocks(bounds, e * (blocks or 1) + b, tiles, blocks)
+                   for e in unused for b in range(blocks or 1))
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_launch_arithmetic_equals_float64_per_expert_products(tiles):
+@pytest.mark.parametrize("tiles,loop", [(1, True), (2, True), (1, False)])
+def test_launch_arithmetic_equals_float64_per_expert_products(tiles, loop):
     num, n, k, rows, top_k = 5, 32, 192, 12, 2
     packed, scale, gs = random_experts(num, n, k, tiles)
     words, factors = X.repack_stack(packed, scale)
@@ -65,7 +64,7 @@ def test_launch_arithmetic_equals_float64_per_expert_products(tiles):
     index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
     order, offsets = sort_pairs_torch(index, num)
     x_sorted = x[order // top_k]
-    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, rows, tiles)
+    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, 0 if loop else X.token_blocks(rows, tiles))
     experts = index.reshape(-1)[order]  # each sorted row's expert
     ref = torch.stack([x_sorted[p].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
                        for p, e in enumerate(experts.tolist())])
@@ -94,10 +93,11 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "offsets_ptr": "*i32", "out_addr": "i64",
        "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
        "SPLITS": "i32", "BLOCKS": "i32", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr",
-       "SHIFT": "constexpr"}
+       "SHIFT": "constexpr", "LOOP": "constexpr"}
 for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync) [+ L: a 100M+ weight, whose 8-warp ring is not static]
-    nt, wgmma, large = int(spec[0]), spec[1] == "w", spec.endswith("L")
+    nt, wgmma, large = int(spec[0]), spec[1] == "w", "L" in spec  # [+ g: a program per token block, not the loop]
     consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma)
+    consts["LOOP"] = "g" not in spec
     warps = consts.pop("num_warps")
     k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
@@ -117,6 +117,6 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    for line in _build_for_sm90(script, [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL"]):
+    for line in _build_for_sm90(script, [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg"]):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         assert line.endswith("MARKS:"), line
