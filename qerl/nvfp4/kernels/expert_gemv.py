@@ -187,8 +187,11 @@ def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p
         e = tl.program_id(2)
         end = tl.load(offsets_ptr + e + 1)
         for t0 in range(tl.load(offsets_ptr + e), end, 8 * NT):
-            _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
-                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+            done = _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
+                          CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+            # a CTA barrier before the next block: its copies refill the ring a slower warpgroup's wgmma may still read
+            tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [done], dtype=tl.int32, is_pure=False,
+                                      pack=1)
     else:
         e = tl.program_id(2) // BLOCKS
         t0 = tl.load(offsets_ptr + e) + (tl.program_id(2) % BLOCKS) * (8 * NT)
