@@ -13,8 +13,8 @@ weight), timed in CUDA graphs over routings and weight copies that pass the L2:
 - ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, a program per expert or per token block;
   0 / None: the default): the expert GEMV alone on rows already in expert order (its read rate is the number to set against the dense GEMV's);
 - ``gemv-step``: what ``MoEStep`` runs per projection on the default variant: the gather into expert order (gate/up),
-  the expert GEMV, LoRA-A / LoRA-B through the 16-bit grouped kernels, silu-mul (gate/up) or router weight and the
-  scatter back to pair order (down).
+  the expert GEMV, and the grouped kernels' epilogue (LoRA-B, silu-mul or router weight, written back at each pair's
+  index for down); the LoRA-A products are inputs here as in the grouped arms.
 
 Each row: ms, GB/s of the touched experts' bytes (in the row's own layout), x floor (the compressed bytes at the
 measured copy bandwidth), relative error against float64. Prints a table and the ``MoEStep.GEMV_ROWS`` entries the
@@ -34,9 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4_kernel import graph_ms  # noqa: E402
 from bench_rollout import copy_bandwidth  # noqa: E402
-from sweep_grouped_experts import E, I, TOP_K, Case, rel_err  # noqa: E402
+from sweep_grouped_experts import E, TOP_K, Case, rel_err  # noqa: E402
 
-from qerl.kernels.silu_mul import silu_mul_forward  # noqa: E402
 from qerl.nvfp4.kernels import expert_gemv as X  # noqa: E402
 from qerl.nvfp4.kernels import grouped_experts as G  # noqa: E402
 
@@ -52,8 +51,6 @@ class GemvCase:
             xs = x[order // case.top_k]
             self.sorted.append((xs, offsets, torch.arange(order.numel(), device=x.device), u[order],
                                 None if route is None else route[order]))
-        if case.gated:
-            self.b_split = (case.b[:, :I].contiguous(), case.b[:, I:].contiguous())
 
     def stack(self, i: int):
         return self.stacks[i // len(self.sorted) % len(self.stacks)]
@@ -64,20 +61,14 @@ class GemvCase:
 
     def step(self, i: int = 0) -> torch.Tensor:
         """The projection as ``MoEStep._through_gemv`` runs it, in expert order (gate/up) or pair order (down)."""
-        x, order, _, _, route, _ = self.case.routings[i % len(self.sorted)]
-        xs, offsets, ident, u, route_sorted = self.sorted[i % len(self.sorted)]
+        x, order, _, u_pairs, route, _ = self.case.routings[i % len(self.sorted)]
+        xs, offsets, ident, u, _ = self.sorted[i % len(self.sorted)]
         if self.case.gated:
             xs = x.index_select(0, order // self.case.top_k)
             gu = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-            r = u.shape[1] // 2
-            gate, up = ((gu[:, j * I:(j + 1) * I].float() + G.grouped(u[:, j * r:(j + 1) * r], ident, offsets, b,
-                                                                       top_k=1).float()).to(x.dtype)
-                        for j, b in enumerate(self.b_split))
-            return silu_mul_forward(gate, up)
+            return G.grouped_epilogue(gu, ident, offsets, gated=True, lora=(u, self.case.b))
         y = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-        y = (y.float() + G.grouped(u, ident, offsets, self.case.b, top_k=1).float()).to(x.dtype)
-        y = (y.float() * route_sorted.float()[:, None]).to(x.dtype)
-        return torch.empty_like(y).index_copy_(0, order, y)
+        return G.grouped_epilogue(y, order, offsets, lora=(u_pairs, self.case.b), route=route)
 
     def reference(self) -> torch.Tensor:
         """The float64 reference in the order :meth:`step` writes."""

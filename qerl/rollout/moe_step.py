@@ -15,10 +15,12 @@ engine's ``Kernels.experts``) says so, the base products through the decode GEMV
 (``qerl.nvfp4.kernels.expert_gemv``), everything in expert order:
 
     xs = x[order // k]                          each pair's input row, gathered once into expert order
-    gu = expert_gemv(xs, W_gu) (+ LoRA)         [P, 2I], LoRA-A / LoRA-B through the 16-bit grouped kernels
-    h  = silu(gu[:, :I]) * gu[:, I:]
-    y  = expert_gemv(h, W_d) (+ LoRA) * w       router weight of each sorted pair
-    out = combine(y scattered back to pair order)
+    h  = epilogue(expert_gemv(xs, W_gu), A_gu)  silu(gate) * up with LoRA-B, [P, I] in expert order
+    y  = epilogue(expert_gemv(h, W_d), A_d, w)  LoRA-B and router weight, written at each pair's index
+    out = combine(y)
+
+(LoRA-A through the 16-bit grouped kernel, the epilogues through ``grouped_experts.grouped_epilogue``: the roundings
+of the grouped path.)
 
 Everything has static shapes and no host sync: a CUDA graph captures it, and
 each step's expert choices can be written into a buffer the engine hands to the ``RoutingRecorder``.
@@ -42,7 +44,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.kernels.pair_sort import sort_pairs
-from qerl.kernels.silu_mul import silu_mul_forward
 from qerl.kernels.split_k import counters
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import expert_gemv as X
@@ -110,7 +111,6 @@ class MoEStep:
                                               GEMV_ROWS.values()) and all(
             gemv_layout.supported(n, k) for n, k in ((2 * self.inter, self.hidden), (self.hidden, self.inter)))
         self.gate_up_repacked = self.down_repacked = None  # (words, factors, global scales) where self.gemv
-        self.lora_b_split = None  # (B_gate, B_up) [E, I, r] each, contiguous: the expert GEMV path's LoRA-B
         self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
         self._versions = self._storage_versions()
         self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
@@ -186,17 +186,12 @@ class MoEStep:
             scales += [sg, su, sd]
         torch._foreach_copy_(dst, [t.detach() for t in src])
         torch._foreach_mul_(b_dst, scales)  # LoRA-B with the scaling folded in, as the dense groups' copies
-        if self.gemv:
-            if self.lora_b_split is None or self.lora_b_split[0].shape != (E, I, r) or \
-                    self.lora_b_split[0].dtype != dtype:
-                self.lora_b_split = tuple(torch.empty(E, I, r, dtype=dtype, device=device) for _ in range(2))
-            torch._foreach_copy_(list(self.lora_b_split), [b_gu[:, :I], b_gu[:, I:]])
 
     def key(self) -> tuple:
         """What a captured step reads of this block besides the norms: the storage and the adapter buffers."""
         stacks = [t for s in (self.gate_up, self.down, self.gate_up_repacked, self.down_repacked)
                   for t in (s if isinstance(s, tuple) else (s,)) if t is not None]
-        lora = (*self.lora, *(self.lora_b_split or ())) if self.adapter else ()
+        lora = self.lora if self.adapter else ()
         return (self.adapter,) + tuple(t.data_ptr() for t in (*stacks, *lora, self.router.weight))
 
     # -------------------------------------------------------------------------------------------------------------
@@ -229,33 +224,24 @@ class MoEStep:
 
     def _through_gemv(self, x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor,
                       offsets: torch.Tensor) -> torch.Tensor:
-        """The experts through ``expert_gemv`` in expert order (see the module docstring); LoRA-A and LoRA-B of each
-        sorted pair through the 16-bit grouped kernels (``order`` = the identity there), each delta added to the
-        rounded base product with one rounding."""
-        k, rows, inter, dtype = self.top_k, x.shape[0], self.inter, x.dtype
-        xs = x.index_select(0, order // k)  # [P, H]
+        """The experts through ``expert_gemv`` in expert order (see the module docstring): the base products from the
+        repacked stacks, LoRA-A through the 16-bit grouped kernel, LoRA-B, gating and router weight through the
+        grouped kernels' epilogue (``grouped_epilogue``: the roundings of :func:`G.grouped`), the down projection's
+        written back at each pair's index."""
+        k, rows = self.top_k, x.shape[0]
+        xs = x.index_select(0, order // k)  # [P, H] in expert order
+        ident = torch.arange(xs.shape[0], device=x.device)  # (the grouped kernels in expert order)
         gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
-        ident = torch.arange(xs.shape[0], device=x.device)
+        lora_gu = lora_d = None
         if self.adapter:
-            a_gu, _, a_d, b_d = self.lora
-            r = a_d.shape[1]
-            u = G.grouped(xs, ident, offsets, a_gu, top_k=1)  # [P, 2r]
-            gate, up = (_plus(gu[:, i * inter:(i + 1) * inter], G.grouped(u[:, i * r:(i + 1) * r], ident, offsets,
-                                                                          b, top_k=1))
-                        for i, b in enumerate(self.lora_b_split))
-        else:
-            gate, up = gu[:, :inter].contiguous(), gu[:, inter:].contiguous()
-        h = silu_mul_forward(gate, up) if self.fast else F.silu(gate) * up  # [P, I]
+            a_gu, b_gu, a_d, b_d = self.lora
+            lora_gu = (G.grouped(xs, ident, offsets, a_gu, top_k=1), b_gu)
+        h = G.grouped_epilogue(gu, ident, offsets, gated=True, lora=lora_gu)  # [P, I] in expert order
         y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
         if self.adapter:
-            y = _plus(y, G.grouped(G.grouped(h, ident, offsets, a_d, top_k=1), ident, offsets, b_d, top_k=1))
-        y = (y.float() * weight.reshape(-1)[order].float()[:, None]).to(dtype)
-        return G.combine(torch.empty_like(y).index_copy_(0, order, y), k)
-
-
-def _plus(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``base + delta`` summed in fp32, rounded once to base's dtype."""
-    return (base.float() + delta.float()).to(base.dtype)
+            u = G.grouped(h, ident, offsets, a_d, top_k=1)
+            lora_d = (torch.empty_like(u).index_copy_(0, order, u), b_d)  # at pair index, as the epilogue reads it
+        return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k)
 
 
 __all__ = ["EXPERT_KERNELS", "GEMV_ROWS", "MoEStep", "expert_kernel", "is_moe_block"]
