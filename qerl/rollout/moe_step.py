@@ -30,9 +30,11 @@ their block scales and per-expert global scales; ``[E, H, I/2]`` ... of down; or
 Built once from the experts' modules, which then hold views of it (``.data`` of their parameters): one resident copy
 of every expert. An ``NVFP4Linear`` that already moved its compressed-tensors tensors to host memory (its repacked
 copy serves the update's kernels) is copied into the stack instead and keeps its repacked copy: its weight is then
-resident twice until the update runs through the grouped kernels too. Where the expert GEMV may run, the repacked
-stacks (``expert_gemv.repack_stack``, 0.625 bytes per weight) are built beside the compressed ones (both resident:
-the grouped kernels and the update read the compressed layout).
+resident twice until the update runs through the grouped kernels too. Where the expert GEMV may run, its stacks of
+the repacked layout (``[E, 2I/16, H/64, 32, 4]`` words and ``[E, 2I/16, H/64, 32]`` factors of gate|up; of down
+alike) are the experts' own repacked copies (``NVFP4Linear.stacked_gemv_weight``: each module's copy becomes its
+slice of the stack, which the update's kernels read too), beside the compressed stack the grouped kernels read (the
+prefill): the state the update's repacked copies put the experts in anyway, without a third copy.
 LoRA: per layer ``A_gu [E, 2r, H]``, ``B_gu [E, 2I, r]``, ``A_d [E, r, I]``, ``B_d [E, H, r]`` in the model dtype,
 B scaled, refreshed from the trained matrices by :meth:`MoEStep.prepare` before each rollout (multi-tensor copies).
 """
@@ -157,9 +159,14 @@ class MoEStep:
                 else:
                     stack[e, rows].copy_(base.weight.detach())
                     base.weight.data = stack[e, rows]
-        if self.gemv:  # the repacked stacks beside the compressed ones, and the split-K counters (before captures)
-            self.gate_up_repacked, self.down_repacked = (
-                (*X.repack_stack(s[0], s[1]), s[2]) for s in (self.gate_up, self.down))
+        if self.gemv:  # the modules' repacked copies as the stacks, and the split-K counters (before captures)
+            def repacked(layers: list[NVFP4Linear], n: int, global_scales: torch.Tensor) -> tuple:
+                words, factors = NVFP4Linear.stacked_gemv_weight(layers)  # [E n / 16, ...]: each module's a slice
+                return (words.view(E, n // 16, *words.shape[1:]), factors.view(E, n // 16, *factors.shape[1:]),
+                        global_scales)
+
+            self.gate_up_repacked = repacked([m for g, u, _ in self.bases for m in (g, u)], 2 * I, self.gate_up[2])
+            self.down_repacked = repacked([d for _, _, d in self.bases], H, self.down[2])
             if self.fast:
                 counters(device, gemv_plan.WIDE_MAX_M * self.top_k * max(2 * I, H) // 16)
 

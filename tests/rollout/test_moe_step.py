@@ -134,8 +134,11 @@ def test_moe_step_through_the_expert_gemv_twin_equals_the_per_expert_modules(tmp
     decoder.prepare(torch.float32)
     step = decoder.moe[0]
     assert step.gate_up_repacked is not None and step.adapter
-    assert FusedDecoder(base, Kernels(fast=False)).moe[0].gate_up_repacked is None  # the table is the GPU's
     experts = next(m for m in base.modules() if isinstance(m, Experts))
+    words = step.gate_up_repacked[0]
+    for e, expert in enumerate(experts):  # each module's repacked copy (the update's kernels read it) is the stack's
+        assert expert.up_proj.base_layer.gemv_weight()[0].data_ptr() == words[e, step.inter // 16].data_ptr()
+        assert expert.down_proj.base_layer.gemv_weight()[1].data_ptr() == step.down_repacked[1][e].data_ptr()
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
     weight, index = step.route(x)
     with torch.no_grad():
@@ -143,6 +146,7 @@ def test_moe_step_through_the_expert_gemv_twin_equals_the_per_expert_modules(tmp
         with policy.disable_adapter():
             decoder.prepare(torch.float32)
             torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+    assert FusedDecoder(base, Kernels(fast=False)).moe[0].gate_up_repacked is None  # the table is the GPU's
     assert expert_kernel(3, None) == GEMV_ROWS[4] and expert_kernel(16, "gemv") == "gemv"
     assert expert_kernel(257, "gemv") == "grouped"  # a prefill: the grouped kernels' wide tiles
     with pytest.raises(ValueError, match="expert kernel 'fast'"):
