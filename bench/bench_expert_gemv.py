@@ -79,9 +79,9 @@ class GemvCase:
 def variants(rows: int) -> list[X.ExpertGemvConfig]:
     tiles = X.default_tiles(rows * TOP_K, E)
     out = [X.ExpertGemvConfig(), X.ExpertGemvConfig(loop=False)]
-    for t in sorted({tiles, min(8, tiles * 2)}):
+    for t in sorted({max(1, tiles // 2), tiles, min(8, tiles * 2)}):
         for wgmma in (True, False):
-            for splits in (0, 1, 4):
+            for splits in (0, 1, 4) if rows <= 16 else (0, 1):  # (from 64 rows the default splits no more)
                 out.append(X.ExpertGemvConfig(t, splits, wgmma))
     return out
 
