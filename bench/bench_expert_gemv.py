@@ -81,7 +81,7 @@ def variants(rows: int) -> list[X.ExpertGemvConfig]:
     out = [X.ExpertGemvConfig(), X.ExpertGemvConfig(loop=False)]
     for t in sorted({max(1, tiles // 2), tiles, min(8, tiles * 2)}):
         for wgmma in (True, False):
-            for splits in (0, 1, 4) if rows <= 16 else (0, 1):  # (from 64 rows the default splits no more)
+            for splits in (1, 4) if rows <= 16 else (1,):  # (splitting K lost from 16 rows on)
                 out.append(X.ExpertGemvConfig(t, splits, wgmma))
     return out
 

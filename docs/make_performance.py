@@ -368,8 +368,9 @@ def expert_gemv_section(result: dict) -> list[str]:
                 best[key] = r
     rows = [[str(n), proj, kind, str(r.get("config") or "-"), num(r["ms"] * 1e3, 1), f"{r['gb_s']:.0f}",
              num(r["over_floor"]), f"{r['rel_err']:.1e}"] for (n, proj, kind), r in sorted(best.items())]
-    lines = table(["rows", "projection", "kernel", "best variant (tiles, splits, wgmma, loop)", "us", "GB/s",
-                   "x floor", "error"], rows)
+    lines = ([result["note"], ""] if "note" in result else []) + table(
+        ["rows", "projection", "kernel", "best variant (tiles, splits, wgmma, loop)", "us", "GB/s", "x floor", "error"],
+        rows)
     totals = {}
     for t in result.get("totals_ms", []):
         totals.setdefault(t["rows"], {})[t["kind"]] = t["ms"]

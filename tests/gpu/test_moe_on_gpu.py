@@ -190,7 +190,7 @@ def test_expert_gemv_equals_float64_and_replays_another_routing_from_a_graph(row
             assert float((out.double() - ref).abs().max()) <= 0.01 * float(ref.abs().max()), (n, k)
 
         experts, xs, offsets = routing()
-        for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=1, wgmma=wgmma),
+        for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=3, wgmma=wgmma),
                        X.ExpertGemvConfig(tiles=2, splits=2, wgmma=wgmma), X.ExpertGemvConfig(wgmma=wgmma, loop=False)):
             check(X.expert_gemv(xs, offsets, words, factors, gs, rows, config), experts, xs)
         # captured once, replayed on another routing written into the same buffers (offsets read on the device)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.grid import cdiv, sm_count
+from qerl.kernels.grid import cdiv
 from qerl.kernels.split_k import counters
 from qerl.nvfp4.kernels import gemv_layout
 from qerl.nvfp4.kernels.gemv import _lanes
@@ -44,15 +44,18 @@ class ExpertGemvConfig:
     """One launch of :func:`expert_gemv`; a field left at its default takes this module's rule.
 
     Attributes:
-        tiles: n8 token tiles per program (a token block holds ``8 tiles`` rows; 0: :func:`default_tiles`).
-        splits: K splits (0: :func:`default_splits`).
+        tiles: n8 token tiles per program (a token block holds ``8 tiles`` rows; 0: :func:`default_tiles`, which
+            picked the fastest of half, once and twice its choice at every row count measured).
+        splits: K splits, reduced in the same launch by the last warp to arrive; 1 by default: on the H200 at 1 / 16 /
+            64 / 128 rows of Qwen3-30B-A3B no split count beat the unsplit launch by more than a few percent, and most
+            lost (``bench/bench_expert_gemv.py``, ``expert_gemv_h200.json``).
         wgmma: the warpgroup-MMA loop (None: on sm_90), else the mma.sync loop.
         loop: one program per (row group, split, expert) walking the expert's token blocks (None: on), else one per
             token block of the worst case (``rows`` pairs per expert; most exit at once).
     """
 
     tiles: int = 0
-    splits: int = 0
+    splits: int = 1
     wgmma: bool | None = None
     loop: bool | None = None
 
@@ -87,13 +90,6 @@ def default_tiles(pairs: int, num_experts: int) -> int:
     the expert's weights), at most :data:`gemv_plan.MAX_M` rows."""
     mean = pairs / max(1.0, expected_experts(pairs, num_experts))
     return tiles_for(min(MAX_M, math.ceil(1.5 * mean + 2)))
-
-
-def default_splits(pairs: int, num_experts: int, n: int, k: int, tiles: int, warps: int, sms: int) -> int:
-    """K splits that give the expected non-empty programs about 8 per SM (the dense GEMV's wave at one tile), each
-    split >= 4 chunks of 64."""
-    busy = expected_experts(pairs, num_experts) * cdiv(n // 16, warps)
-    return max(1, min(int(8 * sms // max(1.0, busy)), k // 64 // 4, 16))
 
 
 def program_blocks(offsets: list[int], index: int, tiles: int, blocks: int = 0) -> list[tuple[int, int, int]]:
@@ -250,8 +246,7 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     constants = variant(tiles, n, k, wgmma)
     groups = cdiv(nb, constants["WARPS"])
     chunks = k // 64
-    splits = config.splits or default_splits(p_rows, num, n, k, tiles, constants["WARPS"], sm_count(x_sorted.device))
-    per_split = cdiv(chunks, splits)
+    per_split = cdiv(chunks, config.splits)
     splits = cdiv(chunks, per_split)
     part = cnt = None
     if splits > 1:
@@ -268,5 +263,5 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     return out
 
 
-__all__ = ["ExpertGemvConfig", "default_splits", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
+__all__ = ["ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
            "program_blocks", "repack_stack", "token_blocks", "unrepack_stack", "variant"]
