@@ -6,9 +6,11 @@ the expert loop routes on the host; the baseline).
 Run on a CUDA machine (an H200: the bf16 model is 61 GB) from the repository root:
 
     PYTHONPATH=. python bench/bench_moe_decode.py [--out bench/results] [--rows 1 16 64 128] [--step fused]
-        [--experts table gemv grouped] [--quantizations nvfp4 bf16]
+        [--experts table gemv grouped] [--quantizations nvfp4 bf16] [--profile 128 16]
 
-``--experts``: the fused step's NVFP4 expert kernels, one NVFP4 arm each (``table``: ``moe_step.GEMV_ROWS``; ``gemv``:
+``--profile``: after the timed rows, each quantization's kernel time per eager decode step at these row counts on the
+same model (``profile_decode.kernel_table``), written under ``profiles``. ``--experts``: the fused step's NVFP4 expert
+kernels, one NVFP4 arm each (``table``: ``moe_step.GEMV_ROWS``; ``gemv``:
 the decode GEMV's loop on the repacked stack, ``expert_gemv``; ``grouped``: the grouped kernels on the compressed one).
 
 Per quantization and row count (G = min(8, rows) samples per prompt, prompt 256 random tokens, ``--new`` tokens with
@@ -40,6 +42,7 @@ import torch
 
 import rollout_hooks
 from bench_rollout import copy_bandwidth, random_prompt
+from profile_decode import kernel_table
 
 from qerl.model.experts import Experts
 from qerl.model.routing import RoutingRecorder
@@ -176,6 +179,8 @@ def main() -> None:
     parser.add_argument("--experts", nargs="+", choices=("table", "gemv", "grouped"), default=["table"],
                         help="the fused step's NVFP4 expert kernels, one arm each (bf16 runs once)")
     parser.add_argument("--quantizations", nargs="+", choices=("nvfp4", "bf16"), default=["nvfp4", "bf16"])
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="row counts whose eager decode step's kernels are profiled (per quantization)")
     parser.add_argument("--keep", default=None, help="results file whose other-step rows are kept beside this run's "
                         "(default: bench/results/moe_decode_<device>.json)")
     args = parser.parse_args()
@@ -186,7 +191,7 @@ def main() -> None:
     log(f"{device}: copy {bandwidth / 1e12:.2f} TB/s")
     config = model_config(NAME)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2  # K, V bf16
-    rows_out = []
+    rows_out, profiles = [], []
     for quantization in args.quantizations:
         torch.cuda.reset_peak_memory_stats()
         policy = build_random_policy(config, quantization, lora_rank=16, device="cuda")
@@ -208,6 +213,13 @@ def main() -> None:
             rows_out.append(row)
             log(f"{quantization} {arm:7s} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor "
                 f"{row['floor_ms']:.2f} ms, {row['experts_touched_per_step']:.0f} experts touched per step)")
+        for rows in args.profile:
+            table = kernel_table(policy, rows)
+            profiles.append(dict(quantization=quantization, rows=rows, **table))
+            log(f"{quantization} rows {rows}: {table['kernels_per_step']:.0f} kernels, {table['kernel_ms_per_step']:.3f} "
+                f"ms of kernel time per eager step")
+            for r in table["top"][:25]:
+                log(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
         del policy
         gc.collect()
         torch.cuda.empty_cache()
@@ -225,7 +237,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-        "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out}, indent=2) + "\n")
+        "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out, **({"profiles": profiles} if profiles else {})},
+        indent=2) + "\n")
     log(f"wrote {out}")
 
 
