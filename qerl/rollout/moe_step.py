@@ -46,7 +46,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.kernels.pair_sort import sort_pairs
-from qerl.kernels.split_k import counters
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import expert_gemv as X
 from qerl.nvfp4.kernels import gemv_layout, gemv_plan
@@ -116,6 +115,7 @@ class MoEStep:
                                               GEMV_ROWS.values()) and all(
             gemv_layout.supported(n, k) for n, k in ((2 * self.inter, self.hidden), (self.hidden, self.inter)))
         self.gate_up_repacked = self.down_repacked = None  # (words, factors, global scales) where self.gemv
+        self.slots = None  # 0 .. P - 1 where self.gemv: the identity order of the grouped kernels in expert order
         self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
         self._versions = self._storage_versions()
         self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
@@ -162,7 +162,7 @@ class MoEStep:
                 else:
                     stack[e, rows].copy_(base.weight.detach())
                     base.weight.data = stack[e, rows]
-        if self.gemv:  # the modules' repacked copies as the stacks, and the split-K counters (before captures)
+        if self.gemv:  # the modules' repacked copies as the stacks
             def repacked(layers: list[NVFP4Linear], n: int, global_scales: torch.Tensor) -> tuple:
                 words, factors = NVFP4Linear.stacked_gemv_weight(layers)  # [E n / 16, ...]: each module's a slice
                 return (words.view(E, n // 16, *words.shape[1:]), factors.view(E, n // 16, *factors.shape[1:]),
@@ -170,8 +170,7 @@ class MoEStep:
 
             self.gate_up_repacked = repacked([m for g, u, _ in self.bases for m in (g, u)], 2 * I, self.gate_up[2])
             self.down_repacked = repacked([d for _, _, d in self.bases], H, self.down[2])
-            if self.fast:
-                counters(device, gemv_plan.WIDE_MAX_M * self.top_k * max(2 * I, H) // 16)
+            self.slots = torch.arange(gemv_plan.WIDE_MAX_M * self.top_k, device=device)  # built once: a launch less
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
@@ -240,7 +239,7 @@ class MoEStep:
         written back at each pair's index."""
         k, rows = self.top_k, x.shape[0]
         xs = x.index_select(0, order // k)  # [P, H] in expert order
-        ident = torch.arange(xs.shape[0], device=x.device)  # (the grouped kernels in expert order)
+        ident = self.slots[:xs.shape[0]]
         gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
         lora_gu = lora_d = None
         if self.adapter:
