@@ -61,14 +61,14 @@ class GemvCase:
 
     def step(self, i: int = 0) -> torch.Tensor:
         """The projection as ``MoEStep._through_gemv`` runs it, in expert order (gate/up) or pair order (down)."""
-        x, order, _, u_pairs, route, _ = self.case.routings[i % len(self.sorted)]
+        x, order, _, _, route, _ = self.case.routings[i % len(self.sorted)]
         xs, offsets, ident, u, _ = self.sorted[i % len(self.sorted)]
         if self.case.gated:
             xs = x.index_select(0, order // self.case.top_k)
             gu = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
             return G.grouped_epilogue(gu, ident, offsets, gated=True, lora=(u, self.case.b))
         y = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-        return G.grouped_epilogue(y, order, offsets, lora=(u_pairs, self.case.b), route=route)
+        return G.grouped_epilogue(y, order, offsets, lora=(u, self.case.b), route=route)
 
     def reference(self) -> torch.Tensor:
         """The float64 reference in the order :meth:`step` writes."""

@@ -248,8 +248,7 @@ class MoEStep:
         h = G.grouped_epilogue(gu, ident, offsets, gated=True, lora=lora_gu)  # [P, I] in expert order
         y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
         if self.adapter:
-            u = G.grouped(h, ident, offsets, a_d, top_k=1)
-            lora_d = (torch.empty_like(u).index_copy_(0, order, u), b_d)  # at pair index, as the epilogue reads it
+            lora_d = (G.grouped(h, ident, offsets, a_d, top_k=1), b_d)
         return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k)
 
 

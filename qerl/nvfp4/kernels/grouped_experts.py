@@ -217,10 +217,11 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
         else:
             acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
                                          BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
-        v = _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
+        u_rows = slot if BASE else pairs  # (given base products: their LoRA-A outputs in the same expert order)
+        v = _epilogue(acc, gs, u_ptr, su, u_rows, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
                       HAS_LORA, DT, SHIFT)
         if GATED:
-            up = _epilogue(acc_up, gs, u_ptr, su, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
+            up = _epilogue(acc_up, gs, u_ptr, su, u_rows, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
                            NVFP4, HAS_LORA, DT, SHIFT)
             v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
@@ -287,7 +288,7 @@ def grouped_epilogue(base: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     """:func:`grouped`'s epilogue on base products computed elsewhere (the expert GEMV): ``base [P, N']`` rounded to
     its dtype, row ``s`` the pair in slot ``s`` of the expert order (``order[s]``); LoRA-B, gating and router weight
     as :func:`grouped` applies them (the same roundings), written at the pair's index ``order[s]``. ``lora``:
-    ``(u [P, r'], B [E, N', r])``, u at pair index; ``route [P]`` at pair index."""
+    ``(u [P, r'], B [E, N', r])``, u in expert order as ``base``; ``route [P]`` at pair index."""
     P, n_rows = base.shape
     E = offsets.numel() - 1
     N = n_rows // 2 if gated else n_rows
@@ -338,7 +339,8 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
             u, b = lora
             r = b.shape[2]
             b_e = b[e].to(dtype)
-            parts = [(u[pairs, :r], b_e[:N]), (u[pairs, r:2 * r], b_e[N:])] if gated else [(u[pairs, :r], b_e)]
+            rows = slice(bounds[e], bounds[e + 1]) if base is not None else pairs  # (u beside base: expert order)
+            parts = [(u[rows, :r], b_e[:N]), (u[rows, r:2 * r], b_e[N:])] if gated else [(u[rows, :r], b_e)]
             y = torch.cat([torch.addmm(y[:, i * N:(i + 1) * N], a.to(dtype), bb.t()) for i, (a, bb) in
                            enumerate(parts)], 1)
         if gated:

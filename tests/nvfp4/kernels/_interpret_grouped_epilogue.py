@@ -1,7 +1,7 @@
 """Run by test_expert_gemv.py under TRITON_INTERPRET=1: the grouped kernels' epilogue on base products computed
 elsewhere (``grouped_epilogue``, what the expert GEMV's path runs) against the grouped kernel that computes the same
 products itself and against the torch twin: gate/up (LoRA-B, silu, in expert order) and down (LoRA-B, router
-weight, written at each pair's index)."""
+weight, written at each pair's index; the LoRA-A outputs in expert order beside the products)."""
 
 import json
 
@@ -39,7 +39,7 @@ for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float16, 40)):
     ud = grouped(hp, order, offsets, a_d, top_k=1)
     fused = grouped(hp, order, offsets, w_d, top_k=1, lora=(ud, b_d), route=route)  # at pair index
     base = grouped(hp, order, offsets, w_d, top_k=1)[order]
-    y = grouped_epilogue(base, order, offsets, lora=(ud, b_d), route=route)
-    twin = grouped_torch(base, order, offsets, None, top_k=1, lora=(ud, b_d), route=route, base=base)
+    y = grouped_epilogue(base, order, offsets, lora=(ud[order], b_d), route=route)
+    twin = grouped_torch(base, order, offsets, None, top_k=1, lora=(ud[order], b_d), route=route, base=base)
     res[f"down-{str(dtype)[6:]}-{T}"] = {"vs_fused": rel(y, fused), "vs_twin": rel(y, twin)}
 print(json.dumps(res))
