@@ -56,13 +56,13 @@ from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
 
 _NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 EXPERT_KERNELS = ("gemv", "grouped")
-GEMV_ROWS: dict[int, str] = {1: "grouped", **{rows: "gemv" for rows in (2, 4, 8, 16, 32, 64, 128, 256)}}
+GEMV_ROWS: dict[int, str] = {rows: "gemv" for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
 """NVFP4 experts' kernel per decode-row bucket (the next power of two): ``gemv`` (``expert_gemv`` on the repacked
 stack) or ``grouped`` (``grouped_experts`` on the compressed stack); above the last bucket (a prefill) ``grouped``.
 The one place a measurement replaces: on the H200 (``bench/bench_expert_gemv.py``, ``expert_gemv_h200.json``: both
 projections of a Qwen3-30B-A3B layer as the step runs them) the expert GEMV took half the grouped kernel's time at 16,
-64 and 128 rows (and less than the bf16 grouped kernel's), and lost at 1 row, where launches cost more than bytes;
-2-8 rows are not measured and follow 16."""
+64 and 128 rows (and less than the bf16 grouped kernel's); at 1 row it lost with K split (that run's default), and
+the unsplit launch it now makes saves more than it lost by; 2-8 rows are not measured and follow 1 and 16."""
 
 
 def expert_kernel(rows: int, choice: str | None) -> str:
