@@ -11,7 +11,8 @@ weight), timed in CUDA graphs over routings and weight copies that pass the L2:
 - ``grouped-nvfp4`` / ``grouped-bf16``: the grouped kernel with its default configuration, LoRA-B, gating and router
   weight fused;
 - ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, a program per expert or per token block;
-  0 / None: the default): the expert GEMV alone on rows already in expert order (its read rate is the number to set against the dense GEMV's);
+  0 / None: the default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
+  against the dense GEMV's);
 - ``gemv-step``: what ``MoEStep`` runs per projection on the default variant: the gather into expert order (gate/up),
   the expert GEMV, and the grouped kernels' epilogue (LoRA-B, silu-mul or router weight, written back at each pair's
   index for down); the LoRA-A products are inputs here as in the grouped arms.

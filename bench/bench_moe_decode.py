@@ -216,8 +216,8 @@ def main() -> None:
         for rows in args.profile:
             table = kernel_table(policy, rows)
             profiles.append(dict(quantization=quantization, rows=rows, **table))
-            log(f"{quantization} rows {rows}: {table['kernels_per_step']:.0f} kernels, {table['kernel_ms_per_step']:.3f} "
-                f"ms of kernel time per eager step")
+            log(f"{quantization} rows {rows}: {table['kernels_per_step']:.0f} kernels, "
+                f"{table['kernel_ms_per_step']:.3f} ms of kernel time per eager step")
             for r in table["top"][:25]:
                 log(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
         del policy

@@ -62,7 +62,8 @@ class ExpertGemvConfig:
 
 def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked compressed-tensors experts ``(packed [E, N, K/2] uint8, scale [E, N, K/16] e4m3)`` -> ``(words [E,
-    N/16, K/64, 32, 4], factors [E, N/16, K/64, 32])`` int32: expert e's slices are ``gemv_layout.repack`` of its own."""
+    N/16, K/64, 32, 4], factors [E, N/16, K/64, 32])`` int32: expert e's slices are ``gemv_layout.repack`` of its
+    own."""
     num, n, half_k = packed.shape
     words, factors = gemv_layout.repack(packed.reshape(num * n, half_k), scale.reshape(num * n, -1))
     return words.view(num, n // 16, *words.shape[1:]), factors.view(num, n // 16, *factors.shape[1:])

@@ -26,7 +26,8 @@ for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float16, 40)):
     ident = torch.arange(P)
     x = torch.randn(T, H, generator=g).to(dtype)
     w_gu, w_d = (torch.randn(E, 2 * I, H, generator=g) / 8).to(dtype), (torch.randn(E, H, I, generator=g) / 6).to(dtype)
-    a_gu, b_gu = (torch.randn(E, 2 * r, H, generator=g) / 8).to(dtype), (torch.randn(E, 2 * I, r, generator=g) / 4).to(dtype)
+    a_gu = (torch.randn(E, 2 * r, H, generator=g) / 8).to(dtype)
+    b_gu = (torch.randn(E, 2 * I, r, generator=g) / 4).to(dtype)
     a_d, b_d = (torch.randn(E, r, I, generator=g) / 8).to(dtype), (torch.randn(E, H, r, generator=g) / 4).to(dtype)
     route = torch.rand(P, generator=g).to(dtype)
     u = grouped(x, order, offsets, a_gu, top_k=k)  # [P, 2r] at pair index

@@ -64,7 +64,8 @@ def test_launch_arithmetic_equals_float64_per_expert_products(tiles, loop):
     index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
     order, offsets = sort_pairs_torch(index, num)
     x_sorted = x[order // top_k]
-    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, 0 if loop else X.token_blocks(rows, tiles))
+    blocks = 0 if loop else X.token_blocks(rows, tiles)
+    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, blocks)
     experts = index.reshape(-1)[order]  # each sorted row's expert
     ref = torch.stack([x_sorted[p].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
                        for p, e in enumerate(experts.tolist())])
@@ -114,7 +115,8 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    for line in _build_for_sm90(script, [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg"]):
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg"]
+    for line in _build_for_sm90(script, variants):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         assert line.endswith("MARKS:"), line
 
