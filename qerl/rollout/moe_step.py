@@ -238,7 +238,7 @@ class MoEStep:
         grouped kernels' epilogue (``grouped_epilogue``: the roundings of :func:`G.grouped`), the down projection's
         written back at each pair's index."""
         k, rows = self.top_k, x.shape[0]
-        xs = x.index_select(0, order // k)  # [P, H] in expert order
+        xs = X.rows_in_expert_order(x, order, k)  # [P, H]
         ident = self.slots[:xs.shape[0]]
         gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
         lora_gu = lora_d = None

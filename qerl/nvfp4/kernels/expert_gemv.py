@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.kernels.split_k import counters
 from qerl.nvfp4.kernels import gemv_layout
 from qerl.nvfp4.kernels.gemv import _lanes
 from qerl.nvfp4.kernels.gemv_plan import MAX_M, default_wgmma, tiles_for, wgmma_supported
 from qerl.nvfp4.kernels.gemv_ptx import WGMMA_SMEM_LIMIT, _asm, wgmma_ring_bytes
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SHIFT = 256.0  # the repacked factors carry 2^118; the unpacked fragments are W * 2^-8 (see gemv_layout)
 
 
@@ -115,6 +117,28 @@ def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: 
         for e, first, m in program_blocks(bounds, index, tiles, blocks):
             w = gemv_layout.emulate_repacked(words[e], factors[e]).double() * (SHIFT / float(global_scale[e]))
             out[first:first + m] = x_sorted[first:first + m].double() @ w.t()
+    return out
+
+
+@triton.jit
+def _gather_kernel(x_ptr, order_ptr, out_ptr, K, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    slot = tl.program_id(0).to(tl.int64)
+    row = tl.load(order_ptr + slot) // TOP_K  # the pair's token
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + slot * K + cols, tl.load(x_ptr + row * K + cols, mask=cols < K), mask=cols < K)
+
+
+def rows_in_expert_order(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``x [T, K]`` token rows -> ``[P, K]``, row ``s`` the token of pair ``order[s]`` (``x[order // top_k]`` in one
+    launch on CUDA): the expert GEMV's input."""
+    if not x.is_cuda and not _INTERPRET:
+        return x.index_select(0, order // top_k)
+    x = x.contiguous()
+    out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    if out.numel():
+        block = min(1024, next_power_of_2(x.shape[1]))
+        _gather_kernel[(order.numel(), cdiv(x.shape[1], block))](x, order, out, x.shape[1], TOP_K=top_k, BLOCK=block,
+                                                                 num_warps=4)
     return out
 
 
@@ -265,4 +289,4 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
 
 
 __all__ = ["ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
-           "program_blocks", "repack_stack", "token_blocks", "unrepack_stack", "variant"]
+           "program_blocks", "repack_stack", "rows_in_expert_order", "token_blocks", "unrepack_stack", "variant"]

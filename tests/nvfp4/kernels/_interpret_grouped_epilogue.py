@@ -1,13 +1,15 @@
 """Run by test_expert_gemv.py under TRITON_INTERPRET=1: the grouped kernels' epilogue on base products computed
 elsewhere (``grouped_epilogue``, what the expert GEMV's path runs) against the grouped kernel that computes the same
 products itself and against the torch twin: gate/up (LoRA-B, silu, in expert order) and down (LoRA-B, router
-weight, written at each pair's index; the LoRA-A outputs in expert order beside the products)."""
+weight, written at each pair's index; the LoRA-A outputs in expert order beside the products), and the gather of
+the expert GEMV's input rows into expert order."""
 
 import json
 
 import torch
 
 from qerl.kernels.pair_sort import sort_pairs
+from qerl.nvfp4.kernels.expert_gemv import rows_in_expert_order
 from qerl.nvfp4.kernels.grouped_experts import grouped, grouped_epilogue, grouped_torch
 
 g = torch.Generator().manual_seed(0)
@@ -43,4 +45,7 @@ for dtype, T in ((torch.float32, 9), (torch.float16, 9), (torch.float16, 40)):
     y = grouped_epilogue(base, order, offsets, lora=(ud[order], b_d), route=route)
     twin = grouped_torch(base, order, offsets, None, top_k=1, lora=(ud[order], b_d), route=route, base=base)
     res[f"down-{str(dtype)[6:]}-{T}"] = {"vs_fused": rel(y, fused), "vs_twin": rel(y, twin)}
+    # the expert GEMV's input: each pair's token row in expert order
+    xs = rows_in_expert_order(x, order, k)
+    res[f"gather-{str(dtype)[6:]}-{T}"] = {"vs_fused": rel(xs, x[order // k]), "vs_twin": rel(xs, x[order // k])}
 print(json.dumps(res))

@@ -125,6 +125,6 @@ def test_the_grouped_epilogue_on_given_products_equals_the_grouped_kernel_and_it
     # the expert GEMV path's LoRA-B, gating, router weight and scatter: the grouped kernel's epilogue on the GEMV's
     # rounded products gives the grouped kernel's own result (same roundings), in expert or pair order as asked
     res = run_interpreted(Path(__file__).with_name("_interpret_grouped_epilogue.py"))
-    assert len(res) == 6
+    assert len(res) == 9  # gate_up, down and the gather into expert order, 3 dtype / size cases each
     for key, v in res.items():
         assert v["vs_fused"] <= 1e-6 and v["vs_twin"] <= (1e-6 if "float32" in key else 1e-3), (key, v)
