@@ -192,6 +192,26 @@ def main() -> None:
     config = model_config(NAME)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2  # K, V bf16
     rows_out, profiles = [], []
+    name = f"moe_decode_{device.split()[-1].lower()}.json"
+    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
+    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
+
+    def save() -> None:  # after every row and profile: a run cut short keeps what it measured
+        for row in rows_out:  # bf16 / NVFP4 per row count and arm (> 1: NVFP4 faster), the other step over this one
+            bf16 = [r for r in rows_out if r["rows"] == row["rows"] and r["quantization"] == "bf16"]
+            if row["quantization"] == "nvfp4" and bf16:
+                row["bf16_over_nvfp4"] = bf16[0]["ms_step"] / row["ms_step"]
+            other = [r for r in kept if r["quantization"] == row["quantization"] and r["rows"] == row["rows"]
+                     and r.get("experts", "table") in ("table", row["experts"])]
+            if args.step == "fused" and other:
+                row["transformers_over_fused"] = other[0]["ms_step"] / row["ms_step"]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
+            "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out, **({"profiles": profiles} if profiles else {})},
+            indent=2) + "\n")
+        log(f"wrote {out}")
+
     for quantization in args.quantizations:
         torch.cuda.reset_peak_memory_stats()
         policy = build_random_policy(config, quantization, lora_rank=16, device="cuda")
@@ -213,6 +233,7 @@ def main() -> None:
             rows_out.append(row)
             log(f"{quantization} {arm:7s} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor "
                 f"{row['floor_ms']:.2f} ms, {row['experts_touched_per_step']:.0f} experts touched per step)")
+            save()
         for rows in args.profile:
             table = kernel_table(policy, rows)
             profiles.append(dict(quantization=quantization, rows=rows, **table))
@@ -220,26 +241,10 @@ def main() -> None:
                 f"{table['kernel_ms_per_step']:.3f} ms of kernel time per eager step")
             for r in table["top"][:25]:
                 log(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
+            save()
         del policy
         gc.collect()
         torch.cuda.empty_cache()
-    name = f"moe_decode_{device.split()[-1].lower()}.json"
-    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
-    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
-    for row in rows_out:  # bf16 / NVFP4 per row count and arm (> 1: NVFP4 faster), the other step over this one
-        bf16 = [r for r in rows_out if r["rows"] == row["rows"] and r["quantization"] == "bf16"]
-        if row["quantization"] == "nvfp4" and bf16:
-            row["bf16_over_nvfp4"] = bf16[0]["ms_step"] / row["ms_step"]
-        other = [r for r in kept if r["quantization"] == row["quantization"] and r["rows"] == row["rows"]
-                 and r.get("experts", "table") in ("table", row["experts"])]
-        if args.step == "fused" and other:
-            row["transformers_over_fused"] = other[0]["ms_step"] / row["ms_step"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-        "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out, **({"profiles": profiles} if profiles else {})},
-        indent=2) + "\n")
-    log(f"wrote {out}")
 
 
 if __name__ == "__main__":
