@@ -385,7 +385,8 @@ def expert_gemv_section(result: dict) -> list[str]:
 
 def generic_section(result: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
-    return table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
+    note = [result["note"], ""] if isinstance(result.get("note"), str) else []
+    return note + table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
 
 
 def kernel_glance(result: dict) -> list[str]:
