@@ -6,6 +6,12 @@ the expert loop routes on the host; the baseline).
 Run on a CUDA machine (an H200: the bf16 model is 61 GB) from the repository root:
 
     PYTHONPATH=. python bench/bench_moe_decode.py [--out bench/results] [--rows 1 16 64 128] [--step fused]
+        [--experts table gemv grouped] [--quantizations nvfp4 bf16] [--profile 128 16]
+
+``--profile``: after the timed rows, each quantization's kernel time per eager decode step at these row counts on the
+same model (``profile_decode.kernel_table``), written under ``profiles``. ``--experts``: the fused step's NVFP4 expert
+kernels, one NVFP4 arm each (``table``: ``moe_step.GEMV_ROWS``; ``gemv``:
+the decode GEMV's loop on the repacked stack, ``expert_gemv``; ``grouped``: the grouped kernels on the compressed one).
 
 Per quantization and row count (G = min(8, rows) samples per prompt, prompt 256 random tokens, ``--new`` tokens with
 EOS ignored): ms per decode step (CUDA events around the decode phase), the experts the steps touched (distinct
@@ -36,6 +42,7 @@ import torch
 
 import rollout_hooks
 from bench_rollout import copy_bandwidth, random_prompt
+from profile_decode import kernel_table
 
 from qerl.model.experts import Experts
 from qerl.model.routing import RoutingRecorder
@@ -132,11 +139,11 @@ def touched_by_fused_step(policy, rows: int, new: int) -> float:
     return float(hit.sum()) / steps
 
 
-def time_fused(policy, rows: int, new: int) -> dict:
+def time_fused(policy, rows: int, new: int, experts: str | None = None) -> dict:
     prompts, group = prompts_for(policy, rows)
     timer = rollout_hooks.PhaseTimer()
     # the KV cache kept between calls: a cache freed and allocated again elsewhere drops every graph
-    eng = rollout_hooks.engine(check_every=16, fused=True, phase_hook=timer, keep_kv_cache=True)
+    eng = rollout_hooks.engine(check_every=16, fused=True, phase_hook=timer, keep_kv_cache=True, experts=experts)
     spec = SamplingSpec(max_new_tokens=new, seed=0)
     eng.generate(policy, prompts, group, 0, [], spec)  # warm-up: the same call, every graph it needs captured
     torch.cuda.synchronize()
@@ -169,6 +176,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=None,
                         help="tokens decoded per row (default: 64 fused, 8 transformers: its steps take seconds)")
     parser.add_argument("--step", choices=sorted(STEPS), default="fused")
+    parser.add_argument("--experts", nargs="+", choices=("table", "gemv", "grouped"), default=["table"],
+                        help="the fused step's NVFP4 expert kernels, one arm each (bf16 runs once)")
+    parser.add_argument("--quantizations", nargs="+", choices=("nvfp4", "bf16"), default=["nvfp4", "bf16"])
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="row counts whose eager decode step's kernels are profiled (per quantization)")
     parser.add_argument("--keep", default=None, help="results file whose other-step rows are kept beside this run's "
                         "(default: bench/results/moe_decode_<device>.json)")
     args = parser.parse_args()
@@ -179,44 +191,60 @@ def main() -> None:
     log(f"{device}: copy {bandwidth / 1e12:.2f} TB/s")
     config = model_config(NAME)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2  # K, V bf16
-    rows_out = []
-    for quantization in ("nvfp4", "bf16"):
+    rows_out, profiles = [], []
+    name = f"moe_decode_{device.split()[-1].lower()}.json"
+    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
+    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
+
+    def save() -> None:  # after every row and profile: a run cut short keeps what it measured
+        for row in rows_out:  # bf16 / NVFP4 per row count and arm (> 1: NVFP4 faster), the other step over this one
+            bf16 = [r for r in rows_out if r["rows"] == row["rows"] and r["quantization"] == "bf16"]
+            if row["quantization"] == "nvfp4" and bf16:
+                row["bf16_over_nvfp4"] = bf16[0]["ms_step"] / row["ms_step"]
+            other = [r for r in kept if r["quantization"] == row["quantization"] and r["rows"] == row["rows"]
+                     and r.get("experts", "table") in ("table", row["experts"])]
+            if args.step == "fused" and other:
+                row["transformers_over_fused"] = other[0]["ms_step"] / row["ms_step"]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
+            "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out, **({"profiles": profiles} if profiles else {})},
+            indent=2) + "\n")
+        log(f"wrote {out}")
+
+    for quantization in args.quantizations:
         torch.cuda.reset_peak_memory_stats()
         policy = build_random_policy(config, quantization, lora_rank=16, device="cuda")
         dense, per_expert = split_bytes(policy)
         log(f"{quantization}: built; {dense / 2**30:.2f} GiB read every step + {per_expert / 2**20:.2f} MiB per expert")
-        for rows in args.rows:
+        arms = args.experts if quantization == "nvfp4" and args.step == "fused" else ["table"]
+        for rows, arm in ((r, a) for r in args.rows for a in arms):
             try:
-                result = timed(policy, rows, args.new)
+                result = (timed(policy, rows, args.new, None if arm == "table" else arm) if args.step == "fused"
+                          else timed(policy, rows, args.new))
             except torch.cuda.OutOfMemoryError:
                 log(f"{quantization} rows {rows}: out of memory, skipped")
                 continue
             context = PROMPT + args.new / 2  # mean attended length over the timed steps
             floor_bytes = dense + result["experts_touched_per_step"] * per_expert + rows * context * kv_per_token
             row = dict(model=NAME, quantization=quantization, lora_rank=16, rows=rows, new_tokens=args.new,
-                       step=STEPS[args.step], floor_ms=floor_bytes / bandwidth * 1e3, **result)
+                       step=STEPS[args.step], experts=arm, floor_ms=floor_bytes / bandwidth * 1e3, **result)
             row["over_floor"] = row["ms_step"] / row["floor_ms"]
             rows_out.append(row)
-            log(f"{quantization} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor {row['floor_ms']:.2f} ms, "
-                f"{row['experts_touched_per_step']:.0f} experts touched per step)")
+            log(f"{quantization} {arm:7s} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor "
+                f"{row['floor_ms']:.2f} ms, {row['experts_touched_per_step']:.0f} experts touched per step)")
+            save()
+        for rows in args.profile:
+            table = kernel_table(policy, rows)
+            profiles.append(dict(quantization=quantization, rows=rows, **table))
+            log(f"{quantization} rows {rows}: {table['kernels_per_step']:.0f} kernels, "
+                f"{table['kernel_ms_per_step']:.3f} ms of kernel time per eager step")
+            for r in table["top"][:25]:
+                log(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
+            save()
         del policy
         gc.collect()
         torch.cuda.empty_cache()
-    name = f"moe_decode_{device.split()[-1].lower()}.json"
-    out, keep = Path(args.out) / name, Path(args.keep or Path(__file__).parent / "results" / name)
-    kept = [r for r in (json.loads(keep.read_text())["rows"] if keep.exists() else []) if r["step"] != STEPS[args.step]]
-    for row in rows_out:  # bf16 / NVFP4 per row count (> 1: NVFP4 faster), the other step over this one
-        pair = {r["quantization"]: r for r in rows_out if r["rows"] == row["rows"]}
-        if row["quantization"] == "nvfp4" and len(pair) == 2:
-            row["bf16_over_nvfp4"] = pair["bf16"]["ms_step"] / row["ms_step"]
-        other = [r for r in kept if r["quantization"] == row["quantization"] and r["rows"] == row["rows"]]
-        if args.step == "fused" and other:
-            row["transformers_over_fused"] = other[0]["ms_step"] / row["ms_step"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device": device, "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-        "copy_tb_s": bandwidth / 1e12, "rows": kept + rows_out}, indent=2) + "\n")
-    log(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -357,9 +357,36 @@ def grouped_sweep_section(result: dict) -> list[str]:
                           "us", "GB/s"], rows)
 
 
+def expert_gemv_section(result: dict) -> list[str]:
+    """Per row count and projection: the grouped kernels (NVFP4, bf16), the expert GEMV's best variant alone and as
+    the MoE step runs it; then both projections summed per arm."""
+    best = {}
+    for r in result["rows"]:
+        if "ms" in r:
+            key = (r["rows"], r["projection"], r["kind"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    rows = [[str(n), proj, kind, str(r.get("config") or "-"), num(r["ms"] * 1e3, 1), f"{r['gb_s']:.0f}",
+             num(r["over_floor"]), f"{r['rel_err']:.1e}"] for (n, proj, kind), r in sorted(best.items())]
+    lines = ([result["note"], ""] if "note" in result else []) + table(
+        ["rows", "projection", "kernel", "best variant (tiles, splits, wgmma, loop)", "us", "GB/s", "x floor", "error"],
+        rows)
+    totals = {}
+    for t in result.get("totals_ms", []):
+        totals.setdefault(t["rows"], {})[t["kind"]] = t["ms"]
+    if totals:
+        kinds = ("grouped-nvfp4", "gemv-step", "grouped-bf16")
+        lines += ["", *table(["rows", *(f"{k} us" for k in kinds), "bf16 / gemv-step"],
+                             [[str(n), *(num(v.get(k, float("nan")) * 1e3, 1) for k in kinds),
+                               num(v.get("grouped-bf16", float("nan")) / v.get("gemv-step", float("nan")))]
+                              for n, v in sorted(totals.items())])]
+    return lines
+
+
 def generic_section(result: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
-    return table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
+    note = [result["note"], ""] if isinstance(result.get("note"), str) else []
+    return note + table([label(k) for k in keys], [[cell(r.get(k)) for k in keys] for r in result["rows"]])
 
 
 def kernel_glance(result: dict) -> list[str]:
@@ -721,6 +748,14 @@ SECTIONS = (
             "128 experts, top-8, LoRA r16) over a grid of launch settings, CUDA-graph timed, every output checked "
             "against float64 (`bench/sweep_grouped_experts.py`); the best setting per row count, whose winners are "
             "`grouped_experts.DEFAULT_CONFIGS`.", grouped_sweep_section),
+    Section("Mixture-of-experts: the expert GEMV on the repacked layout", "expert_gemv_*.json",
+            "PYTHONPATH=. python bench/bench_expert_gemv.py --out bench/results/expert_gemv_h200.json",
+            "The NVFP4 expert products of one Qwen3-30B-A3B MoE layer (H 2048, I 768, 128 experts, top-8, LoRA r16) "
+            "through the decode GEMV's asm loop on the repacked layout (`expert_gemv`; `gemv-base`: the GEMV alone, "
+            "best variant; `gemv-step`: with the gather and the grouped epilogue, as `MoEStep` runs it) against the "
+            "grouped kernels on the compressed layout and on bf16 weights, CUDA-graph timed past the L2; GB/s of the "
+            "touched experts' bytes in each arm's layout, x floor against their compressed bytes at the copy "
+            "bandwidth (`bench/bench_expert_gemv.py`).", expert_gemv_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "

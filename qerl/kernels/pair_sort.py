@@ -1,15 +1,15 @@
-"""A mixture-of-experts step's (token, expert) pairs ordered by expert, as one Triton launch of one program.
+"""A mixture-of-experts step's (token, expert) pairs ordered by expert, as one Triton launch.
 
-``index [T, k]`` holds the expert ids of ``P = T * k`` pairs (pair ``p = t * k + j``). The kernel reads them twice in
-chunks: first a histogram over the ``E`` experts (a one-hot ``[chunk, E]`` summed), whose exclusive prefix sum gives
-each expert's first slot (``offsets``); then it writes each pair id at its expert's running cursor plus the count of
-the chunk's earlier pairs of the same expert (a cumulative sum of the one-hot down the chunk). The result is the
-stable sort's, element for element (what ``torch.sort(stable=True)`` + ``searchsorted`` give,
-:func:`sort_pairs_torch`), so the grouped kernels' values do not depend on which one ran. Static shapes, no host sync:
-a CUDA graph captures it.
+``index [T, k]`` holds the expert ids of ``P = T * k`` pairs (pair ``p = t * k + j``). A pair's place in the stable
+sort by expert is a count: the pairs of a smaller expert id, plus the earlier pairs of its own id. Programs of
+``ROWS`` pairs each count that against every pair, ``COLS`` at a time (comparisons summed across a tile), and write
+their pair ids at those places; the programs past them count, for ``CHUNK`` experts each, the pairs of a smaller id:
+each expert's first slot (``offsets``). The result is the stable sort's, element for element (what
+``torch.sort(stable=True)`` + ``searchsorted`` give, :func:`sort_pairs_torch`), so the grouped kernels' values do
+not depend on which one ran. Static shapes, no host sync: a CUDA graph captures it.
 
-One program is meant for a decode step (P = rows x top-k, a few thousand at most), in place of a radix sort plus a
-binary search (several launches; ``bench/sweep_grouped_experts.py`` times both); a prefill's hundreds of thousands of
+Meant for a decode step (P = rows x top-k, a few thousand at most: P^2 comparisons spread over P / ``ROWS``
+programs), in place of a radix sort plus a binary search (several launches); a prefill's hundreds of thousands of
 pairs take the torch path.
 """
 
@@ -21,32 +21,39 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.grid import next_power_of_2
+from qerl.kernels.grid import cdiv
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_MAX_PAIRS = 8192
-"""Above this many pairs the torch path sorts (one program's two passes grow with P)."""
+"""Above this many pairs the torch path sorts (the kernel makes P^2 comparisons)."""
+
+
+ROWS, COLS, CHUNK = 32, 128, 32  # pairs per slot program, pairs per comparison tile, experts per offsets program
 
 
 @triton.jit
-def _sort_pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, BLOCK: tl.constexpr, EP: tl.constexpr):
-    experts = tl.arange(0, EP)
-    q = tl.arange(0, BLOCK)
-    counts = tl.zeros([EP], tl.int32)
-    for p0 in range(0, P, BLOCK):
-        ids = tl.load(ids_ptr + p0 + q, mask=p0 + q < P, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    cursor = tl.cumsum(counts, axis=0) - counts  # each expert's first slot
-    tl.store(offsets_ptr + experts, cursor, mask=experts < E)
-    tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
-    for p0 in range(0, P, BLOCK):
-        p = p0 + q
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, EP]
-        before = tl.cumsum(hit, axis=0) - hit  # the chunk's earlier pairs of each expert
-        slot = tl.sum(hit * (cursor[None, :] + before), axis=1)  # read at each pair's own expert
+def _sort_pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, ROWS: tl.constexpr, COLS: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    slot_programs = tl.cdiv(P, ROWS)
+    q = tl.arange(0, COLS)
+    if pid < slot_programs:  # the places of pairs pid * ROWS ..: smaller ids, then earlier pairs of the same id
+        p = pid * ROWS + tl.arange(0, ROWS)
+        mine = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)
+        slot = tl.zeros([ROWS], tl.int32)
+        for q0 in range(0, P, COLS):
+            other = tl.load(ids_ptr + q0 + q, mask=q0 + q < P, other=E).to(tl.int32)  # (E: after every pair)
+            before = (other[None, :] < mine[:, None]) | (
+                (other[None, :] == mine[:, None]) & ((q0 + q)[None, :] < p[:, None]))
+            slot += tl.sum(before.to(tl.int32), axis=1)
         tl.store(order_ptr + slot, p.to(tl.int64), mask=p < P)
-        cursor += tl.sum(hit, axis=0)
+    else:  # offsets[e] for CHUNK experts: the pairs of a smaller id (offsets[E] = P)
+        experts = (pid - slot_programs) * CHUNK + tl.arange(0, CHUNK)
+        first = tl.zeros([CHUNK], tl.int32)
+        for q0 in range(0, P, COLS):
+            other = tl.load(ids_ptr + q0 + q, mask=q0 + q < P, other=E).to(tl.int32)
+            first += tl.sum((other[None, :] < experts[:, None]).to(tl.int32), axis=1)
+        tl.store(offsets_ptr + experts, first, mask=experts <= E)
 
 
 def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +65,9 @@ def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
         return sort_pairs_torch(index, num_experts)
     order = torch.empty(P, dtype=torch.long, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
-    ep = next_power_of_2(num_experts)
-    # [chunk, E] one-hots of 32k entries where E = 128 (their cumulative sum then needs no shared-memory round trip)
-    _sort_pairs_kernel[(1,)](ids.contiguous(), order, offsets, P, num_experts, BLOCK=256 if ep == 128 else 128, EP=ep,
-                             num_warps=4)
+    grid = cdiv(P, ROWS) + cdiv(num_experts + 1, CHUNK)
+    _sort_pairs_kernel[(grid,)](ids.contiguous(), order, offsets, P, num_experts, ROWS=ROWS, COLS=COLS, CHUNK=CHUNK,
+                                num_warps=4)
     return order, offsets
 
 

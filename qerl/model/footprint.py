@@ -113,6 +113,7 @@ class PolicySettings(Protocol):
     lora_targets: tuple[str, ...]  # module names (leaf names or regexes) that get NVFP4 storage and LoRA
     train_norms: bool  # the RMSNorm weights are trained too
     gemv_copy: bool  # the decode GEMV's repacked copy of each NVFP4 weight is the copy on the GPU
+    engine: str  # the rollout engine (cuda_graph: a MoE's fused step keeps the experts' compressed stack too)
 
 
 class Component(NamedTuple):
@@ -154,7 +155,7 @@ def norm_channels(shape: ModelShape) -> int:
 
 def resident_components(shape: ModelShape, settings: PolicySettings) -> list[Component]:
     nvfp4 = settings.quantization == "nvfp4"
-    quantized = dense = gemv = tensors = 0
+    quantized = dense = gemv = tensors = experts = 0
     for layer in layer_projections(shape, settings.lora_targets):
         for p, targeted in layer:
             out, inp = shape.projection(p)
@@ -164,6 +165,7 @@ def resident_components(shape: ModelShape, settings: PolicySettings) -> list[Com
                 tensors += shape.copies(p)
                 if out % GEMV_ROW_MULTIPLE == 0 and inp % GEMV_COL_MULTIPLE == 0:
                     gemv += weights
+                    experts += weights if shape.copies(p) > 1 else 0
             else:
                 dense += weights
     embeddings = shape.vocab * shape.hidden
@@ -177,6 +179,9 @@ def resident_components(shape: ModelShape, settings: PolicySettings) -> list[Com
     if repacked:
         out.append(Component("resident", "NVFP4 linears in the decode GEMV's layout (0.625 B/weight)",
                              repacked * GEMV_BYTES_PER_WEIGHT))
+        if experts and getattr(settings, "engine", "cuda_graph") == "cuda_graph":
+            out.append(Component("resident", "MoE experts' compressed stack beside it (the fused step's prefill "
+                                             "kernels, 0.5625 B/weight)", experts * NVFP4_BYTES_PER_WEIGHT))
     if dense:
         out.append(Component("resident", "bf16 linears", dense * DENSE_BYTES))
     out.append(Component("resident", "embeddings (bf16)" + (", tied LM head" if shape.tied_embeddings else ""),

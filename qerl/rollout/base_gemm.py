@@ -31,7 +31,7 @@ class BaseGEMM:
 
     def __init__(self, layers: list[nn.Module], kernels: Kernels):
         self.layers = layers
-        fast, self.pdl, self.wgmma = kernels
+        fast, self.pdl, self.wgmma = kernels.fast, kernels.pdl, kernels.wgmma
         self.sizes = [m.out_features for m in layers]
         self.kind = "nvfp4" if all(isinstance(m, NVFP4Linear) for m in layers) else \
             "dense" if all(type(m) is nn.Linear for m in layers) else None

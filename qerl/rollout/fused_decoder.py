@@ -128,7 +128,7 @@ class FusedDecoder:
             raise Unsupported(f"rope_type {rotary.rope_type!r} (its frequencies depend on the length)")
         kernels = kernels._replace(pdl=kernels.fast and kernels.pdl)
         self.model, self.kernels = model, kernels
-        fast, self.fast, self.pdl, self.wgmma = kernels.fast, *kernels
+        fast, self.fast, self.pdl, self.wgmma = kernels.fast, kernels.fast, kernels.pdl, kernels.wgmma
         self.ops = StepOps(*(functools.partial(op, pdl=self.pdl) for op in (
             K.qkv_epilogue, K.decode_attention, K.residual_rms_norm, K.silu_mul_epilogue))) if fast else StepOps(
             K.qkv_epilogue_torch, K.decode_attention_torch, K.residual_rms_norm_torch, K.silu_mul_epilogue_torch)
@@ -148,7 +148,7 @@ class FusedDecoder:
 
         def mlp_step(mlp):  # a sparse-MoE block in place of the gated MLP
             if is_moe_block(mlp):
-                return dict(gu=None, down=None, moe=MoEStep(mlp, fast))
+                return dict(gu=None, down=None, moe=MoEStep(mlp, fast, kernels.experts))
             return dict(gu=group(mlp.gate_proj, mlp.up_proj), down=group(mlp.down_proj))
 
         self.layers = decoder_layers(inner.layers, [dict(

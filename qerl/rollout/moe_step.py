@@ -10,7 +10,19 @@ Per MoE layer, on the normalized input ``x [T, H]`` (T = rows of a decode step, 
     u' = grouped(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
     out = combine(y)                            each token's k products summed
 
-(``qerl.nvfp4.kernels.grouped_experts``). Everything has static shapes and no host sync: a CUDA graph captures it, and
+(``qerl.nvfp4.kernels.grouped_experts``). Or, for NVFP4 experts at decode rows where :data:`GEMV_ROWS` (or the
+engine's ``Kernels.experts``) says so, the base products through the decode GEMV's asm loop on the repacked layout
+(``qerl.nvfp4.kernels.expert_gemv``), everything in expert order:
+
+    xs = x[order // k]                          each pair's input row, gathered once into expert order
+    h  = epilogue(expert_gemv(xs, W_gu), A_gu)  silu(gate) * up with LoRA-B, [P, I] in expert order
+    y  = epilogue(expert_gemv(h, W_d), A_d, w)  LoRA-B and router weight, written at each pair's index
+    out = combine(y)
+
+(LoRA-A through the 16-bit grouped kernel, the epilogues through ``grouped_experts.grouped_epilogue``: the roundings
+of the grouped path.)
+
+Everything has static shapes and no host sync: a CUDA graph captures it, and
 each step's expert choices can be written into a buffer the engine hands to the ``RoutingRecorder``.
 
 Storage: the kernels read one stacked tensor per layer and projection kind (``[E, 2I, H/2]`` packed codes of gate|up,
@@ -18,7 +30,11 @@ their block scales and per-expert global scales; ``[E, H, I/2]`` ... of down; or
 Built once from the experts' modules, which then hold views of it (``.data`` of their parameters): one resident copy
 of every expert. An ``NVFP4Linear`` that already moved its compressed-tensors tensors to host memory (its repacked
 copy serves the update's kernels) is copied into the stack instead and keeps its repacked copy: its weight is then
-resident twice until the update runs through the grouped kernels too.
+resident twice until the update runs through the grouped kernels too. Where the expert GEMV may run, its stacks of
+the repacked layout (``[E, 2I/16, H/64, 32, 4]`` words and ``[E, 2I/16, H/64, 32]`` factors of gate|up; of down
+alike) are the experts' own repacked copies (``NVFP4Linear.stacked_gemv_weight``: each module's copy becomes its
+slice of the stack, which the update's kernels read too), beside the compressed stack the grouped kernels read (the
+prefill): the state the update's repacked copies put the experts in anyway, without a third copy.
 LoRA: per layer ``A_gu [E, 2r, H]``, ``B_gu [E, 2I, r]``, ``A_d [E, r, I]``, ``B_d [E, H, r]`` in the model dtype,
 B scaled, refreshed from the trained matrices by :meth:`MoEStep.prepare` before each rollout (multi-tensor copies).
 """
@@ -29,14 +45,34 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl.model.experts import Experts
-from qerl.nvfp4.kernels import grouped_experts as G
 from qerl.kernels.pair_sort import sort_pairs
+from qerl.model.experts import Experts
+from qerl.nvfp4.kernels import expert_gemv as X
+from qerl.nvfp4.kernels import gemv_layout, gemv_plan
+from qerl.nvfp4.kernels import grouped_experts as G
 from qerl.kernels.topk_router import topk_route, topk_route_torch
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
 
 _NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
+EXPERT_KERNELS = ("gemv", "grouped")
+GEMV_ROWS: dict[int, str] = {rows: "gemv" for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+"""NVFP4 experts' kernel per decode-row bucket (the next power of two): ``gemv`` (``expert_gemv`` on the repacked
+stack) or ``grouped`` (``grouped_experts`` on the compressed stack); above the last bucket (a prefill) ``grouped``.
+The one place a measurement replaces: on the H200 (``bench/bench_expert_gemv.py``, ``expert_gemv_h200.json``: both
+projections of a Qwen3-30B-A3B layer as the step runs them) the expert GEMV took half the grouped kernel's time at 16,
+64 and 128 rows (and less than the bf16 grouped kernel's); at 1 row it lost with K split (that run's default), and
+the unsplit launch it now makes saves more than it lost by; 2-8 rows are not measured and follow 1 and 16."""
+
+
+def expert_kernel(rows: int, choice: str | None) -> str:
+    """The NVFP4 experts' kernel for a step of ``rows`` token rows: ``choice`` (``Kernels.experts``) where given,
+    else :data:`GEMV_ROWS`; always ``grouped`` above :data:`gemv_plan.WIDE_MAX_M` rows (a prefill)."""
+    if rows > gemv_plan.WIDE_MAX_M:
+        return "grouped"
+    if choice is not None:
+        return choice
+    return GEMV_ROWS[1 << max(0, rows - 1).bit_length()]
 
 
 def is_moe_block(mlp: nn.Module) -> bool:
@@ -46,9 +82,12 @@ def is_moe_block(mlp: nn.Module) -> bool:
 
 class MoEStep:
     """One sparse-MoE block (router ``block.gate``, experts ``block.experts``) as the grouped kernels run it; the torch
-    twins where ``fast`` is False (CPU)."""
+    twins where ``fast`` is False (CPU). ``kernel``: the NVFP4 experts' kernel (one of :data:`EXPERT_KERNELS`;
+    None: :func:`expert_kernel`'s table per step)."""
 
-    def __init__(self, block: nn.Module, fast: bool):
+    def __init__(self, block: nn.Module, fast: bool, kernel: str | None = None):
+        if kernel is not None and kernel not in EXPERT_KERNELS:
+            raise ValueError(f"expert kernel {kernel!r}: use one of {EXPERT_KERNELS} or None (the table)")
         gate, experts = block.gate, block.experts
         if not isinstance(experts, Experts):
             raise Unsupported(f"experts module {type(experts).__name__} (qerl's loader puts per-expert Experts there)")
@@ -57,7 +96,7 @@ class MoEStep:
         if hasattr(gate, "lora_A") or not isinstance(getattr(gate, "weight", None), torch.Tensor):
             raise Unsupported("a router other than a frozen top-k linear")
         self.router, self.top_k, self.renormalize = gate, int(gate.top_k), bool(gate.norm_topk_prob)
-        self.experts, self.fast = experts, fast
+        self.experts, self.fast, self.choice = experts, fast, kernel
         bases = [[lora_of(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
         flat = [b for trio in bases for b in trio]
         self.kind = "nvfp4" if all(isinstance(b, NVFP4Linear) for b in flat) else \
@@ -71,6 +110,12 @@ class MoEStep:
         self.bases = bases
         self.inter, self.hidden = bases[0][0].out_features, bases[0][0].in_features
         self.gate_up = self.down = None  # the stacked storage (see the module docstring)
+        # (the torch twins: only when asked for, the table is for the GPU)
+        self.gemv = self.kind == "nvfp4" and (kernel == "gemv" or fast and kernel is None and "gemv" in
+                                              GEMV_ROWS.values()) and all(
+            gemv_layout.supported(n, k) for n, k in ((2 * self.inter, self.hidden), (self.hidden, self.inter)))
+        self.gate_up_repacked = self.down_repacked = None  # (words, factors, global scales) where self.gemv
+        self.slots = None  # 0 .. P - 1 where self.gemv: the identity order of the grouped kernels in expert order
         self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
         self._versions = self._storage_versions()
         self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
@@ -117,6 +162,15 @@ class MoEStep:
                 else:
                     stack[e, rows].copy_(base.weight.detach())
                     base.weight.data = stack[e, rows]
+        if self.gemv:  # the modules' repacked copies as the stacks
+            def repacked(layers: list[NVFP4Linear], n: int, global_scales: torch.Tensor) -> tuple:
+                words, factors = NVFP4Linear.stacked_gemv_weight(layers)  # [E n / 16, ...]: each module's a slice
+                return (words.view(E, n // 16, *words.shape[1:]), factors.view(E, n // 16, *factors.shape[1:]),
+                        global_scales)
+
+            self.gate_up_repacked = repacked([m for g, u, _ in self.bases for m in (g, u)], 2 * I, self.gate_up[2])
+            self.down_repacked = repacked([d for _, _, d in self.bases], H, self.down[2])
+            self.slots = torch.arange(gemv_plan.WIDE_MAX_M * self.top_k, device=device)  # built once: a launch less
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
@@ -144,7 +198,8 @@ class MoEStep:
 
     def key(self) -> tuple:
         """What a captured step reads of this block besides the norms: the storage and the adapter buffers."""
-        stacks = [t for s in (self.gate_up, self.down) for t in (s if isinstance(s, tuple) else (s,)) if t is not None]
+        stacks = [t for s in (self.gate_up, self.down, self.gate_up_repacked, self.down_repacked)
+                  for t in (s if isinstance(s, tuple) else (s,)) if t is not None]
         lora = self.lora if self.adapter else ()
         return (self.adapter,) + tuple(t.data_ptr() for t in (*stacks, *lora, self.router.weight))
 
@@ -161,6 +216,9 @@ class MoEStep:
         if choices is not None:
             choices.copy_(index)
         order, offsets = sort_pairs(index, len(self.bases))
+        if self.gemv and (x.dtype == torch.bfloat16 or not self.fast) and expert_kernel(
+                x.shape[0], self.choice) == "gemv":
+            return self._through_gemv(x, weight, order, offsets)
         run = G.grouped if self.fast else G.grouped_torch
         k = self.top_k
         lora_gu = lora_d = None
@@ -173,5 +231,25 @@ class MoEStep:
         y = run(h, order, offsets, self.down, top_k=1, lora=lora_d, route=weight.reshape(-1))
         return G.combine(y, k)
 
+    def _through_gemv(self, x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor,
+                      offsets: torch.Tensor) -> torch.Tensor:
+        """The experts through ``expert_gemv`` in expert order (see the module docstring): the base products from the
+        repacked stacks, LoRA-A through the 16-bit grouped kernel, LoRA-B, gating and router weight through the
+        grouped kernels' epilogue (``grouped_epilogue``: the roundings of :func:`G.grouped`), the down projection's
+        written back at each pair's index."""
+        k, rows = self.top_k, x.shape[0]
+        xs = X.rows_in_expert_order(x, order, k)  # [P, H]
+        ident = self.slots[:xs.shape[0]]
+        gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
+        lora_gu = lora_d = None
+        if self.adapter:
+            a_gu, b_gu, a_d, b_d = self.lora
+            lora_gu = (G.grouped(xs, ident, offsets, a_gu, top_k=1), b_gu)
+        h = G.grouped_epilogue(gu, ident, offsets, gated=True, lora=lora_gu)  # [P, I] in expert order
+        y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
+        if self.adapter:
+            lora_d = (G.grouped(h, ident, offsets, a_d, top_k=1), b_d)
+        return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k)
 
-__all__ = ["MoEStep", "is_moe_block"]
+
+__all__ = ["EXPERT_KERNELS", "GEMV_ROWS", "MoEStep", "expert_kernel", "is_moe_block"]

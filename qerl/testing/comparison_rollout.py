@@ -30,23 +30,25 @@ class ComparisonRollout(CUDAGraphRollout):
         phase_hook: called with each phase of a call and the decode steps run so far (a timer).
         copy_if_fits: where ``wide_batch_bf16`` is not given, make the bf16 copy of wide steps whenever it fits in
             the free GPU memory with the plan's margin (what a memory plan would decide for a timed rollout alone).
+        experts: the NVFP4 MoE experts' kernel (``moe_step.EXPERT_KERNELS``; None: the table per row count).
         **options: ``CUDAGraphRollout``'s arguments.
     """
 
     def __init__(self, use_graphs: bool | None = None, pdl: bool | None = None, wgmma: bool | None = None,
                  fused_sampling: bool = True, phase_hook: Callable[[str, int], None] | None = None,
-                 copy_if_fits: bool = False, **options):
+                 copy_if_fits: bool = False, experts: str | None = None, **options):
         self.copy_if_fits = copy_if_fits and options.get("wide_batch_bf16") is None
         super().__init__(**options)
         self.use_graphs, self.pdl, self.wgmma, self.fused_sampling = use_graphs, pdl, wgmma, fused_sampling
-        self.phase_hook = phase_hook
+        self.phase_hook, self.experts = phase_hook, experts
         self._stop_after: int | None = None  # this call's (generate's argument)
 
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, stop_after: int | None = None):
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, stop_after: int | None = None,
+                 routing=None):
         """``CUDAGraphRollout.generate``, decoding at most ``stop_after`` tokens (warm-ups and profiles)."""
         self._stop_after = stop_after
         try:
-            return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
+            return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing)
         finally:
             self._stop_after = None
 
@@ -54,7 +56,7 @@ class ComparisonRollout(CUDAGraphRollout):
         return super()._captures(device) if self.use_graphs is None else self.use_graphs
 
     def _kernels(self, device) -> Kernels:
-        return Kernels.pick(device, self.pdl, self.wgmma)
+        return Kernels.pick(device, self.pdl, self.wgmma, self.experts)
 
     def _sample(self, logits, spec, key, rows, step):
         return sample_rows(logits, spec.temperature, spec.top_p, key, rows, step, self.fused_sampling)

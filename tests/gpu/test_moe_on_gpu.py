@@ -151,3 +151,94 @@ def test_ptx_unpack_equals_its_plain_twin_bit_for_bit_and_the_pair_sort_the_torc
     y = {u: G.grouped(h["natural"], order, offsets, step.down, top_k=1, unpack=u) for u in G.UNPACKS}
     assert torch.equal(y["asm"], y["pair"])
     torch.testing.assert_close(y["asm"], y["natural"], atol=float(y["asm"].abs().max()) * 2**-12, rtol=2**-7)
+
+
+def _expert_products_float64(xs, experts, packed, scale, gs):
+    """Each sorted row's product with its expert's dequantized weight, in float64."""
+    out = torch.empty(xs.shape[0], packed.shape[1], dtype=torch.float64, device=xs.device)
+    for e in experts.unique().tolist():
+        rows = (experts == e).nonzero().flatten()
+        out[rows] = xs[rows].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
+    return out
+
+
+@pytest.mark.parametrize("wgmma", [True, False])
+@pytest.mark.parametrize("rows", [1, 16, 128])
+def test_expert_gemv_equals_float64_and_replays_another_routing_from_a_graph(rows, wgmma):
+    from qerl.kernels.pair_sort import sort_pairs
+    from qerl.nvfp4.kernels import expert_gemv as X
+    from qerl.nvfp4.kernels.gemv_plan import wgmma_supported
+
+    if wgmma and not wgmma_supported(torch.device("cuda")):
+        pytest.skip("the wgmma loop needs sm_90")
+    num, top_k = 128, 8
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    for n, k in ((1536, 2048), (2048, 768)):  # Qwen3-30B-A3B's stacked gate|up and down
+        packed = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        scale = (torch.rand(num, n, k // 16, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+        gs = 2688.0 / (0.5 + torch.rand(num, device="cuda", generator=gen))
+        words, factors = X.repack_stack(packed, scale)
+
+        def routing():
+            index = torch.rand(rows, num, device="cuda", generator=gen).topk(top_k, dim=1).indices
+            order, offsets = sort_pairs(index, num)
+            return index.reshape(-1)[order], torch.randn(rows * top_k, k, device="cuda", generator=gen).to(
+                torch.bfloat16), offsets
+
+        def check(out, experts, xs):
+            ref = _expert_products_float64(xs, experts, packed, scale, gs)
+            assert float((out.double() - ref).abs().max()) <= 0.01 * float(ref.abs().max()), (n, k)
+
+        experts, xs, offsets = routing()
+        for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=3, wgmma=wgmma),
+                       X.ExpertGemvConfig(tiles=2, splits=2, wgmma=wgmma), X.ExpertGemvConfig(wgmma=wgmma, loop=False)):
+            check(X.expert_gemv(xs, offsets, words, factors, gs, rows, config), experts, xs)
+        # captured once, replayed on another routing written into the same buffers (offsets read on the device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = X.expert_gemv(xs, offsets, words, factors, gs, rows, X.ExpertGemvConfig(wgmma=wgmma))
+        experts, xs2, offsets2 = routing()
+        xs.copy_(xs2)
+        offsets.copy_(offsets2)
+        graph.replay()
+        check(out, experts, xs)
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 128])
+def test_moe_step_through_the_expert_gemv_equals_float64_and_the_grouped_kernels(policy, tokens):
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
+
+    base = policy.get_base_model()
+    steps = {}
+    for kernel in ("gemv", "grouped"):
+        decoder = FusedDecoder(base, Kernels.pick(torch.device("cuda"), experts=kernel))
+        decoder.prepare(torch.bfloat16)
+        steps[kernel] = decoder.moe[0]
+    assert steps["gemv"].gate_up_repacked is not None and steps["grouped"].gate_up_repacked is None
+    experts = next(m for m in base.modules() if isinstance(m, Experts))
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        weight, index = steps["gemv"].route(x)
+        out = {kernel: step(x).double() for kernel, step in steps.items()}
+    ref = float64_experts(experts, x, index, weight)
+    for kernel in out:
+        assert float((out[kernel] - ref).abs().max()) <= 0.02 * float(ref.abs().max()), kernel
+
+
+def test_graph_engine_through_the_expert_gemv_captured_equals_eager_with_exact_logprobs(policy, prompts):
+    from qerl.testing.comparison_rollout import ComparisonRollout
+
+    spec = SamplingSpec(max_new_tokens=20, seed=3)
+    runs = [ComparisonRollout(use_graphs=graphs, check_every=4, fused=True, experts="gemv").generate(
+        policy, prompts, 4, 0, [], spec) for graphs in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-6, rtol=0)
+    recorder = RoutingRecorder()
+    engine = ComparisonRollout(check_every=4, fused=True, experts="gemv")
+    with recorder.recording(policy):
+        r = engine.generate(policy, prompts, 4, 0, [], SamplingSpec(max_new_tokens=24, seed=0), routing=recorder)
+    assert engine.graphs_captured > 0
+    choices = recorder.choices(*torch.cat((r.prompt_ids, r.completion_ids), 1).shape)
+    with routed(policy, replay=choices.reshape(choices.shape[0], -1, choices.shape[-1])):
+        assert float((r.logprobs - recompute(policy, r)[0]).abs().max()) < LOGPROB_ATOL

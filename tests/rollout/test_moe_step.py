@@ -119,3 +119,35 @@ def test_experts_the_grouped_kernels_cannot_read_are_refused_by_name(model_dir):
         up.weight_global_scale.mul_(2)  # gate|up are one stacked NVFP4 weight: one global scale per expert
     with pytest.raises(Unsupported, match="distinct global scales"):
         FusedDecoder(base, Kernels(fast=False))
+
+
+def test_moe_step_through_the_expert_gemv_twin_equals_the_per_expert_modules(tmp_path):
+    # the expert GEMV path's plumbing (gather into expert order, repacked stacks, per-expert LoRA-A/B through the
+    # grouped kernels, silu, router weight, scatter back) with the torch twin of its kernel, against the modules
+    from qerl.rollout.fused_decoder import FusedDecoder, Kernels
+    from qerl.rollout.moe_step import GEMV_ROWS, expert_kernel
+
+    # hidden 128: the experts' K (128, and 64 for down) a multiple of the repacked layout's chunk of 64
+    policy = moe_policy(save_tiny_model(tmp_path, "qwen3_moe", vocab_size=64, hidden_size=128), "nvfp4", "float32")
+    base = policy.get_base_model()
+    decoder = FusedDecoder(base, Kernels(fast=False, experts="gemv"))
+    decoder.prepare(torch.float32)
+    step = decoder.moe[0]
+    assert step.gate_up_repacked is not None and step.adapter
+    experts = next(m for m in base.modules() if isinstance(m, Experts))
+    words = step.gate_up_repacked[0]
+    for e, expert in enumerate(experts):  # each module's repacked copy (the update's kernels read it) is the stack's
+        assert expert.up_proj.base_layer.gemv_weight()[0].data_ptr() == words[e, step.inter // 16].data_ptr()
+        assert expert.down_proj.base_layer.gemv_weight()[1].data_ptr() == step.down_repacked[1][e].data_ptr()
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+    weight, index = step.route(x)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+        with policy.disable_adapter():
+            decoder.prepare(torch.float32)
+            torch.testing.assert_close(step(x), experts(x, index, weight), atol=1e-5, rtol=1e-5)
+    assert FusedDecoder(base, Kernels(fast=False)).moe[0].gate_up_repacked is None  # the table is the GPU's
+    assert expert_kernel(3, None) == GEMV_ROWS[4] and expert_kernel(16, "gemv") == "gemv"
+    assert expert_kernel(257, "gemv") == "grouped"  # a prefill: the grouped kernels' wide tiles
+    with pytest.raises(ValueError, match="expert kernel 'fast'"):
+        FusedDecoder(base, Kernels(fast=False, experts="fast"))

@@ -482,3 +482,13 @@ def test_the_moe_parts_are_the_sizes_of_the_real_qwen3_30b_a3b():
     nvfp4 = plan_memory(shape, RunSettings(prompts=2, group_size=2, max_prompt_tokens=64, max_new_tokens=64))
     assert component(nvfp4, "NVFP4 linears in the decode GEMV's layout") == 0.625 * sum(
         m.weight.numel() for m in linears.values())  # every projection, experts included, has the GEMV's shape
+
+
+@pytest.mark.parametrize("engine", ["cuda_graph", "builtin"])
+def test_a_moe_on_the_graph_engine_keeps_its_experts_compressed_beside_their_repacked_copies(engine):
+    # the fused MoE step reads the experts' repacked copies (the expert GEMV; the update's kernels too) and keeps their
+    # compressed stack for the prefill's grouped kernels: both resident; the other engines keep the repacked copy alone
+    shape = ModelShape.from_config(tiny_config("qwen3_moe", hidden_size=128))  # experts 8 x (2 x 64 x 128 + 128 x 64)
+    plan = plan_memory(shape, tiny_settings(quantization="nvfp4", engine=engine))
+    stacks = [c.nbytes for c in plan.components if c.name.startswith("MoE experts' compressed stack")]
+    assert stacks == ([shape.layers * 8 * 3 * 64 * 128 * 0.5625] if engine == "cuda_graph" else [])

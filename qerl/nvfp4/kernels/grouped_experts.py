@@ -190,7 +190,9 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
                     NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
-                    SHIFT: tl.constexpr):
+                    SHIFT: tl.constexpr, BASE: tl.constexpr = False):
+    """``BASE``: the base products come rounded from ``x_ptr`` (row = the pair's slot in expert order, ``[Wg; Wu]``
+    columns where ``GATED``) instead of from a weight: the epilogue alone (:func:`grouped_epilogue`)."""
     e = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     start = tl.load(offsets_ptr + e)
@@ -205,12 +207,21 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
         pair_ok = slot < end
         pairs = tl.load(order_ptr + slot, mask=pair_ok, other=0)
         rows = pairs // TOPK_IN
-        acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
-        v = _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
+        if BASE:
+            ok = pair_ok[:, None] & (cols[None, :] < N)
+            acc = tl.load(x_ptr + slot[:, None].to(tl.int64) * sx + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc_up = acc
+            if GATED:
+                acc_up = tl.load(x_ptr + slot[:, None].to(tl.int64) * sx + N + cols[None, :], mask=ok,
+                                 other=0.0).to(tl.float32)
+        else:
+            acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
+        u_rows = slot if BASE else pairs  # (given base products: their LoRA-A outputs in the same expert order)
+        v = _epilogue(acc, gs, u_ptr, su, u_rows, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
                       HAS_LORA, DT, SHIFT)
         if GATED:
-            up = _epilogue(acc_up, gs, u_ptr, su, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
+            up = _epilogue(acc_up, gs, u_ptr, su, u_rows, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
                            NVFP4, HAS_LORA, DT, SHIFT)
             v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
@@ -272,6 +283,34 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     return out
 
 
+def grouped_epilogue(base: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, *, gated: bool = False,
+                     lora=None, route: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`grouped`'s epilogue on base products computed elsewhere (the expert GEMV): ``base [P, N']`` rounded to
+    its dtype, row ``s`` the pair in slot ``s`` of the expert order (``order[s]``); LoRA-B, gating and router weight
+    as :func:`grouped` applies them (the same roundings), written at the pair's index ``order[s]``. ``lora``:
+    ``(u [P, r'], B [E, N', r])``, u in expert order as ``base``; ``route [P]`` at pair index."""
+    P, n_rows = base.shape
+    E = offsets.numel() - 1
+    N = n_rows // 2 if gated else n_rows
+    out = torch.empty(P, N, dtype=base.dtype, device=base.device)
+    if P == 0:
+        return out
+    if not base.is_cuda and not _INTERPRET:
+        return grouped_torch(base, order, offsets, None, top_k=1, gated=gated, lora=lora, route=route, base=base)
+    u, b = lora if lora is not None else (base, base)
+    r = b.shape[2] if lora is not None else 0
+    cfg = default_config(P, E, "bf16", gated)
+    block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
+    _grouped_kernel[(E, cdiv(N, block_n))](
+        base, base.stride(0), order, offsets, base, base, base, u, u.stride(0), b, r,
+        route if route is not None else base, out, N, 0, 1,
+        BLOCK_M=WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M, BLOCK_N=block_n, BLOCK_K=16,
+        RP=max(16, next_power_of_2(r)), NVFP4=False, PAIR_ORDER=False, USE_ASM=False, GATED=gated,
+        HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[base.dtype], SHIFT=_SHIFT[base.dtype], BASE=True,
+        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
+    return out
+
+
 def expert_weight(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert e's dense ``[N', K]`` weight in ``dtype`` (NVFP4 dequantized)."""
     if isinstance(weight, tuple):
@@ -280,11 +319,13 @@ def expert_weight(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     return weight[e].to(dtype)
 
 
-def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False, lora=None, route=None):
-    """Torch twin of :func:`grouped` (same roundings): a host loop over the experts that received pairs."""
+def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False, lora=None, route=None, base=None):
+    """Torch twin of :func:`grouped` (same roundings): a host loop over the experts that received pairs; with ``base``
+    (``weight`` None) the twin of :func:`grouped_epilogue`."""
     dtype = x.dtype
     P = order.numel()
-    E, n_rows = (weight[0] if isinstance(weight, tuple) else weight).shape[:2]
+    E, n_rows = (offsets.numel() - 1, base.shape[1]) if base is not None else \
+        (weight[0] if isinstance(weight, tuple) else weight).shape[:2]
     N = n_rows // 2 if gated else n_rows
     out = torch.empty(P, N, dtype=dtype, device=x.device)
     bounds = offsets.tolist()
@@ -292,13 +333,14 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
         if bounds[e] == bounds[e + 1]:
             continue
         pairs = order[bounds[e]:bounds[e + 1]]
-        rows = x[pairs // top_k]
-        y = F.linear(rows, expert_weight(weight, e, dtype))
+        y = base[bounds[e]:bounds[e + 1]] if base is not None else F.linear(x[pairs // top_k],
+                                                                             expert_weight(weight, e, dtype))
         if lora is not None:  # one rounding of base + LoRA-B, as the kernel's epilogue (and peft's addmm)
             u, b = lora
             r = b.shape[2]
             b_e = b[e].to(dtype)
-            parts = [(u[pairs, :r], b_e[:N]), (u[pairs, r:2 * r], b_e[N:])] if gated else [(u[pairs, :r], b_e)]
+            rows = slice(bounds[e], bounds[e + 1]) if base is not None else pairs  # (u beside base: expert order)
+            parts = [(u[rows, :r], b_e[:N]), (u[rows, r:2 * r], b_e[N:])] if gated else [(u[rows, :r], b_e)]
             y = torch.cat([torch.addmm(y[:, i * N:(i + 1) * N], a.to(dtype), bb.t()) for i, (a, bb) in
                            enumerate(parts)], 1)
         if gated:
@@ -309,10 +351,29 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
     return out
 
 
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):  # the token's k products in pair order
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
 def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[T * k, H]`` pair outputs (router weights applied) -> ``[T, H]``: each token's k summed in fp32."""
-    return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
+    """``[T * k, H]`` pair outputs (router weights applied) -> ``[T, H]``: each token's k summed in fp32 (one launch
+    on CUDA; a torch reduction and a cast elsewhere)."""
+    if not y.is_cuda and not _INTERPRET:
+        return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
+    y = y.contiguous()
+    out = torch.empty(y.shape[0] // top_k, y.shape[1], dtype=y.dtype, device=y.device)
+    if out.numel():
+        block = min(1024, next_power_of_2(y.shape[1]))
+        _combine_kernel[(out.shape[0], cdiv(y.shape[1], block))](y, out, y.shape[1], TOP_K=top_k, BLOCK=block,
+                                                                 num_warps=4)
+    return out
 
 
 __all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
-           "expert_weight", "grouped", "grouped_torch", "pairs_bucket", "weight_kind"]
+           "expert_weight", "grouped", "grouped_epilogue", "grouped_torch", "pairs_bucket", "weight_kind"]

@@ -1,0 +1,130 @@
+"""CPU checks of the expert GEMV (qerl.nvfp4.kernels.expert_gemv): the stacked repacked experts, the program ->
+(expert, rows) mapping and the launch's arithmetic against float64, and the sm_90 build of every variant the launcher
+can pick (the asm itself runs on the GPU only: tests/gpu/test_moe_on_gpu.py).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qerl.kernels.pair_sort import sort_pairs_torch  # noqa: E402
+from qerl.nvfp4.format import dequantize  # noqa: E402
+from qerl.nvfp4.kernels import expert_gemv as X  # noqa: E402
+from qerl.nvfp4.kernels import gemv_layout  # noqa: E402
+from test_nvfp4_repack import _build_for_sm90  # noqa: E402 (the dense GEMV's build helper: a child process)
+
+
+def random_experts(num, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(num, n, k // 16, generator=gen) * 2.0 ** torch.randint(-6, 6, (num, n, k // 16), generator=gen)
+    gs = 2688.0 / (0.5 + torch.rand(num, generator=gen))
+    return packed, scale.clamp(max=448).to(torch.float8_e4m3fn), gs
+
+
+def test_repack_stack_is_every_experts_repack_and_reversible():
+    packed, scale, _ = random_experts(3, 32, 128, 0)
+    words, factors = X.repack_stack(packed, scale)
+    assert words.shape == (3, 2, 2, 32, 4) and factors.shape == (3, 2, 2, 32)
+    for e in range(3):
+        w, f = gemv_layout.repack(packed[e], scale[e])
+        assert torch.equal(words[e], w) and torch.equal(factors[e], f)
+    p2, s2 = X.unrepack_stack(words, factors)
+    assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("loop", [True, False])
+@pytest.mark.parametrize("rows,top_k,num,tiles", [(1, 2, 6, 1), (5, 3, 4, 1), (12, 2, 5, 1), (12, 2, 5, 2)])
+def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles, loop):
+    gen = torch.Generator().manual_seed(rows * 10 + num)
+    index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
+    _, offsets = sort_pairs_torch(index, num)
+    bounds, blocks = offsets.tolist(), 0 if loop else X.token_blocks(rows, tiles)
+    covered = []
+    for i in range(num * (blocks or 1)):
+        for e, first, m in X.program_blocks(bounds, i, tiles, blocks):
+            assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
+            covered += range(first, first + m)
+    assert sorted(covered) == list(range(rows * top_k))  # the worst case (rows pairs per expert) fits the grid
+    unused = [e for e in range(num) if bounds[e] == bounds[e + 1]]
+    assert not any(X.program_blocks(bounds, e * (blocks or 1) + b, tiles, blocks)
+                   for e in unused for b in range(blocks or 1))
+
+
+@pytest.mark.parametrize("tiles,loop", [(1, True), (2, True), (1, False)])
+def test_launch_arithmetic_equals_float64_per_expert_products(tiles, loop):
+    num, n, k, rows, top_k = 5, 32, 192, 12, 2
+    packed, scale, gs = random_experts(num, n, k, tiles)
+    words, factors = X.repack_stack(packed, scale)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
+    order, offsets = sort_pairs_torch(index, num)
+    x_sorted = x[order // top_k]
+    blocks = 0 if loop else X.token_blocks(rows, tiles)
+    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, blocks)
+    experts = index.reshape(-1)[order]  # each sorted row's expert
+    ref = torch.stack([x_sorted[p].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
+                       for p, e in enumerate(experts.tolist())])
+    # (dequantize divides the block scales by the global scale in fp32; the launch multiplies by 256 / gs)
+    assert float((out - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+
+
+def test_default_tiles_follow_the_expected_pairs_per_expert():
+    # Qwen3-30B-A3B: 128 experts, top-8; 1 row: 8 experts of 1 pair; 128 rows: about 8 pairs per expert, room for 16
+    assert [X.default_tiles(8 * rows, 128) for rows in (1, 16, 64, 128)] == [1, 1, 2, 2]
+    assert X.default_tiles(4096, 8) == 8  # few experts, many pairs: the widest tile set
+    assert X.ExpertGemvConfig().splits == 1
+
+
+_SM90_BUILD = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.nvfp4.kernels import expert_gemv as X
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "offsets_ptr": "*i32", "out_addr": "i64",
+       "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
+       "SPLITS": "i32", "BLOCKS": "i32", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr",
+       "SHIFT": "constexpr", "LOOP": "constexpr"}
+for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync) [+ L: a 100M+ weight, whose 8-warp ring is not static]
+    nt, wgmma, large = int(spec[0]), spec[1] == "w", "L" in spec  # [+ g: a program per token block, not the loop]
+    consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma)
+    consts["LOOP"] = "g" not in spec
+    warps = consts.pop("num_warps")
+    k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    marks = [] if wgmma == ("wgmma.mma_async" in ptx) else ["WGMMA-MISMATCH"]
+    path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
+    path.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    print(spec, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l), "MARKS:" + ",".join(marks))
+"""
+
+
+def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled CUDA tools")
+    script = tmp_path / "build.py"
+    script.write_text(_SM90_BUILD)
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg"]
+    for line in _build_for_sm90(script, variants):
+        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
+        assert line.endswith("MARKS:"), line
+
+
+def test_the_grouped_epilogue_on_given_products_equals_the_grouped_kernel_and_its_twin(run_interpreted):
+    # the expert GEMV path's LoRA-B, gating, router weight and scatter: the grouped kernel's epilogue on the GEMV's
+    # rounded products gives the grouped kernel's own result (same roundings), in expert or pair order as asked
+    res = run_interpreted(Path(__file__).with_name("_interpret_grouped_epilogue.py"))
+    assert len(res) == 9  # gate_up, down and the gather into expert order, 3 dtype / size cases each
+    for key, v in res.items():
+        assert v["vs_fused"] <= 1e-6 and v["vs_twin"] <= (1e-6 if "float32" in key else 1e-3), (key, v)
