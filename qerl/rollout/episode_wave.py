@@ -39,6 +39,30 @@ def episode_columns(budget: int, check_every: int) -> int:
     return 2 * budget + 1 + check_every
 
 
+def slot_layout(running: list[int], resumed: list[int], bucket: int, slots: int) -> tuple[int, list[int]]:
+    """Where the slots go at a check, moving few (a move copies a slot's whole cache row): the ``running`` slots and
+    the ``resumed`` ones must lie in the first ``bucket`` slots (the next steps' batch), the resumed ones side by side
+    in their order (one prefill appends their observations). Returns the resumed block's first slot and ``order``:
+    slot k takes what slot ``order[k]`` holds (a permutation of ``slots``)."""
+    n, run = len(resumed), set(running)
+    # the window of the resumed block that displaces the fewest running slots and keeps the most resumed ones in place
+    first = min(range(bucket - n + 1), key=lambda a: sum(k in run for k in range(a, a + n))
+                + sum(not a <= k < a + n for k in resumed))
+    order, at = list(range(slots)), list(range(slots))  # at[source]: the slot it goes to
+
+    def put(source: int, slot: int) -> None:  # swap ``source`` into ``slot``
+        other, was = order[slot], at[source]
+        order[slot], order[was], at[source], at[other] = source, other, slot, was
+
+    for i, k in enumerate(resumed):
+        put(k, first + i)
+    free = [k for k in range(bucket) if not first <= k < first + n and order[k] not in run]
+    for k in running:
+        if at[k] >= bucket:
+            put(k, free.pop())
+    return first, order
+
+
 class EpisodeWave:
     """One wave's episodes (see the module docstring), output rows ``first_row`` on.
 
@@ -94,7 +118,8 @@ class EpisodeWave:
     def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int]:
         """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
         over the rows that stopped since, append the observations that came back and move those rows and the running
-        ones to the front. Returns the next batch bucket (0: the wave is over) and the next column."""
+        ones into the next batch (``slot_layout``). Returns the next batch bucket (0: the wave is over) and the next
+        column."""
         s, N = self.s, self.rows
         ready = self.turns.collect() if self.waiting else {}
         collected, self.waiting = self.waiting, set()
@@ -115,12 +140,6 @@ class EpisodeWave:
         resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
             return 0, column
-        moved = running + resumed + [k for k in range(N) if slot_row[k] in self.waiting]
-        order = moved + sorted(set(range(N)) - set(moved))
-        moving = [k for k in range(N) if order[k] != k]
-        if moving:
-            s.move([order[k] for k in moving], moving, column)
-            self.costs.moved_columns += len(moving) * column
         blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
         width = max(map(len, blocks), default=0)
         holes = column - max(self.context)
@@ -133,14 +152,20 @@ class EpisodeWave:
             if column + width + self.check_every > s.length:
                 raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
                                    f"episodes' completion_budget is {self.turns.completion_budget} tokens.")
+        bucket = next(x for x in buckets if x >= len(running) + len(resumed))
+        first, order = slot_layout(running, resumed, bucket, N)
+        moving = [k for k in range(N) if order[k] != k]
+        if moving:
+            s.move([order[k] for k in moving], moving, column)
+            self.costs.moved_columns += len(moving) * column
         if resumed:
             for k, block in zip(resumed, blocks):
                 self.turn_start[slot_row[k]] = col[k]
                 self.context[slot_row[k]] += len(block)
                 self.col_seen[slot_row[k]] = col[k] + 1  # the block's prefill samples the turn's first token
             budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
-            column = self._append(len(running), blocks, budgets, column)
-        return next(x for x in buckets if x >= len(running) + len(resumed)), column
+            column = self._append(first, blocks, budgets, column)
+        return bucket, column
 
     def _count_stretch(self, b: int, col: list[int], slot_row: list[int]) -> None:
         """Count the decode steps since the last check (``WaveCosts.stretch``) from the rows' output columns now."""

@@ -42,3 +42,4 @@ def test_add_sums_counts_and_keeps_the_largest_excess():
     assert (a.attended, a.excess, a.packs) == (15, 7, 3)
     summary = WaveCosts(decoded=4, row_steps=8, attended=40, needed=20).summary()
     assert (summary["attended_per_token"], summary["attended_per_needed"], summary["idle_row_share"]) == (10, 2, 0.5)
+
