@@ -129,11 +129,18 @@ def main() -> None:
     arms = args.arms.split(",")
     for arm in arms:
         engine_options(arm)  # refused before any model loads
-    results = {arm: in_own_process(fit, model_dir, arm, args, work / "runs") for arm in arms}
+    results: dict = {}
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "turns": args.turns,
            "turn_median": args.turn_median, "new_tokens": args.new_tokens, "arms": results,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "date": datetime.date.today().isoformat()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"agent_rollout_{row['device'].lower().replace(' ', '_')}.json"
+    for arm in arms:  # each arm's result is kept as it comes (a run cut short keeps the arms before)
+        results[arm] = in_own_process(fit, model_dir, arm, args, work / "runs")
+        print(f"{arm}: {json.dumps(results[arm])}", flush=True)
+        path.write_text(json.dumps(row, indent=2) + "\n")
     single = next((results[arm] for arm in arms if engine_options(arm)[0] == "single"), None)
     resubmit = next((results[arm] for arm in arms if engine_options(arm)[0] == "resubmit"), None)
     for arm in arms:
@@ -151,10 +158,7 @@ def main() -> None:
         if resubmit is not None:
             r["decode_vs_resubmit"] = r["decode_tok_s"] / resubmit["decode_tok_s"]
             print(f"    decode throughput / resubmitted contexts: {r['decode_vs_resubmit']:.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = row["device"].lower().replace(" ", "_")
-    (out / f"agent_rollout_{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+    path.write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -326,8 +326,9 @@ class CUDAGraphRollout(RolloutEngine):
                 if smaller < b:
                     s.compact(b, P + steps - 1)
                     b = smaller
-            self.costs.step(b, self._attended(s, P + steps))
-            self._run_step(s, policy, b, self._attended(s, P + steps), spec)
+            length = self._attended(s, P + steps)
+            self.costs.step(b, length)
+            self._run_step(s, policy, b, length, spec)
             steps += 1
         return steps
 
