@@ -337,11 +337,18 @@ def wide_section(result: dict) -> list[str]:
 def agent_section(result: dict) -> list[str]:
     arms = result["arms"]
     rows = [[arm, num(a["turns"], 1), f"{a['generated_per_row']:.0f}", num(a["decode_s"], 1), num(a["tool_s"], 1),
-             f"{a['decode_tok_s']:.0f}", num(a["train_s"], 1)] for arm, a in arms.items()]
+             f"{a['decode_tok_s']:.0f}", num(a.get("decode_vs_single")), num(a["train_s"], 1),
+             *([f"{a['costs']['attended_per_token']:.0f}", f"{a['costs']['idle_row_share']:.1%}",
+                f"{a['costs']['packs']:.0f}"] if "costs" in a else ["-"] * 3)] for arm, a in arms.items()]
+    if "multi_decode_vs_single" in result:  # (files from before the arms carried engine options)
+        rows = [[*row[:6], num(result["multi_decode_vs_single"]) if arm == "multi" else "-", *row[7:]]
+                for arm, row in zip(arms, rows)]
     lines = [f"{result['model']}, {result['prompts']} prompts x {result['group_size']}, up to {result['turns']} turns "
-             f"of median {result['turn_median']} tokens; multi-turn decode throughput / single-turn: "
-             f"{num(result['multi_decode_vs_single'])}", ""]
-    return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "update s"], rows)
+             f"of median {result['turn_median']} tokens; a multi arm's decode throughput / the single arm's (target "
+             "0.85); the cost model of each arm's decode (`qerl.rollout.wave_costs`): K/V columns x rows the "
+             "attention read per decoded token, the share of batch rows idle, the packs of the cache columns", ""]
+    return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "/ single",
+                          "update s", "attended per token", "idle rows", "packs"], rows)
 
 
 def grouped_sweep_section(result: dict) -> list[str]:
