@@ -35,6 +35,7 @@ import glob
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,11 +57,53 @@ def engine_options(arm: str) -> tuple[str, dict]:
     return name, options
 
 
+class CheckTimer:
+    """Wall seconds of a multi-turn wave's checks (``EpisodeWave._between_turns``: the host's look, the hand-over, the
+    slot moves, the packs and the observation prefills, the GPU drained at both ends so their device work counts),
+    less the waits for the tools inside them (``agent/tool_s``'s side), per ``play_episodes`` call."""
+
+    def __init__(self):
+        from qerl.agents import episode
+        from qerl.rollout import cuda_graph, episode_wave
+
+        self.calls: list[float] = []
+        self.waits = 0.0
+        between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
+                                  cuda_graph.CUDAGraphRollout.play_episodes)
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        def timed_between(wave, *a):
+            sync()
+            start, waits = time.perf_counter(), self.waits
+            try:
+                return between(wave, *a)
+            finally:
+                sync()
+                self.calls[-1] += time.perf_counter() - start - (self.waits - waits)
+
+        def timed_collect(turns):
+            start = time.perf_counter()
+            try:
+                return collect(turns)
+            finally:
+                self.waits += time.perf_counter() - start
+
+        def counted_play(engine, *a, **k):
+            self.calls.append(0.0)
+            return play(engine, *a, **k)
+
+        episode_wave.EpisodeWave._between_turns = timed_between
+        episode._Turns.collect = timed_collect
+        cuda_graph.CUDAGraphRollout.play_episodes = counted_play
+
+
 def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
     rows = args.prompts * args.group_size
     name, options = engine_options(arm)
+    checks = CheckTimer() if name == "multi" else None
     label = arm.replace("@", "_").replace(":", "_").replace("=", "")
     engine = "forced_lengths.ForcedLengthRollout"
     if name in ("multi", "resubmit"):
@@ -98,6 +141,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["turns"] = steady("agent/turns") if name != "single" else 1.0
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
     out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
+    out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
     return out
 
 
@@ -149,7 +193,8 @@ def main() -> None:
               f"tokens per row) + tools {r['tool_s']:.1f} s (rollout {r['rollout_s']:.1f} s), update "
               f"{r['train_s']:.1f} s, {r['turns']:.1f} turns; attended per token {costs['attended_per_token']:.0f} "
               f"({costs['attended_per_needed']:.2f} x needed), idle rows {costs['idle_row_share']:.1%}, "
-              f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}")
+              f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}, {costs['prefills']:.0f} "
+              f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode" if r.get("check_s") is not None else ""))
         if engine_options(arm)[0] != "multi":
             continue
         if single is not None:
