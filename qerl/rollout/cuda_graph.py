@@ -105,7 +105,7 @@ class CUDAGraphRollout(RolloutEngine):
         max_hole_columns: a multi-turn wave packs its rows' cache columns (``DecodeState.defragment``, one gather)
             at a check where the columns in use exceed the longest row's context by more than this: every step
             attends the holes (columns of idle steps and of other rows' observations) of every row. None: only when
-            the cache is full.
+            the cache is full. ``bench/agent_wave_costs.py`` counts both sides of the trade on the CPU.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -132,7 +132,7 @@ class CUDAGraphRollout(RolloutEngine):
         keep_kv_cache: bool | None = None,
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
         turn_check_every: int | None = None,
-        max_hole_columns: int | None = None,
+        max_hole_columns: int | None = 256,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
