@@ -101,8 +101,9 @@ def main() -> None:
         torch.manual_seed(0)
         results[arm] = costs = play(arm, args, policy, tokenizer)
         print(f"{arm:50s} attended/token {costs['attended_per_token']:7.0f}  attended/needed "
-              f"{costs['attended_per_needed']:5.2f}  idle rows {costs['idle_row_share']:5.1%}  steps "
-              f"{costs['decode_steps']:6.0f}  packs {costs['packs']:3.0f}  copied/token {costs['copied_per_token']:6.0f}"
+              f"{costs['attended_per_needed']:5.2f}  idle rows {costs['idle_row_share']:5.1%} (waiting "
+              f"{costs['waiting_row_share']:5.1%})  steps {costs['decode_steps']:6.0f}  packs {costs['packs']:3.0f}  "
+              f"copied/token {costs['copied_per_token']:6.0f}"
               f"  prefills {costs['prefills']:4.0f} (padding {costs['prefill_padding']:4.0%})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -192,7 +192,8 @@ def main() -> None:
         print(f"{arm}: decode {r['decode_s']:.1f} s ({r['decode_tok_s']:.0f} tok/s at {r['generated_per_row']:.0f} "
               f"tokens per row) + tools {r['tool_s']:.1f} s (rollout {r['rollout_s']:.1f} s), update "
               f"{r['train_s']:.1f} s, {r['turns']:.1f} turns; attended per token {costs['attended_per_token']:.0f} "
-              f"({costs['attended_per_needed']:.2f} x needed), idle rows {costs['idle_row_share']:.1%}, "
+              f"({costs['attended_per_needed']:.2f} x needed), idle rows {costs['idle_row_share']:.1%} "
+              f"(between turns {costs['waiting_row_share']:.1%}), "
               f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}, {costs['prefills']:.0f} "
               f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode" if r.get("check_s") is not None else ""))
         if engine_options(arm)[0] != "multi":

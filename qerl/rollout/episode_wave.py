@@ -18,8 +18,8 @@ columns in use exceed the longest row's context by more than ``max_hole_columns`
 holes of every row at every step), or where the next stretch would not fit, ``DecodeState.defragment`` packs each
 row's columns to the front (one gather over the cache, costed in ``WaveCosts`` beside the holes it saves): every row
 holds at most its prompt + its episode's budget, so ``episode_columns`` after the prompt always suffice. Both follow
-the rows' contexts, which follow the sampled tokens. A row's sampling noise is keyed by its output row and its own token count
-(``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
+the rows' contexts, which follow the sampled tokens. A row's sampling noise is keyed by its output row and its own
+token count (``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ class EpisodeWave:
         for k in range(b):
             decoded[slot_row[k]] = col[k] - self.col_seen[slot_row[k]]
         self.costs.stretch(b, self.lengths, self.context, decoded)
+        self.costs.waiting += sum(len(self.lengths) - decoded[slot_row[k]] for k in range(b)
+                                  if slot_row[k] in self.live)
         self.costs.checks += 1
         for k in range(self.rows):
             self.context[slot_row[k]] += decoded[slot_row[k]]

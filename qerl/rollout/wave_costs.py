@@ -19,6 +19,7 @@ class WaveCosts:
     decode_steps: int = 0
     row_steps: int = 0  # batch rows of each step, summed
     decoded: int = 0  # rows that sampled a token in a decode step (the tokens decoded)
+    waiting: int = 0  # batch rows of a step between two turns of their episode (the other idle rows: its end, padding)
     attended: int = 0  # batch rows x attended columns, summed: the K/V row-columns the attention reads
     needed: int = 0  # each decoding row's own context, summed: what a cache without holes would read
     excess: int = 0  # the most columns a step attended past the longest row's context (holes + bucket rounding)
@@ -65,5 +66,6 @@ class WaveCosts:
                 "attended_per_token": self.attended / tokens,
                 "attended_per_needed": self.attended / max(self.needed, 1),
                 "idle_row_share": 1.0 - self.decoded / max(self.row_steps, 1),
+                "waiting_row_share": self.waiting / max(self.row_steps, 1),
                 "prefill_padding": 1.0 - self.prefill_tokens / max(self.prefill_columns, 1),
                 "copied_per_token": (self.packed_columns + self.moved_columns) / tokens}
