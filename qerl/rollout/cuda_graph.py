@@ -106,6 +106,9 @@ class CUDAGraphRollout(RolloutEngine):
             at a check where the columns in use exceed the longest row's context by more than this: every step
             attends the holes (columns of idle steps and of other rows' observations) of every row. None: only when
             the cache is full. ``bench/agent_wave_costs.py`` counts both sides of the trade on the CPU.
+        turn_bucket_rows: a multi-turn wave's batch buckets are the multiples of this many rows (and the powers of
+            two below it): a batch closer to the rows still playing, for a few more captured graphs. None: the powers
+            of two, as a single-turn wave's.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -133,6 +136,7 @@ class CUDAGraphRollout(RolloutEngine):
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
         turn_check_every: int | None = None,
         max_hole_columns: int | None = 256,
+        turn_bucket_rows: int | None = None,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
@@ -153,7 +157,11 @@ class CUDAGraphRollout(RolloutEngine):
         if max_hole_columns is not None and max_hole_columns < 0:
             raise ValueError(f"model.rollout.init_args.max_hole_columns={max_hole_columns} must be >= 0 (or None: "
                              "pack an episode wave's cache columns only when it is full).")
+        if turn_bucket_rows is not None and turn_bucket_rows < 1:
+            raise ValueError(f"model.rollout.init_args.turn_bucket_rows={turn_bucket_rows} must be >= 1 (or None: "
+                             "batch buckets of powers of two).")
         self.turn_check_every, self.max_hole_columns = turn_check_every, max_hole_columns
+        self.turn_bucket_rows = turn_bucket_rows
         self.costs = WaveCosts()  # what the calls so far read and copied (``qerl.rollout.wave_costs``)
         self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket

@@ -96,6 +96,10 @@ class EpisodeWave:
         N, column = ids.shape[0] * group_size, ids.shape[1]
         buckets, logits = engine._start_wave(s, self.policy, ids, mask, group_size, pad_id, eos_ids, self.first_row,
                                              spec)
+        step = engine.turn_bucket_rows
+        if step is not None:  # rows end their episodes one by one: batches closer to the rows still playing
+            buckets = sorted({x for x in buckets if x < step} | {x for x in range(step, N, step)
+                                                                 if x >= engine.min_bucket} | {N})
         budgets = [self.turns.budget(self.first_row + r) for r in range(N)]
         s.limit[:N] = torch.tensor(budgets, device=ids.device)
         engine._record(s, logits, N, spec)
