@@ -67,6 +67,7 @@ class CheckTimer:
         from qerl.rollout import cuda_graph, episode_wave
 
         self.calls: list[float] = []
+        self.captured: list[int] = []  # the engine's captured graphs when each call starts
         self.waits = 0.0
         between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
                                   cuda_graph.CUDAGraphRollout.play_episodes)
@@ -91,6 +92,7 @@ class CheckTimer:
 
         def counted_play(engine, *a, **k):
             self.calls.append(0.0)
+            self.captured.append(engine.graphs_captured)
             return play(engine, *a, **k)
 
         episode_wave.EpisodeWave._between_turns = timed_between
@@ -142,6 +144,9 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
     out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
     out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
+    # graphs captured after the first step: their captures are in the reported decode seconds
+    out["later_captures"] = cli.model.rollout.graphs_captured - checks.captured[1] if checks and checks.captured[1:] \
+        else None
     return out
 
 
@@ -195,7 +200,8 @@ def main() -> None:
               f"({costs['attended_per_needed']:.2f} x needed), idle rows {costs['idle_row_share']:.1%} "
               f"(between turns {costs['waiting_row_share']:.1%}), "
               f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}, {costs['prefills']:.0f} "
-              f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode" if r.get("check_s") is not None else ""))
+              f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode, {r['later_captures']} graphs captured after "
+                             "the first step" if r.get("check_s") is not None else ""))
         if engine_options(arm)[0] != "multi":
             continue
         if single is not None:
