@@ -23,27 +23,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_bench_env import PROGRAM  # noqa: E402
+from agent_bench_env import PROGRAM, PythonTurns  # noqa: E402
 from bench_agent_rollout import engine_options  # noqa: E402
 
 QUESTION = ("A farmer has {n} sheep and buys 3 times as many goats as sheep. He sells half of the goats and a "
             "third of the sheep. Write a Python program that prints how many animals he has left, then explain it.")
 
 
-class PrintedTurns:
+class PrintedTurns(PythonTurns):
     """``agent_bench_env.PythonTurns`` with the tool's output computed once: the same observations, no processes."""
 
-    output = ""
+    printed = ""
 
-    def __init__(self, turns: int = 4):
-        self.turns = turns
-
-    def reset(self, **row) -> None:
-        self.replies = 0
-
-    def step(self, message: str) -> str | None:
-        self.replies += 1
-        return None if self.replies >= self.turns else self.output
+    def output(self) -> str:
+        return self.printed
 
 
 def play(arm: str, args, policy, tokenizer) -> dict:
@@ -91,7 +84,7 @@ def main() -> None:
 
     namespace: dict = {}
     exec(PROGRAM.replace("print(", "output = str("), namespace)  # the tool's own program, its printed line
-    PrintedTurns.output = namespace["output"] + "\n"
+    PrintedTurns.printed = namespace["output"] + "\n"
     with tempfile.TemporaryDirectory() as directory:
         path = save_tiny_chat_model(directory)
         policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")

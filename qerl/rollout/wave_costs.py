@@ -67,5 +67,5 @@ class WaveCosts:
                 "attended_per_needed": self.attended / max(self.needed, 1),
                 "idle_row_share": 1.0 - self.decoded / max(self.row_steps, 1),
                 "waiting_row_share": self.waiting / max(self.row_steps, 1),
-                "prefill_padding": 1.0 - self.prefill_tokens / max(self.prefill_columns, 1),
+                "prefill_padding": 1.0 - self.prefill_tokens / self.prefill_columns if self.prefill_columns else 0.0,
                 "copied_per_token": (self.packed_columns + self.moved_columns) / tokens}
