@@ -14,8 +14,8 @@ observations have the bench's token lengths without a process per call.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--turn-median", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--out", default=None, help="a JSON file for the results")
+    parser.add_argument("--out", default=None, help="a JSON file (bench/results/agent_wave_costs_cpu.json)")
     args = parser.parse_args()
     from qerl.model.policy import build_policy
     from qerl.hub import load_tokenizer
@@ -99,7 +99,11 @@ def main() -> None:
               f"copied/token {costs['copied_per_token']:6.0f}"
               f"  prefills {costs['prefills']:4.0f} (padding {costs['prefill_padding']:4.0%})", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        shape = {k: getattr(args, k) for k in ("prompts", "group_size", "turns", "turn_median", "new_tokens")}
+        row = {"shape": shape, "rows": [{"arm": arm, **costs} for arm, costs in results.items()],
+               "device": "cpu (a tiny model: the counts are the GPU run's)", "date": datetime.date.today().isoformat(),
+               "command": "PYTHONPATH=. python bench/agent_wave_costs.py --arms " + args.arms + " --out " + args.out}
+        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

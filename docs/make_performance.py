@@ -351,6 +351,18 @@ def agent_section(result: dict) -> list[str]:
                           "update s", "attended per token", "idle rows", "packs"], rows)
 
 
+def agent_costs_section(result: dict) -> list[str]:
+    shape = result["shape"]
+    rows = [[r["arm"], f"{r['attended_per_token']:.0f}", num(r["attended_per_needed"]), f"{r['idle_row_share']:.1%}",
+             f"{r.get('waiting_row_share', 0.0):.1%}", f"{r['decode_steps']:.0f}", f"{r['packs']:.0f}",
+             f"{r['copied_per_token']:.0f}", f"{r['prefills']:.0f}"] for r in result["rows"]]
+    lines = [f"{shape['prompts']} prompts x {shape['group_size']}, up to {shape['turns']} turns of median "
+             f"{shape['turn_median']} tokens (at most {shape['new_tokens']}); a tiny model on the CPU, the schedule of "
+             "the GPU run of the same shape", ""]
+    return lines + table(["arm", "attended per token", "x needed", "idle rows", "between turns", "decode steps",
+                          "packs", "copied per token", "prefills"], rows)
+
+
 def grouped_sweep_section(result: dict) -> list[str]:
     best = {}
     for r in result["rows"]:
@@ -722,6 +734,14 @@ SECTIONS = (
             "generated tokens, on a random-init model with the real shape, NVFP4 (`bench/bench_agent_rollout.py`); "
             "decode throughput is the model's tokens over the decode seconds.",
             agent_section),
+    Section("Agents: what a multi-turn step's decode reads (cost model)", "agent_wave_costs_*.json",
+            "PYTHONPATH=. python bench/agent_wave_costs.py --out bench/results/agent_wave_costs_cpu.json",
+            "`bench_agent_rollout.py`'s episodes counted on the host by the CUDA-graph engine "
+            "(`qerl.rollout.wave_costs`; `bench/agent_wave_costs.py`): per decoded token the K/V columns x rows the "
+            "attention read, and against the columns the rows' own contexts need; the batch rows idle (between turns: "
+            "waiting for a hand-over or an observation), the packs of the cache columns and the columns copied per "
+            "decoded token (packs and slot moves), the observation prefills. The counts follow the sampled tokens "
+            "only, so they are the GPU run's.", agent_costs_section),
     Section("Mixture-of-experts: grouped expert kernels", "grouped_experts_sweep_*.json",
             "PYTHONPATH=. python bench/sweep_grouped_experts.py --out bench/results/grouped_experts_sweep_h200.json",
             "The fused MoE step's grouped gate/up and down kernels at the Qwen3-30B-A3B expert shapes (H 2048, I 768, "
