@@ -68,6 +68,7 @@ class CheckTimer:
 
         self.calls: list[float] = []
         self.captured: list[int] = []  # the engine's captured graphs when each call starts
+        self.parts: list[dict[str, float]] = []  # per call: seconds of the checks' parts
         self.waits = 0.0
         between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
                                   cuda_graph.CUDAGraphRollout.play_episodes)
@@ -92,9 +93,25 @@ class CheckTimer:
 
         def counted_play(engine, *a, **k):
             self.calls.append(0.0)
+            self.parts.append({})
             self.captured.append(engine.graphs_captured)
             return play(engine, *a, **k)
 
+        def phase(name, fn):  # a part of the checks, its device work drained at both ends
+            def timed(*a, **k):
+                sync()
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    sync()
+                    self.parts[-1][name] = self.parts[-1].get(name, 0.0) + time.perf_counter() - start
+            return timed
+
+        episode_wave.EpisodeWave._append = phase("prefill", episode_wave.EpisodeWave._append)
+        episode_wave.EpisodeWave._turns_of = phase("hand_over", episode_wave.EpisodeWave._turns_of)
+        episode_wave.DecodeState.defragment = phase("pack", episode_wave.DecodeState.defragment)
+        episode_wave.DecodeState.move = phase("move", episode_wave.DecodeState.move)
         episode_wave.EpisodeWave._between_turns = timed_between
         episode._Turns.collect = timed_collect
         cuda_graph.CUDAGraphRollout.play_episodes = counted_play
@@ -144,6 +161,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
     out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
     out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
+    out["check_parts_s"] = (checks.parts[1:] or checks.parts)[0] if checks and checks.parts else None  # the 2nd call's
     # graphs captured after the first step: their captures are in the reported decode seconds
     out["later_captures"] = cli.model.rollout.graphs_captured - checks.captured[1] if checks and checks.captured[1:] \
         else None
@@ -201,7 +219,7 @@ def main() -> None:
               f"(between turns {costs['waiting_row_share']:.1%}), "
               f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}, {costs['prefills']:.0f} "
               f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode, {r['later_captures']} graphs captured after "
-                             "the first step" if r.get("check_s") is not None else ""))
+                             f"the first step; parts {r['check_parts_s']}" if r.get("check_s") is not None else ""))
         if engine_options(arm)[0] != "multi":
             continue
         if single is not None:
