@@ -99,9 +99,10 @@ class CUDAGraphRollout(RolloutEngine):
             of its output row and step, so the samples are the same whatever the wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
             update can use the memory (False; the next rollout allocates it again).
-        turn_check_every: decode steps between the checks of a multi-turn wave (``play_episodes``), at most
-            ``check_every`` (None: ``check_every``). A row whose turn ends idles until the next check hands its turn
-            over and one more interval until its observation is appended: about 1.5 intervals per turn.
+        turn_check_every: decode steps between the checks of a multi-turn wave (``play_episodes``; None:
+            ``check_every``). A row whose turn ends idles until the next check hands its turn over and one more
+            interval until its observation is appended (about 1.5 intervals per turn); each check with rows to resume
+            runs an eager prefill of their observations.
         max_hole_columns: a multi-turn wave packs its rows' cache columns (``DecodeState.defragment``, one gather)
             at a check where the columns in use exceed the longest row's context by more than this: every step
             attends the holes (columns of idle steps and of other rows' observations) of every row. None: only when
@@ -151,9 +152,9 @@ class CUDAGraphRollout(RolloutEngine):
         if wave_rows is not None and wave_rows < 1:
             raise ValueError(f"wave_rows must be >= 1 (or None: all rows in one wave), got {wave_rows}.")
         turn_check_every = check_every if turn_check_every is None else turn_check_every
-        if not 1 <= turn_check_every <= check_every:  # (the memory plan sizes an episode's cache by check_every)
-            raise ValueError(f"model.rollout.init_args.turn_check_every={turn_check_every} must be between 1 and "
-                             f"check_every ({check_every}); raise check_every or lower turn_check_every.")
+        if turn_check_every < 1:
+            raise ValueError(f"model.rollout.init_args.turn_check_every={turn_check_every} must be >= 1 (or None: "
+                             f"check_every, {check_every}).")
         if max_hole_columns is not None and max_hole_columns < 0:
             raise ValueError(f"model.rollout.init_args.max_hole_columns={max_hole_columns} must be >= 0 (or None: "
                              "pack an episode wave's cache columns only when it is full).")
