@@ -162,6 +162,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
     out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
     out["check_parts_s"] = (checks.parts[1:] or checks.parts)[0] if checks and checks.parts else None  # the 2nd call's
+    out["check_parts_s_per_step"] = checks.parts if checks else None  # each call's: a cost that falls is a warm-up
     # graphs captured after the first step: their captures are in the reported decode seconds
     out["later_captures"] = cli.model.rollout.graphs_captured - checks.captured[1] if checks and checks.captured[1:] \
         else None
