@@ -23,4 +23,8 @@ class PythonTurns:
 
     def step(self, message: str) -> str | None:
         self.replies += 1
-        return None if self.replies >= self.turns else run_python(PROGRAM, timeout_s=10.0)
+        return None if self.replies >= self.turns else self.output()
+
+    def output(self) -> str:
+        """The tool's answer (a run of ``PROGRAM``)."""
+        return run_python(PROGRAM, timeout_s=10.0)

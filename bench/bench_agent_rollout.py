@@ -2,7 +2,7 @@
 decode throughput of a multi-turn step against a single-turn step of about the same generated tokens.
 
     python bench/bench_agent_rollout.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--turns 4] \
-        [--turn-median 200] [--steps 4] [--arms multi,single,resubmit]
+        [--turn-median 200] [--steps 4] [--arms multi,single,resubmit,multi@max_hole_columns=256]
 
 Random-init weights of the real shape (``bench_train_e2e.write_models``) never write a tool call, so every turn ends
 at a drawn length (``forced_lengths.ForcedLengthRollout``: lognormal, median ``--turn-median``) and the environment
@@ -18,6 +18,10 @@ Arms, each ``train.py fit`` in a process of its own (NVFP4, the recipe's batch: 
     single    one completion per sample, lengths drawn with median ``turns x turn-median``, at most
              ``turns x new-tokens``: about the same generated tokens per row
 
+An arm may set the CUDA-graph engine's arguments (``multi@turn_check_every=8:max_hole_columns=256``): each multi arm
+is compared with the single one. Beside the seconds each arm prints what its decode steps read and copied
+(``qerl.rollout.wave_costs``: ``agent_wave_costs.py`` counts the same on the CPU).
+
 Read back from TensorBoard (medians over the steps after the first): ``agent/decode_s``, ``agent/tool_s``,
 ``perf/rollout_s``, ``perf/train_s``, ``train/completion_length`` (the model's own tokens per row); decode
 throughput = generated tokens / decode seconds. Writes ``agent_rollout_<device>.json``.
@@ -31,6 +35,7 @@ import glob
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,13 +44,89 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_e2e import in_own_process, write_models  # noqa: E402
 
 
+def engine_options(arm: str) -> tuple[str, dict]:
+    """``multi@turn_check_every=8:max_hole_columns=256`` -> ("multi", {"turn_check_every": 8, ...}): an arm and the
+    CUDA-graph engine's arguments it sets (values as JSON; ``none`` is None)."""
+    name, _, settings = arm.partition("@")
+    options = {}
+    for item in filter(None, settings.split(":")):
+        key, _, value = item.partition("=")
+        options[key] = None if value.lower() == "none" else json.loads(value)
+    if name not in ("multi", "single", "resubmit"):
+        raise ValueError(f"--arms: {arm!r} names no arm; use multi, single or resubmit, each with @option=value:...")
+    return name, options
+
+
+class CheckTimer:
+    """Wall seconds of a multi-turn wave's checks (``EpisodeWave._between_turns``: the host's look, the hand-over, the
+    slot moves, the packs and the observation prefills, the GPU drained at both ends so their device work counts),
+    less the waits for the tools inside them (``agent/tool_s``'s side), per ``play_episodes`` call."""
+
+    def __init__(self):
+        from qerl.agents import episode
+        from qerl.rollout import cuda_graph, episode_wave
+
+        self.calls: list[float] = []
+        self.captured: list[int] = []  # the engine's captured graphs when each call starts
+        self.parts: list[dict[str, float]] = []  # per call: seconds of the checks' parts
+        self.waits = 0.0
+        between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
+                                  cuda_graph.CUDAGraphRollout.play_episodes)
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        def timed_between(wave, *a):
+            sync()
+            start, waits = time.perf_counter(), self.waits
+            try:
+                return between(wave, *a)
+            finally:
+                sync()
+                self.calls[-1] += time.perf_counter() - start - (self.waits - waits)
+
+        def timed_collect(turns):
+            start = time.perf_counter()
+            try:
+                return collect(turns)
+            finally:
+                self.waits += time.perf_counter() - start
+
+        def counted_play(engine, *a, **k):
+            self.calls.append(0.0)
+            self.parts.append({})
+            self.captured.append(engine.graphs_captured)
+            return play(engine, *a, **k)
+
+        def phase(name, fn):  # a part of the checks, its device work drained at both ends
+            def timed(*a, **k):
+                sync()
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    sync()
+                    self.parts[-1][name] = self.parts[-1].get(name, 0.0) + time.perf_counter() - start
+            return timed
+
+        episode_wave.EpisodeWave._append = phase("prefill", episode_wave.EpisodeWave._append)
+        episode_wave.EpisodeWave._turns_of = phase("hand_over", episode_wave.EpisodeWave._turns_of)
+        episode_wave.DecodeState.defragment = phase("pack", episode_wave.DecodeState.defragment)
+        episode_wave.DecodeState.move = phase("move", episode_wave.DecodeState.move)
+        episode_wave.EpisodeWave._between_turns = timed_between
+        episode._Turns.collect = timed_collect
+        cuda_graph.CUDAGraphRollout.play_episodes = counted_play
+
+
 def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
     rows = args.prompts * args.group_size
+    name, options = engine_options(arm)
+    checks = CheckTimer() if name == "multi" else None
+    label = arm.replace("@", "_").replace(":", "_").replace("=", "")
     engine = "forced_lengths.ForcedLengthRollout"
-    if arm in ("multi", "resubmit"):
-        engine = "forced_lengths.ResubmittingForcedLengthRollout" if arm == "resubmit" else engine
+    if name in ("multi", "resubmit"):
+        engine = "forced_lengths.ResubmittingForcedLengthRollout" if name == "resubmit" else engine
         lengths = [f"--model.rollout.init_args.length_median={args.turn_median}"]
         arm_args = ["--model.agent.environment", json.dumps({"class_path": "agent_bench_env.PythonTurns",
                                                              "init_args": {"turns": args.turns}}),
@@ -55,28 +136,36 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     else:
         lengths = [f"--model.rollout.init_args.length_median={args.turns * args.turn_median}"]
         arm_args = ["--model.sampling.max_new_tokens", str(args.turns * args.new_tokens)]
-    cli_main([
+    cli = cli_main([
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", "nvfp4",
         "--model.rollout.class_path", engine, *lengths, *arm_args,
+        *[f"--model.rollout.init_args.{key}={json.dumps(value)}" for key, value in options.items()],
         "--model.sampling.group_size", str(args.group_size), "--data.batch_size", str(args.prompts),
         "--model.dapo.mask_truncated", "false", "--model.dapo.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
-        "--trainer.logger.init_args.name", arm, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing",
+        "--trainer.logger.init_args.name", label, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing",
         "false", *args.overrides,
     ])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(sorted(glob.glob(str(log_root / arm / "*" / "events*")))[-1])
+    events = EventAccumulator(sorted(glob.glob(str(log_root / label / "*" / "events*")))[-1])
     events.Reload()
     series = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     steady = lambda tag: statistics.median(series[tag][1:] or series[tag])  # noqa: E731  first step warms up
     out = {"rollout_s": steady("perf/rollout_s"), "train_s": steady("perf/train_s"),
            "generated_per_row": steady("train/completion_length"), "steps": len(series["perf/rollout_s"])}
-    out["decode_s"] = steady("agent/decode_s") if arm != "single" else out["rollout_s"]
-    out["tool_s"] = steady("agent/tool_s") if arm != "single" else 0.0
-    out["turns"] = steady("agent/turns") if arm != "single" else 1.0
+    out["decode_s"] = steady("agent/decode_s") if name != "single" else out["rollout_s"]
+    out["tool_s"] = steady("agent/tool_s") if name != "single" else 0.0
+    out["turns"] = steady("agent/turns") if name != "single" else 1.0
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
+    out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
+    out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
+    out["check_parts_s"] = (checks.parts[1:] or checks.parts)[0] if checks and checks.parts else None  # the 2nd call's
+    out["check_parts_s_per_step"] = checks.parts if checks else None  # each call's: a cost that falls is a warm-up
+    # graphs captured after the first step: their captures are in the reported decode seconds
+    out["later_captures"] = cli.model.rollout.graphs_captured - checks.captured[1] if checks and checks.captured[1:] \
+        else None
     return out
 
 
@@ -93,7 +182,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1024, help="max tokens of one turn (the recipe's)")
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--work", default="/tmp/qerl_agent")
-    parser.add_argument("--arms", default="multi,single", help="comma-separated: multi, single, resubmit")
+    parser.add_argument("--arms", default="multi,single",
+                        help="comma-separated: multi, single, resubmit, each with engine arguments of its own "
+                             "(multi@turn_check_every=8:max_hole_columns=256)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for both arms (after --)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -103,24 +194,42 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         model_dir = write_models(args.size, args.tokenizer, work, len(AutoTokenizer.from_pretrained(args.tokenizer)),
                                  ("nvfp4",))["nvfp4"]
-    results = {arm: in_own_process(fit, model_dir, arm, args, work / "runs") for arm in args.arms.split(",")}
-    multi, single = results["multi"], results["single"]
+    arms = args.arms.split(",")
+    for arm in arms:
+        engine_options(arm)  # refused before any model loads
+    results: dict = {}
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "turns": args.turns,
            "turn_median": args.turn_median, "new_tokens": args.new_tokens, "arms": results,
-           "multi_decode_vs_single": multi["decode_tok_s"] / single["decode_tok_s"],
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "date": datetime.date.today().isoformat()}
-    print(f"multi-turn: decode {multi['decode_s']:.1f} s + tools {multi['tool_s']:.1f} s "
-          f"(rollout {multi['rollout_s']:.1f} s), update {multi['train_s']:.1f} s, {multi['turns']:.1f} turns")
-    if "resubmit" in results:
-        row["multi_decode_vs_resubmit"] = multi["decode_tok_s"] / results["resubmit"]["decode_tok_s"]
-        print(f"decode throughput KV-cache episodes / resubmitted contexts: {row['multi_decode_vs_resubmit']:.2f}")
-    print(f"decode throughput multi / single at {multi['generated_per_row']:.0f} / {single['generated_per_row']:.0f} "
-          f"tokens per row: {row['multi_decode_vs_single']:.2f} (target >= 0.85)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = row["device"].lower().replace(" ", "_")
-    (out / f"agent_rollout_{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+    path = out / f"agent_rollout_{row['device'].lower().replace(' ', '_')}.json"
+    for arm in arms:  # each arm's result is kept as it comes (a run cut short keeps the arms before)
+        results[arm] = in_own_process(fit, model_dir, arm, args, work / "runs")
+        print(f"{arm}: {json.dumps(results[arm])}", flush=True)
+        path.write_text(json.dumps(row, indent=2) + "\n")
+    single = next((results[arm] for arm in arms if engine_options(arm)[0] == "single"), None)
+    resubmit = next((results[arm] for arm in arms if engine_options(arm)[0] == "resubmit"), None)
+    for arm in arms:
+        r, costs = results[arm], results[arm]["costs"]
+        print(f"{arm}: decode {r['decode_s']:.1f} s ({r['decode_tok_s']:.0f} tok/s at {r['generated_per_row']:.0f} "
+              f"tokens per row) + tools {r['tool_s']:.1f} s (rollout {r['rollout_s']:.1f} s), update "
+              f"{r['train_s']:.1f} s, {r['turns']:.1f} turns; attended per token {costs['attended_per_token']:.0f} "
+              f"({costs['attended_per_needed']:.2f} x needed), idle rows {costs['idle_row_share']:.1%} "
+              f"(between turns {costs['waiting_row_share']:.1%}), "
+              f"{costs['packs']:.0f} packs, copied per token {costs['copied_per_token']:.0f}, {costs['prefills']:.0f} "
+              f"prefills" + (f"; checks {r['check_s']:.2f} s of the decode, {r['later_captures']} graphs captured after "
+                             f"the first step; parts {r['check_parts_s']}" if r.get("check_s") is not None else ""))
+        if engine_options(arm)[0] != "multi":
+            continue
+        if single is not None:
+            r["decode_vs_single"] = r["decode_tok_s"] / single["decode_tok_s"]
+            print(f"    decode throughput / single: {r['decode_vs_single']:.2f} (target >= 0.85)")
+        if resubmit is not None:
+            r["decode_vs_resubmit"] = r["decode_tok_s"] / resubmit["decode_tok_s"]
+            print(f"    decode throughput / resubmitted contexts: {r['decode_vs_resubmit']:.2f}")
+    path.write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Random weights rarely sample EOS, so nearly every completion of a benchmark woul
 policies stop early and unevenly, which is what batch compaction in the rollout and padding-free updates are for. This
 engine is ``CUDAGraphRollout`` with EOS forced at the last position of a drawn length: lognormal (median
 ``length_median``, shape ``length_sigma``), one draw per row and call from its own seeded generator (under DDP, each
-rank's own; in a multi-turn episode one per turn); draws above the spec's ``max_new_tokens`` are truncated completions
-(no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
+rank's own; in a multi-turn episode one per row and turn); draws above the spec's ``max_new_tokens`` are truncated
+completions (no EOS). The defaults (median 400, sigma 0.8) truncate ~2% at 2,048 new tokens.
 
     --model.rollout.class_path forced_lengths.ForcedLengthRollout   (bench/ on the Python path)
 
@@ -28,6 +28,9 @@ from qerl.rollout.base import RolloutEngine
 from qerl.rollout.cuda_graph import CUDAGraphRollout
 from qerl.rollout.decode_state import DecodeState
 from qerl.rollout.vllm import VLLMRollout
+
+
+TURN_DRAWS = 64  # turn lengths drawn per row and episode call (a row's later turns reuse them in order)
 
 
 def draw_lengths(rows: int, median: float, sigma: float, generator: torch.Generator) -> torch.Tensor:
@@ -92,7 +95,8 @@ class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
         rows = len(prompt_ids) * group_size
         self._targets_for(rows, next(policy.parameters()).device).fill_(2**40)
         self._eos_id = eos_ids[0]
-        super().play_episodes(policy, prompt_ids, group_size, pad_id, eos_ids, spec, _DrawnTurns(turns, self))
+        lengths = self.draw(rows * TURN_DRAWS).view(rows, TURN_DRAWS)
+        super().play_episodes(policy, prompt_ids, group_size, pad_id, eos_ids, spec, _DrawnTurns(turns, self, lengths))
 
     def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec, first: int = 0) -> None:
         slots = slice(first, b)
@@ -112,16 +116,20 @@ class ResubmittingForcedLengthRollout(ForcedLengthRollout):
 
 
 class _DrawnTurns:
-    """The episodes' turns with each turn's end drawn when it starts (its output column: the row's tokens so far +
-    the drawn length; above the turn's budget it is cut there, as the real episode would be)."""
+    """The episodes' turns with each turn's end drawn for its row and turn when the call starts (its output column:
+    the row's tokens so far + the drawn length; above the turn's budget it is cut there, as the real episode would
+    be): the same episodes whatever order the engine starts the rows' turns in."""
 
-    def __init__(self, turns, engine: ForcedLengthRollout):
-        self.turns, self.engine = turns, engine
+    def __init__(self, turns, engine: ForcedLengthRollout, lengths: torch.Tensor):
+        self.turns, self.engine, self.lengths = turns, engine, lengths.tolist()  # [rows, TURN_DRAWS]
         self.completion_budget = turns.completion_budget
         self.sampled: dict[int, int] = {}  # per row: the tokens its turns sampled so far
+        self.started: dict[int, int] = {}  # per row: its turns started so far
 
     def budget(self, row: int) -> int:
-        self.engine._targets[row] = self.sampled.get(row, 0) + int(self.engine.draw(1)[0])
+        turn = self.started.get(row, 0)
+        self.started[row] = turn + 1
+        self.engine._targets[row] = self.sampled.get(row, 0) + self.lengths[row][turn % TURN_DRAWS]
         return self.turns.budget(row)
 
     def submit(self, turns):

@@ -337,11 +337,30 @@ def wide_section(result: dict) -> list[str]:
 def agent_section(result: dict) -> list[str]:
     arms = result["arms"]
     rows = [[arm, num(a["turns"], 1), f"{a['generated_per_row']:.0f}", num(a["decode_s"], 1), num(a["tool_s"], 1),
-             f"{a['decode_tok_s']:.0f}", num(a["train_s"], 1)] for arm, a in arms.items()]
+             f"{a['decode_tok_s']:.0f}", num(a.get("decode_vs_single")), num(a["train_s"], 1),
+             *([f"{a['costs']['attended_per_token']:.0f}", f"{a['costs']['idle_row_share']:.1%}",
+                f"{a['costs']['packs']:.0f}"] if "costs" in a else ["-"] * 3)] for arm, a in arms.items()]
+    if "multi_decode_vs_single" in result:  # (files from before the arms carried engine options)
+        rows = [[*row[:6], num(result["multi_decode_vs_single"]) if arm == "multi" else "-", *row[7:]]
+                for arm, row in zip(arms, rows)]
     lines = [f"{result['model']}, {result['prompts']} prompts x {result['group_size']}, up to {result['turns']} turns "
-             f"of median {result['turn_median']} tokens; multi-turn decode throughput / single-turn: "
-             f"{num(result['multi_decode_vs_single'])}", ""]
-    return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "update s"], rows)
+             f"of median {result['turn_median']} tokens; a multi arm's decode throughput / the single arm's (target "
+             "0.85); the cost model of each arm's decode (`qerl.rollout.wave_costs`): K/V columns x rows the "
+             "attention read per decoded token, the share of batch rows idle, the packs of the cache columns", ""]
+    return lines + table(["arm", "turns", "tokens per row", "decode s", "tools s", "decode tokens/s", "/ single",
+                          "update s", "attended per token", "idle rows", "packs"], rows)
+
+
+def agent_costs_section(result: dict) -> list[str]:
+    shape = result["shape"]
+    rows = [[r["arm"], f"{r['attended_per_token']:.0f}", num(r["attended_per_needed"]), f"{r['idle_row_share']:.1%}",
+             f"{r.get('waiting_row_share', 0.0):.1%}", f"{r['decode_steps']:.0f}", f"{r['packs']:.0f}",
+             f"{r['copied_per_token']:.0f}", f"{r['prefills']:.0f}"] for r in result["rows"]]
+    lines = [f"{shape['prompts']} prompts x {shape['group_size']}, up to {shape['turns']} turns of median "
+             f"{shape['turn_median']} tokens (at most {shape['new_tokens']}); a tiny model on the CPU, the schedule of "
+             "the GPU run of the same shape", ""]
+    return lines + table(["arm", "attended per token", "x needed", "idle rows", "between turns", "decode steps",
+                          "packs", "copied per token", "prefills"], rows)
 
 
 def grouped_sweep_section(result: dict) -> list[str]:
@@ -742,6 +761,14 @@ SECTIONS = (
             "generated tokens, on a random-init model with the real shape, NVFP4 (`bench/bench_agent_rollout.py`); "
             "decode throughput is the model's tokens over the decode seconds.",
             agent_section),
+    Section("Agents: what a multi-turn step's decode reads (cost model)", "agent_wave_costs_*.json",
+            "PYTHONPATH=. python bench/agent_wave_costs.py --out bench/results/agent_wave_costs_cpu.json",
+            "`bench_agent_rollout.py`'s episodes counted on the host by the CUDA-graph engine "
+            "(`qerl.rollout.wave_costs`; `bench/agent_wave_costs.py`): per decoded token the K/V columns x rows the "
+            "attention read, and against the columns the rows' own contexts need; the batch rows idle (between turns: "
+            "waiting for a hand-over or an observation), the packs of the cache columns and the columns copied per "
+            "decoded token (packs and slot moves), the observation prefills. The counts follow the sampled tokens "
+            "only, so they are the GPU run's.", agent_costs_section),
     Section("Mixture-of-experts: grouped expert kernels", "grouped_experts_sweep_*.json",
             "PYTHONPATH=. python bench/sweep_grouped_experts.py --out bench/results/grouped_experts_sweep_h200.json",
             "The fused MoE step's grouped gate/up and down kernels at the Qwen3-30B-A3B expert shapes (H 2048, I 768, "

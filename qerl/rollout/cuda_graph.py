@@ -65,6 +65,7 @@ from qerl.rollout.footprint import wave_prompts as wave_prompts_of
 from qerl.rollout.kv_cache import SlotCache, head_dim
 from qerl.rollout.sampling import sample_rows
 from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.rollout.wave_costs import WaveCosts
 
 def _base_model(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -98,6 +99,17 @@ class CUDAGraphRollout(RolloutEngine):
             of its output row and step, so the samples are the same whatever the wave size.
         keep_kv_cache: keep the KV cache allocated between rollouts (True), or free it when a rollout ends so the
             update can use the memory (False; the next rollout allocates it again).
+        turn_check_every: decode steps between the checks of a multi-turn wave (``play_episodes``; None:
+            ``check_every``). A row whose turn ends idles until the next check hands its turn over and one more
+            interval until its observation is appended (about 1.5 intervals per turn); each check with rows to resume
+            runs an eager prefill of their observations.
+        max_hole_columns: a multi-turn wave packs its rows' cache columns (``DecodeState.defragment``, one gather)
+            at a check where the columns in use exceed the longest row's context by more than this: every step
+            attends the holes (columns of idle steps and of other rows' observations) of every row. None: only when
+            the cache is full. ``bench/agent_wave_costs.py`` counts both sides of the trade on the CPU.
+        turn_bucket_rows: a multi-turn wave's batch buckets are the multiples of this many rows (and the powers of
+            two below it): a batch closer to the rows still playing, for a few more captured graphs. None: the powers
+            of two, as a single-turn wave's.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -123,6 +135,9 @@ class CUDAGraphRollout(RolloutEngine):
         wave_rows: int | None = None,
         keep_kv_cache: bool | None = None,
         kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto",
+        turn_check_every: int | None = None,
+        max_hole_columns: int | None = 256,
+        turn_bucket_rows: int | None = None,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
@@ -136,6 +151,19 @@ class CUDAGraphRollout(RolloutEngine):
             raise ValueError("check_every, length_bucket and min_bucket must be >= 1.")
         if wave_rows is not None and wave_rows < 1:
             raise ValueError(f"wave_rows must be >= 1 (or None: all rows in one wave), got {wave_rows}.")
+        turn_check_every = check_every if turn_check_every is None else turn_check_every
+        if turn_check_every < 1:
+            raise ValueError(f"model.rollout.init_args.turn_check_every={turn_check_every} must be >= 1 (or None: "
+                             f"check_every, {check_every}).")
+        if max_hole_columns is not None and max_hole_columns < 0:
+            raise ValueError(f"model.rollout.init_args.max_hole_columns={max_hole_columns} must be >= 0 (or None: "
+                             "pack an episode wave's cache columns only when it is full).")
+        if turn_bucket_rows is not None and turn_bucket_rows < 1:
+            raise ValueError(f"model.rollout.init_args.turn_bucket_rows={turn_bucket_rows} must be >= 1 (or None: "
+                             "batch buckets of powers of two).")
+        self.turn_check_every, self.max_hole_columns = turn_check_every, max_hole_columns
+        self.turn_bucket_rows = turn_bucket_rows
+        self.costs = WaveCosts()  # what the calls so far read and copied (``qerl.rollout.wave_costs``)
         self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket
         self.adapter_in_model_dtype = adapter_in_model_dtype
@@ -173,7 +201,10 @@ class CUDAGraphRollout(RolloutEngine):
         completion, completion_mask, ended = cut_at_eos(out["tokens_out"][:, :steps], eos, pad_id)
         logprobs = out["logprobs_out"][:, :steps] * completion_mask
         entropy = out["entropy_out"][:, :steps] * completion_mask
-        width = int(completion_mask.sum(-1).max()) if N else 0  # the built-in engine stops when the last row ends
+        lengths = completion_mask.sum(-1)
+        width = int(lengths.max()) if N else 0  # the built-in engine stops when the last row ends
+        # (the first token of a row comes from the prefill, the others from decode steps)
+        self.costs.decoding(mask.sum(-1).repeat_interleave(group_size).tolist(), (lengths - 1).clamp(min=0).tolist())
         return Rollout(
             prompt_ids=ids.repeat_interleave(group_size, 0),
             prompt_mask=mask.repeat_interleave(group_size, 0),
@@ -192,10 +223,13 @@ class CUDAGraphRollout(RolloutEngine):
         budget = turns.completion_budget
         new = budget + 1  # + a spare column that rows idling at the end of their budget write padding to
         with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, None, new,
-                           episode_columns(budget, self.check_every)) as (s, ids, mask, waves):
+                           episode_columns(budget, self.turn_check_every)) as (s, ids, mask, waves):
             for prompts, first_row in waves:
-                EpisodeWave(self, s, policy, spec, turns, first_row).run(ids[prompts], mask[prompts], group_size,
-                                                                        pad_id, eos_ids)
+                wave = EpisodeWave(self, s, policy, spec, turns, first_row)
+                try:
+                    wave.run(ids[prompts], mask[prompts], group_size, pad_id, eos_ids)
+                finally:
+                    self.costs.add(wave.costs)
         self._phase("done")
 
     @contextmanager
@@ -301,7 +335,9 @@ class CUDAGraphRollout(RolloutEngine):
                 if smaller < b:
                     s.compact(b, P + steps - 1)
                     b = smaller
-            self._run_step(s, policy, b, self._attended(s, P + steps), spec)
+            length = self._attended(s, P + steps)
+            self.costs.step(b, length)
+            self._run_step(s, policy, b, length, spec)
             steps += 1
         return steps
 

@@ -113,8 +113,9 @@ class DecodeState:
         order; returns the columns now in use (the longest slot's). Keys are stored rotated, so a key's column is
         free to move; the columns a slot skipped (while it idled, or other rows' observations) are reclaimed."""
         keep = self.mask[:b, 0, 0, :written]  # [b, written]
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept columns first, in order
-        self.cache.gather_columns(order, written)
         counts = keep.sum(-1)
+        kept = int(counts.max())  # host sync (an eager step between decode steps)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept columns first, in order
+        self.cache.gather_columns(order[:, :kept], written)  # the columns past the longest slot's are never read
         self.mask[:b, 0, 0, :written] = torch.arange(written, device=keep.device) < counts[:, None]
-        return int(counts.max())  # host sync (an eager step between decode steps)
+        return kept

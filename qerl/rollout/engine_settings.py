@@ -40,6 +40,7 @@ class GraphEngineSettings(EngineSettings):
     length_bucket: int = 256
     kv_cache_dtype: str = "auto"
     check_every: int = 16
+    turn_check_every: int | None = None  # a multi-turn wave's (None: check_every)
     wave_rows: int | None = None  # after resolution None means every row in one wave
     wide_batch_bf16: bool | None = None
     keep_kv_cache: bool | None = None

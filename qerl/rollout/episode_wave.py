@@ -3,7 +3,7 @@
     prompts --prefill once--> slot cache rows; every row decodes its first turn (graph replays, as single-turn)
     a row that samples its end-of-turn token (or reaches its turn's budget) stops and idles like a finished row:
         the columns it writes meanwhile stay masked in its ``mask`` row
-    every ``check_every`` steps (the engine's only host syncs): the rows that stopped are handed to the caller
+    every ``turn_check_every`` steps (the engine's only host syncs): the rows that stopped are handed to the caller
         (``EpisodeTurns.submit``: their tools start in the background, every row's at once) and the others decode on;
         at the next check (at once if no row is left running) the engine collects what follows them: the rows that
         continue get their turn's last token + the observation appended to their own cache row at the next columns
@@ -13,10 +13,13 @@
 
 The schedule depends on the sampled tokens only (never on how fast a tool returns), so the episodes are the same run
 after run. Columns are shared by the rows of a step, so a row skips the columns of the steps it idled and of the other
-rows' observations (masked holes). When the next stretch would not fit, ``DecodeState.defragment`` packs each row's
-columns to the front: every row holds at most its prompt + its episode's budget, so ``episode_columns`` after the
-prompt always suffice. A row's sampling noise is keyed by its output row and its own token count
-(``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
+rows' observations (masked holes), and every step attends the holes up to the step's column. At a check where the
+columns in use exceed the longest row's context by more than ``max_hole_columns`` (the attention would read that many
+holes of every row at every step), or where the next stretch would not fit, ``DecodeState.defragment`` packs each
+row's columns to the front (one gather over the cache, costed in ``WaveCosts`` beside the holes it saves): every row
+holds at most its prompt + its episode's budget, so ``episode_columns`` after the prompt always suffice. Both follow
+the rows' contexts, which follow the sampled tokens. A row's sampling noise is keyed by its output row and its own
+token count (``DecodeState.col``): fresh at every turn, whatever the waves, slots or the other rows' turns.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from qerl.rollout.decode_state import DecodeState
 from qerl.rollout.episodes import EpisodeTurns, TurnEnd
 from qerl.rollout.sampling_spec import SamplingSpec
+from qerl.rollout.wave_costs import WaveCosts
 
 
 def episode_columns(budget: int, check_every: int) -> int:
@@ -33,6 +37,30 @@ def episode_columns(budget: int, check_every: int) -> int:
     after a defragment the longest row holds at most prompt + ``budget``; then an observation block (at most
     ``budget`` + the turn's last token) and ``check_every`` decode steps must fit."""
     return 2 * budget + 1 + check_every
+
+
+def slot_layout(running: list[int], resumed: list[int], bucket: int, slots: int) -> tuple[int, list[int]]:
+    """Where the slots go at a check, moving few (a move copies a slot's whole cache row): the ``running`` slots and
+    the ``resumed`` ones must lie in the first ``bucket`` slots (the next steps' batch), the resumed ones side by side
+    in their order (one prefill appends their observations). Returns the resumed block's first slot and ``order``:
+    slot k takes what slot ``order[k]`` holds (a permutation of ``slots``)."""
+    n, run = len(resumed), set(running)
+    # the window of the resumed block that displaces the fewest running slots and keeps the most resumed ones in place
+    first = min(range(bucket - n + 1), key=lambda a: sum(k in run for k in range(a, a + n))
+                + sum(not a <= k < a + n for k in resumed))
+    order, at = list(range(slots)), list(range(slots))  # at[source]: the slot it goes to
+
+    def put(source: int, slot: int) -> None:  # swap ``source`` into ``slot``
+        other, was = order[slot], at[source]
+        order[slot], order[was], at[source], at[other] = source, other, slot, was
+
+    for i, k in enumerate(resumed):
+        put(k, first + i)
+    free = [k for k in range(bucket) if not first <= k < first + n and order[k] not in run]
+    for k in running:
+        if at[k] >= bucket:
+            put(k, free.pop())
+    return first, order
 
 
 class EpisodeWave:
@@ -56,7 +84,11 @@ class EpisodeWave:
         self.last_token: dict[int, int] = {}  # per wave row: its turn's last token (appended before the observation)
         self.rows = 0  # the wave's rows
         self.eos: set[int] = set()
-        self.prefilled_tokens = 0  # observation tokens appended (the prompts' are the first prefill's)
+        self.check_every = engine.turn_check_every
+        self.costs = WaveCosts()
+        self.context: list[int] = []  # per wave row: the cache columns its mask keeps (host copy, no sync)
+        self.col_seen: list[int] = []  # per wave row: its output column at the last check
+        self.lengths: list[int] = []  # the attended columns of each decode step since the last check
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
         """Play the episodes of the prompts ``ids`` [B, P] (``mask`` their padding), ``group_size`` rows each."""
@@ -64,30 +96,39 @@ class EpisodeWave:
         N, column = ids.shape[0] * group_size, ids.shape[1]
         buckets, logits = engine._start_wave(s, self.policy, ids, mask, group_size, pad_id, eos_ids, self.first_row,
                                              spec)
+        step = engine.turn_bucket_rows
+        if step is not None:  # rows end their episodes one by one: batches closer to the rows still playing
+            buckets = sorted({x for x in buckets if x < step} | {x for x in range(step, N, step)
+                                                                 if x >= engine.min_bucket} | {N})
         budgets = [self.turns.budget(self.first_row + r) for r in range(N)]
         s.limit[:N] = torch.tensor(budgets, device=ids.device)
         engine._record(s, logits, N, spec)
         del logits
         self.turn_start, self.live, self.eos, self.pad, self.rows = [0] * N, set(range(N)), set(eos_ids), pad_id, N
+        self.context = mask.sum(-1).repeat_interleave(group_size).tolist()
+        self.col_seen = [1] * N  # each row's first token came from the prompts' prefill
         engine._phase("decode")
         b, steps = N, 1
         while True:
-            if steps % engine.check_every == 0:
+            if steps % self.check_every == 0:
                 b, column = self._between_turns(b, column, buckets)
                 if b == 0:
                     return
-            engine._run_step(s, self.policy, b, engine._attended(s, column + 1), spec)
+            self.lengths.append(engine._attended(s, column + 1))
+            engine._run_step(s, self.policy, b, self.lengths[-1], spec)
             column += 1
             steps += 1
 
     def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int]:
         """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
         over the rows that stopped since, append the observations that came back and move those rows and the running
-        ones to the front. Returns the next batch bucket (0: the wave is over) and the next column."""
+        ones into the next batch (``slot_layout``). Returns the next batch bucket (0: the wave is over) and the next
+        column."""
         s, N = self.s, self.rows
         ready = self.turns.collect() if self.waiting else {}
         collected, self.waiting = self.waiting, set()
         finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
+        self._count_stretch(b, col, slot_row)
         stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live and slot_row[k] not in collected]
         turns = self._turns_of(stopped, col, slot_row)
         if turns:
@@ -103,25 +144,46 @@ class EpisodeWave:
         resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
             return 0, column
-        moved = running + resumed + [k for k in range(N) if slot_row[k] in self.waiting]
-        order = moved + sorted(set(range(N)) - set(moved))
+        blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
+        width = max(map(len, blocks), default=0)
+        holes = column - max(self.context)
+        if column + width + self.check_every > s.length or (self.engine.max_hole_columns is not None
+                                                             and holes > self.engine.max_hole_columns):
+            self.costs.packs += 1
+            self.costs.packed_columns += N * column
+            column = s.defragment(N, column)
+            s.cache.position.fill_(column)
+            if column + width + self.check_every > s.length:
+                raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
+                                   f"episodes' completion_budget is {self.turns.completion_budget} tokens.")
+        bucket = next(x for x in buckets if x >= len(running) + len(resumed))
+        first, order = slot_layout(running, resumed, bucket, N)
         moving = [k for k in range(N) if order[k] != k]
         if moving:
             s.move([order[k] for k in moving], moving, column)
-        blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
-        width = max(map(len, blocks), default=0)
-        if column + width + self.engine.check_every > s.length:
-            column = s.defragment(N, column)
-            s.cache.position.fill_(column)
-            if column + width + self.engine.check_every > s.length:
-                raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
-                                   f"episodes' completion_budget is {self.turns.completion_budget} tokens.")
+            self.costs.moved_columns += len(moving) * column
         if resumed:
-            for k in resumed:
+            for k, block in zip(resumed, blocks):
                 self.turn_start[slot_row[k]] = col[k]
+                self.context[slot_row[k]] += len(block)
+                self.col_seen[slot_row[k]] = col[k] + 1  # the block's prefill samples the turn's first token
             budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
-            column = self._append(len(running), blocks, budgets, column)
-        return next(x for x in buckets if x >= len(running) + len(resumed)), column
+            column = self._append(first, blocks, budgets, column)
+        return bucket, column
+
+    def _count_stretch(self, b: int, col: list[int], slot_row: list[int]) -> None:
+        """Count the decode steps since the last check (``WaveCosts.stretch``) from the rows' output columns now."""
+        decoded = [0] * self.rows
+        for k in range(b):
+            decoded[slot_row[k]] = col[k] - self.col_seen[slot_row[k]]
+        self.costs.stretch(b, self.lengths, self.context, decoded)
+        self.costs.waiting += sum(len(self.lengths) - decoded[slot_row[k]] for k in range(b)
+                                  if slot_row[k] in self.live)
+        self.costs.checks += 1
+        for k in range(self.rows):
+            self.context[slot_row[k]] += decoded[slot_row[k]]
+            self.col_seen[slot_row[k]] = col[k]
+        self.lengths = []
 
     def _turns_of(self, stopped: list[int], col: list[int], slot_row: list[int]) -> dict[int, TurnEnd]:
         """The finished turn of each stopped slot, read from the output buffers (one copy to the host)."""
@@ -162,7 +224,9 @@ class EpisodeWave:
             s.cache.start_append(first, R, column, width)
             logits = self.policy(input_ids=ids, attention_mask=m4, position_ids=pos, past_key_values=s.hf_cache,
                                  use_cache=True, logits_to_keep=1).logits[:, -1]
-        self.prefilled_tokens += sum(map(len, blocks))
+        self.costs.prefills += 1
+        self.costs.prefill_tokens += sum(map(len, blocks))
+        self.costs.prefill_columns += R * width
         s.mask[slots, 0, 0, column:column + width] = real
         s.pos[slots] += real.sum(-1)
         s.finished[slots] = False

@@ -178,11 +178,12 @@ class SlotCache:
             view.index_copy_(0, targets, view.index_select(0, sources))
 
     def gather_columns(self, order: torch.Tensor, length: int) -> None:
-        """Column j of row i takes column ``order[i, j]`` of the same row (``order`` [rows, length])."""
+        """Column j of row i takes column ``order[i, j]`` of the same row, of its first ``length`` (``order`` [rows,
+        kept]: only the first ``kept`` columns are written)."""
         for t in (*self.keys, *self.values):
             view = cache_bytes(t)[: order.shape[0], :, :length]
             index = order[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
-            view.copy_(view.gather(2, index))
+            view[:, :, : order.shape[1]].copy_(view.gather(2, index))
 
 
 def as_cache(slot_cache: SlotCache):

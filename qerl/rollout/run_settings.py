@@ -44,8 +44,8 @@ class RunSettings:
         episode_tokens: with ``model.agent``: a trajectory's token budget, prompt + every turn + every observation
             (``qerl.agents.config.episode_tokens``); a later turn hands the engine up to all but one of them as its
             prompt. None: single-turn.
-        check_every: the cuda_graph engine's decode steps between host checks (an episode wave's cache holds that
-            many columns past an appended observation).
+        check_every: the cuda_graph engine's decode steps between a multi-turn wave's host checks (its
+            ``turn_check_every``; an episode wave's cache holds that many columns past an appended observation).
     """
 
     prompts: int

@@ -188,7 +188,7 @@ def run_settings(config) -> RunSettings:
         wide_batch_bf16=engine.wide_batch_bf16 if graphs else False,
         keep_kv_cache=engine.keep_kv_cache if graphs else False,
         kv_cache_dtype=engine.kv_cache_dtype if graphs else "auto", episode_tokens=episode,
-        check_every=engine.check_every if graphs else 16,
+        check_every=(engine.turn_check_every or engine.check_every) if graphs else 16,
     )
 
 

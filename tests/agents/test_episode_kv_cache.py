@@ -5,6 +5,7 @@ resubmitting the contexts writes; a wave whose columns run out packs each row's 
 
 import time
 
+import pytest
 import torch
 
 from qerl.agents.config import AgentConfig
@@ -156,3 +157,76 @@ def test_defragment_packs_each_rows_columns_in_order():
             assert torch.equal(new[row, :, :len(columns)], old[row, :, columns])
     assert s.mask[:, 0, 0, :7].sum(-1).tolist() == [4, 2, 6] and not s.mask[1, 0, 0, 2:].any()
     assert torch.equal(s.mask[:, 0, 0, 7], kept[:, 7])  # columns past the written ones untouched
+
+
+class DecodeReads:
+    """Records what each decode step of the transformers step reads (a forward of one token per row): with a length
+    bucket of 1 the mask's last column is the step's own, True for the rows that decode."""
+
+    def __init__(self):
+        self.attended = self.needed = self.decoded = self.steps = 0
+        self.max_width = 0  # the widest observation block
+
+    def __call__(self, module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        if ids.shape[1] > 1:
+            self.max_width = max(self.max_width, ids.shape[1])
+            return
+        mask = mask[:, 0, 0]  # [b, L]
+        running = mask[:, -1]
+        self.steps += 1
+        self.attended += mask.numel()
+        self.decoded += int(running.sum())
+        self.needed += int(mask[running].sum())
+
+
+def test_costs_count_what_the_decode_steps_read(chat_model):
+    policy, _ = chat_model
+    for holes in (None, 0):
+        reads, engine = DecodeReads(), CUDAGraphRollout(check_every=3, length_bucket=1, max_hole_columns=holes)
+        hook = policy.get_base_model().register_forward_pre_hook(reads, with_kwargs=True)
+        try:
+            play(chat_model, engine)
+        finally:
+            hook.remove()
+        costs = engine.costs
+        assert (costs.decode_steps, costs.attended, costs.needed, costs.decoded) == \
+            (reads.steps, reads.attended, reads.needed, reads.decoded)
+
+
+def test_eager_packing_keeps_the_samples_and_bounds_the_holes(chat_model):
+    policy, _ = chat_model
+    lazy = CUDAGraphRollout(check_every=3, length_bucket=1, max_hole_columns=None)
+    reads, eager = DecodeReads(), CUDAGraphRollout(check_every=3, length_bucket=1, max_hole_columns=2)
+    hook = policy.get_base_model().register_forward_pre_hook(reads, with_kwargs=True)
+    try:
+        packed = play(chat_model, eager)
+    finally:
+        hook.remove()
+    one = play(chat_model, lazy)
+    assert lazy.costs.packs == 0 < eager.costs.packs and eager.costs.attended < lazy.costs.attended
+    # holes beyond the margin last until the next check at most: the block appended there and its steps
+    assert 2 < lazy.costs.excess and eager.costs.excess <= 2 + reads.max_width + 3
+    assert torch.equal(one.rollout.completion_ids, packed.rollout.completion_ids)
+    r, generated = packed.rollout, packed.rollout.model_mask.bool()
+    lp, entropy = recompute(policy, r, 0.7)
+    torch.testing.assert_close(r.logprobs, lp * generated, atol=2e-5, rtol=0)
+    torch.testing.assert_close(r.entropy, entropy * generated, atol=2e-5, rtol=0)
+
+
+def test_turn_check_interval_keeps_the_samples_and_shortens_the_idle_steps(chat_model):
+    one, often = CUDAGraphRollout(check_every=6), CUDAGraphRollout(check_every=6, turn_check_every=2)
+    a, b = play(chat_model, one), play(chat_model, often)
+    assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
+    torch.testing.assert_close(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
+    assert 0 < often.costs.waiting < one.costs.waiting <= one.costs.row_steps - one.costs.decoded
+    with pytest.raises(ValueError, match="turn_check_every=0 must be >= 1"):
+        CUDAGraphRollout(check_every=6, turn_check_every=0)
+
+
+def test_finer_turn_buckets_keep_the_samples_and_drop_idle_rows(chat_model):
+    powers, every = CUDAGraphRollout(check_every=2), CUDAGraphRollout(check_every=2, turn_bucket_rows=1)
+    a, b = play(chat_model, powers), play(chat_model, every)
+    assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
+    torch.testing.assert_close(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
+    assert every.costs.row_steps < powers.costs.row_steps and every.costs.decoded == powers.costs.decoded
