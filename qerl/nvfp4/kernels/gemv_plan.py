@@ -135,14 +135,18 @@ ROW_BLOCK_PAIR_MIN_WEIGHTS = 200_000_000
 """From this many weight entries the wgmma loop at 9-64 tokens gives each warp two row blocks (8 warps, 6 stages in
 dynamic shared memory): on Qwen2.5-72B's stacked gate|up 1.10-1.16x and down 1.00-1.04x at 16/32/64 tokens on an
 H200; its q|k|v and o (84M / 67M entries) lose 13-19% with it (``bench_gemv.py --compare``)."""
+ROW_BLOCK_PAIR_MIN_INPUTS = 8192
+"""... and of at least this many inputs: where it was measured (the 70B-class hidden size and down projections); the
+32B MLP's gate|up (5120 inputs) keeps the one-row-block build until it is timed."""
 
 
 def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[int, int, int, int, bool, int]:
     """(warps, stages, row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop
     where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
-    :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries at 9-64 tokens, else :func:`default_wgmma`'s one. ``dense``: LoRA-A
-    rows ride in the launch (a static ring, one row block per warp)."""
-    if 2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and not dense and HAS_GLUON:
+    :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries and :data:`ROW_BLOCK_PAIR_MIN_INPUTS` inputs at 9-64 tokens, else
+    :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch (a static ring, one row block per warp)."""
+    if (2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and k >= ROW_BLOCK_PAIR_MIN_INPUTS and not dense
+            and HAS_GLUON):
         return 8, 6, 2, 0, False, 0
     return (*default_wgmma(nt, n, k), 1, 0, False, 0)
 

@@ -218,7 +218,7 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
             for n, k in ((59136, 8192), (8192, 29568)):
                 assert gemv_plan.default_wgmma_build(nt, n, k)[:3] == (8, 6, 2)
                 assert gemv_ptx.wgmma_ring_bytes(nt, 6, 8, 2) <= gemv_ptx.WGMMA_DYNAMIC_LIMIT
-            for n, k in ((10240, 8192), (8192, 8192)):
+            for n, k in ((10240, 8192), (8192, 8192), (55296, 5120)):  # (the 32B gate|up: not measured with it)
                 assert gemv_plan.default_wgmma_build(nt, n, k)[2] == 1
     assert gemv_plan.default_wgmma_build(1, 59136, 8192)[2] == 1 and gemv_plan.default_wgmma_build(16, 59136, 8192)[2] == 1
     # stream-K below 65 rows only when asked; unchanged for the token blocks
