@@ -62,14 +62,16 @@ class CheckTimer:
     slot moves, the packs and the observation prefills, the GPU drained at both ends so their device work counts),
     less the waits for the tools inside them (``agent/tool_s``'s side), per ``play_episodes`` call."""
 
-    def __init__(self):
+    def __init__(self, profile: int = 0):
         from qerl.agents import episode
-        from qerl.rollout import cuda_graph, episode_wave
+        from qerl.rollout import cuda_graph, episode_wave, graph_cache
 
         self.calls: list[float] = []
         self.captured: list[int] = []  # the engine's captured graphs when each call starts
         self.parts: list[dict[str, float]] = []  # per call: seconds of the checks' parts
         self.waits = 0.0
+        self.prefills: list[list] = []  # per observation prefill: [call, rows, width, column, seconds]
+        self.profile, self.profiles = profile, []  # torch.profiler tables of the first ``profile`` prefills of call 3+
         between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
                                   cuda_graph.CUDAGraphRollout.play_episodes)
 
@@ -108,10 +110,33 @@ class CheckTimer:
                     self.parts[-1][name] = self.parts[-1].get(name, 0.0) + time.perf_counter() - start
             return timed
 
-        episode_wave.EpisodeWave._append = phase("prefill", episode_wave.EpisodeWave._append)
+        def each_prefill(fn):  # each prefill's shape and seconds; profiled from the third call on
+            def timed(wave, first, blocks, budgets, column):
+                profiled = len(self.calls) >= 3 and len(self.profiles) < self.profile
+                sync()
+                start = time.perf_counter()
+                if profiled:
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        out = fn(wave, first, blocks, budgets, column)
+                        sync()
+                else:
+                    out = fn(wave, first, blocks, budgets, column)
+                    sync()
+                seconds = time.perf_counter() - start
+                self.prefills.append([len(self.calls), len(blocks), max(map(len, blocks)), column, seconds])
+                if profiled:
+                    self.profiles.append(f"prefill rows {len(blocks)} width {max(map(len, blocks))} column {column}: "
+                                         f"{seconds:.4f} s\n" + prof.key_averages().table(
+                                             sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+                return out
+            return timed
+
+        episode_wave.EpisodeWave._append = phase("prefill", each_prefill(episode_wave.EpisodeWave._append))
         episode_wave.EpisodeWave._turns_of = phase("hand_over", episode_wave.EpisodeWave._turns_of)
         episode_wave.DecodeState.defragment = phase("pack", episode_wave.DecodeState.defragment)
         episode_wave.DecodeState.move = phase("move", episode_wave.DecodeState.move)
+        graph_cache.GraphCache.capture = phase("capture", graph_cache.GraphCache.capture)  # (in the decode, not a check)
         episode_wave.EpisodeWave._between_turns = timed_between
         episode._Turns.collect = timed_collect
         cuda_graph.CUDAGraphRollout.play_episodes = counted_play
@@ -122,7 +147,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
 
     rows = args.prompts * args.group_size
     name, options = engine_options(arm)
-    checks = CheckTimer() if name == "multi" else None
+    checks = CheckTimer(args.profile_prefills) if name == "multi" else None
     label = arm.replace("@", "_").replace(":", "_").replace("=", "")
     engine = "forced_lengths.ForcedLengthRollout"
     if name in ("multi", "resubmit"):
@@ -156,6 +181,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out = {"rollout_s": steady("perf/rollout_s"), "train_s": steady("perf/train_s"),
            "generated_per_row": steady("train/completion_length"), "steps": len(series["perf/rollout_s"])}
     out["decode_s"] = steady("agent/decode_s") if name != "single" else out["rollout_s"]
+    out["decode_s_per_step"] = series["agent/decode_s" if name != "single" else "perf/rollout_s"]
     out["tool_s"] = steady("agent/tool_s") if name != "single" else 0.0
     out["turns"] = steady("agent/turns") if name != "single" else 1.0
     out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
@@ -163,6 +189,9 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
     out["check_parts_s"] = (checks.parts[1:] or checks.parts)[0] if checks and checks.parts else None  # the 2nd call's
     out["check_parts_s_per_step"] = checks.parts if checks else None  # each call's: a cost that falls is a warm-up
+    out["prefill_calls"] = checks.prefills if checks else None
+    for table in checks.profiles if checks else ():
+        print(table, flush=True)
     # graphs captured after the first step: their captures are in the reported decode seconds
     out["later_captures"] = cli.model.rollout.graphs_captured - checks.captured[1] if checks and checks.captured[1:] \
         else None
@@ -185,6 +214,8 @@ def main() -> None:
     parser.add_argument("--arms", default="multi,single",
                         help="comma-separated: multi, single, resubmit, each with engine arguments of its own "
                              "(multi@turn_check_every=8:max_hole_columns=256)")
+    parser.add_argument("--profile-prefills", type=int, default=0,
+                        help="print torch.profiler tables of this many observation prefills of the third step on")
     parser.add_argument("overrides", nargs="*", help="more train.py options for both arms (after --)")
     args = parser.parse_args()
     from transformers import AutoTokenizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.nn.attention import SDPBackend
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -23,6 +24,10 @@ from qerl.model.replace import replace_modules
 REPLACED = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention"})  # Qwen3: q/k norms
 ATTRIBUTES = ("config", "layer_idx", "layer_type", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
               "is_causal", "sliding_window")
+
+# the SDPA kernels qerl's own calls allow wherever shapes change from call to call (the update's micro-batches, the
+# rollout's prefills): every one but cuDNN's, which builds an execution plan for each new shape (ms of host time)
+SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
+from qerl.model.attention import SDPA_KERNELS
 from qerl.model.policy import trainable_parameters
 from qerl.modules.logprobs import token_logprobs
 from qerl.modules.loss import LossStats, PolicyLoss, global_token_weights
@@ -28,9 +29,6 @@ from qerl.rollout.base import Rollout
 
 # wraps the forward of one micro-batch: (model, rollout rows [n], ids [n, T]) -> a context manager
 AroundForward = Callable[[Any, Tensor, Tensor], contextlib.AbstractContextManager]
-
-# the update's attention kernels: every SDPA kernel but cuDNN's (see forward_context)
-UPDATE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ def policy_update(policy, loss: PolicyLoss, rollout: Rollout, advantages: Tensor
                     rollout_logprobs=rollout.logprobs[idx],
                     ref_logprobs=None if ref is None else ref[idx],
                 )
-                with sdpa_kernel(UPDATE_ATTENTION):  # checkpointed layers recompute the forward's attention
+                with sdpa_kernel(SDPA_KERNELS):  # checkpointed layers recompute the forward's attention
                     steps.backward(value)
             stats.append(st)
             if entropy is not None:
@@ -162,5 +160,5 @@ def forward_context(model) -> contextlib.ExitStack:
     dtype = model.get_input_embeddings().weight.dtype
     if dtype in (torch.bfloat16, torch.float16):
         stack.enter_context(torch.autocast(model.device.type, dtype=dtype))
-    stack.enter_context(sdpa_kernel(UPDATE_ATTENTION))
+    stack.enter_context(sdpa_kernel(SDPA_KERNELS))
     return stack

@@ -46,8 +46,10 @@ from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from qerl.model.aqn import noisy_norms
+from qerl.model.attention import SDPA_KERNELS
 from qerl.model.routing import RoutingRecorder
 from qerl.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
 from qerl.rollout.adapter_copies import AdapterCopies
@@ -305,13 +307,14 @@ class CUDAGraphRollout(RolloutEngine):
         if self._routing is not None:  # a prompt's prefill serves the G rows of its group
             self._routing.place(first_row + torch.arange(N, device=device).view(B, group_size),
                                 torch.arange(P, device=device))
-        if decoder is not None:
-            logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
-            if decoder.prefill_choices is not None:  # (a MoE, recording)
-                self._routing.add(decoder.prefill_choices)
-        else:
-            logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
-                            past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        with sdpa_kernel(SDPA_KERNELS):  # (each wave's prompts come in a new shape)
+            if decoder is not None:
+                logits = decoder.prefill(ids, position_ids(mask), cache.keys, cache.values, m4)
+                if decoder.prefill_choices is not None:  # (a MoE, recording)
+                    self._routing.add(decoder.prefill_choices)
+            else:
+                logits = policy(input_ids=ids, attention_mask=m4, position_ids=position_ids(mask),
+                                past_key_values=s.hf_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.repeat_rows(B, group_size, P)
         return sorted({N} | {2**k for k in range(int(math.log2(max(N, 1))) + 1) if self.min_bucket <= 2**k < N}), \
             logits.repeat_interleave(group_size, 0)

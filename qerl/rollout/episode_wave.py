@@ -25,7 +25,9 @@ token count (``DecodeState.col``): fresh at every turn, whatever the waves, slot
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
+from qerl.model.attention import SDPA_KERNELS
 from qerl.rollout.decode_state import DecodeState
 from qerl.rollout.episodes import EpisodeTurns, TurnEnd
 from qerl.rollout.sampling_spec import SamplingSpec
@@ -217,13 +219,14 @@ class EpisodeWave:
         causal |= torch.eye(width, dtype=torch.bool, device=device)[None]
         context = s.mask[slots, 0, 0, :column][:, None, :].expand(R, width, column)
         m4 = torch.cat([context, causal], -1)[:, None]  # [R, 1, width, column + width]
-        if s.decoder is not None:
-            keys, values = [k[slots] for k in s.cache.keys], [v[slots] for v in s.cache.values]
-            logits = s.decoder.prefill(ids, pos, keys, values, m4, start=column)
-        else:
-            s.cache.start_append(first, R, column, width)
-            logits = self.policy(input_ids=ids, attention_mask=m4, position_ids=pos, past_key_values=s.hf_cache,
-                                 use_cache=True, logits_to_keep=1).logits[:, -1]
+        with sdpa_kernel(SDPA_KERNELS):  # (every observation's prefill attends to a new number of columns)
+            if s.decoder is not None:
+                keys, values = [k[slots] for k in s.cache.keys], [v[slots] for v in s.cache.values]
+                logits = s.decoder.prefill(ids, pos, keys, values, m4, start=column)
+            else:
+                s.cache.start_append(first, R, column, width)
+                logits = self.policy(input_ids=ids, attention_mask=m4, position_ids=pos, past_key_values=s.hf_cache,
+                                     use_cache=True, logits_to_keep=1).logits[:, -1]
         self.costs.prefills += 1
         self.costs.prefill_tokens += sum(map(len, blocks))
         self.costs.prefill_columns += R * width

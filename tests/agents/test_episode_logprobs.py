@@ -42,3 +42,30 @@ def test_multi_turn_logprobs_equal_full_recomputation(chat_model, engine):
         assert text.count("Go on (") == t.turns - 1
     assert episodes.environment_rewards.tolist() == [float(t.environment.replies) for t in episodes.trajectories]
 
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformers-step", "fused-step"])
+def test_the_graph_engines_prefills_never_run_cudnn_attention(chat_model, fused, monkeypatch):
+    """cuDNN's SDPA builds a plan for every new shape and every observation's prefill attends to a new number of
+    columns: the engine's prefills (the prompts' and each observation's) run with it switched off, and only they."""
+    policy, tokenizer = chat_model
+    eos = [tokenizer.eos_token_id]
+    seen = []  # (query tokens, cuDNN allowed) of every SDPA call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def watched(query, *args, **kwargs):
+        seen.append((query.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+    spec = SamplingSpec(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
+    episodes = run_episodes(BoundEngine(CUDAGraphRollout(check_every=3, fused=fused), policy, tokenizer.pad_token_id,
+                                        eos, spec),
+                            chat_prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
+                            eos, tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10,
+                            "qwen")
+    assert max(t.turns for t in episodes.trajectories) >= 2
+    prefills = [allowed for tokens, allowed in seen if tokens > 1]
+    layers = policy.config.num_hidden_layers
+    assert len(prefills) >= 2 * layers and not any(prefills)  # the prompts' and at least one observation's
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the setting is the prefills' alone
