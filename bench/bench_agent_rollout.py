@@ -24,7 +24,8 @@ is compared with the single one. Beside the seconds each arm prints what its dec
 
 Read back from TensorBoard (medians over the steps after the first): ``agent/decode_s``, ``agent/tool_s``,
 ``perf/rollout_s``, ``perf/train_s``, ``train/completion_length`` (the model's own tokens per row); decode
-throughput = generated tokens / decode seconds. Writes ``agent_rollout_<device>.json``.
+throughput = generated tokens / decode seconds, both summed over the steps after the first. Writes
+``agent_rollout_<device>.json``.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     out["decode_s_per_step"] = series["agent/decode_s" if name != "single" else "perf/rollout_s"]
     out["tool_s"] = steady("agent/tool_s") if name != "single" else 0.0
     out["turns"] = steady("agent/turns") if name != "single" else 1.0
-    out["decode_tok_s"] = out["generated_per_row"] * rows / out["decode_s"]
+    # every step after the first, tokens over seconds (the steps' lengths are drawn: a median of each would pair the
+    # tokens of one step with the seconds of another)
+    lengths, seconds = series["train/completion_length"], out["decode_s_per_step"]
+    out["decode_tok_s"] = sum(lengths[1:] or lengths) * rows / sum(seconds[1:] or seconds)
     out["costs"] = cli.model.rollout.costs.summary()  # every step's (qerl.rollout.wave_costs)
     out["check_s"] = statistics.median(checks.calls[1:] or checks.calls) if checks and checks.calls else None
     out["check_parts_s"] = (checks.parts[1:] or checks.parts)[0] if checks and checks.parts else None  # the 2nd call's
