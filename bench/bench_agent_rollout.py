@@ -59,11 +59,13 @@ def engine_options(arm: str) -> tuple[str, dict]:
 
 
 class CheckTimer:
-    """Wall seconds of a multi-turn wave's checks (``EpisodeWave._between_turns``: the host's look, the hand-over, the
-    slot moves, the packs and the observation prefills, the GPU drained at both ends so their device work counts),
-    less the waits for the tools inside them (``agent/tool_s``'s side), per ``play_episodes`` call."""
+    """Seconds of a multi-turn wave's checks (``EpisodeWave._between_turns``: the host's look, the hand-over, the
+    slot moves, the packs, the lead steps and the observation prefills), less the waits for the tools inside them
+    (``agent/tool_s``'s side), per ``play_episodes`` call. ``synced``: the GPU drained at both ends of each part so
+    their device work counts (a diagnosis: it undoes the lead steps' overlap, so the arm's decode seconds are not the
+    engine's); else the host's seconds."""
 
-    def __init__(self, profile: int = 0):
+    def __init__(self, profile: int = 0, synced: bool = False):
         from qerl.agents import episode
         from qerl.rollout import cuda_graph, episode_wave, graph_cache
 
@@ -76,7 +78,7 @@ class CheckTimer:
         between, collect, play = (episode_wave.EpisodeWave._between_turns, episode._Turns.collect,
                                   cuda_graph.CUDAGraphRollout.play_episodes)
 
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() and (synced or profile) else (lambda: None)
 
         def timed_between(wave, *a):
             sync()
@@ -148,7 +150,7 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
 
     rows = args.prompts * args.group_size
     name, options = engine_options(arm)
-    checks = CheckTimer(args.profile_prefills) if name == "multi" else None
+    checks = CheckTimer(args.profile_prefills, args.check_parts) if name == "multi" else None
     label = arm.replace("@", "_").replace(":", "_").replace("=", "")
     engine = "forced_lengths.ForcedLengthRollout"
     if name in ("multi", "resubmit"):
@@ -219,7 +221,11 @@ def main() -> None:
                         help="comma-separated: multi, single, resubmit, each with engine arguments of its own "
                              "(multi@turn_check_every=8:max_hole_columns=256)")
     parser.add_argument("--profile-prefills", type=int, default=0,
-                        help="print torch.profiler tables of this many observation prefills of the third step on")
+                        help="print torch.profiler tables of this many observation prefills of the third step on "
+                             "(drains the GPU around each check part, as --check-parts)")
+    parser.add_argument("--check-parts", action="store_true",
+                        help="time the checks' parts with the GPU drained at both ends (their device work counted; "
+                             "the lead steps' overlap undone): a diagnosis, not the engine's throughput")
     parser.add_argument("overrides", nargs="*", help="more train.py options for both arms (after --)")
     args = parser.parse_args()
     from transformers import AutoTokenizer

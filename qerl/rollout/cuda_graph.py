@@ -112,6 +112,10 @@ class CUDAGraphRollout(RolloutEngine):
         turn_bucket_rows: a multi-turn wave's batch buckets are the multiples of this many rows (and the powers of
             two below it): a batch closer to the rows still playing, for a few more captured graphs. None: the powers
             of two, as a single-turn wave's.
+        prefill_lead_steps: at a check that resumes rows, the rows still running first take this many decode steps
+            (graph replays, queued at once), then the observations' eager prefill is launched: the host launches its
+            kernels while the GPU runs those steps, instead of the GPU waiting for the host. At most
+            ``turn_check_every`` - 1 (they count to the next check); 0: the prefill first.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -140,6 +144,7 @@ class CUDAGraphRollout(RolloutEngine):
         turn_check_every: int | None = None,
         max_hole_columns: int | None = 256,
         turn_bucket_rows: int | None = None,
+        prefill_lead_steps: int = 4,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
@@ -163,8 +168,12 @@ class CUDAGraphRollout(RolloutEngine):
         if turn_bucket_rows is not None and turn_bucket_rows < 1:
             raise ValueError(f"model.rollout.init_args.turn_bucket_rows={turn_bucket_rows} must be >= 1 (or None: "
                              "batch buckets of powers of two).")
+        if prefill_lead_steps < 0:
+            raise ValueError(f"model.rollout.init_args.prefill_lead_steps={prefill_lead_steps} must be >= 0 (0: the "
+                             "observations' prefill first, then the decode steps).")
         self.turn_check_every, self.max_hole_columns = turn_check_every, max_hole_columns
         self.turn_bucket_rows = turn_bucket_rows
+        self.prefill_lead_steps = min(prefill_lead_steps, turn_check_every - 1)  # (they count to the next check)
         self.costs = WaveCosts()  # what the calls so far read and copied (``qerl.rollout.wave_costs``)
         self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket

@@ -65,6 +65,11 @@ def slot_layout(running: list[int], resumed: list[int], bucket: int, slots: int)
     return first, order
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (host) on ``device`` without waiting for the steps queued there (a pageable copy would: the lead steps)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 class EpisodeWave:
     """One wave's episodes (see the module docstring), output rows ``first_row`` on.
 
@@ -90,6 +95,7 @@ class EpisodeWave:
         self.costs = WaveCosts()
         self.context: list[int] = []  # per wave row: the cache columns its mask keeps (host copy, no sync)
         self.col_seen: list[int] = []  # per wave row: its output column at the last check
+        self.appended: dict[int, tuple[int, int]] = {}  # wave rows resumed at the last check: (lead steps, block)
         self.lengths: list[int] = []  # the attended columns of each decode step since the last check
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
@@ -113,19 +119,24 @@ class EpisodeWave:
         b, steps = N, 1
         while True:
             if steps % self.check_every == 0:
-                b, column = self._between_turns(b, column, buckets)
+                b, column, lead = self._between_turns(b, column, buckets)
                 if b == 0:
                     return
-            self.lengths.append(engine._attended(s, column + 1))
-            engine._run_step(s, self.policy, b, self.lengths[-1], spec)
-            column += 1
+                steps += lead  # (fewer than check_every: the interval's first steps)
+            column = self._decode_step(b, column)
             steps += 1
 
-    def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int]:
+    def _decode_step(self, b: int, column: int) -> int:
+        """One decode step of slots 0..b-1 at cache column ``column``; returns the next column."""
+        self.lengths.append(self.engine._attended(self.s, column + 1))
+        self.engine._run_step(self.s, self.policy, b, self.lengths[-1], self.spec)
+        return column + 1
+
+    def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int, int]:
         """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
-        over the rows that stopped since, append the observations that came back and move those rows and the running
-        ones into the next batch (``slot_layout``). Returns the next batch bucket (0: the wave is over) and the next
-        column."""
+        over the rows that stopped since, move the rows to resume and the running ones into the next batch
+        (``slot_layout``), let the running ones take the engine's lead steps, then append the observations that
+        came back. Returns the next batch bucket (0: the wave is over), the next column and the lead steps taken."""
         s, N = self.s, self.rows
         ready = self.turns.collect() if self.waiting else {}
         collected, self.waiting = self.waiting, set()
@@ -145,7 +156,7 @@ class EpisodeWave:
         self.live -= {row for row in collected if observations[row] is None}
         resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
-            return 0, column
+            return 0, column, 0
         blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
         width = max(map(len, blocks), default=0)
         holes = column - max(self.context)
@@ -164,21 +175,28 @@ class EpisodeWave:
         if moving:
             s.move([order[k] for k in moving], moving, column)
             self.costs.moved_columns += len(moving) * column
+        lead = self.engine.prefill_lead_steps if running and resumed else 0
+        for _ in range(lead):  # queued on the GPU before the prefill's host-bound launches
+            column = self._decode_step(bucket, column)
         if resumed:
             for k, block in zip(resumed, blocks):
                 self.turn_start[slot_row[k]] = col[k]
-                self.context[slot_row[k]] += len(block)
+                self.appended[slot_row[k]] = (lead, len(block))
                 self.col_seen[slot_row[k]] = col[k] + 1  # the block's prefill samples the turn's first token
             budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
             column = self._append(first, blocks, budgets, column)
-        return bucket, column
+        return bucket, column, lead
 
     def _count_stretch(self, b: int, col: list[int], slot_row: list[int]) -> None:
         """Count the decode steps since the last check (``WaveCosts.stretch``) from the rows' output columns now."""
         decoded = [0] * self.rows
         for k in range(b):
             decoded[slot_row[k]] = col[k] - self.col_seen[slot_row[k]]
-        self.costs.stretch(b, self.lengths, self.context, decoded)
+        starts, blocks = ([self.appended.get(row, (0, 0))[i] for row in range(self.rows)] for i in (0, 1))
+        self.costs.stretch(b, self.lengths, self.context, decoded, starts, blocks)
+        for row, (_, width) in self.appended.items():
+            self.context[row] += width
+        self.appended = {}
         self.costs.waiting += sum(len(self.lengths) - decoded[slot_row[k]] for k in range(b)
                                   if slot_row[k] in self.live)
         self.costs.checks += 1
@@ -212,7 +230,7 @@ class EpisodeWave:
         real = torch.zeros((R, width), dtype=torch.bool)
         for i, block in enumerate(blocks):
             ids[i, width - len(block):], real[i, width - len(block):] = torch.tensor(block), True
-        ids, real = ids.to(device), real.to(device)
+        ids, real, budget = (to_device(t, device) for t in (ids, real, torch.tensor(budgets)))
         slots = slice(first, first + R)
         pos = s.pos[slots, None] + (real.long().cumsum(-1) - 1).clamp(min=0)  # [R, width] on from each row's own
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & real[:, None, :]
@@ -233,7 +251,7 @@ class EpisodeWave:
         s.mask[slots, 0, 0, column:column + width] = real
         s.pos[slots] += real.sum(-1)
         s.finished[slots] = False
-        s.limit[slots] = s.col[slots] + torch.tensor(budgets, device=device)
+        s.limit[slots] = s.col[slots] + budget
         engine._record(s, logits, first + R, self.spec, first=first)
         s.cache.position.fill_(column + width)
         return column + width

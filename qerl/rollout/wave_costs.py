@@ -48,15 +48,19 @@ class WaveCosts:
         # a row decoding its j-th step (from 0) attends its context + the j + 1 columns it has fed since
         self.needed += sum(d * c + d * (d + 1) // 2 for c, d in zip(contexts, decoded))
 
-    def stretch(self, rows: int, lengths: list[int], contexts: list[int], decoded: list[int]) -> None:
+    def stretch(self, rows: int, lengths: list[int], contexts: list[int], decoded: list[int],
+                starts: list[int] | None = None, blocks: list[int] | None = None) -> None:
         """Count ``len(lengths)`` decode steps of ``rows`` batch rows, step j attending ``lengths[j]`` columns; the
-        wave's row i held ``contexts[i]`` context columns before the first and decoded in the first ``decoded[i]`` of
-        them (a row that stops idles until the next check: its steps are a prefix)."""
+        wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (an observation)
+        after its first ``starts[i]`` steps (idle) and decoded in the next ``decoded[i]`` (a row that stops idles
+        until the next check: its steps are a run from its start)."""
+        starts, blocks = starts or [0] * len(contexts), blocks or [0] * len(contexts)
+        per_row = list(zip(contexts, decoded, starts, blocks))
         for j, length in enumerate(lengths):
             self.step(rows, length)
-            longest = max((c + min(j + 1, d) for c, d in zip(contexts, decoded)), default=0)
+            longest = max((c + (w + min(j + 1 - a, d) if j >= a else 0) for c, d, a, w in per_row), default=0)
             self.excess = max(self.excess, length - longest)
-        self.decoding(contexts, decoded)
+        self.decoding([c + w for c, w in zip(contexts, blocks)], decoded)
 
     def summary(self) -> dict[str, float]:
         """The sums with the ratios a comparison reads: attended per decoded token and per needed column, the idle

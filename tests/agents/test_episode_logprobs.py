@@ -19,17 +19,21 @@ from qerl.tools.environment import EnvironmentFactory
 TEMPERATURE = 0.7
 
 
+def play(chat_model, engine):
+    policy, tokenizer = chat_model
+    eos = [tokenizer.eos_token_id]
+    spec = SamplingSpec(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
+    return run_episodes(BoundEngine(engine, policy, tokenizer.pad_token_id, eos, spec),
+                        chat_prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer, eos,
+                        tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10, "qwen")
+
+
 @pytest.mark.parametrize("engine", [BuiltinRollout, lambda: CUDAGraphRollout(check_every=3),
                                     lambda: CUDAGraphRollout(check_every=3, fused=True)],
                          ids=["builtin", "cuda_graph", "cuda_graph_fused"])
 def test_multi_turn_logprobs_equal_full_recomputation(chat_model, engine):
     policy, tokenizer = chat_model
-    eos = [tokenizer.eos_token_id]
-    spec = SamplingSpec(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
-    episodes = run_episodes(BoundEngine(engine(), policy, tokenizer.pad_token_id, eos, spec),
-                            chat_prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
-                            eos, tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10,
-                            "qwen")
+    episodes = play(chat_model, engine())
     r = episodes.rollout
     turns = [t.turns for t in episodes.trajectories]
     assert max(turns) >= 2, turns  # the fixture's model ends turns often enough for second turns
@@ -58,14 +62,39 @@ def test_the_graph_engines_prefills_never_run_cudnn_attention(chat_model, fused,
         return sdpa(query, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
-    spec = SamplingSpec(max_new_tokens=10, temperature=TEMPERATURE, seed=3)
-    episodes = run_episodes(BoundEngine(CUDAGraphRollout(check_every=3, fused=fused), policy, tokenizer.pad_token_id,
-                                        eos, spec),
-                            chat_prompts(tokenizer, ["Say hi.", "Count to three."]), [{}, {}], 4, tokenizer,
-                            eos, tokenizer.pad_token_id, AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 10,
-                            "qwen")
+    episodes = play(chat_model, CUDAGraphRollout(check_every=3, fused=fused))
     assert max(t.turns for t in episodes.trajectories) >= 2
     prefills = [allowed for tokens, allowed in seen if tokens > 1]
     layers = policy.config.num_hidden_layers
     assert len(prefills) >= 2 * layers and not any(prefills)  # the prompts' and at least one observation's
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the setting is the prefills' alone
+
+
+def test_running_rows_take_their_lead_steps_before_the_observations_prefill(chat_model):
+    """At a check that resumes rows while others run, the running rows' next ``prefill_lead_steps`` decode steps
+    come before the observations' prefill (queued on the GPU while the host launches the prefill); the samples and
+    their log-probs are the same as with the prefill first."""
+    policy, _ = chat_model
+    calls = []  # per forward: 1 token per row = a decode step, more = a prefill
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+
+    def prefills_at(engine):  # each observation prefill's decode steps since the wave began, mod the checks
+        calls.clear()
+        episodes, steps, at = play(chat_model, engine), 0, []
+        for width in calls[1:]:  # (after the prompts' prefill)
+            steps += width == 1
+            at += [] if width == 1 else [(steps + 1) % 2]
+        return episodes, at
+
+    first, led = CUDAGraphRollout(check_every=2, prefill_lead_steps=0), CUDAGraphRollout(check_every=2)
+    try:
+        (a, at_first), (b, at_led) = prefills_at(first), prefills_at(led)
+    finally:
+        hook.remove()
+    assert led.prefill_lead_steps == 1 and CUDAGraphRollout(check_every=8).prefill_lead_steps == 4
+    assert set(at_first) == {0} and set(at_led) <= {0, 1} and 1 in at_led  # 0: no row was running there
+    assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
+    torch.testing.assert_close(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="prefill_lead_steps=-1 must be >= 0"):
+        CUDAGraphRollout(prefill_lead_steps=-1)
