@@ -58,3 +58,30 @@ def test_graph_engine_multi_turn_logprobs_equal_full_recomputation(tmp_path):
     assert int((waves.completion_ids[:, :4] == r.completion_ids[:, :4]).all(-1).sum()) >= 12
     error = (waves.logprobs - recompute(policy, waves, 0.7)[0] * waves.model_mask.bool()).abs().max().item()
     assert error < LOGPROB_ATOL
+
+
+def test_observation_prefill_waits_for_no_queued_step(tmp_path, monkeypatch):
+    """The observations' prefill is launched behind the running rows' lead steps: nothing in it may wait for the GPU
+    (a pageable host copy or a read-back would, and the GPU would idle through the prefill's launches again)."""
+    from qerl.rollout import episode_wave
+
+    path = save_tiny_chat_model(tmp_path / "chat", "qwen2")
+    policy = build_policy(str(path), quantization="nvfp4", lora_rank=8, dtype="bfloat16", device="cuda")
+    tokenizer = load_tokenizer(str(path))
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    append, prefills = episode_wave.EpisodeWave._append, []
+
+    def without_syncs(wave, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return append(wave, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            prefills.append(args)
+
+    monkeypatch.setattr(episode_wave.EpisodeWave, "_append", without_syncs)
+    spec = SamplingSpec(max_new_tokens=12, temperature=0.7, seed=3)
+    episodes = run_episodes(BoundEngine(CUDAGraphRollout(check_every=4), policy, pad, eos, spec),
+                            chat_prompts(tokenizer, ["Say hi.", "Count."]), [{}, {}], 8, tokenizer, eos, pad,
+                            AgentConfig(max_turns=4), [], EnvironmentFactory(GoOn), 12, "qwen")
+    assert prefills and max(t.turns for t in episodes.trajectories) >= 2
