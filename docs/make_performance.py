@@ -70,8 +70,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 def provenance(result: dict, default_command: str) -> str:
     date = str(result.get("date", "undated"))[:10]
     recorded = f", recorded in `{result['recorded_in']}`" if result.get("recorded_in") else ""
+    build = f" ({result['build']})" if result.get("build") else ""
     return (f"{result.get('device', 'unknown device')}, {date}{recorded}. "
-            f"Reproduce: `{result.get('command', default_command)}`")
+            f"Reproduce: `{result.get('command', default_command)}`{build}")
 
 
 # ---------------------------------------------------------------------------------------------------- sections
