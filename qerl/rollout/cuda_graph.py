@@ -114,9 +114,9 @@ class CUDAGraphRollout(RolloutEngine):
             of two, as a single-turn wave's.
         prefill_lead_steps: at a check that resumes rows, the rows still running first take this many decode steps
             (graph replays, queued at once), then the observations' eager prefill is launched: the host launches its
-            kernels while the GPU runs those steps, instead of the GPU waiting for the host. About the prefill's host
-            time over one step's GPU time hides it (more idles the resumed rows longer); at most
-            ``turn_check_every`` - 1 (they count to the next check); 0: the prefill first.
+            kernels while the GPU runs those steps, instead of the GPU waiting for the host (more idles the resumed
+            rows longer: docs/performance.md has the measurements); at most ``turn_check_every`` - 1 (they count to
+            the next check); 0: the prefill first.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -145,7 +145,7 @@ class CUDAGraphRollout(RolloutEngine):
         turn_check_every: int | None = None,
         max_hole_columns: int | None = 256,
         turn_bucket_rows: int | None = None,
-        prefill_lead_steps: int = 8,
+        prefill_lead_steps: int = 4,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
