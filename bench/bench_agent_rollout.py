@@ -145,11 +145,33 @@ class CheckTimer:
         cuda_graph.CUDAGraphRollout.play_episodes = counted_play
 
 
+def count_decode_steps() -> list[int]:
+    """The decode steps of each rollout call (``generate`` / ``play_episodes``), from the engine's cost model: the
+    seconds per decode step of a step compare arms whose longest rows differ."""
+    from qerl.rollout import cuda_graph
+
+    steps: list[int] = []
+
+    def counted(call):
+        def run(engine, *a, **k):
+            before = engine.costs.decode_steps
+            try:
+                return call(engine, *a, **k)
+            finally:
+                steps.append(engine.costs.decode_steps - before)
+        return run
+
+    for name in ("generate", "play_episodes"):
+        setattr(cuda_graph.CUDAGraphRollout, name, counted(getattr(cuda_graph.CUDAGraphRollout, name)))
+    return steps
+
+
 def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
     rows = args.prompts * args.group_size
     name, options = engine_options(arm)
+    decode_steps = count_decode_steps()
     checks = CheckTimer(args.profile_prefills, args.check_parts) if name == "multi" else None
     label = arm.replace("@", "_").replace(":", "_").replace("=", "")
     engine = "forced_lengths.ForcedLengthRollout"
@@ -185,6 +207,8 @@ def fit(model_dir: Path, arm: str, args, log_root: Path) -> dict:
            "generated_per_row": steady("train/completion_length"), "steps": len(series["perf/rollout_s"])}
     out["decode_s"] = steady("agent/decode_s") if name != "single" else out["rollout_s"]
     out["decode_s_per_step"] = series["agent/decode_s" if name != "single" else "perf/rollout_s"]
+    out["decode_steps_per_step"] = decode_steps
+    out["ms_per_decode_step"] = [1e3 * t / max(n, 1) for t, n in zip(out["decode_s_per_step"], decode_steps)]
     out["tool_s"] = steady("agent/tool_s") if name != "single" else 0.0
     out["turns"] = steady("agent/turns") if name != "single" else 1.0
     # every step after the first, tokens over seconds (the steps' lengths are drawn: a median of each would pair the
