@@ -20,7 +20,6 @@ from qerl.nvfp4.kernels.gemv_layout import CHUNK
 from qerl.nvfp4.kernels.gemv_plan import (
     _CTAS_PER_SM,
     _REGS,
-    DENSE_MAX_M,
     MAX_M,
     STREAM_K_MIN_CHUNKS,
     TOKEN_BLOCK,
@@ -331,9 +330,10 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     using the fused reduction must not run concurrently on several streams (shared counters).
 
     ``dense``: (``gemv_layout.dense_fragments`` of a bf16 ``A [NA, K]``, NA) to multiply by the same activations in
-    the same launch (the LoRA-A matrices: one launch instead of two per layer group; up to :data:`DENSE_MAX_M` rows
-    and a ring in static shared memory); returns ``(out, u)`` with ``u [S, M, NA]`` fp32 split-K partials of
-    ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks).
+    the same launch (the LoRA-A matrices: one launch instead of two per layer group; a ring in static shared memory,
+    one row block per warp: ``gemv_plan.takes_dense_rows`` says where the decoder uses it); returns ``(out, u)``
+    with ``u [S, M, NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8
+    chunks).
 
     ``m`` > :data:`MAX_M` (sm_90 with Gluon): token blocks of :data:`TOKEN_BLOCK` rows, the wgmma loop only (no
     ``dense`` rows, no clusters). A ring past 48 KiB (``gemv_ptx.wgmma_ring_bytes``) takes the Gluon launcher,
@@ -384,7 +384,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     if wgmma and rbw > 1 and (dense is not None or cluster):
         raise ValueError("the wgmma loop's two row blocks per warp take neither dense rows nor clusters")
     if dynamic and dense is not None:
-        raise ValueError(f"dense rows ride along up to {DENSE_MAX_M} tokens and a 48 KiB ring only")
+        raise ValueError(f"dense rows ride along on a ring in static shared memory only (<= {WGMMA_SMEM_LIMIT} bytes)")
     cluster = False if dynamic or rbw > 1 else cluster
     token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""

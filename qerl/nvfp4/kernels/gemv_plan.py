@@ -86,6 +86,10 @@ more registers than the weight's; at 8 tiles they need more, which lowers the we
 them separately there."""
 
 
+DENSE_WGMMA_MAX_M = 16
+"""On the wgmma loop the LoRA-A rows ride along up to this many tokens where :func:`takes_dense_rows` allows it."""
+
+
 def tiles_for(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8 if m <= MAX_M else 16
 
@@ -149,6 +153,20 @@ def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[i
             and HAS_GLUON):
         return 8, 6, 2, 0, False, 0
     return (*default_wgmma(nt, n, k), 1, 0, False, 0)
+
+
+def takes_dense_rows(m: int, n: int, k: int, wgmma: bool) -> bool:
+    """Whether the GEMV launch of ``m`` tokens on an ``n x k`` weight should carry the LoRA-A rows (``launch(dense=)``):
+    up to :data:`DENSE_MAX_M` tokens always; on the wgmma loop (``wgmma``) up to :data:`DENSE_WGMMA_MAX_M` where the
+    weight's own build is one row block per warp with a static ring, the build the rows need (the two-row-block
+    builds of the big weights stay separate launches)."""
+    if m <= DENSE_MAX_M:
+        return True
+    if not wgmma or m > DENSE_WGMMA_MAX_M:
+        return False
+    nt = tiles_for(m)
+    warps, stages, rb = default_wgmma_build(nt, n, k)[:3]
+    return rb == 1 and wgmma_ring_bytes(nt, stages, warps) <= WGMMA_SMEM_LIMIT
 
 
 WIDE_MIN_WEIGHTS = 20_000_000

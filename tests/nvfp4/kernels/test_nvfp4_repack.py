@@ -196,6 +196,31 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
+def test_lora_a_rows_ride_along_only_where_the_weight_keeps_its_build(monkeypatch):
+    qwen72b = [(10240, 8192), (8192, 8192), (59136, 8192), (8192, 29568)]  # q|k|v, o, gate|up, down
+    shapes = [(512, 3584), (4608, 3584), (3584, 18944), (37888, 3584)] + qwen72b
+    # up to 16 tokens always (the mma.sync loops too); wider never on the mma.sync loops, nor on the wgmma loop past
+    # its cap
+    assert all(gemv_plan.takes_dense_rows(m, n, k, w) for n, k in shapes for m in (1, 9, 16) for w in (False, True))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, False) for n, k in shapes for m in (17, 32, 64))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in shapes
+                   for m in range(gemv_plan.DENSE_WGMMA_MAX_M + 1, 65))
+    monkeypatch.setattr(gemv_plan, "DENSE_WGMMA_MAX_M", gemv_plan.MAX_M)
+    for n, k in shapes:
+        for m in (17, 32, 33, 64):
+            nt = gemv_plan.tiles_for(m)
+            alone = gemv_plan.default_wgmma_build(nt, n, k)
+            with_rows = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            # where the rows ride along the weight's programs are the same build, its ring static (the launcher
+            # with dense rows); elsewhere the weight's own build is one the rows cannot join
+            if gemv_plan.takes_dense_rows(m, n, k, True):
+                assert with_rows == alone and gemv_ptx.wgmma_ring_bytes(nt, *alone[1::-1]) <= gemv_ptx.WGMMA_SMEM_LIMIT
+            else:
+                assert alone[2] == 2 or gemv_ptx.wgmma_ring_bytes(nt, *alone[1::-1]) > gemv_ptx.WGMMA_SMEM_LIMIT
+    # the 72B attention projections take them at 32 tokens, its MLP (two row blocks per warp) does not
+    assert [gemv_plan.takes_dense_rows(32, n, k, True) for n, k in qwen72b] == [True, True, False, False]
+
+
 def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
     # two row blocks per warp: twice the weight bytes per stage, the same activation tile
     assert gemv_ptx.wgmma_ring_bytes(4, 5, 4, 2) == (4096 + 5120) * 5
@@ -344,7 +369,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
                 "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc",
-                "4fn25w", "2fn26w", "8fn23w"]  # the wgmma loop with two row blocks per warp
+                "4fn25w", "2fn26w", "8fn23w",  # the wgmma loop with two row blocks per warp
+                "4fn15Wd"]  # the LoRA-A rows beside the 32-token wgmma build of the 70B attention projections
     lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
