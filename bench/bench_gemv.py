@@ -70,9 +70,10 @@ def poison(device):
     del t
 
 
-def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
-    """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
-    kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
+def lora_a_in_launch(x, acts, weights, calls, k, ref, fused_config: GemvConfig = GemvConfig()) -> dict:
+    """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch (``fused_config``) vs the default GEMV
+    + the separate LoRA-A kernel: the weight output must not change (bitwise, where the builds agree; else within
+    the tolerance of ``ref``, its fp64 product), the partials must sum to the fp64 product."""
     from qerl.kernels import fused_decode
 
     a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
@@ -80,17 +81,19 @@ def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     w = weights[0]
     plain = gemv.launch(x, *w)
     poison(x.device)
-    out, u = gemv.launch(x, *w, dense=(frags, 48))
-    ref = x.double() @ a.double().t()
+    out, u = gemv.launch(x, *w, fused_config, dense=(frags, 48))
+    ref_a = x.double() @ a.double().t()
     res = {"lora_a_fused_out_identical": bool(torch.equal(plain, out)),
-           "lora_a_fused_rel_err": rel_err(u.sum(0), ref) if bool(torch.isfinite(u).all()) else float("nan"),
+           "lora_a_fused_rel_err": rel_err(u.sum(0), ref_a) if bool(torch.isfinite(u).all()) else float("nan"),
+           "lora_a_fused_out_rel_err": rel_err(out, ref) if bool(torch.isfinite(out).all()) else float("nan"),
            "lora_a_fused_splits": u.shape[0]}
     nw = len(weights)
     res["ms_gemv_plus_lora_a_separate"] = graph_ms(
         lambda i: (gemv.launch(acts[i % 4], *weights[i % nw]), fused_decode.lora_a(acts[i % 4], a)), calls)
     res["ms_gemv_with_lora_a_fused"] = graph_ms(
-        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], dense=(frags, 48)), calls)
+        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], fused_config, dense=(frags, 48)), calls)
     return res
+
 
 
 def pdl_variants(x, acts, weights, calls) -> dict:
@@ -161,16 +164,22 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device, only: 
                 row["weight_gbps"][vname] = nbytes / (t * 1e-3) / 1e9
             ok = {v: t for v, t in row["ms"].items() if row["rel_err"][v] < 4e-3 and row["repeatable"][v]}
             row["best"] = min(ok, key=ok.get) if ok else "default"
-            if lora_a:
-                try:
-                    row.update(lora_a_in_launch(x, acts, gw, calls, k))
-                    print(f"{row['shape']:>22} M={m:<3} + LoRA-A: separate "
-                          f"{row['ms_gemv_plus_lora_a_separate'] * 1e3:6.1f} fused "
-                          f"{row['ms_gemv_with_lora_a_fused'] * 1e3:6.1f} us, out identical "
-                          f"{row['lora_a_fused_out_identical']}, LoRA-A rel err {row['lora_a_fused_rel_err']:.1e}",
-                          flush=True)
-                except ValueError as e:  # a build whose ring or row blocks take no dense rows
-                    print(f"{row['shape']} M={m}: no LoRA-A in the launch ({str(e)[:200]})", flush=True)
+            if lora_a:  # the default's build with the rows, and (where it is the default) the two-row-block one
+                builds = {"default": GemvConfig()}
+                if gemv_plan.default_wgmma_build(nt, n, k)[2] == 2:
+                    builds["rb2"] = GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True)
+                row["lora_a"] = {}
+                for bname, bcfg in builds.items():
+                    try:
+                        res = row["lora_a"][bname] = lora_a_in_launch(x, acts, gw, calls, k, ref, bcfg)
+                    except ValueError as e:  # a build that takes no dense rows
+                        print(f"{row['shape']} M={m} {bname}: no LoRA-A in the launch ({str(e)[:200]})", flush=True)
+                        continue
+                    print(f"{row['shape']:>22} M={m:<3} + LoRA-A ({bname} build with the rows): default + separate "
+                          f"{res['ms_gemv_plus_lora_a_separate'] * 1e3:6.1f} fused "
+                          f"{res['ms_gemv_with_lora_a_fused'] * 1e3:6.1f} us, out identical "
+                          f"{res['lora_a_fused_out_identical']}, out rel err {res['lora_a_fused_out_rel_err']:.1e}, "
+                          f"LoRA-A rel err {res['lora_a_fused_rel_err']:.1e}", flush=True)
             rows.append(row)
             d, b = row["ms"]["default"], row["best"]
             print(f"{row['shape']:>22} M={m:<3} floor {read_ms * 1e3:6.1f} default {d * 1e3:6.1f} us "
@@ -286,7 +295,7 @@ def main():
                 # after many graph replays the fused split-K counters must be back at zero: same answer again
                 d3 = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
                 same = same and bool(torch.equal(d1, d3))
-                lora = lora_a_in_launch(x, acts, gemv_weights, calls, k) if m <= 16 else {}
+                lora = lora_a_in_launch(x, acts, gemv_weights, calls, k, ref) if m <= 16 else {}
                 chain = pdl_variants(x, acts, gemv_weights, calls) if m in (1, 16, 64) else {}
                 if chain:
                     print(f"{model}.{sname:>6} M={m:<3} chained launches, us: " + " ".join(

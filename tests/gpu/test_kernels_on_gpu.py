@@ -155,6 +155,24 @@ def test_lora_a_rows_in_the_gemv_launch(layer, m):
     assert rel_err(u.sum(0), x.double() @ a.double().t()) < 1e-5  # fp32 partials of bf16-exact products
 
 
+@pytest.mark.parametrize("m", [9, 16, 20, 32, 47, 64])
+def test_lora_a_rows_in_the_two_row_block_launch(m):
+    # the Gluon launcher (ring in dynamic shared memory) with the LoRA-A rows' programs past the weight's
+    if not gemv_plan.wgmma_supported(torch.device("cuda")) or not gemv_plan.HAS_GLUON:
+        pytest.skip("the dynamic ring needs sm_90 and Gluon")
+    layer = random_layer(3584, 18944, seed=5)
+    k = layer.in_features
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    a = (torch.randn(48, k, device="cuda") * 0.02).to(torch.bfloat16)
+    words, factors = layer.gemv_weight()
+    config = GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True)
+    poisoned_allocator()
+    out, u = gemv.launch(x, words, factors, layer.weight_global_scale, config,
+                         dense=(gemv_layout.dense_fragments(a), 48))
+    assert rel_err(out, x.double() @ dequantize(*weights(layer), torch.float64).t()) < REL_TOL
+    assert rel_err(u.sum(0), x.double() @ a.double().t()) < 1e-5
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")), reason="needs PDL (sm_90+)")
 def test_pdl_launch_computes_the_same_bits(layer):
     layer, _ = layer

@@ -87,7 +87,7 @@ them separately there."""
 
 
 DENSE_WGMMA_MAX_M = 16
-"""On the wgmma loop the LoRA-A rows ride along up to this many tokens where :func:`takes_dense_rows` allows it."""
+"""The widest batch at which the wgmma loop's launch takes the LoRA-A rows (:func:`takes_dense_rows`)."""
 
 
 def tiles_for(m: int) -> int:
@@ -148,25 +148,19 @@ def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[i
     """(warps, stages, row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop
     where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
     :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries and :data:`ROW_BLOCK_PAIR_MIN_INPUTS` inputs at 9-64 tokens, else
-    :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch (a static ring, one row block per warp)."""
+    :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch (one row block per warp: the two-row-block
+    build takes them on its dynamic ring too, but has not been timed with them)."""
     if (2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and k >= ROW_BLOCK_PAIR_MIN_INPUTS and not dense
             and HAS_GLUON):
         return 8, 6, 2, 0, False, 0
     return (*default_wgmma(nt, n, k), 1, 0, False, 0)
 
 
-def takes_dense_rows(m: int, n: int, k: int, wgmma: bool) -> bool:
-    """Whether the GEMV launch of ``m`` tokens on an ``n x k`` weight should carry the LoRA-A rows (``launch(dense=)``):
-    up to :data:`DENSE_MAX_M` tokens always; on the wgmma loop (``wgmma``) up to :data:`DENSE_WGMMA_MAX_M` where the
-    weight's own build is one row block per warp with a static ring, the build the rows need (the two-row-block
-    builds of the big weights stay separate launches)."""
-    if m <= DENSE_MAX_M:
-        return True
-    if not wgmma or m > DENSE_WGMMA_MAX_M:
-        return False
-    nt = tiles_for(m)
-    warps, stages, rb = default_wgmma_build(nt, n, k)[:3]
-    return rb == 1 and wgmma_ring_bytes(nt, stages, warps) <= WGMMA_SMEM_LIMIT
+def takes_dense_rows(m: int, wgmma: bool) -> bool:
+    """Whether the decoder's GEMV launch of ``m`` tokens should carry the LoRA-A rows (``launch(dense=)``) instead of
+    a separate LoRA-A kernel: up to :data:`DENSE_MAX_M` tokens, on the wgmma loop (``wgmma``) up to
+    :data:`DENSE_WGMMA_MAX_M`."""
+    return m <= (DENSE_WGMMA_MAX_M if wgmma else DENSE_MAX_M)
 
 
 WIDE_MIN_WEIGHTS = 20_000_000

@@ -196,29 +196,14 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
-def test_lora_a_rows_ride_along_only_where_the_weight_keeps_its_build(monkeypatch):
-    qwen72b = [(10240, 8192), (8192, 8192), (59136, 8192), (8192, 29568)]  # q|k|v, o, gate|up, down
-    shapes = [(512, 3584), (4608, 3584), (3584, 18944), (37888, 3584)] + qwen72b
-    # up to 16 tokens always (the mma.sync loops too); wider never on the mma.sync loops, nor on the wgmma loop past
-    # its cap
-    assert all(gemv_plan.takes_dense_rows(m, n, k, w) for n, k in shapes for m in (1, 9, 16) for w in (False, True))
-    assert not any(gemv_plan.takes_dense_rows(m, n, k, False) for n, k in shapes for m in (17, 32, 64))
-    assert not any(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in shapes
-                   for m in range(gemv_plan.DENSE_WGMMA_MAX_M + 1, 65))
-    monkeypatch.setattr(gemv_plan, "DENSE_WGMMA_MAX_M", gemv_plan.MAX_M)
-    for n, k in shapes:
-        for m in (17, 32, 33, 64):
-            nt = gemv_plan.tiles_for(m)
-            alone = gemv_plan.default_wgmma_build(nt, n, k)
-            with_rows = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
-            # where the rows ride along the weight's programs are the same build, its ring static (the launcher
-            # with dense rows); elsewhere the weight's own build is one the rows cannot join
-            if gemv_plan.takes_dense_rows(m, n, k, True):
-                assert with_rows == alone and gemv_ptx.wgmma_ring_bytes(nt, *alone[1::-1]) <= gemv_ptx.WGMMA_SMEM_LIMIT
-            else:
-                assert alone[2] == 2 or gemv_ptx.wgmma_ring_bytes(nt, *alone[1::-1]) > gemv_ptx.WGMMA_SMEM_LIMIT
-    # the 72B attention projections take them at 32 tokens, its MLP (two row blocks per warp) does not
-    assert [gemv_plan.takes_dense_rows(32, n, k, True) for n, k in qwen72b] == [True, True, False, False]
+def test_lora_a_rows_ride_along_up_to_the_loops_cap(monkeypatch):
+    # up to 16 tokens on both loops; wider only on the wgmma loop, up to its cap (which never passes the GEMV's 64)
+    assert all(gemv_plan.takes_dense_rows(m, w) for m in (1, 9, 16) for w in (False, True))
+    assert not any(gemv_plan.takes_dense_rows(m, False) for m in (17, 32, 64))
+    assert gemv_plan.DENSE_MAX_M <= gemv_plan.DENSE_WGMMA_MAX_M <= gemv_plan.MAX_M
+    monkeypatch.setattr(gemv_plan, "DENSE_WGMMA_MAX_M", 32)
+    assert [gemv_plan.takes_dense_rows(m, True) for m in (17, 32, 33, 64)] == [True, True, False, False]
+    assert not gemv_plan.takes_dense_rows(32, False)
 
 
 def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
@@ -401,15 +386,19 @@ from qerl.nvfp4.kernels import gemv as G, gemv_plan, gemv_ptx
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
-       "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
+       "plan_ptr": "i64", "d_addr": "i64", "u_addr": "i64", "NA": "i32", "WEIGHT_PROGRAMS": "i32", "DX": "i32",
+       "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
        "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr",
-       "RB": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P]: segments > 0 = the stream-K table's runs,
-    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead
-    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
-    pdl, rb, l2 = spec.endswith("P"), 2 if "B" in spec else 1, 12 if "L" in spec else 0
+       "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P][D]: segments > 0 = the stream-K table's runs,
+    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead, D = with the LoRA-A rows' programs
+    dense = spec.endswith("D")
+    spec0 = spec.rstrip("D")
+    nt, st, warps, segs = ([int(v) for v in spec0.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
+    pdl, rb, l2 = spec0.endswith("P"), 2 if "B" in spec0 else 1, 12 if "L" in spec0 else 0
     consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True, l2=l2), "SHIFT": 256.0,
-                                "PDL": pdl, "RB": rb}, nt, st, warps)
+                                "PDL": pdl, "RB": rb, "DENSE": dense,
+                                "DASM": gemv_ptx._dense_asm(nt) if dense else ""}, nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
@@ -442,14 +431,20 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
     variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P",
-                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP"]
+                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP",
+                "2.6.8B", "4.6.8B", "8.6.8B", "2.6.8BD", "4.6.8BD", "8.6.8BD", "4.6.8BPD"]  # D: the LoRA-A rows too
     lines = _build_for_sm90(script, variants)
+    regs = {}
     for line in lines:
         spec, shared, need = line.split()[:3]
         assert int(shared) >= int(need) > gemv_ptx.WGMMA_SMEM_LIMIT, line
-        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
+        regs[spec] = int(line.split("REG:")[1].split()[0])
+        assert "LOCAL:0" in line and regs[spec] <= 255, line
         marks = line.split("MARKS:")[1]
-        assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if spec.endswith("P") else ""), line
+        pdl = spec.rstrip("D").endswith("P")
+        assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if pdl else ""), line
+    for spec in ("2.6.8B", "4.6.8B", "8.6.8B"):  # the rows' programs need no more registers than the weight's
+        assert regs[spec + "D"] <= regs[spec] + 8, (spec, regs)
 
 
 @pytest.mark.parametrize("n,k", [(48, 192), (16, 64), (40, 128)])
