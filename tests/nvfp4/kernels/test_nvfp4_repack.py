@@ -355,7 +355,7 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
                 "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc",
                 "4fn25w", "2fn26w", "8fn23w",  # the wgmma loop with two row blocks per warp
-                "4fn15Wd"]  # the LoRA-A rows beside the 32-token wgmma build of the 70B attention projections
+                "4fn15Wd", "4fn16wd"]  # the LoRA-A rows beside the 32-token wgmma builds
     lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
@@ -365,6 +365,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         # the dense rows ride along for at most one allocation unit (8 registers per thread; the wide-batch dense
         # loop needed 156 vs 122, which is why it stops at DENSE_MAX_M)
         assert regs[spec + "d"] <= regs[spec] + 8, (spec, regs)
+    for spec in ("4fn15W", "4fn16w"):  # at 32 tokens the rows' lean loop stays in the weight's allocation unit
+        assert -(-regs[spec + "d"] // 8) <= -(-regs[spec] // 8), (spec, regs)
     for line in lines:  # with PDL: the grid-dependency wait (before any memory access) and trigger
         spec, marks = line.split()[0], line.split("MARKS:")[1]
         assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if "P" in spec else ""), line
