@@ -81,7 +81,10 @@ def _factor_pair(a, r: int) -> None:
 
 def _unpack_step(a, r: int, j: int, dst) -> None:
     """Row block ``r``'s A fragment of k16 step ``j`` (current chunk, buffer A) into the 4 registers ``dst``: 11 int
-    ops per 8 codes + 4 bf16x2 fma by the factor pair."""
+    ops per 8 codes + 4 bf16x2 fma by the factor pair. (The fewest for this kind of layout: no placement of the 8
+    codes in a word lets more pairs come out of one shifted or rotated view and one mask, also with funnel shifts
+    across words, byte permutes or the sign applied after the multiply; sm_90 has no e2m1 conversion: ptxas takes
+    ``cvt.rn.f16x2.e2m1x2`` from sm_100a on.)"""
     w, fr, fr8 = f"%Aw{r}_{j}", f"%fr{r}", f"%fr8{r}"
     d0, d1, d2, d3 = dst
     # pair 0: bits in place
