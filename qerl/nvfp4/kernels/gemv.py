@@ -363,8 +363,8 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     using the fused reduction must not run concurrently on several streams (shared counters).
 
     ``dense``: (``gemv_layout.dense_fragments`` of a bf16 ``A [NA, K]``, NA) to multiply by the same activations in
-    the same launch (the LoRA-A matrices: one launch instead of two per layer group; a ring in static shared memory,
-    one row block per warp: ``gemv_plan.takes_dense_rows`` says where the decoder uses it); returns ``(out, u)``
+    the same launch (the LoRA-A matrices: one launch instead of two per layer group; up to :data:`MAX_M` rows on the
+    split grid, either launcher: ``gemv_plan.takes_dense_rows`` says where the decoder uses it); returns ``(out, u)``
     with ``u [S, M, NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8
     chunks).
 
@@ -412,7 +412,7 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     chunks = k // CHUNK
     if not warps:
         warps = auto_warps(n, k, nt)
-    # a ring beyond static shared memory: the Gluon launcher (no dense rows, no clusters there)
+    # a ring beyond static shared memory: the Gluon launcher (no clusters there)
     dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps, rbw) > WGMMA_SMEM_LIMIT
     if wgmma and rbw > 1 and (cluster or (dense is not None and not dynamic)):
         raise ValueError("the wgmma loop's two row blocks per warp take no clusters, and dense rows only on the "
