@@ -163,7 +163,8 @@ class BaseGEMM:
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
         ``gemv_layout.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
         wgmma = self.wgmma is not False and gemv_plan.wgmma_supported(x.device)
-        if not gemv_plan.takes_dense_rows(x.shape[0], wgmma) or not self._ensure_mma(x):
+        if (not gemv_plan.takes_dense_rows(x.shape[0], sum(self.sizes), self.layers[0].in_features, wgmma)
+                or not self._ensure_mma(x)):
             return None
 
         words, factors, gs = self._repacked

@@ -196,14 +196,38 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
-def test_lora_a_rows_ride_along_up_to_the_loops_cap(monkeypatch):
-    # up to 16 tokens on both loops; wider only on the wgmma loop, up to its cap (which never passes the GEMV's 64)
-    assert all(gemv_plan.takes_dense_rows(m, w) for m in (1, 9, 16) for w in (False, True))
-    assert not any(gemv_plan.takes_dense_rows(m, False) for m in (17, 32, 64))
+def test_lora_a_rows_ride_along_where_they_were_faster():
+    qwen7b = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]  # q|k|v, o, gate|up, down
+    qwen72b = [(10240, 8192), (8192, 8192), (59136, 8192), (8192, 29568)]
+    # up to 16 tokens everywhere, on both loops; wider only on the wgmma loop, up to 32 tokens
+    assert all(gemv_plan.takes_dense_rows(m, n, k, w) for n, k in qwen7b + qwen72b for m in (1, 9, 16)
+               for w in (False, True))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, False) for n, k in qwen7b + qwen72b for m in (17, 32))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in qwen7b + qwen72b for m in (33, 64))
+    # at 17-32 tokens every measured weight but the long-K 7B down (its rows' many K splits made the launch slower)
+    assert [gemv_plan.takes_dense_rows(32, n, k, True) for n, k in qwen7b] == [True, True, True, False]
+    assert all(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in qwen72b for m in (17, 20, 32))
     assert gemv_plan.DENSE_MAX_M <= gemv_plan.DENSE_WGMMA_MAX_M <= gemv_plan.MAX_M
-    monkeypatch.setattr(gemv_plan, "DENSE_WGMMA_MAX_M", 32)
-    assert [gemv_plan.takes_dense_rows(m, True) for m in (17, 32, 33, 64)] == [True, True, False, False]
-    assert not gemv_plan.takes_dense_rows(32, False)
+    # the build the rows ride on: the 72B gate|up keeps two row blocks per warp at 32 tokens, its down one; at 9-16
+    # tokens both one
+    gu, down = qwen72b[2], qwen72b[3]
+    if gemv_plan.HAS_GLUON:
+        assert gemv_plan.default_wgmma_build(4, *gu, dense=True)[:3] == (8, 6, 2)
+    assert gemv_plan.default_wgmma_build(4, *down, dense=True)[:3] == (*gemv_plan.default_wgmma(4, *down), 1)
+    assert gemv_plan.default_wgmma_build(2, *gu, dense=True)[2] == 1
+    assert gemv_ptx.wgmma_ring_bytes(4, *gemv_plan.default_wgmma(4, *down)[::-1]) <= gemv_ptx.WGMMA_SMEM_LIMIT
+
+
+def test_wide_batch_build_of_the_70b_attention_projections():
+    # at 33-64 tokens 8 warps on a 4-stage dynamic ring for the 72B q|k|v and o (and the >= 100M weights, as before);
+    # the 7B weights keep 4 warps, its down projection (68M, 18944 inputs) too
+    if not gemv_plan.HAS_GLUON:
+        pytest.skip("the 4-stage ring of 8 warps needs Gluon")
+    assert gemv_plan.default_wgmma(8, 10240, 8192) == gemv_plan.default_wgmma(8, 8192, 8192) == (8, 4)
+    assert gemv_plan.default_wgmma(8, 59136, 8192) == gemv_plan.default_wgmma(8, 55296, 5120) == (8, 4)
+    assert [gemv_plan.default_wgmma(8, n, k) for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (7168, 5120))] \
+        == [(4, 4)] * 4
+    assert gemv_ptx.wgmma_ring_bytes(8, 4, 8) > gemv_ptx.WGMMA_SMEM_LIMIT  # (the Gluon launcher's)
 
 
 def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
@@ -214,11 +238,14 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
         gemv_ptx._wgmma_mainloop_asm(4, 5, 4, cluster=True, rb=2)
     asm = gemv_ptx._wgmma_mainloop_asm(4, 5, 4, rb=2)  # one accumulator set per row block, both fed by one tile
     assert asm.count("wgmma.mma_async") == 8 and "%c31" in asm and "%c32" not in asm
-    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp and a static
-    # ring, whatever wins without them
+    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp (and at 1-16
+    # tokens a static ring), whatever wins without them, but for the N >= K weights at 17-32 tokens
     for nt in (1, 2, 4, 8):
         for n, k in ((1024, 8192), (10240, 8192), (59136, 8192), (8192, 29568), (512, 3584)):
             warps, stages, rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            if nt == 4 and (n, k) == (59136, 8192) and gemv_plan.HAS_GLUON:
+                assert (warps, stages, rb) == (8, 6, 2)
+                continue
             assert (warps, stages, rb, l2, sk, cap) == (*gemv_plan.default_wgmma(nt, n, k), 1, 0, False, 0)
             assert nt > 2 or gemv_ptx.wgmma_ring_bytes(nt, stages, warps) <= gemv_ptx.WGMMA_SMEM_LIMIT
     # without them: two row blocks per warp on the 72B gate|up (59136 x 8192) and down at 9-64 tokens, its q|k|v and o
