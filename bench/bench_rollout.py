@@ -28,6 +28,7 @@ import argparse
 import datetime
 import gc
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -255,7 +256,7 @@ def main():
     device = torch.cuda.get_device_name()
     log(device, torch.__version__)
     result = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "prompt_len": PROMPT, "new_tokens": args.new, "group_size": "min(8, batch)", "rows": []}
+              "command": " ".join(["PYTHONPATH=. python", *sys.argv]), "prompt_len": PROMPT, "new_tokens": args.new, "group_size": "min(8, batch)", "rows": []}
     bw = copy_bandwidth()
     result["copy_gbps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
