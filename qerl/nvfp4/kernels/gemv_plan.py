@@ -87,10 +87,9 @@ loop's: :data:`DENSE_WGMMA_MAX_M`): up to 2 tiles their programs need no more re
 
 DENSE_WGMMA_MAX_M = 32
 """The widest batch at which the wgmma loop's launch takes the LoRA-A rows (:func:`takes_dense_rows`): at 32 tokens
-on an H200 (GEMV + the LoRA-A kernel -> the GEMV with the rows, us) Qwen2.5-7B q|k|v 14.5 -> 12.0, o 14.0 -> 11.6,
-gate|up 44.2 -> 41.2, Qwen2.5-72B q|k|v 31.3 -> 28.3, o 26.4 -> 26.2, gate|up 111.1 -> 106.5, down 72.8 -> 65.9
-(``gemv_variants/gemv_compare_h200_*_m32_lora_a.json``); from 33 tokens their lean loop would need more registers
-than the weight's (64 tokens: 130 vs 116)."""
+the 7B and 72B GEMVs with the rows beat the GEMV and a LoRA-A kernel of their own on an H200
+(``bench/results/gemv_variants/gemv_compare_h200_*_m32_lora_a.json``); from 33 tokens the rows' lean loop needs more
+registers than the weight's."""
 
 
 def tiles_for(m: int) -> int:
@@ -142,8 +141,8 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
 
 WIDE_ATTENTION_MIN_WEIGHTS = 60_000_000
 """At 33-64 tokens the wgmma loop takes 8 warps and a 4-stage dynamic ring from this many weight entries too, where
-both sides are the 70B class's 8192 or more: Qwen2.5-72B's q and o (67M) 1.21x over 4 warps and 4 stages on an H200
-(``gemv_h200_72b.json``, candidates of ``bench_gemv.py``: 30.8 / 31.9 us vs 37.4 / 38.5)."""
+both sides are the 70B class's 8192 or more: Qwen2.5-72B's q and o (67M entries) were faster so than on 4 warps
+(``bench/results/gemv_h200_72b.json``, the candidates of ``bench_gemv.py``)."""
 
 ROW_BLOCK_PAIR_MIN_WEIGHTS = 200_000_000
 """From this many weight entries the wgmma loop at 9-64 tokens gives each warp two row blocks (8 warps, 6 stages in
@@ -159,8 +158,8 @@ def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[i
     where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
     :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries and :data:`ROW_BLOCK_PAIR_MIN_INPUTS` inputs at 9-64 tokens, else
     :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch: one row block per warp, but at 17-32
-    tokens the N >= K weights keep two (Qwen2.5-72B at 32 tokens on an H200, us with the rows: gate|up 106.5 on two
-    vs 119.2 on one, down 73.3 on two vs 65.9 on one)."""
+    tokens the N >= K weights keep two (with the rows the 72B gate|up was faster on two, its down on one:
+    ``gemv_compare_h200_72b_m32_lora_a.json``)."""
     pair = 2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and k >= ROW_BLOCK_PAIR_MIN_INPUTS
     if pair and HAS_GLUON and (not dense or (nt == 4 and n >= k)):
         return 8, 6, 2, 0, False, 0
@@ -171,7 +170,7 @@ def takes_dense_rows(m: int, n: int, k: int, wgmma: bool) -> bool:
     """Whether the decoder's GEMV launch of ``m`` tokens on an ``n x k`` weight should carry the LoRA-A rows
     (``launch(dense=)``) instead of a separate LoRA-A kernel: up to :data:`DENSE_MAX_M` tokens; on the wgmma loop
     (``wgmma``) up to :data:`DENSE_WGMMA_MAX_M`, but for the long-K weights (K >= 4 N: the 7B/32B down projections,
-    whose rows take many K splits; 7B down at 32 tokens 31.4 us apart vs 33.7 with them)."""
+    whose rows take many K splits: the 7B down was slower with them)."""
     if m <= DENSE_MAX_M:
         return True
     return wgmma and m <= DENSE_WGMMA_MAX_M and k < 4 * n
