@@ -60,9 +60,10 @@ _STATIC_SIG = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp
                "PDL": "constexpr", "CL": "constexpr"}
 _DYNAMIC_SIG = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32",
                 "K": "i32", "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64",
-                "c_addr": "i64", "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
+                "c_addr": "i64", "plan_ptr": "i64", "d_addr": "i64", "u_addr": "i64", "NA": "i32",
+                "WEIGHT_PROGRAMS": "i32", "DX": "i32", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr",
                 "TB": "constexpr", "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr",
-                "SEGS": "constexpr", "RB": "constexpr"}
+                "SEGS": "constexpr", "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr"}
 
 
 def build(nt: int, warps: int, stages: int, rb: int, workdir: Path, l2: int = 0) -> tuple[Path, bool]:

@@ -3,6 +3,7 @@ Triton tile kernel vs cuBLAS bf16.
 
     PYTHONPATH=. python bench/bench_gemv.py --out DIR [--ms 1,4,16,32,64] [--models 7b,32b]
     PYTHONPATH=. python bench/bench_gemv.py --out DIR --compare 72b --ms 16,32,64   # default vs VARIANTS
+    PYTHONPATH=. python bench/bench_gemv.py --out DIR --compare 72b,32b,7b --ms 32 --variants default --lora-a
 
 Correctness of every GEMV configuration vs the fp64 product on fresh random inputs (outputs allocated over NaN
 poison), including M that are not tile multiples; then median times over CUDA-graph replays cycling through > 2x L2
@@ -39,7 +40,8 @@ MMA_SYNC = dataclasses.replace(kernels.GEMV, gemv=GemvConfig(wgmma=False))
 
 # the fused decoder's four GEMVs per layer (q|k|v, o, gate|up, down): (name, out, in)
 LAYER_SHAPES = {"72b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gu", 59136, 8192), ("down", 8192, 29568)],
-                "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gu", 55296, 5120), ("down", 5120, 27648)]}
+                "32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gu", 55296, 5120), ("down", 5120, 27648)],
+                "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gu", 37888, 3584), ("down", 3584, 18944)]}
 # the wgmma loop's variants for 16-64 tokens set against the default, each with the token tiles (8 rows) it is built
 # for: w = warps, s = shared-memory stages (rings past 48 KiB in dynamic shared memory), rb = row blocks per warp,
 # r80 = at most 80 registers (one more 8-warp program per SM), sk = stream-K over one wave of programs, pfN = weights
@@ -68,9 +70,10 @@ def poison(device):
     del t
 
 
-def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
-    """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch vs the GEMV + the separate LoRA-A
-    kernel: the weight output must not change (bitwise), the partials must sum to the fp64 product."""
+def lora_a_in_launch(x, acts, weights, calls, k, ref, fused_config: GemvConfig = GemvConfig()) -> dict:
+    """The LoRA-A rows (48 = q|k|v at rank 16) multiplied in the GEMV's launch (``fused_config``) vs the default GEMV
+    + the separate LoRA-A kernel: the weight output must not change (bitwise, where the builds agree; else within
+    the tolerance of ``ref``, its fp64 product), the partials must sum to the fp64 product."""
     from qerl.kernels import fused_decode
 
     a = (torch.randn(48, k, device=x.device) * 0.02).to(torch.bfloat16)
@@ -78,17 +81,19 @@ def lora_a_in_launch(x, acts, weights, calls, k) -> dict:
     w = weights[0]
     plain = gemv.launch(x, *w)
     poison(x.device)
-    out, u = gemv.launch(x, *w, dense=(frags, 48))
-    ref = x.double() @ a.double().t()
+    out, u = gemv.launch(x, *w, fused_config, dense=(frags, 48))
+    ref_a = x.double() @ a.double().t()
     res = {"lora_a_fused_out_identical": bool(torch.equal(plain, out)),
-           "lora_a_fused_rel_err": rel_err(u.sum(0), ref) if bool(torch.isfinite(u).all()) else float("nan"),
+           "lora_a_fused_rel_err": rel_err(u.sum(0), ref_a) if bool(torch.isfinite(u).all()) else float("nan"),
+           "lora_a_fused_out_rel_err": rel_err(out, ref) if bool(torch.isfinite(out).all()) else float("nan"),
            "lora_a_fused_splits": u.shape[0]}
     nw = len(weights)
     res["ms_gemv_plus_lora_a_separate"] = graph_ms(
         lambda i: (gemv.launch(acts[i % 4], *weights[i % nw]), fused_decode.lora_a(acts[i % 4], a)), calls)
     res["ms_gemv_with_lora_a_fused"] = graph_ms(
-        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], dense=(frags, 48)), calls)
+        lambda i: gemv.launch(acts[i % 4], *weights[i % nw], fused_config, dense=(frags, 48)), calls)
     return res
+
 
 
 def pdl_variants(x, acts, weights, calls) -> dict:
@@ -107,13 +112,14 @@ def pdl_variants(x, acts, weights, calls) -> dict:
 
 
 def compare(model: str, ms_list: list[int], out: Path, dev: torch.device, only: list[str] | None = None,
-            floor: bool = True, shapes: list[str] | None = None) -> None:
+            floor: bool = True, shapes: list[str] | None = None, lora_a: bool = False) -> None:
     """The default GEMV vs the :data:`VARIANTS` entries (``only``: these) on one model's per-layer shapes: rel err vs
     fp64 (outputs over
     NaN poison), bitwise repeatability, median CUDA-graph time over rotated weight copies, GB/s of weight read, the
     pure-read floor (``floor``); a ratio table (default time / variant time) and
-    DIR/gemv_compare_<device>_<model>_m<ms>.json."""
-    variants = {v: VARIANTS[v] for v in only} if only else VARIANTS
+    DIR/gemv_compare_<device>_<model>_m<ms>.json. ``lora_a``: also the default GEMV with the LoRA-A rows in its launch
+    vs the GEMV and the separate LoRA-A kernel (:func:`lora_a_in_launch`) at every M the launch takes them."""
+    variants = {v: VARIANTS[v] for v in only if v != "default"} if only else VARIANTS  # ["default"]: none
     layer_shapes = [s for s in LAYER_SHAPES[model] if not shapes or s[0] in shapes]
     name, tag, copy = device_header(dev)
     rows = []
@@ -158,6 +164,22 @@ def compare(model: str, ms_list: list[int], out: Path, dev: torch.device, only: 
                 row["weight_gbps"][vname] = nbytes / (t * 1e-3) / 1e9
             ok = {v: t for v, t in row["ms"].items() if row["rel_err"][v] < 4e-3 and row["repeatable"][v]}
             row["best"] = min(ok, key=ok.get) if ok else "default"
+            if lora_a:  # the default's build with the rows, and (where it is the default) the two-row-block one
+                builds = {"default": GemvConfig()}
+                if gemv_plan.default_wgmma_build(nt, n, k)[2] == 2:
+                    builds["rb2"] = GemvConfig(warps=8, smem_stages=6, row_blocks=2, wgmma=True)
+                row["lora_a"] = {}
+                for bname, bcfg in builds.items():
+                    try:
+                        res = row["lora_a"][bname] = lora_a_in_launch(x, acts, gw, calls, k, ref, bcfg)
+                    except ValueError as e:  # a build that takes no dense rows
+                        print(f"{row['shape']} M={m} {bname}: no LoRA-A in the launch ({str(e)[:200]})", flush=True)
+                        continue
+                    print(f"{row['shape']:>22} M={m:<3} + LoRA-A ({bname} build with the rows): default + separate "
+                          f"{res['ms_gemv_plus_lora_a_separate'] * 1e3:6.1f} fused "
+                          f"{res['ms_gemv_with_lora_a_fused'] * 1e3:6.1f} us, out identical "
+                          f"{res['lora_a_fused_out_identical']}, out rel err {res['lora_a_fused_out_rel_err']:.1e}, "
+                          f"LoRA-A rel err {res['lora_a_fused_rel_err']:.1e}", flush=True)
             rows.append(row)
             d, b = row["ms"]["default"], row["best"]
             print(f"{row['shape']:>22} M={m:<3} floor {read_ms * 1e3:6.1f} default {d * 1e3:6.1f} us "
@@ -194,17 +216,23 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--ms", default="1,4,16,32,64")
     ap.add_argument("--models", default="7b,32b")
-    ap.add_argument("--compare", default="", help="a model of LAYER_SHAPES: the default vs VARIANTS on its layer")
-    ap.add_argument("--variants", default="", help="with --compare: only these VARIANTS (comma-separated)")
+    ap.add_argument("--compare", default="", help="models of LAYER_SHAPES (comma-separated): the default vs "
+                    "VARIANTS on each one's layer")
+    ap.add_argument("--variants", default="", help="with --compare: only these VARIANTS (comma-separated; 'default': "
+                    "none of them)")
     ap.add_argument("--no-floor", action="store_true", help="with --compare: skip the read floor")
     ap.add_argument("--shapes", default="", help="with --compare: only these of the model's LAYER_SHAPES")
+    ap.add_argument("--lora-a", action="store_true", help="with --compare: also the LoRA-A rows in the default's "
+                    "launch vs a separate LoRA-A kernel")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if args.compare:
-        return compare(args.compare, [int(v) for v in args.ms.split(",")], Path(args.out), dev,
-                       [v for v in args.variants.split(",") if v], not args.no_floor,
-                       [v for v in args.shapes.split(",") if v])
+        for model in args.compare.split(","):
+            compare(model, [int(v) for v in args.ms.split(",")], Path(args.out), dev,
+                    [v for v in args.variants.split(",") if v], not args.no_floor,
+                    [v for v in args.shapes.split(",") if v], args.lora_a)
+        return
     name, tag, copy = device_header(dev)
     ms_list = [int(v) for v in args.ms.split(",")]
     rows, errors = [], []
@@ -267,7 +295,7 @@ def main():
                 # after many graph replays the fused split-K counters must be back at zero: same answer again
                 d3 = kernels.forward(x, *weights[0], gemv_weight=repacked[0])
                 same = same and bool(torch.equal(d1, d3))
-                lora = lora_a_in_launch(x, acts, gemv_weights, calls, k) if m <= 16 else {}
+                lora = lora_a_in_launch(x, acts, gemv_weights, calls, k, ref) if m <= 16 else {}
                 chain = pdl_variants(x, acts, gemv_weights, calls) if m in (1, 16, 64) else {}
                 if chain:
                     print(f"{model}.{sname:>6} M={m:<3} chained launches, us: " + " ".join(

@@ -17,7 +17,8 @@ log-probs == a full recomputation, LoRA and AQN noise live in the captured graph
    fit is skipped and listed under ``skipped`` (32B at batch 256: 80 GiB of KV cache at 1,280 tokens).
 3. ``--models qwen2.5-72b,llama3.3-70b --plan-waves 78.6,139``: the 70B decode (NVFP4 + LoRA r16, the fused step)
    at the memory plan's wave sizes of each gsm8k recipe on an 80 GB and a 141 GB GPU (``plan_wave_for_gb``), against
-   its weight-read floor.
+   its weight-read floor; ``--models qwen2.5-72b --batches 32,16,64 --profile-batches 32``: at these batches, and
+   one decode step's kernels (``profile_decode.kernel_table``) on the same policy (one 72B build for both).
 Writes ``<out>/rollout_<device>[_<label>].json`` (top-level device, date, rows).
 """
 
@@ -27,6 +28,7 @@ import argparse
 import datetime
 import gc
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -155,6 +157,74 @@ def plan_wave_rows(shape: str, budget_gb: float) -> int:
     return planned(row, vocab=model_config(shape).vocab_size, free_bytes=gib, total_bytes=gib)["plan_wave_rows"]
 
 
+def table_rows(result: dict, measured: dict, unfused: dict) -> dict:
+    """``result["rows"]`` (rebuilt) from the stats per (model, rank, quant) and batch; returns ``result``."""
+    result["rows"] = []
+    for (model, rank, quant), per_batch in sorted(measured.items()):
+        if quant != "nvfp4":
+            continue
+        bf = measured.get((model, rank, "bf16"), {})
+        for b, st in sorted(per_batch.items()):
+            o = bf.get(b)
+            result["rows"].append(dict(
+                model=model, batch=b, lora_rank=rank, tok_s_nvfp4=st["tok_s"], tok_s_bf16=o and o["tok_s"],
+                nvfp4_over_bf16=o and st["tok_s"] / o["tok_s"], ms_step_nvfp4=st["ms_step"],
+                ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
+                peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
+                prefill_ms_bf16=o and o["prefill_ms"],
+                pdl=st["pdl"]))
+            result["rows"][-1]["ms_step_over_floor_nvfp4"] = st["ms_step"] / st["floor_ms"]
+            waves = result.get("plan_waves", {}).get(model, {})
+            if b in waves.values():  # the memory plan's wave on a GPU of these GiB
+                result["rows"][-1]["plan_wave_for_gb"] = [gb for gb, rows in waves.items() if rows == b]
+            if "ms_step_mma_sync" in st:
+                result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
+                                          nvfp4_mma_sync_over_bf16=o and st["tok_s_mma_sync"] / o["tok_s"])
+            if "ms_step_no_copy" in st:
+                result["rows"][-1].update(ms_step_nvfp4_no_copy=st["ms_step_no_copy"],
+                                          ms_step_nvfp4_no_copy_dequantized=st["ms_step_no_copy_dequantized"],
+                                          nvfp4_no_copy_over_bf16=o and st["tok_s_no_copy"] / o["tok_s"],
+                                          peak_gb_no_copy=st["peak_gb_no_copy"])
+            if "ms_step_no_pdl" in st:
+                result["rows"][-1].update(ms_step_nvfp4_no_pdl=st["ms_step_no_pdl"],
+                                          ms_step_bf16_no_pdl=o and o.get("ms_step_no_pdl"),
+                                          nvfp4_over_bf16_no_pdl=o and "tok_s_no_pdl" in o
+                                          and st["tok_s_no_pdl"] / o["tok_s_no_pdl"],
+                                          pdl_same_logprobs=st["pdl_same_logprobs"]
+                                          and (not o or o.get("pdl_same_logprobs", True)))
+            un, unb = unfused.get((model, rank, quant), {}).get(b), unfused.get((model, rank, "bf16"), {}).get(b)
+            if un or unb:
+                result["rows"][-1].update(ms_step_nvfp4_unfused=un and un["ms_step"],
+                                          ms_step_bf16_unfused=unb and unb["ms_step"])
+    return result
+
+
+def write(result: dict, args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = result["device"]
+    tag = "h100" if "H100" in device else "h200" if "H200" in device else device.replace(" ", "_").lower()
+    path = out / f"rollout_{tag}{'_' + args.label if args.label else ''}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def profile_step(result: dict, policy, model: str, batch: int, st: dict) -> None:
+    """One eager decode step's kernels at ``batch`` rows (``profile_decode.kernel_table``) beside the graph-replayed
+    ms/step just timed: the NVFP4 GEMV's share (kernels named ``*gemv*``) and the rest."""
+    from profile_decode import kernel_table
+
+    t = kernel_table(policy, batch)
+    gemv_us = sum(r["us_per_step"] for r in t["top"] if "gemv" in r["kernel"])
+    row = dict(model=model, batch=batch, ms_step=st["ms_step"], floor_ms=st["floor_ms"], gemv_ms=gemv_us / 1e3, **t)
+    result.setdefault("kernel_tables", []).append(row)
+    log(f"{model} batch {batch}: {t['kernels_per_step']:.0f} kernels, {t['kernel_ms_per_step']:.2f} ms of kernel time "
+        f"per eager step (GEMV {gemv_us / 1e3:.2f} ms); graph-replayed {st['ms_step']:.2f} ms, floor "
+        f"{st['floor_ms']:.2f} ms")
+    for r in t["top"][:14]:
+        log(f"  {r['us_per_step']:9.1f} us  {r['per_step']:6.1f}x  {r['kernel']}")
+
+
 def free():
     gc.collect()
     torch.cuda.empty_cache()
@@ -173,6 +243,8 @@ def main():
                     "at the memory plan's wave sizes of their gsm8k recipe on a GPU of that many GiB (train.py "
                     "--memory_budget_gb) instead of at --batches")
     ap.add_argument("--label", default="", help="written to rollout_<device>_<label>.json")
+    ap.add_argument("--profile-batches", default="", help="the --models shapes outside the named ones: after timing "
+                    "these batches, one decode step's kernels (profile_decode.kernel_table) on the same policy")
     ap.add_argument("--no-pdl-too", default="", help="also time without programmatic dependent launch ('' none)")
     ap.add_argument("--mma-sync-too", default="7b", help="NVFP4 batches <= 64 on sm_90: also time the mma.sync GEMV "
                                                           "loop instead of the wgmma one ('' none)")
@@ -184,14 +256,14 @@ def main():
     device = torch.cuda.get_device_name()
     log(device, torch.__version__)
     result = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "prompt_len": PROMPT, "new_tokens": args.new, "group_size": "min(8, batch)", "rows": []}
+              "command": " ".join(["PYTHONPATH=. python", *sys.argv]), "prompt_len": PROMPT, "new_tokens": args.new, "group_size": "min(8, batch)", "rows": []}
     bw = copy_bandwidth()
     result["copy_gbps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     measured: dict = {}  # (model, rank, quant) -> {batch: stats}
     unfused: dict = {}  # the same for the engine without fused_decode
 
-    def run(model, quant, rank, bs):
+    def run(model, quant, rank, bs, profile=()):
         if time.time() - T0 > args.budget_s:
             log("budget reached, skipping", model, quant, rank)
             return
@@ -215,6 +287,10 @@ def main():
                 st["floor_ms"] = wb / bw * 1e3
                 measured.setdefault((model, rank, quant), {})[b] = st
                 log(model, quant, f"r{rank}", f"batch {b}", json.dumps({k: round(v, 3) for k, v in st.items()}))
+                write(table_rows(result, measured, unfused), args)  # what is measured so far, should a later part hang
+                if b in profile:
+                    profile_step(result, policy, model, b, st)
+                    write(result, args)
                 if st["pdl"] and args.no_pdl_too and model.endswith(tuple(args.no_pdl_too.split(","))) and rank == 16:
                     st0 = time_engine(policy, b, args.new, pdl=False)
                     st.update(ms_step_no_pdl=st0["ms_step"], tok_s_no_pdl=st0["tok_s"],
@@ -289,44 +365,10 @@ def main():
         waves = {gb: plan_wave_rows(shape, gb) for gb in budgets}
         log(shape, "the plan's waves:", ", ".join(f"{rows} rows on {gb} GiB" for gb, rows in waves.items()))
         result.setdefault("plan_waves", {})[shape] = waves
-        run(shape, "nvfp4", 16, sorted(set(waves.values())) if waves else batches)
+        run(shape, "nvfp4", 16, sorted(set(waves.values())) if waves else batches,
+            [int(b) for b in args.profile_batches.split(",") if b])
 
-    for (model, rank, quant), per_batch in sorted(measured.items()):
-        if quant != "nvfp4":
-            continue
-        bf = measured.get((model, rank, "bf16"), {})
-        for b, st in sorted(per_batch.items()):
-            o = bf.get(b)
-            result["rows"].append(dict(
-                model=model, batch=b, lora_rank=rank, tok_s_nvfp4=st["tok_s"], tok_s_bf16=o and o["tok_s"],
-                nvfp4_over_bf16=o and st["tok_s"] / o["tok_s"], ms_step_nvfp4=st["ms_step"],
-                ms_step_bf16=o and o["ms_step"], floor_ms_nvfp4=st["floor_ms"], floor_ms_bf16=o and o["floor_ms"],
-                peak_gb=st["peak_gb"], peak_gb_bf16=o and o["peak_gb"], prefill_ms_nvfp4=st["prefill_ms"],
-                prefill_ms_bf16=o and o["prefill_ms"],
-                pdl=st["pdl"]))
-            result["rows"][-1]["ms_step_over_floor_nvfp4"] = st["ms_step"] / st["floor_ms"]
-            waves = result.get("plan_waves", {}).get(model, {})
-            if b in waves.values():  # the memory plan's wave on a GPU of these GiB
-                result["rows"][-1]["plan_wave_for_gb"] = [gb for gb, rows in waves.items() if rows == b]
-            if "ms_step_mma_sync" in st:
-                result["rows"][-1].update(ms_step_nvfp4_mma_sync=st["ms_step_mma_sync"],
-                                          nvfp4_mma_sync_over_bf16=o and st["tok_s_mma_sync"] / o["tok_s"])
-            if "ms_step_no_copy" in st:
-                result["rows"][-1].update(ms_step_nvfp4_no_copy=st["ms_step_no_copy"],
-                                          ms_step_nvfp4_no_copy_dequantized=st["ms_step_no_copy_dequantized"],
-                                          nvfp4_no_copy_over_bf16=o and st["tok_s_no_copy"] / o["tok_s"],
-                                          peak_gb_no_copy=st["peak_gb_no_copy"])
-            if "ms_step_no_pdl" in st:
-                result["rows"][-1].update(ms_step_nvfp4_no_pdl=st["ms_step_no_pdl"],
-                                          ms_step_bf16_no_pdl=o and o.get("ms_step_no_pdl"),
-                                          nvfp4_over_bf16_no_pdl=o and "tok_s_no_pdl" in o
-                                          and st["tok_s_no_pdl"] / o["tok_s_no_pdl"],
-                                          pdl_same_logprobs=st["pdl_same_logprobs"]
-                                          and (not o or o.get("pdl_same_logprobs", True)))
-            un, unb = unfused.get((model, rank, quant), {}).get(b), unfused.get((model, rank, "bf16"), {}).get(b)
-            if un or unb:
-                result["rows"][-1].update(ms_step_nvfp4_unfused=un and un["ms_step"],
-                                          ms_step_bf16_unfused=unb and unb["ms_step"])
+    table_rows(result, measured, unfused)
     hf = result.get("hf_generate_static_eager_ms_step_b64")
     b64 = measured.get(("qwen2.5-7b", 16, "bf16"), {}).get(64)
     if hf and b64:
@@ -362,12 +404,7 @@ def main():
     if hf:
         print(f"transformers generate, static cache (eager), 7B bf16 + LoRA r16, batch 64: {hf:.2f} ms/step; "
               f"ours {f(b64 and b64['ms_step'])} ms/step")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "h100" if "H100" in device else "h200" if "H200" in device else device.replace(" ", "_").lower()
-    path = out / f"rollout_{tag}{'_' + args.label if args.label else ''}.json"
-    path.write_text(json.dumps(result, indent=1))
-    log("wrote", path)
+    log("wrote", write(result, args))
 
 
 if __name__ == "__main__":

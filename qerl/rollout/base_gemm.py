@@ -162,7 +162,9 @@ class BaseGEMM:
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as
         ``gemv_layout.dense_fragments`` of ``rows`` rows; None where that launch does not apply."""
-        if x.shape[0] > gemv_plan.DENSE_MAX_M or not self._ensure_mma(x):
+        wgmma = self.wgmma is not False and gemv_plan.wgmma_supported(x.device)
+        if (not gemv_plan.takes_dense_rows(x.shape[0], sum(self.sizes), self.layers[0].in_features, wgmma)
+                or not self._ensure_mma(x)):
             return None
 
         words, factors, gs = self._repacked

@@ -20,7 +20,6 @@ from qerl.nvfp4.kernels.gemv_layout import CHUNK
 from qerl.nvfp4.kernels.gemv_plan import (
     _CTAS_PER_SM,
     _REGS,
-    DENSE_MAX_M,
     MAX_M,
     STREAM_K_MIN_CHUNKS,
     TOKEN_BLOCK,
@@ -250,11 +249,40 @@ if gl is not None:
              valid.to(gl.int32), fac, valid2, xs_base, k2],
             dtype=gl.int32, is_pure=False, pack=1)
 
+    @gluon.jit
+    def _wide_dense(d, pid_s, x_addr, d_addr, u_addr, M, K, NA, SPLITS, DX, warp, lane, WARPS: gl.constexpr,
+                    DASM: gl.constexpr):
+        """Dense program ``d`` (the LoRA-A rows) in the Gluon launcher: :func:`_dense_program`'s operands."""
+        g = lane // 4
+        q = lane % 4
+        nchunks_all = K // 64
+        rb = (d // DX) * WARPS + warp
+        split = pid_s * DX + d % DX
+        per = (nchunks_all + SPLITS * DX - 1) // (SPLITS * DX)
+        c0 = gl.minimum(split * per, nchunks_all)
+        c1 = gl.minimum(c0 + per, nchunks_all)
+        valid = rb * 16 < NA
+        n = gl.where(valid, gl.zeros_like(rb) + (c1 - c0), 0)
+        d_ptr = d_addr + ((gl.where(valid, rb, 0).to(gl.int64) * nchunks_all + c0) * 32 + lane) * 64
+        x0 = x_addr + (g.to(gl.int64) * K + c0 * 64 + 16 * q) * 2
+        x_step = gl.zeros_like(x0) + K.to(gl.int64) * 16
+        tok = 2 * q
+        u_ptr = u_addr + ((split.to(gl.int64) * M + tok) * NA + rb * 16 + g) * 4
+        u_tok = gl.zeros_like(tok) + NA * 4
+        mm = gl.zeros_like(tok) + M
+        rows_left = gl.where(valid, NA - rb * 16 - g, 0)
+        x_safe = x_addr + (c0 * 64 + 16 * q).to(gl.int64) * 2  # token 0's row: what tiles past M read
+        return gl.inline_asm_elementwise(
+            DASM, "=r,l,r,l,l,r,l,r,r,r,r,l", [d_ptr, n, x0, x_step, M - g, u_ptr, u_tok, mm, tok, rows_left, x_safe],
+            dtype=gl.int32, is_pure=False, pack=1)
+
     @gluon.jit(do_not_specialize=["M"])
     def _wide_gemv_kernel(
         x_addr, w_addr, f_addr, gs_ptr, M, N, K, CHUNKS_PER_SPLIT, SPLITS, p_addr, o_addr, c_addr, plan_ptr,
+        d_addr, u_addr, NA, WEIGHT_PROGRAMS, DX,
         WARPS: gl.constexpr, ASM: gl.constexpr, SHIFT: gl.constexpr, TB: gl.constexpr, PDL: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, SEGS: gl.constexpr = 0, RB: gl.constexpr = 1,
+        DENSE: gl.constexpr = False, DASM: gl.constexpr = "",
     ):
         """The fused wgmma loop (:func:`_wgmma_mainloop_asm`) with its ring in dynamic shared memory: Gluon lets a
         kernel declare shared memory that Triton's language does not (static ``.shared`` in the asm stops at 48 KiB).
@@ -263,7 +291,8 @@ if gl is not None:
         ``plan_ptr`` (:func:`stream_k_plan`), one after the other (a CTA barrier between: the next run refills the
         ring the last one's wgmma may still read in a slower warp). S0..S2: the allocations whose sum holds the ring
         (:func:`shared_reservation`); the asm addresses them from ``global_smem``, Gluon never touches them (the
-        stores that keep them are never executed: M >= 1)."""
+        stores that keep them are never executed: M >= 1). ``DENSE``: the programs past ``WEIGHT_PROGRAMS`` (axis 0)
+        multiply the dense rows (``DASM``, as in :func:`_mma_gemv_kernel`; the split grid only)."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         r0 = gl.allocate_shared_memory(gl.int8, [S0], shared)
@@ -277,7 +306,10 @@ if gl is not None:
             gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [offs], dtype=gl.int32,
                                       is_pure=False, pack=1)
         fac = gl.zeros([32 * WARPS], gl.float32, layout) + SHIFT / gl.load(gs_ptr)
-        if SEGS == 0:
+        if DENSE and gl.program_id(0) >= WEIGHT_PROGRAMS:
+            done = _wide_dense(gl.program_id(0) - WEIGHT_PROGRAMS, gl.program_id(1), x_addr, d_addr, u_addr, M, K, NA,
+                               SPLITS, DX, warp, lane, WARPS, DASM)
+        elif SEGS == 0:
             c0 = gl.program_id(1) * CHUNKS_PER_SPLIT
             done = _wide_segment(x_addr, w_addr, f_addr, fac, M, N, K, gl.program_id(0), gl.program_id(2), c0,
                                  gl.minimum(CHUNKS_PER_SPLIT, K // 64 - c0), gl.program_id(1), SPLITS, p_addr,
@@ -331,9 +363,10 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     using the fused reduction must not run concurrently on several streams (shared counters).
 
     ``dense``: (``gemv_layout.dense_fragments`` of a bf16 ``A [NA, K]``, NA) to multiply by the same activations in
-    the same launch (the LoRA-A matrices: one launch instead of two per layer group; up to :data:`DENSE_MAX_M` rows
-    and a ring in static shared memory); returns ``(out, u)`` with ``u [S, M, NA]`` fp32 split-K partials of
-    ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8 chunks).
+    the same launch (the LoRA-A matrices: one launch instead of two per layer group; up to :data:`MAX_M` rows on the
+    split grid, either launcher: ``gemv_plan.takes_dense_rows`` says where the decoder uses it); returns ``(out, u)``
+    with ``u [S, M, NA]`` fp32 split-K partials of ``a @ A.T`` (their sum is the product; S >= 1, each split <= 8
+    chunks).
 
     ``m`` > :data:`MAX_M` (sm_90 with Gluon): token blocks of :data:`TOKEN_BLOCK` rows, the wgmma loop only (no
     ``dense`` rows, no clusters). A ring past 48 KiB (``gemv_ptx.wgmma_ring_bytes``) takes the Gluon launcher,
@@ -379,12 +412,13 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
     chunks = k // CHUNK
     if not warps:
         warps = auto_warps(n, k, nt)
-    # a ring beyond static shared memory: the Gluon launcher (no dense rows, no clusters there)
+    # a ring beyond static shared memory: the Gluon launcher (no clusters there)
     dynamic = wgmma and wgmma_ring_bytes(nt, stages, warps, rbw) > WGMMA_SMEM_LIMIT
-    if wgmma and rbw > 1 and (dense is not None or cluster):
-        raise ValueError("the wgmma loop's two row blocks per warp take neither dense rows nor clusters")
-    if dynamic and dense is not None:
-        raise ValueError(f"dense rows ride along up to {DENSE_MAX_M} tokens and a 48 KiB ring only")
+    if wgmma and rbw > 1 and (cluster or (dense is not None and not dynamic)):
+        raise ValueError("the wgmma loop's two row blocks per warp take no clusters, and dense rows only on the "
+                         "ring in dynamic shared memory")
+    if dense is not None and (m > MAX_M or (dynamic and stream_k)):
+        raise ValueError(f"dense rows ride along up to {MAX_M} tokens on the split grid only (no stream-K)")
     cluster = False if dynamic or rbw > 1 else cluster
     token_blocks = cdiv(m, TOKEN_BLOCK) if nt > MAX_M // 8 else 1
     dasm = _dense_asm(nt) if dense is not None else ""
@@ -421,8 +455,8 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
             counter = _split_counters(counter, a.device, row_blocks * token_blocks)
             _wide_gemv_kernel[(programs, 1, 1)](
                 a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, 0, 0,
-                part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan,
-                SEGS=segs, **_wide_constants(constants, nt, stages, warps))
+                part.data_ptr() if part is not None else 0, out.data_ptr(), counter.data_ptr(), plan, 0, 0, 0,
+                programs, 1, SEGS=segs, **_wide_constants(constants, nt, stages, warps))
             return out
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if fused:
@@ -458,8 +492,9 @@ def launch(a: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, weight_g
         _wide_gemv_kernel[(grid_b, splits, token_blocks)](
             a.data_ptr(), words.data_ptr(), factors.data_ptr(), weight_global_scale, m, n, k, per_split, splits,
             part.data_ptr() if split_fused else 0, out.data_ptr(), counter.data_ptr() if split_fused else 0, 0,
-            **_wide_constants(constants, nt, stages, warps))
-        return out
+            dense[0].data_ptr() if dense is not None else 0, u.data_ptr() if u is not None else 0, na,
+            weight_programs, dx, **_wide_constants(constants, nt, stages, warps))
+        return out if dense is None else (out, u)
     if clustered:
         constants.update(ASM=_asm(nt, fused, xpre, rbw, stages, warps, wgmma, reduce_unroll or 0, cluster=True, l2=l2),
                          CL=splits, num_ctas=splits)
@@ -485,14 +520,16 @@ def _wide_constants(constants: dict, nt: int, stages: int, warps: int) -> dict:
     rb = constants.get("RB", 1)
     s0, s1, s2 = shared_reservation(wgmma_ring_bytes(nt, stages, warps, rb) + 1024)
     return dict(WARPS=warps, ASM=constants["ASM"], SHIFT=constants["SHIFT"], TB=TOKEN_BLOCK, PDL=constants["PDL"],
-                S0=s0, S1=s1, S2=s2, RB=rb, num_warps=warps, **_pdl.options(constants["PDL"]),
+                S0=s0, S1=s1, S2=s2, RB=rb, DENSE=constants.get("DENSE", False), DASM=constants.get("DASM", ""),
+                num_warps=warps, **_pdl.options(constants["PDL"]),
                 **({"maxnreg": constants["maxnreg"]} if "maxnreg" in constants else {}))
 
 
 def _wide_registers(a: torch.Tensor, gs: torch.Tensor, constants: dict, nt: int, stages: int, warps: int) -> int:
     """:func:`_variant_registers` of the Gluon launcher; also checks that Gluon reserved the ring's bytes."""
     wide = _wide_constants(constants, nt, stages, warps)
-    compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, 0, grid=(1, 1, 1), **wide)
+    compiled = _wide_gemv_kernel.warmup(a.data_ptr(), 0, 0, gs, 2, 16, 64, 3, 3, 0, 0, 0, 0, 0, 0, 16, 3, 3,
+                                        grid=(1, 1, 1), **wide)
     need = wgmma_ring_bytes(nt, stages, warps, wide["RB"]) + 1024
     if compiled.metadata.shared < need:
         raise RuntimeError(f"Gluon reserved {compiled.metadata.shared} bytes of shared memory for a {need}-byte ring")

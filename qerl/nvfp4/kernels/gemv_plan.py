@@ -81,9 +81,15 @@ WIDE_MAX_M = 256
 TOKEN_BLOCK = 128
 
 DENSE_MAX_M = 16
-"""The widest batch at which :func:`launch` should take dense rows (``dense=``): up to 2 tiles their programs need no
-more registers than the weight's; at 8 tiles they need more, which lowers the weight programs' occupancy -- launch
-them separately there."""
+"""The widest batch at which the mma.sync loops' launch takes the LoRA-A rows (:func:`takes_dense_rows`; the wgmma
+loop's: :data:`DENSE_WGMMA_MAX_M`): up to 2 tiles their programs need no more registers than the weight's."""
+
+
+DENSE_WGMMA_MAX_M = 32
+"""The widest batch at which the wgmma loop's launch takes the LoRA-A rows (:func:`takes_dense_rows`): at 32 tokens
+the 7B and 72B GEMVs with the rows beat the GEMV and a LoRA-A kernel of their own on an H200
+(``bench/results/gemv_variants/gemv_compare_h200_*_m32_lora_a.json``); from 33 tokens the rows' lean loop needs more
+registers than the weight's."""
 
 
 def tiles_for(m: int) -> int:
@@ -125,11 +131,18 @@ def default_wgmma(nt: int, n: int, k: int) -> tuple[int, int]:
     if nt == 4:
         return (8, 5) if size >= 100_000_000 or (size >= 10_000_000 and n <= 2 * k) else (4, 6)
     if nt == 8:
-        # the 32B MLP weights: 8 warps, 4 stages (53 KiB, dynamic shared memory); the 7B ones gain nothing from it
-        return (8, 4) if size >= 100_000_000 and HAS_GLUON else (4, 4)
+        # 8 warps, 4 stages (53 KiB, dynamic shared memory): the 32B MLP weights and the 70B-class attention
+        # projections (8192 x 8192 and up); the 7B ones gain nothing from it
+        big = size >= 100_000_000 or (size >= WIDE_ATTENTION_MIN_WEIGHTS and min(n, k) >= ROW_BLOCK_PAIR_MIN_INPUTS)
+        return (8, 4) if big and HAS_GLUON else (4, 4)
     # token blocks (M > 64): two warpgroups sharing each activation tile, 4 stages (84 KiB)
     return 8, 4
 
+
+WIDE_ATTENTION_MIN_WEIGHTS = 60_000_000
+"""At 33-64 tokens the wgmma loop takes 8 warps and a 4-stage dynamic ring from this many weight entries too, where
+both sides are the 70B class's 8192 or more: Qwen2.5-72B's q and o (67M entries) were faster so than on 4 warps
+(``bench/results/gemv_h200_72b.json``, the candidates of ``bench_gemv.py``)."""
 
 ROW_BLOCK_PAIR_MIN_WEIGHTS = 200_000_000
 """From this many weight entries the wgmma loop at 9-64 tokens gives each warp two row blocks (8 warps, 6 stages in
@@ -144,11 +157,23 @@ def default_wgmma_build(nt: int, n: int, k: int, dense: bool = False) -> tuple[i
     """(warps, stages, row blocks per warp, L2 prefetch distance in chunks, stream-K, register cap) of the wgmma loop
     where a launch pins none of warps, stages and row blocks: two row blocks per warp for the weights of at least
     :data:`ROW_BLOCK_PAIR_MIN_WEIGHTS` entries and :data:`ROW_BLOCK_PAIR_MIN_INPUTS` inputs at 9-64 tokens, else
-    :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch (a static ring, one row block per warp)."""
-    if (2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and k >= ROW_BLOCK_PAIR_MIN_INPUTS and not dense
-            and HAS_GLUON):
+    :func:`default_wgmma`'s one. ``dense``: LoRA-A rows ride in the launch: one row block per warp, but at 17-32
+    tokens the N >= K weights keep two (with the rows the 72B gate|up was faster on two, its down on one:
+    ``gemv_compare_h200_72b_m32_lora_a.json``)."""
+    pair = 2 <= nt <= MAX_M // 8 and n * k >= ROW_BLOCK_PAIR_MIN_WEIGHTS and k >= ROW_BLOCK_PAIR_MIN_INPUTS
+    if pair and HAS_GLUON and (not dense or (nt == 4 and n >= k)):
         return 8, 6, 2, 0, False, 0
     return (*default_wgmma(nt, n, k), 1, 0, False, 0)
+
+
+def takes_dense_rows(m: int, n: int, k: int, wgmma: bool) -> bool:
+    """Whether the decoder's GEMV launch of ``m`` tokens on an ``n x k`` weight should carry the LoRA-A rows
+    (``launch(dense=)``) instead of a separate LoRA-A kernel: up to :data:`DENSE_MAX_M` tokens; on the wgmma loop
+    (``wgmma``) up to :data:`DENSE_WGMMA_MAX_M`, but for the long-K weights (K >= 4 N: the 7B/32B down projections,
+    whose rows take many K splits: the 7B down was slower with them)."""
+    if m <= DENSE_MAX_M:
+        return True
+    return wgmma and m <= DENSE_WGMMA_MAX_M and k < 4 * n
 
 
 WIDE_MIN_WEIGHTS = 20_000_000

@@ -81,7 +81,10 @@ def _factor_pair(a, r: int) -> None:
 
 def _unpack_step(a, r: int, j: int, dst) -> None:
     """Row block ``r``'s A fragment of k16 step ``j`` (current chunk, buffer A) into the 4 registers ``dst``: 11 int
-    ops per 8 codes + 4 bf16x2 fma by the factor pair."""
+    ops per 8 codes + 4 bf16x2 fma by the factor pair. (The fewest for this kind of layout: no placement of the 8
+    codes in a word lets more pairs come out of one shifted or rotated view and one mask, also with funnel shifts
+    across words, byte permutes or the sign applied after the multiply; sm_90 has no e2m1 conversion: ptxas takes
+    ``cvt.rn.f16x2.e2m1x2`` from sm_100a on.)"""
     w, fr, fr8 = f"%Aw{r}_{j}", f"%fr{r}", f"%fr8{r}"
     d0, d1, d2, d3 = dst
     # pair 0: bits in place
@@ -551,10 +554,11 @@ def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
     x_ptr(l), x_step(l), m_g(r) (as in :func:`_mainloop_asm`), u_ptr(l) (fp32 partial at (this split, token 2q, row
     g)), u_tok(r) (bytes per token row of the partial), m(r), tok0(r) (= 2q), rows_left(r) (rows of A from row g on:
     row g is stored iff > 0, row g + 8 iff > 8). Fragments are loaded a chunk ahead (64 bytes per lane and chunk);
-    activations refilled by halves as in the weight loop when ``x_ahead``, else each half loaded just before its use
-    (4 nt registers instead of 8 nt: the wide batches, where these programs must not raise the launch's register
-    count above the weight programs'; the loads are then unpredicated, tiles without a token for this lane read the
-    row of token 0 (operand x_safe(l)): their accumulators are never stored)."""
+    activations refilled by halves as in the weight loop when ``x_ahead``, else (the wide batches, where these
+    programs must not raise the launch's register count above the weight programs') each half loaded just before its
+    use by each tile in turn (4 registers instead of 8 nt), the fragments of a chunk loaded at its start (one set, not
+    two) and the tiles' addresses walked from one pointer; the loads are then unpredicated, tiles without a token for
+    this lane read the row of token 0 (operand x_safe(l)): their accumulators are never stored."""
     acc = lambda i: f"%c{i}"  # noqa: E731
     L = []
     a = L.append
@@ -572,29 +576,47 @@ def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
                 a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{{w}}}, "
                   f"{{%Ax{8 * t + 2 * j}, %Ax{8 * t + 2 * j + 1}}}, {{{c}}};")
 
+    def lean_half(h):
+        """k16 steps 2h, 2h + 1 of the current chunk, tile by tile: each tile's half of the fragments (4 registers,
+        the same for every tile) loaded just before its two mma, the addresses walked from %px0 (tile t at %px0 +
+        t %xs, or token 0's row %xz where the tile has no token for this lane)."""
+        a("mov.b64 %pc, %px0;")
+        for t in range(nt):
+            if t:
+                a("add.s64 %pc, %pc, %xs;")
+            a(f"selp.b64 %pa, %pc, %xz, %pk{t};")
+            a(f"ld.global.nc.v4.u32 {{%Ax0, %Ax1, %Ax2, %Ax3}}, [%pa+{16 * h}];")
+            for j in (2 * h, 2 * h + 1):
+                c = ", ".join(acc(4 * t + i) for i in range(4))
+                w = ", ".join(f"%Ad{4 * j + i}" for i in range(4))
+                b0, b1 = 2 * (j - 2 * h), 2 * (j - 2 * h) + 1
+                a(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{{w}}}, {{%Ax{b0}, %Ax{b1}}}, "
+                  f"{{{c}}};")
+
     a("{")
     a(".reg .pred %p1, %p2, %pq, %pt0, %pt1, %pr0, %pr1;")
     a(f".reg .pred %pk<{nt}>;")
-    a(".reg .b32 %n, %mg, %tk, %Ad<16>, %Bd<16>;")
-    a(f".reg .b32 %Ax<{8 * nt}>;")
+    a(".reg .b32 %n, %mg, %tk, %Ad<16>;" + (" .reg .b32 %Bd<16>;" if x_ahead else ""))
+    a(f".reg .b32 %Ax<{8 * nt if x_ahead else 4}>;")
     a(f".reg .f32 %c<{4 * nt}>;")
     a(".reg .b64 %pd, %xs, %r0, %r1, %ust, %ust8;")
-    a(f".reg .b64 %px<{nt}>;")
+    a(f".reg .b64 %px<{nt}>;" if x_ahead else ".reg .b64 %px0, %pc, %pa, %xz;")
     a("mov.b64 %pd, $1; mov.b32 %n, $2; mov.b64 %px0, $3; mov.b64 %xs, $4; mov.b32 %mg, $5;")
-    _x_setup(a, nt)
+    if x_ahead:
+        _x_setup(a, nt)
+    else:
+        for t in range(nt):
+            a(f"setp.gt.s32 %pk{t}, %mg, {8 * t};")
+        a("mov.b64 %xz, $11;")
     a("mov.b32 $0, 0;")
     for i in range(4 * nt):
         a(f"mov.f32 %c{i}, 0f00000000;")
+    a("setp.gt.s32 %p1, %n, 0; setp.gt.s32 %p2, %n, 1;")
     if x_ahead:
         for i in range(8 * nt):
             a(f"mov.b32 %Ax{i}, 0;")
-    else:
-        for t in range(nt):
-            a(f"selp.b64 %px{t}, %px{t}, $11, %pk{t}; mov.pred %pk{t}, 1;")
-    a("setp.gt.s32 %p1, %n, 0; setp.gt.s32 %p2, %n, 1;")
-    load_d("A", "%p1", 0)
-    load_d("B", "%p2", 1)
-    if x_ahead:
+        load_d("A", "%p1", 0)
+        load_d("B", "%p2", 1)
         _load_x(a, nt, "A", "%p1", 0)
     a("@!%p1 bra L_done_${:uid};")
     a("L_loop_${:uid}:")
@@ -604,17 +626,18 @@ def _dense_mainloop_asm(nt: int, x_ahead: bool = True) -> str:
         _load_x(a, nt, "A", "%p1", 1, (0,))
         compute((2, 3))
         _load_x(a, nt, "A", "%p1", 1, (1,))
+        for i in range(16):
+            a(f"mov.b32 %Ad{i}, %Bd{i};")
+        a("setp.gt.s32 %p2, %n, 2;")
+        load_d("B", "%p2", 2)
+        for t in range(nt):
+            a(f"add.s64 %px{t}, %px{t}, 128;")
     else:
+        load_d("A", "%p1", 0)
         for h in range(2):
-            _load_x(a, nt, "A", "%p1", 0, (h,))
-            compute((2 * h, 2 * h + 1))
-    for i in range(16):
-        a(f"mov.b32 %Ad{i}, %Bd{i};")
-    a("setp.gt.s32 %p2, %n, 2;")
-    load_d("B", "%p2", 2)
+            lean_half(h)
+        a("add.s64 %px0, %px0, 128; add.s64 %xz, %xz, 128;")
     a("add.s64 %pd, %pd, 2048; add.s32 %n, %n, -1;")
-    for t in range(nt):
-        a(f"add.s64 %px{t}, %px{t}, 128;")
     a("setp.gt.s32 %p1, %n, 0;")
     a("@%p1 bra L_loop_${:uid};")
     a("L_done_${:uid}:")

@@ -196,6 +196,40 @@ def test_split_plan_clusters_and_keeps_the_count_with_dense_rows():
     assert plan(80, 20, 1, None, True, True, False) == (8, 10, True)  # at most 8 (16 was slower everywhere)
 
 
+def test_lora_a_rows_ride_along_where_they_were_faster():
+    qwen7b = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]  # q|k|v, o, gate|up, down
+    qwen72b = [(10240, 8192), (8192, 8192), (59136, 8192), (8192, 29568)]
+    # up to 16 tokens everywhere, on both loops; wider only on the wgmma loop, up to 32 tokens
+    assert all(gemv_plan.takes_dense_rows(m, n, k, w) for n, k in qwen7b + qwen72b for m in (1, 9, 16)
+               for w in (False, True))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, False) for n, k in qwen7b + qwen72b for m in (17, 32))
+    assert not any(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in qwen7b + qwen72b for m in (33, 64))
+    # at 17-32 tokens every measured weight but the long-K 7B down (its rows' many K splits made the launch slower)
+    assert [gemv_plan.takes_dense_rows(32, n, k, True) for n, k in qwen7b] == [True, True, True, False]
+    assert all(gemv_plan.takes_dense_rows(m, n, k, True) for n, k in qwen72b for m in (17, 20, 32))
+    assert gemv_plan.DENSE_MAX_M <= gemv_plan.DENSE_WGMMA_MAX_M <= gemv_plan.MAX_M
+    # the build the rows ride on: the 72B gate|up keeps two row blocks per warp at 32 tokens, its down one; at 9-16
+    # tokens both one
+    gu, down = qwen72b[2], qwen72b[3]
+    if gemv_plan.HAS_GLUON:
+        assert gemv_plan.default_wgmma_build(4, *gu, dense=True)[:3] == (8, 6, 2)
+    assert gemv_plan.default_wgmma_build(4, *down, dense=True)[:3] == (*gemv_plan.default_wgmma(4, *down), 1)
+    assert gemv_plan.default_wgmma_build(2, *gu, dense=True)[2] == 1
+    assert gemv_ptx.wgmma_ring_bytes(4, *gemv_plan.default_wgmma(4, *down)[::-1]) <= gemv_ptx.WGMMA_SMEM_LIMIT
+
+
+def test_wide_batch_build_of_the_70b_attention_projections():
+    # at 33-64 tokens 8 warps on a 4-stage dynamic ring for the 72B q|k|v and o (and the >= 100M weights, as before);
+    # the 7B weights keep 4 warps, its down projection (68M, 18944 inputs) too
+    if not gemv_plan.HAS_GLUON:
+        pytest.skip("the 4-stage ring of 8 warps needs Gluon")
+    assert gemv_plan.default_wgmma(8, 10240, 8192) == gemv_plan.default_wgmma(8, 8192, 8192) == (8, 4)
+    assert gemv_plan.default_wgmma(8, 59136, 8192) == gemv_plan.default_wgmma(8, 55296, 5120) == (8, 4)
+    assert [gemv_plan.default_wgmma(8, n, k) for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (7168, 5120))] \
+        == [(4, 4)] * 4
+    assert gemv_ptx.wgmma_ring_bytes(8, 4, 8) > gemv_ptx.WGMMA_SMEM_LIMIT  # (the Gluon launcher's)
+
+
 def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
     # two row blocks per warp: twice the weight bytes per stage, the same activation tile
     assert gemv_ptx.wgmma_ring_bytes(4, 5, 4, 2) == (4096 + 5120) * 5
@@ -204,11 +238,14 @@ def test_wgmma_variants_for_16_to_64_rows_size_their_ring_and_registers_apart():
         gemv_ptx._wgmma_mainloop_asm(4, 5, 4, cluster=True, rb=2)
     asm = gemv_ptx._wgmma_mainloop_asm(4, 5, 4, rb=2)  # one accumulator set per row block, both fed by one tile
     assert asm.count("wgmma.mma_async") == 8 and "%c31" in asm and "%c32" not in asm
-    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp and a static
-    # ring, whatever wins without them
+    # the plan's build where a launch pins none: LoRA-A rows in the launch keep one row block per warp (and at 1-16
+    # tokens a static ring), whatever wins without them, but for the N >= K weights at 17-32 tokens
     for nt in (1, 2, 4, 8):
         for n, k in ((1024, 8192), (10240, 8192), (59136, 8192), (8192, 29568), (512, 3584)):
             warps, stages, rb, l2, sk, cap = gemv_plan.default_wgmma_build(nt, n, k, dense=True)
+            if nt == 4 and (n, k) == (59136, 8192) and gemv_plan.HAS_GLUON:
+                assert (warps, stages, rb) == (8, 6, 2)
+                continue
             assert (warps, stages, rb, l2, sk, cap) == (*gemv_plan.default_wgmma(nt, n, k), 1, 0, False, 0)
             assert nt > 2 or gemv_ptx.wgmma_ring_bytes(nt, stages, warps) <= gemv_ptx.WGMMA_SMEM_LIMIT
     # without them: two row blocks per warp on the 72B gate|up (59136 x 8192) and down at 9-64 tokens, its q|k|v and o
@@ -344,7 +381,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
                 "1fn16w", "2fn16W", "2fn16w", "4fn15W", "4fn16w", "8fn14w", "1fn16wd", "2fn16Wd", "2fn16wd",
                 "1fn16wP", "2fn16WdP", "8fn14wP", "1fp10R", "1fp10dPR", "2fp10R", "1fp20R", "1fn16wR", "1fn16wPR",
                 "2fn16wR", "2fn16WdPR", "1fn16wc", "1fn13wc", "1fn16wPc", "1fn16Wc", "2fn16wc", "2fn16WPc",
-                "4fn25w", "2fn26w", "8fn23w"]  # the wgmma loop with two row blocks per warp
+                "4fn25w", "2fn26w", "8fn23w",  # the wgmma loop with two row blocks per warp
+                "4fn15Wd", "4fn16wd"]  # the LoRA-A rows beside the 32-token wgmma builds
     lines = _build_for_sm90(script, variants)
     regs = {}
     for line in lines:
@@ -354,6 +392,8 @@ def test_every_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         # the dense rows ride along for at most one allocation unit (8 registers per thread; the wide-batch dense
         # loop needed 156 vs 122, which is why it stops at DENSE_MAX_M)
         assert regs[spec + "d"] <= regs[spec] + 8, (spec, regs)
+    for spec in ("4fn15W", "4fn16w"):  # at 32 tokens the rows' lean loop stays in the weight's allocation unit
+        assert -(-regs[spec + "d"] // 8) <= -(-regs[spec] // 8), (spec, regs)
     for line in lines:  # with PDL: the grid-dependency wait (before any memory access) and trigger
         spec, marks = line.split()[0], line.split("MARKS:")[1]
         assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if "P" in spec else ""), line
@@ -375,15 +415,19 @@ from qerl.nvfp4.kernels import gemv as G, gemv_plan, gemv_ptx
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
        "CHUNKS_PER_SPLIT": "i32", "SPLITS": "i32", "p_addr": "i64", "o_addr": "i64", "c_addr": "i64",
-       "plan_ptr": "i64", "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
+       "plan_ptr": "i64", "d_addr": "i64", "u_addr": "i64", "NA": "i32", "WEIGHT_PROGRAMS": "i32", "DX": "i32",
+       "WARPS": "constexpr", "ASM": "constexpr", "SHIFT": "constexpr", "TB": "constexpr",
        "PDL": "constexpr", "S0": "constexpr", "S1": "constexpr", "S2": "constexpr", "SEGS": "constexpr",
-       "RB": "constexpr"}
-for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P]: segments > 0 = the stream-K table's runs,
-    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead
-    nt, st, warps, segs = ([int(v) for v in spec.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
-    pdl, rb, l2 = spec.endswith("P"), 2 if "B" in spec else 1, 12 if "L" in spec else 0
+       "RB": "constexpr", "DENSE": "constexpr", "DASM": "constexpr"}
+for spec in sys.argv[1:]:  # tiles.stages.warps[.segments][B][L][P][D]: segments > 0 = the stream-K table's runs,
+    # B = 2 row blocks per warp, L = weights prefetched into L2 12 chunks ahead, D = with the LoRA-A rows' programs
+    dense = spec.endswith("D")
+    spec0 = spec.rstrip("D")
+    nt, st, warps, segs = ([int(v) for v in spec0.rstrip("P").rstrip("L").rstrip("B").split(".")] + [0])[:4]
+    pdl, rb, l2 = spec0.endswith("P"), 2 if "B" in spec0 else 1, 12 if "L" in spec0 else 0
     consts = G._wide_constants({"ASM": gemv_ptx._asm(nt, True, False, rb, st, warps, True, l2=l2), "SHIFT": 256.0,
-                                "PDL": pdl, "RB": rb}, nt, st, warps)
+                                "PDL": pdl, "RB": rb, "DENSE": dense,
+                                "DASM": gemv_ptx._dense_asm(nt) if dense else ""}, nt, st, warps)
     consts["SEGS"] = segs
     sig["plan_ptr"] = "*i32" if segs else "i64"
     opts = {"num_warps": consts.pop("num_warps"), **({"launch_pdl": consts.pop("launch_pdl")} if pdl else {})}
@@ -416,14 +460,20 @@ def test_dynamic_ring_variants_assemble_for_sm90_with_their_shared_memory(tmp_pa
     script = tmp_path / "build.py"
     script.write_text(_SM90_WIDE_BUILD)
     variants = ["16.4.8", "16.3.4", "16.6.8", "16.4.8P", "8.4.8", "8.8.4", "8.6.16", "16.4.8.3", "16.4.8.2P",
-                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP"]
+                "4.7.8", "4.10.4", "4.7.8B", "4.8.4B", "2.6.8B", "8.4.8B", "4.7.8BP", "4.7.8L", "8.6.8BL", "4.6.8BLP",
+                "2.6.8B", "4.6.8B", "8.6.8B", "2.6.8BD", "4.6.8BD", "8.6.8BD", "4.6.8BPD"]  # D: the LoRA-A rows too
     lines = _build_for_sm90(script, variants)
+    regs = {}
     for line in lines:
         spec, shared, need = line.split()[:3]
         assert int(shared) >= int(need) > gemv_ptx.WGMMA_SMEM_LIMIT, line
-        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
+        regs[spec] = int(line.split("REG:")[1].split()[0])
+        assert "LOCAL:0" in line and regs[spec] <= 255, line
         marks = line.split("MARKS:")[1]
-        assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if spec.endswith("P") else ""), line
+        pdl = spec.rstrip("D").endswith("P")
+        assert marks == ("griddepcontrol.wait,griddepcontrol.launch_dependents" if pdl else ""), line
+    for spec in ("2.6.8B", "4.6.8B", "8.6.8B"):  # the rows' programs need no more registers than the weight's
+        assert regs[spec + "D"] <= regs[spec] + 8, (spec, regs)
 
 
 @pytest.mark.parametrize("n,k", [(48, 192), (16, 64), (40, 128)])
