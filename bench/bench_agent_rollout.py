@@ -10,7 +10,8 @@ at a drawn length (``forced_lengths.ForcedLengthRollout``: lognormal, median ``-
 row's at once), for ``--turns`` turns. Each later turn continues in the engine's KV cache: the observation is
 appended to the row's cache row at the next check while the other rows decode on (``CUDAGraphRollout.play_episodes``).
 
-Arms, each ``train.py fit`` in a process of its own (NVFP4, the recipe's batch: ``--prompts`` x ``--group-size``):
+Arms, each ``train.py fit`` in a process of its own (NVFP4, ``--prompts`` x ``--group-size``, by default the recipe's
+batch, 16 x 8):
 
     multi     model.agent with that environment; per turn ``--new-tokens`` at most
     resubmit  the same episodes, each later turn a new ``generate`` over the live rows' whole contexts (the engines'
@@ -234,7 +235,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--size", default="qwen2.5-7b")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (the recipe's: configs/gpu.yaml)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-median", type=int, default=200, help="median tokens of one turn")
