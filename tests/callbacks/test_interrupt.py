@@ -27,6 +27,16 @@ def start(tmp_path: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    """The process's output once it exits; one still running at ``timeout`` is killed (no child outlives the test)
+    and the test fails with the end of what it printed."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {timeout} s after the signal:\n{proc.communicate()[0][-3000:]}")
+
+
 def wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not list(root.glob(path_glob)):
@@ -43,7 +53,7 @@ def test_an_interrupted_fit_leaves_a_checkpoint_and_the_resume_command_that_cont
     proc = start(tmp_path, *args)
     wait_for("runs/debug/version_0/checkpoints/epoch=0-step=1.ckpt", tmp_path, proc)  # the first step is done
     proc.send_signal(signum)
-    output = proc.communicate(timeout=300)[0]
+    output = finish(proc)
     checkpoint = tmp_path / "runs/debug/version_0/checkpoints/interrupted.ckpt"
     assert checkpoint.exists(), output[-3000:]
     assert proc.returncode == 128 + signum, output[-3000:]  # 130 / 143: `fit ... && export` does not go on
@@ -73,7 +83,7 @@ def test_an_interrupted_validate_keeps_its_run_directory_and_the_scored_jsonl(ti
     wait_for("runs/debug/version_0/hparams.yaml", tmp_path, proc)
     time.sleep(3)  # some batches scored (none is fine too: the file and the directory must stay either way)
     proc.send_signal(signal.SIGINT)
-    output = proc.communicate(timeout=300)[0]
+    output = finish(proc)
     scored = tmp_path / "runs/debug/version_0/eval/val_step0_interrupted.jsonl"
     assert scored.exists(), output[-3000:]
     for line in scored.read_text().splitlines():
