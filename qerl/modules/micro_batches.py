@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from qerl.kernels.host_copy import to_device
+
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int | None, max_rows: int) -> list[list[int]]:
     """Group row indices into micro-batches, longest rows first.
@@ -115,7 +117,4 @@ def _micro_batch(prompt_ids, completion_ids, prompt_mask, completion_mask, targe
 
 
 def _to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
-    if device.type != "cuda":
-        return MicroBatch(*(t.to(device) for t in batch))
-    # pinned host memory: the copies are asynchronous and the allocator keeps each until its copy has run
-    return MicroBatch(*(t.pin_memory().to(device, non_blocking=True) for t in batch))
+    return MicroBatch(*(to_device(t, device) for t in batch))

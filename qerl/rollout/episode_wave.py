@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from qerl.kernels.host_copy import to_device
 from qerl.model.attention import SDPA_KERNELS
 from qerl.rollout.decode_state import DecodeState
 from qerl.rollout.episodes import EpisodeTurns, TurnEnd
@@ -63,11 +64,6 @@ def slot_layout(running: list[int], resumed: list[int], bucket: int, slots: int)
         if at[k] >= bucket:
             put(k, free.pop())
     return first, order
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (host) on ``device`` without waiting for the steps queued there (a pageable copy would: the lead steps)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class EpisodeWave:
@@ -230,7 +226,7 @@ class EpisodeWave:
         real = torch.zeros((R, width), dtype=torch.bool)
         for i, block in enumerate(blocks):
             ids[i, width - len(block):], real[i, width - len(block):] = torch.tensor(block), True
-        ids, real, budget = (to_device(t, device) for t in (ids, real, torch.tensor(budgets)))
+        ids, real, budget = (to_device(t, device) for t in (ids, real, torch.tensor(budgets)))  # behind the lead steps
         slots = slice(first, first + R)
         pos = s.pos[slots, None] + (real.long().cumsum(-1) - 1).clamp(min=0)  # [R, width] on from each row's own
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & real[:, None, :]
