@@ -182,11 +182,13 @@ class DecodeReads:
 
 def test_costs_count_what_the_decode_steps_read(chat_model):
     policy, _ = chat_model
-    for holes in (None, 0):
-        reads, engine = DecodeReads(), CUDAGraphRollout(check_every=3, length_bucket=1, max_hole_columns=holes)
+    # check_every=2, 16 new tokens: turns end apart, so rows resume while others run (after one lead step)
+    for holes, check_every, new in ((None, 3, 8), (0, 3, 8), (None, 2, 16)):
+        reads = DecodeReads()
+        engine = CUDAGraphRollout(check_every=check_every, length_bucket=1, max_hole_columns=holes)
         hook = policy.get_base_model().register_forward_pre_hook(reads, with_kwargs=True)
         try:
-            play(chat_model, engine)
+            play(chat_model, engine, max_new_tokens=new)
         finally:
             hook.remove()
         costs = engine.costs

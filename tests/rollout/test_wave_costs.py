@@ -5,14 +5,18 @@ import random
 from qerl.rollout.wave_costs import WaveCosts
 
 
-def walk(rows, lengths, contexts, decoded):
-    """Step by step: a row decodes while its steps last, each step feeding one more column of its own."""
+def walk(rows, lengths, contexts, decoded, starts=None, blocks=None):
+    """Step by step: a row idles its first ``starts[i]`` steps, then gets its ``blocks[i]`` observation columns and
+    decodes while its steps last, each step feeding one more column of its own."""
+    starts, blocks = starts or [0] * len(contexts), blocks or [0] * len(contexts)
     attended = needed = excess = tokens = 0
     context = list(contexts)
     for j, length in enumerate(lengths):
         attended += rows * length
         for i, d in enumerate(decoded):
-            if j < d:
+            if j == starts[i]:
+                context[i] += blocks[i]
+            if starts[i] <= j < starts[i] + d:
                 context[i] += 1
                 needed += context[i]
                 tokens += 1
@@ -34,6 +38,22 @@ def test_stretch_counts_what_a_step_walk_counts():
         attended, needed, excess, tokens = walk(rows, lengths, contexts, decoded)
         assert (costs.attended, costs.needed, costs.excess, costs.decoded) == (attended, needed, excess, tokens)
         assert (costs.decode_steps, costs.row_steps) == (steps, rows * steps)
+
+
+def test_rows_resumed_after_lead_steps_count_their_observation_from_their_start():
+    rng = random.Random(1)
+    for _ in range(50):
+        n, steps = rng.randint(1, 9), rng.randint(2, 20)
+        contexts = [rng.randint(1, 300) for _ in range(n)]
+        starts = [rng.choice([0, rng.randint(1, steps - 1)]) for _ in range(n)]
+        blocks = [rng.randint(1, 40) if a else 0 for a in starts]
+        decoded = [rng.randint(0, steps - a) for a in starts]
+        start = max(c + w for c, w in zip(contexts, blocks)) + rng.randint(0, 40)
+        lengths = [start + j + 1 + rng.randint(0, 7) for j in range(steps)]
+        costs = WaveCosts()
+        costs.stretch(n, lengths, contexts, decoded, starts, blocks)
+        assert (costs.attended, costs.needed, costs.excess, costs.decoded) == \
+            walk(n, lengths, contexts, decoded, starts, blocks)
 
 
 def test_add_sums_counts_and_keeps_the_largest_excess():
