@@ -85,13 +85,12 @@ DENSE_MAX_M = 16
 loop's: :data:`DENSE_WGMMA_MAX_M`): up to 2 tiles their programs need no more registers than the weight's."""
 
 
-DENSE_WGMMA_MAX_M = 16
-"""The widest batch at which the wgmma loop's launch takes the LoRA-A rows (:func:`takes_dense_rows`). At 32 tokens
-the 7B and 72B GEMVs with the rows beat the GEMV and a LoRA-A kernel of their own on an H200
-(``bench/results/gemv_variants/gemv_compare_h200_*_m32_lora_a.json``, checked against float64 there), but the rows'
-lean loop has not run on a GPU at 17-31 tokens (an observation prefill's 20 rows): 32 once the GPU tier's
-``test_lora_a_rows_in_the_gemv_launch`` passes there. From 33 tokens the lean loop needs more registers than the
-weight's."""
+DENSE_WGMMA_MAX_M = 32
+"""The widest batch at which the wgmma loop's launch takes the LoRA-A rows (:func:`takes_dense_rows`): up to 32
+tokens the 7B and 72B GEMVs with the rows beat the GEMV and a LoRA-A kernel of their own on an H200
+(``bench/results/gemv_variants/gemv_compare_h200_*_m32_lora_a.json``; the GPU tier's
+``test_lora_a_rows_in_the_gemv_launch`` checks 17-31 tokens against float64). From 33 tokens the lean loop needs more
+registers than the weight's."""
 
 
 def tiles_for(m: int) -> int:
