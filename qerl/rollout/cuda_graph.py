@@ -16,9 +16,10 @@ Same contract as ``BuiltinRollout`` (same ``Rollout``, same masks and log-probs)
   samples the same tokens whatever its wave, slot or compaction order.
 - Multi-turn episodes (``play_episodes``, ``qerl.rollout.episode_wave``): a row that ends its turn idles like a
   finished row (the columns it writes meanwhile stay masked, its position stays); at the next check its tool results
-  come back from the caller and are appended to its own cache row (one eager prefill of those rows' new tokens,
-  through the fused prefill where the model is fused), and it decodes on with the rows that never stopped. A prompt
-  is prefilled once; each wave plays its episodes to their ends. The cache then holds prompt + ``episode_columns``.
+  come back from the caller and go on in its own cache row: a short block is fed through the next decode steps, a
+  token per step, a long one is prefilled (one eager prefill of those rows' new tokens, through the fused prefill
+  where the model is fused); it decodes on with the rows that never stopped. A prompt is prefilled once; each wave
+  plays its episodes to their ends. The cache then holds prompt + ``episode_columns``.
 
 - KV cache: our own ``SlotCache`` sized from the request (one wave's rows x prompt+completion length, rounded up so
   it and the graphs are reused by later requests of the same or smaller size); a large one is freed when the rollout
@@ -117,6 +118,11 @@ class CUDAGraphRollout(RolloutEngine):
             kernels while the GPU runs those steps, instead of the GPU waiting for the host (more idles the resumed
             rows longer: docs/performance.md has the measurements); at most ``turn_check_every`` - 1 (they count to
             the next check); 0: the prefill first.
+        feed_observation_tokens: a resumed row whose observation block (the turn's last token + the observation)
+            has at most this many tokens is not prefilled: the block is fed through the next decode steps of the
+            running batch, a token per step (``DecodeState.start_feeding``), so a check launches no prefill for it;
+            the row samples its next turn from the step that reads the block's last token. A longer block takes
+            the eager prefill (each of its tokens would cost the row a step). 0: every block is prefilled.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -146,6 +152,7 @@ class CUDAGraphRollout(RolloutEngine):
         max_hole_columns: int | None = 256,
         turn_bucket_rows: int | None = None,
         prefill_lead_steps: int = 4,
+        feed_observation_tokens: int = 64,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
@@ -175,6 +182,10 @@ class CUDAGraphRollout(RolloutEngine):
         self.turn_check_every, self.max_hole_columns = turn_check_every, max_hole_columns
         self.turn_bucket_rows = turn_bucket_rows
         self.prefill_lead_steps = min(prefill_lead_steps, turn_check_every - 1)  # (they count to the next check)
+        if feed_observation_tokens < 0:
+            raise ValueError(f"model.rollout.init_args.feed_observation_tokens={feed_observation_tokens} must be >= 0 "
+                             "(0: every observation is prefilled).")
+        self.feed_observation_tokens = feed_observation_tokens
         self.costs = WaveCosts()  # what the calls so far read and copied (``qerl.rollout.wave_costs``)
         self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket
@@ -187,6 +198,7 @@ class CUDAGraphRollout(RolloutEngine):
         self._decoder = None  # ((model id, Kernels), FusedDecoder or None), built on first use
         self._routing: RoutingRecorder | None = None  # the current generate call's, if any
         self._graphs = False  # whether the current call's decode steps replay captured graphs
+        self._feeding = False  # whether the current call's steps feed observations (an episode call)
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -236,12 +248,16 @@ class CUDAGraphRollout(RolloutEngine):
         new = budget + 1  # + a spare column that rows idling at the end of their budget write padding to
         with self._session(policy, prompt_ids, group_size, pad_id, eos_ids, spec, None, new,
                            episode_columns(budget, self.turn_check_every)) as (s, ids, mask, waves):
-            for prompts, first_row in waves:
-                wave = EpisodeWave(self, s, policy, spec, turns, first_row)
-                try:
-                    wave.run(ids[prompts], mask[prompts], group_size, pad_id, eos_ids)
-                finally:
-                    self.costs.add(wave.costs)
+            self._feeding = True
+            try:
+                for prompts, first_row in waves:
+                    wave = EpisodeWave(self, s, policy, spec, turns, first_row)
+                    try:
+                        wave.run(ids[prompts], mask[prompts], group_size, pad_id, eos_ids)
+                    finally:
+                        self.costs.add(wave.costs)
+            finally:
+                self._feeding = False
         self._phase("done")
 
     @contextmanager
@@ -440,7 +456,7 @@ class CUDAGraphRollout(RolloutEngine):
                 torch.cuda.empty_cache()
         shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim(config))
         cache = SlotCache(*shape, kv_dtype, device, allocate=False)  # allocated by each wave (see _decode_wave)
-        s = DecodeState.empty(key, cache, new, device, decoder)
+        s = DecodeState.empty(key, cache, new, device, decoder, feed_width=self.feed_observation_tokens - 1)
         self._state = s
         if device.type == "cuda":
             self._graph_cache.new_pool()
@@ -448,20 +464,30 @@ class CUDAGraphRollout(RolloutEngine):
 
     def _record(self, s: DecodeState, logits: torch.Tensor, b: int, spec: SamplingSpec, first: int = 0) -> None:
         """Sample the next token of slots ``first``..b-1 and write it, its log-prob and entropy at each slot's column
-        ``col``; a slot stops at an EOS or at its turn's ``limit``, and then writes padding without moving on."""
+        ``col``; a slot stops at an EOS or at its turn's ``limit``, and then writes padding without moving on. In an
+        episode call a slot being fed (``DecodeState.start_feeding``) takes its next fed token instead and writes
+        nothing, its column stays."""
         slots = slice(first, b)
         rows = s.first_row + s.slot_row[slots]  # output rows: the noise follows the row, not its slot or wave
         col = s.col[slots]
         key = None if spec.greedy else s.noise_key
         token, logprob, entropy = self._sample(logits, spec, key, rows, col)
         done = s.finished[slots]
+        silent = done
+        if self._feeding:
+            at = s.feed_at[slots]
+            fed = at < s.feed_end[slots]
+            token = torch.where(fed, s.feed[slots].gather(1, at.clamp(max=s.feed.shape[1] - 1)[:, None])[:, 0], token)
+            at += fed.long()
+            silent = done | fed
         token = torch.where(done, s.pad, token)
         index = (s.slot_row[slots], col)
-        s.tokens_out.index_put_(index, token)
-        s.logprobs_out.index_put_(index, logprob.masked_fill(done, 0.0))
-        s.entropy_out.index_put_(index, entropy.masked_fill(done, 0.0))
-        col += (~done).long()
-        done |= torch.isin(token, s.eos) | (col >= s.limit[slots])
+        s.tokens_out.index_put_(index, torch.where(silent, s.pad, token))
+        s.logprobs_out.index_put_(index, logprob.masked_fill(silent, 0.0))
+        s.entropy_out.index_put_(index, entropy.masked_fill(silent, 0.0))
+        col += (~silent).long()
+        ends = torch.isin(token, s.eos) | (col >= s.limit[slots])
+        done |= ends & ~fed if self._feeding else ends
         s.last[slots] = token
 
     def _step(self, s: DecodeState, policy, b: int, length: int, spec: SamplingSpec) -> None:
@@ -492,7 +518,8 @@ class CUDAGraphRollout(RolloutEngine):
         # an idle row feeds a token with its own column masked: its expert choices are not the rollout's
         running = ~s.finished[:b] if self._routing is not None and decoder is not None and decoder.moe else None
         # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
-        graph_key = (b, length, spec.temperature, spec.greedy, decoder.key(b) if decoder is not None else None)
+        graph_key = (b, length, spec.temperature, spec.greedy, self._feeding,
+                     decoder.key(b) if decoder is not None else None)
         graph = self._graph_cache.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()

@@ -6,7 +6,9 @@ captured graphs keep reading the same storage. Shapes: ``rows`` slots (one wave)
 output columns (``max_new_tokens``, or an episode's completion budget).
 
 A slot that stopped (``finished``) writes nothing its mask keeps: a multi-turn row idles like that between its turns,
-and its next turn continues at its own output column ``col`` and position ``pos``.
+and its next turn continues at its own output column ``col`` and position ``pos``. A slot can instead be fed a block of
+given tokens (``start_feeding``: a multi-turn row's observation) through the next decode steps, a token per step: its
+steps sample nothing until the step that reads the block's last token.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from qerl.kernels.host_copy import to_device
 from qerl.rollout.kv_cache import SlotCache, as_cache
 
 MAX_EOS = 8
@@ -45,13 +48,18 @@ class DecodeState:
     tokens_out: torch.Tensor  # [rows, new] long
     logprobs_out: torch.Tensor  # [rows, new] fp32
     entropy_out: torch.Tensor  # [rows, new] fp32
+    feed: torch.Tensor  # [rows, width] the tokens each slot is fed next (``start_feeding``), read from ``feed_at``
+    feed_at: torch.Tensor  # [rows] the next of them, where it is below ``feed_end``
+    feed_end: torch.Tensor  # [rows]
     decoder: Any = None  # the FusedDecoder its steps run (None: the transformers step)
 
     OUTPUTS = ("tokens_out", "logprobs_out", "entropy_out")
 
     @classmethod
-    def empty(cls, key: tuple, cache: SlotCache, max_new_tokens: int, device, decoder=None) -> DecodeState:
-        """The buffers for ``cache.rows`` slots of ``cache.length`` positions (the cache itself is not allocated)."""
+    def empty(cls, key: tuple, cache: SlotCache, max_new_tokens: int, device, decoder=None,
+              feed_width: int = 1) -> DecodeState:
+        """The buffers for ``cache.rows`` slots of ``cache.length`` positions (the cache itself is not allocated); a
+        slot is fed blocks of at most ``feed_width`` + 1 tokens."""
         rows, length = cache.rows, cache.length
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         return cls(key=key, rows=rows, length=length, cache=cache, hf_cache=as_cache(cache),
@@ -60,7 +68,8 @@ class DecodeState:
                    noise_key=zeros(2),
                    first_row=zeros(1), pad=zeros(1), eos=zeros(MAX_EOS), tokens_out=zeros(rows, max_new_tokens),
                    logprobs_out=zeros(rows, max_new_tokens, dtype=torch.float32),
-                   entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32), decoder=decoder)
+                   entropy_out=zeros(rows, max_new_tokens, dtype=torch.float32), feed=zeros(rows, max(feed_width, 1)),
+                   feed_at=zeros(rows), feed_end=zeros(rows), decoder=decoder)
 
     def reset(self, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int], max_new_tokens: int) -> None:
         """Start a wave of the prompts whose padding ``mask`` [B, P] is given, G rows each."""
@@ -82,6 +91,8 @@ class DecodeState:
         self.tokens_out.fill_(pad_id)
         self.logprobs_out.zero_()
         self.entropy_out.zero_()
+        self.feed_at.zero_()
+        self.feed_end.zero_()
         self.cache.position.fill_(P)
 
     def compact(self, b: int, written: int) -> None:
@@ -104,9 +115,28 @@ class DecodeState:
         for view in self._bookkeeping(self.rows):
             view.index_copy_(0, targets, view.index_select(0, sources))
 
+    def start_feeding(self, slots: list[int], blocks: list[list[int]], budgets: list[int]) -> None:
+        """Slots ``slots`` go on with ``blocks[i]`` (at most ``feed.shape[1]`` + 1 tokens) as their next context: the
+        next decode step reads its first token, each step after it the next, and the step that reads the last one
+        samples the first token of a turn of at most ``budgets[i]`` tokens. One copy to the device, queued behind
+        the steps already launched (no host sync)."""
+        width = self.feed.shape[1]
+        host = torch.zeros(len(slots), width + 4, dtype=torch.long)  # slot, first token, end, budget, the rest
+        for i, (slot, block, budget) in enumerate(zip(slots, blocks, budgets)):
+            host[i, :4] = torch.tensor([slot, block[0], len(block) - 1, budget])
+            host[i, 4:4 + len(block) - 1] = torch.tensor(block[1:], dtype=torch.long)
+        packed = to_device(host, self.col.device)
+        index = packed[:, 0]
+        self.last.index_copy_(0, index, packed[:, 1])
+        self.feed_end.index_copy_(0, index, packed[:, 2])
+        self.feed_at.index_fill_(0, index, 0)
+        self.feed.index_copy_(0, index, packed[:, 4:])
+        self.limit.index_copy_(0, index, self.col.index_select(0, index) + packed[:, 3])
+        self.finished.index_fill_(0, index, False)
+
     def _bookkeeping(self, b: int) -> tuple[torch.Tensor, ...]:
         return (self.mask[:b], self.last[:b], self.pos[:b], self.slot_row[:b], self.finished[:b], self.col[:b],
-                self.limit[:b])
+                self.limit[:b], self.feed[:b], self.feed_at[:b], self.feed_end[:b])
 
     def defragment(self, b: int, written: int) -> int:
         """Move each of slots 0..b-1's attended columns (of the first ``written``) to the front of its cache row, in

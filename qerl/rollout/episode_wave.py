@@ -6,9 +6,13 @@
     every ``turn_check_every`` steps (the engine's only host syncs): the rows that stopped are handed to the caller
         (``EpisodeTurns.submit``: their tools start in the background, every row's at once) and the others decode on;
         at the next check (at once if no row is left running) the engine collects what follows them: the rows that
-        continue get their turn's last token + the observation appended to their own cache row at the next columns
-        (one eager prefill batched over those rows, through the fused prefill where the model is fused; position ids
-        go on from each row's own), and decode on with the others, which never stopped
+        continue get their turn's last token + the observation (the block) as their next context, and decode on
+        with the others, which never stopped; position ids go on from each row's own. A block of at most the
+        engine's ``feed_observation_tokens`` is fed through the next decode steps, a token per step, sampling
+        nothing until its last token (``DecodeState.start_feeding``: no launch of its own, the row's columns as a
+        decoding row's); longer blocks are appended at the next columns by one eager prefill batched over their
+        rows (through the fused prefill where the model is fused), launched behind ``prefill_lead_steps`` decode
+        steps of the running rows
     the wave ends when no row's episode goes on; then the next wave (a row's turns all happen in its wave)
 
 The schedule depends on the sampled tokens only (never on how fast a tool returns), so the episodes are the same run
@@ -91,7 +95,8 @@ class EpisodeWave:
         self.costs = WaveCosts()
         self.context: list[int] = []  # per wave row: the cache columns its mask keeps (host copy, no sync)
         self.col_seen: list[int] = []  # per wave row: its output column at the last check
-        self.appended: dict[int, tuple[int, int]] = {}  # wave rows resumed at the last check: (lead steps, block)
+        self.appended: dict[int, tuple[int, int]] = {}  # wave rows prefilled at the last check: (lead steps, block)
+        self.feeding: dict[int, int] = {}  # wave rows being fed: the block's tokens not yet read by a decode step
         self.lengths: list[int] = []  # the attended columns of each decode step since the last check
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
@@ -153,7 +158,10 @@ class EpisodeWave:
         resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
             return 0, column, 0
-        blocks = [[self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed]
+        block_of = {k: [self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed}
+        fed = [k for k in resumed if len(block_of[k]) <= self.engine.feed_observation_tokens]
+        prefilled = [k for k in resumed if len(block_of[k]) > self.engine.feed_observation_tokens]
+        blocks = [block_of[k] for k in prefilled]
         width = max(map(len, blocks), default=0)
         holes = column - max(self.context)
         if column + width + self.check_every > s.length or (self.engine.max_hole_columns is not None
@@ -166,38 +174,49 @@ class EpisodeWave:
                 raise RuntimeError(f"CUDAGraphRollout: an episode outgrew its KV cache ({s.length} columns); the "
                                    f"episodes' completion_budget is {self.turns.completion_budget} tokens.")
         bucket = next(x for x in buckets if x >= len(running) + len(resumed))
-        first, order = slot_layout(running, resumed, bucket, N)
+        first, order = slot_layout(running + fed, prefilled, bucket, N)  # (fed rows need no block of slots)
         moving = [k for k in range(N) if order[k] != k]
         if moving:
             s.move([order[k] for k in moving], moving, column)
             self.costs.moved_columns += len(moving) * column
-        lead = self.engine.prefill_lead_steps if running and resumed else 0
+        for k in resumed:
+            self.turn_start[slot_row[k]] = col[k]
+        if fed:
+            slot_of = {source: k for k, source in enumerate(order)}
+            s.start_feeding([slot_of[k] for k in fed], [block_of[k] for k in fed],
+                            [self.turns.budget(self.first_row + slot_row[k]) for k in fed])
+            self.feeding.update({slot_row[k]: len(block_of[k]) - 1 for k in fed})
+        lead = self.engine.prefill_lead_steps if running and prefilled else 0
         for _ in range(lead):  # queued on the GPU before the prefill's host-bound launches
             column = self._decode_step(bucket, column)
-        if resumed:
-            for k, block in zip(resumed, blocks):
-                self.turn_start[slot_row[k]] = col[k]
+        if prefilled:
+            for k, block in zip(prefilled, blocks):
                 self.appended[slot_row[k]] = (lead, len(block))
                 self.col_seen[slot_row[k]] = col[k] + 1  # the block's prefill samples the turn's first token
-            budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in resumed]
+            budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in prefilled]
             column = self._append(first, blocks, budgets, column)
         return bucket, column, lead
 
     def _count_stretch(self, b: int, col: list[int], slot_row: list[int]) -> None:
         """Count the decode steps since the last check (``WaveCosts.stretch``) from the rows' output columns now."""
-        decoded = [0] * self.rows
+        steps, decoded, fed = len(self.lengths), [0] * self.rows, [0] * self.rows
         for k in range(b):
             decoded[slot_row[k]] = col[k] - self.col_seen[slot_row[k]]
+        for row, left in list(self.feeding.items()):  # a fed row reads its block from the stretch's first step on
+            fed[row] = min(left, steps)
+            self.feeding[row] = left - fed[row]
+            if not self.feeding[row]:
+                del self.feeding[row]
         starts, blocks = ([self.appended.get(row, (0, 0))[i] for row in range(self.rows)] for i in (0, 1))
-        self.costs.stretch(b, self.lengths, self.context, decoded, starts, blocks)
+        self.costs.stretch(b, self.lengths, self.context, decoded, starts, blocks, fed)
         for row, (_, width) in self.appended.items():
             self.context[row] += width
         self.appended = {}
-        self.costs.waiting += sum(len(self.lengths) - decoded[slot_row[k]] for k in range(b)
+        self.costs.waiting += sum(steps - decoded[slot_row[k]] - fed[slot_row[k]] for k in range(b)
                                   if slot_row[k] in self.live)
         self.costs.checks += 1
         for k in range(self.rows):
-            self.context[slot_row[k]] += decoded[slot_row[k]]
+            self.context[slot_row[k]] += decoded[slot_row[k]] + fed[slot_row[k]]
             self.col_seen[slot_row[k]] = col[k]
         self.lengths = []
 

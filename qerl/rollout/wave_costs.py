@@ -19,6 +19,7 @@ class WaveCosts:
     decode_steps: int = 0
     row_steps: int = 0  # batch rows of each step, summed
     decoded: int = 0  # rows that sampled a token in a decode step (the tokens decoded)
+    fed: int = 0  # rows that read a fed observation token in a decode step and sampled nothing
     waiting: int = 0  # batch rows of a step between two turns of their episode (the other idle rows: its end, padding)
     attended: int = 0  # batch rows x attended columns, summed: the K/V row-columns the attention reads
     needed: int = 0  # each decoding row's own context, summed: what a cache without holes would read
@@ -42,25 +43,30 @@ class WaveCosts:
         self.row_steps += rows
         self.attended += rows * length
 
-    def decoding(self, contexts: list[int], decoded: list[int]) -> None:
-        """Count rows that held ``contexts[i]`` context columns and then decoded ``decoded[i]`` steps in a row."""
+    def decoding(self, contexts: list[int], decoded: list[int], fed: list[int] | None = None) -> None:
+        """Count rows that held ``contexts[i]`` context columns and then ran ``fed[i]`` steps reading fed tokens and
+        ``decoded[i]`` steps decoding, in a row."""
+        fed = fed or [0] * len(contexts)
         self.decoded += sum(decoded)
-        # a row decoding its j-th step (from 0) attends its context + the j + 1 columns it has fed since
-        self.needed += sum(d * c + d * (d + 1) // 2 for c, d in zip(contexts, decoded))
+        self.fed += sum(fed)
+        # a row running its j-th step (from 0) attends its context + the j + 1 columns it has read since
+        self.needed += sum((d + f) * c + (d + f) * (d + f + 1) // 2 for c, d, f in zip(contexts, decoded, fed))
 
     def stretch(self, rows: int, lengths: list[int], contexts: list[int], decoded: list[int],
-                starts: list[int] | None = None, blocks: list[int] | None = None) -> None:
+                starts: list[int] | None = None, blocks: list[int] | None = None,
+                fed: list[int] | None = None) -> None:
         """Count ``len(lengths)`` decode steps of ``rows`` batch rows, step j attending ``lengths[j]`` columns; the
-        wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (an observation)
-        after its first ``starts[i]`` steps (idle) and decoded in the next ``decoded[i]`` (a row that stops idles
-        until the next check: its steps are a run from its start)."""
-        starts, blocks = starts or [0] * len(contexts), blocks or [0] * len(contexts)
-        per_row = list(zip(contexts, decoded, starts, blocks))
+        wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (a prefilled
+        observation) after its first ``starts[i]`` steps (idle), read ``fed[i]`` fed tokens in the next steps and
+        decoded in the next ``decoded[i]`` (a row that stops idles until the next check: its steps are a run from its
+        start)."""
+        starts, blocks, fed = starts or [0] * len(contexts), blocks or [0] * len(contexts), fed or [0] * len(contexts)
+        per_row = [(c, d + f, a, w) for c, d, a, w, f in zip(contexts, decoded, starts, blocks, fed)]
         for j, length in enumerate(lengths):
             self.step(rows, length)
             longest = max((c + (w + min(j + 1 - a, d) if j >= a else 0) for c, d, a, w in per_row), default=0)
             self.excess = max(self.excess, length - longest)
-        self.decoding([c + w for c, w in zip(contexts, blocks)], decoded)
+        self.decoding([c + w for c, w in zip(contexts, blocks)], decoded, fed)
 
     def summary(self) -> dict[str, float]:
         """The sums with the ratios a comparison reads: attended per decoded token and per needed column, the idle
@@ -69,7 +75,7 @@ class WaveCosts:
         return {**{k: float(v) for k, v in asdict(self).items()},
                 "attended_per_token": self.attended / tokens,
                 "attended_per_needed": self.attended / max(self.needed, 1),
-                "idle_row_share": 1.0 - self.decoded / max(self.row_steps, 1),
+                "idle_row_share": 1.0 - (self.decoded + self.fed) / max(self.row_steps, 1),
                 "waiting_row_share": self.waiting / max(self.row_steps, 1),
                 "prefill_padding": 1.0 - self.prefill_tokens / self.prefill_columns if self.prefill_columns else 0.0,
                 "copied_per_token": (self.packed_columns + self.moved_columns) / tokens}

@@ -34,13 +34,21 @@ class Replies:
         return None if self.replies > self.left else f"Next ({self.replies})."
 
 
-def play(chat_model, engine, max_new_tokens=8, greedy=False, config=None, sample=None):
+class GrowingReplies(Replies):
+    """Replies that grow a word a turn: observation blocks of several lengths."""
+
+    def step(self, message: str) -> str | None:
+        reply = super().step(message)
+        return None if reply is None else reply + " More" * self.replies
+
+
+def play(chat_model, engine, max_new_tokens=8, greedy=False, config=None, sample=None, environment=Replies):
     policy, tokenizer = chat_model
     eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
     spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.7, seed=5, greedy=greedy)
     player = sample or BoundEngine(engine, policy, pad, eos, spec)
     return run_episodes(player, chat_prompts(tokenizer, QUESTIONS), [{"replies": r} for r in (0, 1, 3)], 3,
-                        tokenizer, eos, pad, config or AgentConfig(max_turns=5), [], EnvironmentFactory(Replies),
+                        tokenizer, eos, pad, config or AgentConfig(max_turns=5), [], EnvironmentFactory(environment),
                         max_new_tokens, "qwen")
 
 
@@ -50,7 +58,7 @@ def test_prompt_prefilled_once_then_observations_only(chat_model):
     embed = policy.get_base_model().get_input_embeddings()
     hook = embed.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
     try:
-        episodes = play(chat_model, CUDAGraphRollout(check_every=3))
+        episodes = play(chat_model, CUDAGraphRollout(check_every=3, feed_observation_tokens=0))
     finally:
         hook.remove()
     prefills = [ids for ids in inputs if ids.shape[1] > 1]
@@ -62,6 +70,36 @@ def test_prompt_prefilled_once_then_observations_only(chat_model):
     # then only appended blocks: one per continued turn, each the turn's last token + the observation, never a context
     assert sum(ids.shape[0] for ids in prefills[1:]) == sum(t.turns - 1 for t in trajectories) > 0
     assert max(ids.shape[1] for ids in prefills[1:]) <= 1 + max(map(len, observations)) < min(map(len, prompts))
+
+
+def test_fed_observations_keep_the_samples_and_launch_no_prefill(chat_model):
+    """A resumed row's block (the turn's last token + the observation) fed through the decode steps, a token per step,
+    samples what the prefilled block samples; only blocks longer than ``feed_observation_tokens`` are prefilled."""
+    policy, _ = chat_model
+    widths = []  # every forward's tokens per row: 1 is a decode step, more a prefill
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    runs = {}
+    try:
+        for feed in (0, 64, 16):
+            widths.clear()
+            engine = CUDAGraphRollout(check_every=3, feed_observation_tokens=feed)
+            runs[feed] = play(chat_model, engine, environment=GrowingReplies), widths[1:]
+    finally:
+        hook.remove()
+    (prefilled, prefills), (fed, none), (split, some) = runs[0], runs[64], runs[16]
+    # each observation's block: the turn's last token + the observation (a run of the completion's non-model tokens)
+    blocks = sorted({1 + len(run) for t in fed.trajectories
+                     for run in "".join(map(str, t.generated)).split("1") if run})
+    assert max(t.turns for t in fed.trajectories) >= 2 and blocks[0] <= 16 < blocks[-1]
+    assert set(none) == {1} and max(prefills) > 1  # fed: the prompts' prefill is the only one
+    assert set(some) - {1} and min(set(some) - {1}) > 16 and len(some) - some.count(1) < len(prefills) - prefills.count(1)
+    for other in (fed, split):
+        assert torch.equal(other.rollout.completion_ids, prefilled.rollout.completion_ids)
+        torch.testing.assert_close(other.rollout.logprobs, prefilled.rollout.logprobs, atol=2e-5, rtol=0)
+        torch.testing.assert_close(other.rollout.entropy, prefilled.rollout.entropy, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="feed_observation_tokens=-1 must be >= 0"):
+        CUDAGraphRollout(feed_observation_tokens=-1)
 
 
 class WaitsForTheDecode:
@@ -126,16 +164,19 @@ def test_greedy_episode_equals_resubmitting_contexts(chat_model):
     torch.testing.assert_close(appended.rollout.logprobs, resubmitted.rollout.logprobs, atol=2e-5, rtol=0)
 
 
-def test_wave_out_of_columns_defragments_and_stays_exact(chat_model, monkeypatch):
+# fed blocks take a column a step as decoding rows do: that cache never runs out, so packing at every check (no holes
+# allowed) moves their columns while they are being fed
+@pytest.mark.parametrize("feed, holes", [(0, 256), (64, 0)], ids=["prefilled", "fed"])
+def test_wave_out_of_columns_defragments_and_stays_exact(chat_model, monkeypatch, feed, holes):
     policy, tokenizer = chat_model
     packs, real = [], DecodeState.defragment
     monkeypatch.setattr(DecodeState, "defragment", lambda s, b, written: packs.append(written) or real(s, b, written))
     # a cache shorter than the engine sizes it (its worst case), so that this short episode runs out of columns
     monkeypatch.setattr(cuda_graph, "episode_columns", lambda budget, check_every: budget + 4 * check_every)
     limit = max(map(len, chat_prompts(tokenizer, QUESTIONS))) + 40
-    episodes = play(chat_model, CUDAGraphRollout(check_every=2, length_bucket=1),
-                    config=AgentConfig(max_turns=5, max_episode_tokens=limit))
-    assert packs  # the columns ran out at least once
+    engine = CUDAGraphRollout(check_every=2, length_bucket=1, feed_observation_tokens=feed, max_hole_columns=holes)
+    episodes = play(chat_model, engine, config=AgentConfig(max_turns=5, max_episode_tokens=limit))
+    assert packs  # the columns were packed at least once
     r, generated = episodes.rollout, episodes.rollout.model_mask.bool()
     lp, entropy = recompute(policy, r, 0.7)
     torch.testing.assert_close(r.logprobs, lp * generated, atol=2e-5, rtol=0)
@@ -180,20 +221,26 @@ class DecodeReads:
         self.needed += int(mask[running].sum())
 
 
-def test_costs_count_what_the_decode_steps_read(chat_model):
+@pytest.mark.parametrize("feed", [0, 64], ids=["prefilled", "fed"])
+def test_costs_count_what_the_decode_steps_read(chat_model, feed):
     policy, _ = chat_model
     # check_every=2, 16 new tokens: turns end apart, so rows resume while others run (after one lead step)
     for holes, check_every, new in ((None, 3, 8), (0, 3, 8), (None, 2, 16)):
         reads = DecodeReads()
-        engine = CUDAGraphRollout(check_every=check_every, length_bucket=1, max_hole_columns=holes)
+        engine = CUDAGraphRollout(check_every=check_every, length_bucket=1, max_hole_columns=holes,
+                                  feed_observation_tokens=feed)
         hook = policy.get_base_model().register_forward_pre_hook(reads, with_kwargs=True)
         try:
-            play(chat_model, engine, max_new_tokens=new)
+            episodes = play(chat_model, engine, max_new_tokens=new)
         finally:
             hook.remove()
         costs = engine.costs
-        assert (costs.decode_steps, costs.attended, costs.needed, costs.decoded) == \
+        assert (costs.decode_steps, costs.attended, costs.needed, costs.decoded + costs.fed) == \
             (reads.steps, reads.attended, reads.needed, reads.decoded)
+        observed = sum(not model for t in episodes.trajectories for model in t.generated)
+        blocks = sum(t.turns - 1 for t in episodes.trajectories)  # each the turn's last token + the observation
+        assert observed > 0 and (costs.fed, costs.prefill_tokens) == \
+            ((observed, 0) if feed else (0, observed + blocks))
 
 
 def test_eager_packing_keeps_the_samples_and_bounds_the_holes(chat_model):

@@ -1,7 +1,7 @@
 """A multi-turn trajectory's sampling log-probs equal a full recomputation by the policy at the model's tokens, on
-every engine that runs on the CPU, each playing the turns its own way (the CUDA-graph engine appends observations to
-its KV cache, fused step or transformers step; the built-in one resubmits contexts); observation tokens are context
-only (log-prob and entropy 0, never trained)."""
+every engine that runs on the CPU, each playing the turns its own way (the CUDA-graph engine continues in its KV
+cache, fused step or transformers step, each observation fed through its decode steps or prefilled; the built-in one
+resubmits contexts); observation tokens are context only (log-prob and entropy 0, never trained)."""
 
 import pytest
 import torch
@@ -29,8 +29,11 @@ def play(chat_model, engine):
 
 
 @pytest.mark.parametrize("engine", [BuiltinRollout, lambda: CUDAGraphRollout(check_every=3),
-                                    lambda: CUDAGraphRollout(check_every=3, fused=True)],
-                         ids=["builtin", "cuda_graph", "cuda_graph_fused"])
+                                    lambda: CUDAGraphRollout(check_every=3, fused=True),
+                                    lambda: CUDAGraphRollout(check_every=3, feed_observation_tokens=0),
+                                    lambda: CUDAGraphRollout(check_every=3, fused=True, feed_observation_tokens=0)],
+                         ids=["builtin", "cuda_graph", "cuda_graph_fused", "cuda_graph_prefill",
+                              "cuda_graph_fused_prefill"])
 def test_multi_turn_logprobs_equal_full_recomputation(chat_model, engine):
     policy, tokenizer = chat_model
     episodes = play(chat_model, engine())
@@ -62,7 +65,7 @@ def test_the_graph_engines_prefills_never_run_cudnn_attention(chat_model, fused,
         return sdpa(query, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
-    episodes = play(chat_model, CUDAGraphRollout(check_every=3, fused=fused))
+    episodes = play(chat_model, CUDAGraphRollout(check_every=3, fused=fused, feed_observation_tokens=0))
     assert max(t.turns for t in episodes.trajectories) >= 2
     prefills = [allowed for tokens, allowed in seen if tokens > 1]
     layers = policy.config.num_hidden_layers
@@ -87,7 +90,8 @@ def test_running_rows_take_their_lead_steps_before_the_observations_prefill(chat
             at += [] if width == 1 else [(steps + 1) % 2]
         return episodes, at
 
-    first, led = CUDAGraphRollout(check_every=2, prefill_lead_steps=0), CUDAGraphRollout(check_every=2)
+    first = CUDAGraphRollout(check_every=2, prefill_lead_steps=0, feed_observation_tokens=0)
+    led = CUDAGraphRollout(check_every=2, feed_observation_tokens=0)
     try:
         (a, at_first), (b, at_led) = prefills_at(first), prefills_at(led)
     finally:

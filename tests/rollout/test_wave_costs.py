@@ -5,23 +5,25 @@ import random
 from qerl.rollout.wave_costs import WaveCosts
 
 
-def walk(rows, lengths, contexts, decoded, starts=None, blocks=None):
-    """Step by step: a row idles its first ``starts[i]`` steps, then gets its ``blocks[i]`` observation columns and
-    decodes while its steps last, each step feeding one more column of its own."""
+def walk(rows, lengths, contexts, decoded, starts=None, blocks=None, fed=None):
+    """Step by step: a row idles its first ``starts[i]`` steps, then gets its ``blocks[i]`` observation columns, reads
+    ``fed[i]`` fed tokens and decodes while its steps last, each step reading one more column of its own."""
     starts, blocks = starts or [0] * len(contexts), blocks or [0] * len(contexts)
-    attended = needed = excess = tokens = 0
+    fed = fed or [0] * len(contexts)
+    attended = needed = excess = tokens = reads = 0
     context = list(contexts)
     for j, length in enumerate(lengths):
         attended += rows * length
         for i, d in enumerate(decoded):
             if j == starts[i]:
                 context[i] += blocks[i]
-            if starts[i] <= j < starts[i] + d:
+            if starts[i] <= j < starts[i] + fed[i] + d:
                 context[i] += 1
                 needed += context[i]
-                tokens += 1
+                tokens += j >= starts[i] + fed[i]
+                reads += j < starts[i] + fed[i]
         excess = max(excess, length - max(context))
-    return attended, needed, excess, tokens
+    return (attended, needed, excess, tokens, reads) if any(fed) else (attended, needed, excess, tokens)
 
 
 def test_stretch_counts_what_a_step_walk_counts():
@@ -54,6 +56,23 @@ def test_rows_resumed_after_lead_steps_count_their_observation_from_their_start(
         costs.stretch(n, lengths, contexts, decoded, starts, blocks)
         assert (costs.attended, costs.needed, costs.excess, costs.decoded) == \
             walk(n, lengths, contexts, decoded, starts, blocks)
+
+
+def test_fed_rows_count_their_fed_steps_as_context_and_no_tokens():
+    rng = random.Random(2)
+    for _ in range(50):
+        n, steps = rng.randint(1, 9), rng.randint(2, 20)
+        contexts = [rng.randint(1, 300) for _ in range(n)]
+        fed = [rng.choice([0, rng.randint(1, steps)]) for _ in range(n)]
+        fed[0] = max(fed[0], 1)
+        decoded = [rng.randint(0, steps - f) for f in fed]
+        start = max(contexts) + rng.randint(0, 40)
+        lengths = [start + j + 1 + rng.randint(0, 7) for j in range(steps)]
+        costs = WaveCosts()
+        costs.stretch(n, lengths, contexts, decoded, fed=fed)
+        assert (costs.attended, costs.needed, costs.excess, costs.decoded, costs.fed) == \
+            walk(n, lengths, contexts, decoded, fed=fed)
+        assert costs.summary()["idle_row_share"] == 1 - (sum(decoded) + sum(fed)) / (n * steps)
 
 
 def test_add_sums_counts_and_keeps_the_largest_excess():
