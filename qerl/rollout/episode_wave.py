@@ -139,9 +139,11 @@ class EpisodeWave:
         (``slot_layout``), let the running ones take the engine's lead steps, then append the observations that
         came back. Returns the next batch bucket (0: the wave is over), the next column and the lead steps taken."""
         s, N = self.s, self.rows
+        # the sync first: the steps queued run meanwhile either way, and what the caller then waits for the tools
+        # (its ``collect``) is time the GPU had nothing to decode, not time it decoded the steps queued before
+        finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
         ready = self.turns.collect() if self.waiting else {}
         collected, self.waiting = self.waiting, set()
-        finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
         self._count_stretch(b, col, slot_row)
         stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live and slot_row[k] not in collected]
         turns = self._turns_of(stopped, col, slot_row)
