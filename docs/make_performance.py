@@ -760,7 +760,12 @@ SECTIONS = (
             "`train.py fit` with an environment that answers every turn with a real run of the Python tool (turns cut "
             "at lognormal lengths: random weights never write a call), against single-turn rollouts of about the same "
             "generated tokens, on a random-init model with the real shape, NVFP4 (`bench/bench_agent_rollout.py`); "
-            "decode throughput is the model's tokens over the decode seconds.",
+            "decode throughput is the model's tokens over the decode seconds: the rollout's wall time less the time "
+            "it waited for the tools with nothing left to decode. Runs before main at b8d86d9 collected the tools' "
+            "observations before a check's sync, so their wait also held the queued steps' GPU time: their decode "
+            "seconds are low by up to that much (at dfa98a2, observations fed and the wait counted that way, the multi "
+            "arm read 12.5 s where the sync-first run at b8d86d9 reads 23.9 s; with the observations prefilled the "
+            "host rarely ran ahead of the GPU at a check, so the older runs are less off).",
             agent_section),
     Section("Agents: what a multi-turn step's decode reads (cost model)", "agent_wave_costs_*.json",
             "PYTHONPATH=. python bench/agent_wave_costs.py --out bench/results/agent_wave_costs_cpu.json",
