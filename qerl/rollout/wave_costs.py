@@ -1,7 +1,7 @@
 """What the CUDA-graph engine's decode reads, counted on the host from what its checks read anyway (no extra sync): per
 decode step the attended cache columns x batch rows (the K/V the attention reads) against the columns the decoding
-rows need (their own context), the rows decoding and idling; a multi-turn wave's observation prefills (padded), the
-packs of its cache columns and the rows it moves (in cache columns copied).
+rows need (their own context), the rows decoding, reading fed observation tokens and idling; a multi-turn wave's
+observation prefills (padded), the packs of its cache columns and the rows it moves (in cache columns copied).
 
 The counts follow the schedule, which follows the sampled tokens only: a CPU run with a tiny model gives the same
 numbers as a GPU run of the same episode shape, so a change to the schedule can be weighed before a GPU measures it.
