@@ -62,7 +62,7 @@ from qerl.rollout.engine_settings import GraphEngineSettings
 from qerl.rollout.episode_wave import EpisodeWave, episode_columns
 from qerl.rollout.episodes import EpisodeTurns
 from qerl.rollout.footprint import wants_bf16_copy
-from qerl.rollout.graph_cache import GraphCache
+from qerl.rollout.graph_cache import GraphCache, GraphKey
 from qerl.rollout.kernel_choice import Kernels
 from qerl.rollout.footprint import wave_prompts as wave_prompts_of
 from qerl.rollout.kv_cache import SlotCache, head_dim
@@ -518,8 +518,8 @@ class CUDAGraphRollout(RolloutEngine):
         # an idle row feeds a token with its own column masked: its expert choices are not the rollout's
         running = ~s.finished[:b] if self._routing is not None and decoder is not None and decoder.moe else None
         # the spec's sampling values are baked into a capture: evaluation's (greedy, another temperature) get their own
-        graph_key = (b, length, spec.temperature, spec.greedy, self._feeding,
-                     decoder.key(b) if decoder is not None else None)
+        graph_key = GraphKey(b, length, spec.temperature, spec.greedy, self._feeding,
+                             decoder.key(b) if decoder is not None else None)
         graph = self._graph_cache.get(graph_key) if graphs else None
         if graph is not None:
             graph.replay()

@@ -4,24 +4,35 @@ memory pool they are captured into."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 
+class GraphKey(NamedTuple):
+    """What a captured decode step is for: the sampling values are baked into a capture, so evaluation (greedy,
+    another temperature) gets its own graphs and training's stay valid; an episode call's step takes fed tokens."""
+
+    batch: int  # the batch bucket
+    length: int  # the length bucket
+    temperature: float
+    greedy: bool
+    feeding: bool  # an episode call's step (``DecodeState.start_feeding``)
+    layout: tuple | None  # the fused step's layout key (``FusedDecoder.key``), None for the transformers step
+
+
 class GraphCache:
-    """Captured decode steps keyed by (batch bucket, length bucket, the spec's temperature and greedy, the fused step's
-    layout key or None): the sampling values are baked into a capture, so evaluation (greedy, another temperature) gets
-    its own graphs and training's stay valid."""
+    """Captured decode steps by :class:`GraphKey`."""
 
     def __init__(self):
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.captured = 0  # captures over the engine's life (recaptures count)
         self._pool = None  # made with the buffers the graphs read (CUDA only)
 
-    def get(self, key: tuple) -> torch.cuda.CUDAGraph | None:
+    def get(self, key: GraphKey) -> torch.cuda.CUDAGraph | None:
         return self.graphs.get(key)
 
-    def capture(self, key: tuple, step: Callable[[], None]) -> None:
+    def capture(self, key: GraphKey, step: Callable[[], None]) -> None:
         """Capture ``step`` (already run once eagerly: the warm-up) as the graph of ``key``."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
@@ -44,7 +55,7 @@ class GraphCache:
         """Graphs of an earlier layout of what the step reads (this rollout's dense copy elsewhere, an adapter
         toggled, ...; ``layout_key(batch bucket)`` is today's) can never replay again: free them (their pool too when
         none is left)."""
-        stale = [k for k in self.graphs if k[4] is not None and k[4] != layout_key(k[0])]
+        stale = [k for k in self.graphs if k.layout is not None and k.layout != layout_key(k.batch)]
         for k in stale:
             del self.graphs[k]
         if stale and not self.graphs:

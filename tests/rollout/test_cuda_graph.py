@@ -12,7 +12,7 @@ from qerl.testing.rollouts import recompute
 from qerl.testing.tiny_models import save_tiny_model
 from qerl.rollout.builtin import position_ids
 from qerl.rollout.cuda_graph import CUDAGraphRollout
-from qerl.rollout.graph_cache import GraphCache
+from qerl.rollout.graph_cache import GraphCache, GraphKey
 from qerl.testing.comparison_rollout import ComparisonRollout
 from qerl.rollout.kv_cache import check_kv_cache_fits, kv_cache_bytes
 from qerl.rollout.sampling_spec import SamplingSpec
@@ -241,12 +241,12 @@ def test_wide_batch_copy_is_asked_for_only_above_the_gemv_and_stale_graphs_go(po
     narrow = decoder.key(1)
     assert decoder.key(gemv_plan.MAX_M) == narrow and decoder.key(gemv_plan.MAX_M + 1)[: len(narrow)] == narrow
     current, old = decoder.key(1), decoder.key(1) + ("an earlier layout",)
-    graphs = {(2, 256, 1.0, False, current): "kept", (2, 256, 1.0, False, old): "stale",
-              (2, 256, 1.0, False, None): "hf"}
+    graphs = {GraphKey(2, 256, 1.0, False, feeding, layout): f"{name} {feeding}" for feeding in (False, True)
+              for name, layout in (("kept", current), ("stale", old), ("hf", None))}
     cache = GraphCache()
     cache.graphs.update(graphs)
-    cache.drop_stale(decoder.key)
-    assert sorted(cache.graphs.values()) == ["hf", "kept"]
+    cache.drop_stale(decoder.key)  # an episode call's graphs (feeding) as a single-turn call's
+    assert sorted(cache.graphs.values()) == ["hf False", "hf True", "kept False", "kept True"]
 
 
 def test_unsupported_model_falls_back_with_a_warning(policy):
