@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 
 @dataclass
 class WaveCosts:
@@ -61,11 +63,13 @@ class WaveCosts:
         decoded in the next ``decoded[i]`` (a row that stops idles until the next check: its steps are a run from its
         start)."""
         starts, blocks, fed = starts or [0] * len(contexts), blocks or [0] * len(contexts), fed or [0] * len(contexts)
-        per_row = [(c, d + f, a, w) for c, d, a, w, f in zip(contexts, decoded, starts, blocks, fed)]
-        for j, length in enumerate(lengths):
+        for length in lengths:
             self.step(rows, length)
-            longest = max((c + (w + min(j + 1 - a, d) if j >= a else 0) for c, d, a, w in per_row), default=0)
-            self.excess = max(self.excess, length - longest)
+        if lengths and contexts:  # (on the host at every check: one [steps, rows] table, not a Python loop over it)
+            c, ran, a, w = (torch.tensor(v) for v in (contexts, [d + f for d, f in zip(decoded, fed)], starts, blocks))
+            j = torch.arange(len(lengths))[:, None]
+            held = c + torch.where(j >= a, w + torch.minimum(j + 1 - a, ran), 0)  # each row's context at step j
+            self.excess = max(self.excess, int((torch.tensor(lengths) - held.max(1).values).max()))
         self.decoding([c + w for c, w in zip(contexts, blocks)], decoded, fed)
 
     def summary(self) -> dict[str, float]:
