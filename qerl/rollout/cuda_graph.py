@@ -473,16 +473,17 @@ class CUDAGraphRollout(RolloutEngine):
         key = None if spec.greedy else s.noise_key
         token, logprob, entropy = self._sample(logits, spec, key, rows, col)
         done = s.finished[slots]
-        silent = done
-        if self._feeding:
+        token = torch.where(done, s.pad, token)
+        silent, written = done, token
+        if self._feeding:  # (only episode calls: a single-turn step's graph has none of these kernels)
             at = s.feed_at[slots]
             fed = at < s.feed_end[slots]
             token = torch.where(fed, s.feed[slots].gather(1, at.clamp(max=s.feed.shape[1] - 1)[:, None])[:, 0], token)
             at += fed.long()
             silent = done | fed
-        token = torch.where(done, s.pad, token)
+            written = torch.where(fed, s.pad, token)
         index = (s.slot_row[slots], col)
-        s.tokens_out.index_put_(index, torch.where(silent, s.pad, token))
+        s.tokens_out.index_put_(index, written)
         s.logprobs_out.index_put_(index, logprob.masked_fill(silent, 0.0))
         s.entropy_out.index_put_(index, entropy.masked_fill(silent, 0.0))
         col += (~silent).long()
