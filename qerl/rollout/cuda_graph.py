@@ -123,6 +123,12 @@ class CUDAGraphRollout(RolloutEngine):
             running batch, a token per step (``DecodeState.start_feeding``), so a check launches no prefill for it;
             the row samples its next turn from the step that reads the block's last token. A longer block takes
             the eager prefill (each of its tokens would cost the row a step). 0: every block is prefilled.
+        check_lag_steps: a multi-turn check reads the rows' state (a copy to the host queued behind the steps so
+            far), launches this many more decode steps of the batch, and only then does its host work (hand the
+            stopped turns over, lay the slots out, resume rows): the GPU runs those steps meanwhile instead of
+            idling through the check. A row that stopped just before the check idles that many more steps; a row
+            that stops during them is handed over at the next check. 0: the host work right after the sync;
+            ``check_lag_steps`` + ``prefill_lead_steps`` is at most ``turn_check_every`` - 1.
 
         ``wave_rows``, ``wide_batch_bf16`` and ``keep_kv_cache`` are planned (``GraphEngineSettings``): ``train.py``
         decides those a config leaves unset from the memory plan before the engine is built; an engine built in code
@@ -153,6 +159,7 @@ class CUDAGraphRollout(RolloutEngine):
         turn_bucket_rows: int | None = None,
         prefill_lead_steps: int = 4,
         feed_observation_tokens: int = 64,
+        check_lag_steps: int = 2,
     ):
         super().__init__()
         unplanned = GraphEngineSettings.unplanned()
@@ -186,6 +193,11 @@ class CUDAGraphRollout(RolloutEngine):
             raise ValueError(f"model.rollout.init_args.feed_observation_tokens={feed_observation_tokens} must be >= 0 "
                              "(0: every observation is prefilled).")
         self.feed_observation_tokens = feed_observation_tokens
+        if check_lag_steps < 0:
+            raise ValueError(f"model.rollout.init_args.check_lag_steps={check_lag_steps} must be >= 0 (0: a check's "
+                             "host work right after its sync).")
+        self.check_lag_steps = min(check_lag_steps, turn_check_every - 1)  # (they count to the next check)
+        self.prefill_lead_steps = min(self.prefill_lead_steps, turn_check_every - 1 - self.check_lag_steps)
         self.costs = WaveCosts()  # what the calls so far read and copied (``qerl.rollout.wave_costs``)
         self.wave_rows, self.keep_kv_cache = wave_rows, keep_kv_cache
         self.check_every, self.length_bucket, self.min_bucket = check_every, length_bucket, min_bucket

@@ -96,8 +96,11 @@ class EpisodeWave:
         self.context: list[int] = []  # per wave row: the cache columns its mask keeps (host copy, no sync)
         self.col_seen: list[int] = []  # per wave row: its output column at the last check
         self.appended: dict[int, tuple[int, int]] = {}  # wave rows prefilled at the last check: (lead steps, block)
-        self.feeding: dict[int, int] = {}  # wave rows being fed: the block's tokens not yet read by a decode step
-        self.lengths: list[int] = []  # the attended columns of each decode step since the last check
+        self.feeding: dict[int, tuple[int, int]] = {}  # wave rows being fed: (the step of the stretch their block
+        # starts at, its tokens not yet read by a decode step)
+        self._copies = None  # the side stream that reads stopped turns while the check's lag steps run (CUDA)
+        self.lengths: list[int] = []  # the attended columns of each decode step since the last check's state
+        self.batches: list[int] = []  # and its batch rows
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, pad_id: int, eos_ids: list[int]) -> None:
         """Play the episodes of the prompts ``ids`` [B, P] (``mask`` their padding), ``group_size`` rows each."""
@@ -120,33 +123,55 @@ class EpisodeWave:
         b, steps = N, 1
         while True:
             if steps % self.check_every == 0:
-                b, column, lead = self._between_turns(b, column, buckets)
+                state = self._read_state()
+                for _ in range(engine.check_lag_steps):  # run on the GPU while the host does the check's work
+                    column = self._decode_step(b, column)
+                b, column, lead = self._between_turns(b, column, buckets, state)
                 if b == 0:
                     return
-                steps += lead  # (fewer than check_every: the interval's first steps)
+                steps += engine.check_lag_steps + lead  # (fewer than check_every: the interval's first steps)
             column = self._decode_step(b, column)
             steps += 1
 
     def _decode_step(self, b: int, column: int) -> int:
         """One decode step of slots 0..b-1 at cache column ``column``; returns the next column."""
         self.lengths.append(self.engine._attended(self.s, column + 1))
+        self.batches.append(b)
         self.engine._run_step(self.s, self.policy, b, self.lengths[-1], self.spec)
         return column + 1
 
-    def _between_turns(self, b: int, column: int, buckets: list[int]) -> tuple[int, int, int]:
-        """At a check: take what follows the turns handed over at the last check (their tools ran meanwhile), hand
-        over the rows that stopped since, move the rows to resume and the running ones into the next batch
-        (``slot_layout``), let the running ones take the engine's lead steps, then append the observations that
-        came back. Returns the next batch bucket (0: the wave is over), the next column and the lead steps taken."""
+    def _read_state(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The slots' ``finished``, ``col`` and ``slot_row`` as the steps launched so far leave them: a copy to the
+        host queued behind those steps, and the event that marks it done (None off CUDA: the copy is done)."""
         s, N = self.s, self.rows
-        # the sync first: the steps queued run meanwhile either way, and what the caller then waits for the tools
+        state = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]])
+        if state.device.type != "cuda":
+            return state, None
+        host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+        host.copy_(state, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _between_turns(self, b: int, column: int, buckets: list[int],
+                       state: tuple[torch.Tensor, torch.cuda.Event | None]) -> tuple[int, int, int]:
+        """At a check, from the slots' ``state`` read before the engine's lag steps: take what follows the turns
+        handed over at the last check (their tools ran meanwhile), hand over the rows that stopped since, move the
+        rows to resume and the running ones into the next batch (``slot_layout``), let the running ones take the
+        engine's lead steps, then append the observations that came back. Returns the next batch bucket (0: the
+        wave is over), the next column and the lead steps taken."""
+        s, N, lag = self.s, self.rows, self.engine.check_lag_steps
+        # the state first: the steps queued run meanwhile either way, and what the caller then waits for the tools
         # (its ``collect``) is time the GPU had nothing to decode, not time it decoded the steps queued before
-        finished, col, slot_row = torch.stack([s.finished[:N].long(), s.col[:N], s.slot_row[:N]]).tolist()  # sync
+        host, done = state
+        if done is not None:
+            done.synchronize()
+        finished, col, slot_row = host.tolist()
         ready = self.turns.collect() if self.waiting else {}
         collected, self.waiting = self.waiting, set()
-        self._count_stretch(b, col, slot_row)
+        self._count_stretch(b, col, slot_row, lag)
         stopped = [k for k in range(b) if finished[k] and slot_row[k] in self.live and slot_row[k] not in collected]
-        turns = self._turns_of(stopped, col, slot_row)
+        turns = self._turns_of(stopped, col, slot_row, done)
         if turns:
             self.turns.submit(list(turns.values()))
             self.waiting = {slot_row[k] for k in stopped}
@@ -159,6 +184,8 @@ class EpisodeWave:
         self.live -= {row for row in collected if observations[row] is None}
         resumed = [k for k in range(N) if slot_row[k] in collected and observations[slot_row[k]] is not None]
         if not running and not resumed:
+            for rows, length in zip(self.batches, self.lengths):  # the lag steps after the state: no row ran
+                self.costs.step(rows, length)
             return 0, column, 0
         block_of = {k: [self.last_token[slot_row[k]]] + list(observations[slot_row[k]]) for k in resumed}
         fed = [k for k in resumed if len(block_of[k]) <= self.engine.feed_observation_tokens]
@@ -187,30 +214,35 @@ class EpisodeWave:
             slot_of = {source: k for k, source in enumerate(order)}
             s.start_feeding([slot_of[k] for k in fed], [block_of[k] for k in fed],
                             [self.turns.budget(self.first_row + slot_row[k]) for k in fed])
-            self.feeding.update({slot_row[k]: len(block_of[k]) - 1 for k in fed})
+            self.feeding.update({slot_row[k]: (lag, len(block_of[k]) - 1) for k in fed})
         lead = self.engine.prefill_lead_steps if running and prefilled else 0
         for _ in range(lead):  # queued on the GPU before the prefill's host-bound launches
             column = self._decode_step(bucket, column)
         if prefilled:
             for k, block in zip(prefilled, blocks):
-                self.appended[slot_row[k]] = (lead, len(block))
+                self.appended[slot_row[k]] = (lag + lead, len(block))
                 self.col_seen[slot_row[k]] = col[k] + 1  # the block's prefill samples the turn's first token
             budgets = [self.turns.budget(self.first_row + slot_row[k]) for k in prefilled]
             column = self._append(first, blocks, budgets, column)
         return bucket, column, lead
 
-    def _count_stretch(self, b: int, col: list[int], slot_row: list[int]) -> None:
-        """Count the decode steps since the last check (``WaveCosts.stretch``) from the rows' output columns now."""
-        steps, decoded, fed = len(self.lengths), [0] * self.rows, [0] * self.rows
+    def _count_stretch(self, b: int, col: list[int], slot_row: list[int], lag: int) -> None:
+        """Count the decode steps from the last check's state to this one's (``WaveCosts.stretch``) from the rows'
+        output columns then; the ``lag`` steps launched since this state belong to the next stretch."""
+        steps = len(self.lengths) - lag
+        lengths, self.lengths = self.lengths[:steps], self.lengths[steps:]
+        batches, self.batches = self.batches[:steps], self.batches[steps:]
+        decoded, fed, fed_from = [0] * self.rows, [0] * self.rows, [0] * self.rows
         for k in range(b):
             decoded[slot_row[k]] = col[k] - self.col_seen[slot_row[k]]
-        for row, left in list(self.feeding.items()):  # a fed row reads its block from the stretch's first step on
-            fed[row] = min(left, steps)
-            self.feeding[row] = left - fed[row]
-            if not self.feeding[row]:
+        for row, (start, left) in list(self.feeding.items()):  # a fed row reads its block from its start on
+            fed[row], fed_from[row] = min(left, steps - start), start
+            self.feeding[row] = (0, left - fed[row])
+            if not self.feeding[row][1]:
                 del self.feeding[row]
-        starts, blocks = ([self.appended.get(row, (0, 0))[i] for row in range(self.rows)] for i in (0, 1))
-        self.costs.stretch(b, self.lengths, self.context, decoded, starts, blocks, fed)
+        starts = [self.appended.get(row, (fed_from[row], 0))[0] for row in range(self.rows)]
+        blocks = [self.appended.get(row, (0, 0))[1] for row in range(self.rows)]
+        self.costs.stretch(batches, lengths, self.context, decoded, starts, blocks, fed)
         for row, (_, width) in self.appended.items():
             self.context[row] += width
         self.appended = {}
@@ -220,15 +252,34 @@ class EpisodeWave:
         for k in range(self.rows):
             self.context[slot_row[k]] += decoded[slot_row[k]] + fed[slot_row[k]]
             self.col_seen[slot_row[k]] = col[k]
-        self.lengths = []
 
-    def _turns_of(self, stopped: list[int], col: list[int], slot_row: list[int]) -> dict[int, TurnEnd]:
-        """The finished turn of each stopped slot, read from the output buffers (one copy to the host)."""
+    def _turns_of(self, stopped: list[int], col: list[int], slot_row: list[int],
+                  after: torch.cuda.Event | None = None) -> dict[int, TurnEnd]:
+        """The finished turn of each stopped slot, read from the output buffers (one copy to the host). On CUDA the
+        copy runs on a side stream once the check's state is read (``after``), beside the lag steps: a stopped
+        slot's turn is written before that, and the steps after it write none of its columns."""
         if not stopped:
             return {}
         s = self.s
-        rows = torch.tensor([slot_row[k] for k in stopped], device=s.col.device)
-        tokens, logprobs, entropy = (getattr(s, name).index_select(0, rows).cpu() for name in s.OUTPUTS)
+        rows = torch.tensor([slot_row[k] for k in stopped])
+        if after is None:
+            tokens, logprobs, entropy = (getattr(s, name).index_select(0, rows.to(s.col.device)).cpu()
+                                         for name in s.OUTPUTS)
+        else:
+            if self._copies is None:
+                self._copies = torch.cuda.Stream(s.col.device)
+            self._copies.wait_event(after)
+            with torch.cuda.stream(self._copies):
+                index = rows.pin_memory().to(s.col.device, non_blocking=True)
+                tokens, logprobs, entropy = [], [], []
+                for name, out in zip(s.OUTPUTS, (tokens, logprobs, entropy)):
+                    rows_out = getattr(s, name).index_select(0, index)
+                    out.append(torch.empty(rows_out.shape, dtype=rows_out.dtype, pin_memory=True))
+                    out[0].copy_(rows_out, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._copies)
+            copied.synchronize()
+            tokens, logprobs, entropy = tokens[0], logprobs[0], entropy[0]
         turns = {}
         for i, k in enumerate(stopped):
             start, end = self.turn_start[slot_row[k]], col[k]

@@ -54,17 +54,18 @@ class WaveCosts:
         # a row running its j-th step (from 0) attends its context + the j + 1 columns it has read since
         self.needed += sum((d + f) * c + (d + f) * (d + f + 1) // 2 for c, d, f in zip(contexts, decoded, fed))
 
-    def stretch(self, rows: int, lengths: list[int], contexts: list[int], decoded: list[int],
+    def stretch(self, rows: int | list[int], lengths: list[int], contexts: list[int], decoded: list[int],
                 starts: list[int] | None = None, blocks: list[int] | None = None,
                 fed: list[int] | None = None) -> None:
-        """Count ``len(lengths)`` decode steps of ``rows`` batch rows, step j attending ``lengths[j]`` columns; the
-        wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (a prefilled
+        """Count ``len(lengths)`` decode steps of ``rows`` batch rows (or ``rows[j]`` at step j), step j attending
+        ``lengths[j]`` columns; the wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (a prefilled
         observation) after its first ``starts[i]`` steps (idle), read ``fed[i]`` fed tokens in the next steps and
         decoded in the next ``decoded[i]`` (a row that stops idles until the next check: its steps are a run from its
         start)."""
         starts, blocks, fed = starts or [0] * len(contexts), blocks or [0] * len(contexts), fed or [0] * len(contexts)
-        for length in lengths:
-            self.step(rows, length)
+        batches = rows if isinstance(rows, list) else [rows] * len(lengths)
+        for batch, length in zip(batches, lengths):
+            self.step(batch, length)
         if lengths and contexts:  # (on the host at every check: one [steps, rows] table, not a Python loop over it)
             c, ran, a, w = (torch.tensor(v) for v in (contexts, [d + f for d, f in zip(decoded, fed)], starts, blocks))
             j = torch.arange(len(lengths))[:, None]

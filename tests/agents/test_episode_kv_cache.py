@@ -102,6 +102,39 @@ def test_fed_observations_keep_the_samples_and_launch_no_prefill(chat_model):
         CUDAGraphRollout(feed_observation_tokens=-1)
 
 
+def test_lagged_checks_keep_the_samples_and_do_their_host_work_behind_the_lag_steps(chat_model, monkeypatch):
+    """A check reads the rows' state, launches ``check_lag_steps`` more decode steps, then does its host work: the
+    samples and log-probs are those of checks without lag steps."""
+    from qerl.rollout import episode_wave
+
+    policy, _ = chat_model
+    forwards, gaps = [], []  # per check: the forwards launched between its state read and its host work
+    embed = policy.get_base_model().get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[1]))
+    read, between = episode_wave.EpisodeWave._read_state, episode_wave.EpisodeWave._between_turns
+    monkeypatch.setattr(episode_wave.EpisodeWave, "_read_state", lambda wave: gaps.append(len(forwards)) or read(wave))
+
+    def host_work(wave, *args):
+        gaps[-1] = len(forwards) - gaps[-1]
+        return between(wave, *args)
+
+    monkeypatch.setattr(episode_wave.EpisodeWave, "_between_turns", host_work)
+    try:
+        plain = play(chat_model, CUDAGraphRollout(check_every=4, check_lag_steps=0))
+        assert set(gaps) == {0}
+        gaps.clear()
+        lagged = play(chat_model, CUDAGraphRollout(check_every=4, check_lag_steps=2))
+    finally:
+        hook.remove()
+    assert gaps and set(gaps) == {2}
+    assert max(t.turns for t in lagged.trajectories) >= 2
+    assert torch.equal(plain.rollout.completion_ids, lagged.rollout.completion_ids)
+    torch.testing.assert_close(plain.rollout.logprobs, lagged.rollout.logprobs, atol=2e-5, rtol=0)
+    assert CUDAGraphRollout(check_every=3, check_lag_steps=5).check_lag_steps == 2
+    with pytest.raises(ValueError, match="check_lag_steps=-1 must be >= 0"):
+        CUDAGraphRollout(check_lag_steps=-1)
+
+
 class WaitsForTheDecode:
     """Its first reply waits until the engine has decoded another step (in the test's ``forwards``): the tools run
     beside the decode of the other rows, not instead of it."""
@@ -172,7 +205,7 @@ def test_wave_out_of_columns_defragments_and_stays_exact(chat_model, monkeypatch
     packs, real = [], DecodeState.defragment
     monkeypatch.setattr(DecodeState, "defragment", lambda s, b, written: packs.append(written) or real(s, b, written))
     # a cache shorter than the engine sizes it (its worst case), so that this short episode runs out of columns
-    monkeypatch.setattr(cuda_graph, "episode_columns", lambda budget, check_every: budget + 4 * check_every)
+    monkeypatch.setattr(cuda_graph, "episode_columns", lambda budget, check_every: budget + 10 * check_every)
     limit = max(map(len, chat_prompts(tokenizer, QUESTIONS))) + 40
     engine = CUDAGraphRollout(check_every=2, length_bucket=1, feed_observation_tokens=feed, max_hole_columns=holes)
     episodes = play(chat_model, engine, config=AgentConfig(max_turns=5, max_episode_tokens=limit))
@@ -221,14 +254,15 @@ class DecodeReads:
         self.needed += int(mask[running].sum())
 
 
-@pytest.mark.parametrize("feed", [0, 64], ids=["prefilled", "fed"])
-def test_costs_count_what_the_decode_steps_read(chat_model, feed):
+@pytest.mark.parametrize("feed, lag", [(0, 0), (64, 0), (0, 2), (64, 2)], ids=["prefilled", "fed", "prefilled-lagged",
+                                                                            "fed-lagged"])
+def test_costs_count_what_the_decode_steps_read(chat_model, feed, lag):
     policy, _ = chat_model
     # check_every=2, 16 new tokens: turns end apart, so rows resume while others run (after one lead step)
     for holes, check_every, new in ((None, 3, 8), (0, 3, 8), (None, 2, 16)):
         reads = DecodeReads()
         engine = CUDAGraphRollout(check_every=check_every, length_bucket=1, max_hole_columns=holes,
-                                  feed_observation_tokens=feed)
+                                  feed_observation_tokens=feed, check_lag_steps=lag)
         hook = policy.get_base_model().register_forward_pre_hook(reads, with_kwargs=True)
         try:
             episodes = play(chat_model, engine, max_new_tokens=new)

@@ -90,14 +90,14 @@ def test_running_rows_take_their_lead_steps_before_the_observations_prefill(chat
             at += [] if width == 1 else [(steps + 1) % 2]
         return episodes, at
 
-    first = CUDAGraphRollout(check_every=2, prefill_lead_steps=0, feed_observation_tokens=0)
-    led = CUDAGraphRollout(check_every=2, feed_observation_tokens=0)
+    first = CUDAGraphRollout(check_every=2, prefill_lead_steps=0, feed_observation_tokens=0, check_lag_steps=0)
+    led = CUDAGraphRollout(check_every=2, feed_observation_tokens=0, check_lag_steps=0)
     try:
         (a, at_first), (b, at_led) = prefills_at(first), prefills_at(led)
     finally:
         hook.remove()
-    assert led.prefill_lead_steps == 1 and CUDAGraphRollout(check_every=3).prefill_lead_steps == 2 \
-        and CUDAGraphRollout().prefill_lead_steps == 4
+    assert led.prefill_lead_steps == 1 and CUDAGraphRollout(check_every=3, check_lag_steps=0).prefill_lead_steps == 2 \
+        and CUDAGraphRollout().prefill_lead_steps == 4 and CUDAGraphRollout(check_every=4).prefill_lead_steps == 1
     assert set(at_first) == {0} and set(at_led) <= {0, 1} and 1 in at_led  # 0: no row was running there
     assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
     torch.testing.assert_close(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)

@@ -13,7 +13,7 @@ def walk(rows, lengths, contexts, decoded, starts=None, blocks=None, fed=None):
     attended = needed = excess = tokens = reads = 0
     context = list(contexts)
     for j, length in enumerate(lengths):
-        attended += rows * length
+        attended += (rows[j] if isinstance(rows, list) else rows) * length
         for i, d in enumerate(decoded):
             if j == starts[i]:
                 context[i] += blocks[i]
@@ -68,11 +68,12 @@ def test_fed_rows_count_their_fed_steps_as_context_and_no_tokens():
         decoded = [rng.randint(0, steps - f) for f in fed]
         start = max(contexts) + rng.randint(0, 40)
         lengths = [start + j + 1 + rng.randint(0, 7) for j in range(steps)]
+        batches = [n + rng.randint(0, 3) for _ in range(steps)]  # (a check's lag steps ran in the last batch)
         costs = WaveCosts()
-        costs.stretch(n, lengths, contexts, decoded, fed=fed)
+        costs.stretch(batches, lengths, contexts, decoded, fed=fed)
         assert (costs.attended, costs.needed, costs.excess, costs.decoded, costs.fed) == \
-            walk(n, lengths, contexts, decoded, fed=fed)
-        assert costs.summary()["idle_row_share"] == 1 - (sum(decoded) + sum(fed)) / (n * steps)
+            walk(batches, lengths, contexts, decoded, fed=fed)
+        assert costs.summary()["idle_row_share"] == 1 - (sum(decoded) + sum(fed)) / sum(batches)
 
 
 def test_add_sums_counts_and_keeps_the_largest_excess():
