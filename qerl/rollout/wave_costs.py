@@ -58,10 +58,10 @@ class WaveCosts:
                 starts: list[int] | None = None, blocks: list[int] | None = None,
                 fed: list[int] | None = None) -> None:
         """Count ``len(lengths)`` decode steps of ``rows`` batch rows (or ``rows[j]`` at step j), step j attending
-        ``lengths[j]`` columns; the wave's row i held ``contexts[i]`` context columns before the first, got ``blocks[i]`` more (a prefilled
-        observation) after its first ``starts[i]`` steps (idle), read ``fed[i]`` fed tokens in the next steps and
-        decoded in the next ``decoded[i]`` (a row that stops idles until the next check: its steps are a run from its
-        start)."""
+        ``lengths[j]`` columns; the wave's row i held ``contexts[i]`` context columns before the first, got
+        ``blocks[i]`` more (a prefilled observation) after its first ``starts[i]`` steps (idle), read ``fed[i]`` fed
+        tokens in the next steps and decoded in the next ``decoded[i]`` (a row that stops idles until the next check:
+        its steps are a run from its start)."""
         starts, blocks, fed = starts or [0] * len(contexts), blocks or [0] * len(contexts), fed or [0] * len(contexts)
         batches = rows if isinstance(rows, list) else [rows] * len(lengths)
         for batch, length in zip(batches, lengths):
