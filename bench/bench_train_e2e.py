@@ -176,11 +176,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
-    dirs = {q: work / f"{args.size}-{q}" for q in ("nvfp4", "bf16")}
-    if not all((d / "config.json").exists() for d in dirs.values()):  # an earlier call on this machine wrote them
-        dirs = write_models(args.size, args.tokenizer, work, vocab)
-    results = {}
     quantizations = args.quantizations.split(",")
+    dirs = {q: work / f"{args.size}-{q}" for q in quantizations}
+    missing = tuple(q for q, d in dirs.items() if not (d / "config.json").exists())  # (an earlier call wrote the rest)
+    if missing:  # only the formats this run trains: a 30B-A3B's bf16 checkpoint alone is 61 GB of disk
+        dirs.update(write_models(args.size, args.tokenizer, work, vocab, missing))
+    results = {}
     for quantization in quantizations:
         results[quantization] = in_own_process(fit, dirs[quantization], quantization, args, work / "runs")
         print(quantization, results[quantization], flush=True)

@@ -80,7 +80,7 @@ class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
         return self._targets
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec):
+    def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=None):
         rows, new = len(prompt_ids) * group_size, spec.max_new_tokens
         lengths = self.draw(rows)
         lengths[lengths > new] = new + 1  # never reached: truncated
@@ -88,7 +88,7 @@ class ForcedLengthRollout(DrawnLengths, CUDAGraphRollout):
         targets.fill_(new + 1)
         targets[:rows].copy_(lengths)
         self._eos_id = eos_ids[0]
-        return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec)
+        return super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=routing)
 
     @torch.no_grad()
     def play_episodes(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, turns):
