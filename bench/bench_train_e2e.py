@@ -38,6 +38,7 @@ import glob
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -170,6 +171,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--profile-update", default=None, help="a directory: profile the NVFP4 run's second update "
                         "there (bench/update_profiler.py; that step's time then includes the profiler's: use --steps 4)")
+    parser.add_argument("--drop-checkpoints", action="store_true",
+                        help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
     work = Path(args.work)
@@ -177,14 +180,15 @@ def main() -> None:
 
     vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
     quantizations = args.quantizations.split(",")
-    dirs = {q: work / f"{args.size}-{q}" for q in quantizations}
-    missing = tuple(q for q, d in dirs.items() if not (d / "config.json").exists())  # (an earlier call wrote the rest)
-    if missing:  # only the formats this run trains: a 30B-A3B's bf16 checkpoint alone is 61 GB of disk
-        dirs.update(write_models(args.size, args.tokenizer, work, vocab, missing))
     results = {}
-    for quantization in quantizations:
-        results[quantization] = in_own_process(fit, dirs[quantization], quantization, args, work / "runs")
+    for quantization in quantizations:  # each checkpoint written just before its run (an earlier call's is reused)
+        target = work / f"{args.size}-{quantization}"
+        if not (target / "config.json").exists():
+            write_models(args.size, args.tokenizer, work, vocab, (quantization,))
+        results[quantization] = in_own_process(fit, target, quantization, args, work / "runs")
         print(quantization, results[quantization], flush=True)
+        if args.drop_checkpoints:  # a 30B-A3B's bf16 checkpoint alone is 61 GB: both do not fit a 64 GiB disk
+            shutil.rmtree(target)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
            "lengths": args.lengths, "engine": args.engine, "label": args.label,
            "micro_batch_tokens": args.micro_batch_tokens,
