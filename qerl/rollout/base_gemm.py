@@ -43,6 +43,7 @@ class BaseGEMM:
         self._no_mma = False
         self._rebuilds = 0  # bumped when a built repack is replaced (graphs holding the old one must go)
         self._dequantized = None  # stacked dense copy of NVFP4 weights for batches above the GEMV's, per rollout
+        self._lora = None  # (address, shape) of the LoRA-A rows copied under the dense copy's weights
         # frozen dense weights the loader laid out in one buffer (qerl.model.projection_layout): one GEMM, no copy
         self.dense = None
         if self.kind == "dense" and fast and len(layers) > 1 and not any(m.weight.requires_grad for m in layers):
@@ -75,9 +76,10 @@ class BaseGEMM:
         if self._repacked is not None:
             self._mma_weight()
 
-    def dequantized_bytes(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
-        """Bytes :meth:`dequantize` would allocate for steps of up to ``rows`` rows (0 where it does not apply: dense
-        groups, and groups the wgmma loop serves faster at that batch)."""
+    def dequantized_bytes(self, dtype, rows: int = gemv_plan.WIDE_MAX_M, lora_rows: int = 0) -> int:
+        """Bytes :meth:`dequantize` would allocate for steps of up to ``rows`` rows, with ``lora_rows`` LoRA-A rows
+        under the weights (0 where it does not apply: dense groups, and groups the wgmma loop serves faster at that
+        batch)."""
         if self.kind != "nvfp4" or not self.fast:
             return 0
         n, k = sum(self.sizes), self.layers[0].in_features
@@ -85,19 +87,27 @@ class BaseGEMM:
         if (device.type == "cuda" and self.wgmma is not False and gemv_plan.max_m(device) >= rows
                 and gemv_plan.beats_bf16_copy(n, k, rows) and self._mma_weight() is not None):
             return 0
-        return n * k * torch.empty(0, dtype=dtype).element_size()
+        return (n + lora_rows) * k * torch.empty(0, dtype=dtype).element_size()
 
-    def dequantize(self, dtype, rows: int = gemv_plan.WIDE_MAX_M) -> None:
+    def dequantize(self, dtype, rows: int = gemv_plan.WIDE_MAX_M, lora_a: torch.Tensor | None = None) -> None:
         """Make (``dtype`` given) or drop (None) the stacked dense copy the steps above the GEMV's batch, up to
-        ``rows`` rows, use."""
-        self._dequantized = None
-        if dtype is not None and self.dequantized_bytes(dtype, rows):
-            self._dequantized = self._dense_stack(dtype)
+        ``rows`` rows, use; ``lora_a [r', K]``: the group's LoRA-A rows, copied under the weights so that one GEMM
+        makes both products (:meth:`with_lora_rows`; a separate GEMM of a few output columns costs as much as a
+        launch of the base's)."""
+        self._dequantized, self._lora = None, None
+        rows_a = 0 if lora_a is None else lora_a.shape[0]
+        if dtype is not None and self.dequantized_bytes(dtype, rows, rows_a):
+            self._dequantized = self._dense_stack(dtype, rows_a)
+            if rows_a:
+                self._dequantized[sum(self.sizes):].copy_(lora_a)
+                self._lora = (lora_a.data_ptr(), tuple(lora_a.shape))
 
-    def _dense_stack(self, dtype) -> torch.Tensor:
-        """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes), K]`` (one dequantize pass per layer)."""
+    def _dense_stack(self, dtype, spare_rows: int = 0) -> torch.Tensor:
+        """The group's NVFP4 weights in ``dtype``, stacked ``[sum(sizes) + spare_rows, K]`` (one dequantize pass per
+        layer; the spare rows left for the caller)."""
         ms = self.layers
-        stacked = torch.empty(sum(self.sizes), ms[0].in_features, dtype=dtype, device=ms[0].weight_global_scale.device)
+        stacked = torch.empty(sum(self.sizes) + spare_rows, ms[0].in_features, dtype=dtype,
+                              device=ms[0].weight_global_scale.device)
         row = 0
         for m, n in zip(ms, self.sizes):
             m.dequantize(dtype, out=stacked[row:row + n])
@@ -138,9 +148,12 @@ class BaseGEMM:
         """What the steps above the GEMV's batch read besides :meth:`key`: the per-rollout dense copy."""
         return (self._dequantized.data_ptr() if self._dequantized is not None else None,)
 
+    def _on_dense_copy(self, x: torch.Tensor) -> bool:
+        return self._dequantized is not None and x.shape[0] > gemv_plan.MAX_M and x.dtype == self._dequantized.dtype
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self._dequantized is not None and x.shape[0] > gemv_plan.MAX_M and x.dtype == self._dequantized.dtype:
-            return list(F.linear(x, self._dequantized).split(self.sizes, dim=1))
+        if self._on_dense_copy(x):
+            return list(F.linear(x, self._dequantized[:sum(self.sizes)]).split(self.sizes, dim=1))
         if self.kind == "dense":
             if self.dense is not None:
                 return list(F.linear(x, self.dense).split(self.sizes, dim=1))
@@ -158,6 +171,14 @@ class BaseGEMM:
                 # prefill is host-bound, and one call per group saves two Python calls through autograd per module
                 return list(F.linear(x, self._dense_stack(x.dtype)).split(self.sizes, dim=1))
         return [m.matmul(x) for m in self.layers]
+
+    def with_lora_rows(self, x: torch.Tensor, a: torch.Tensor):
+        """(outputs, ``x @ a.T`` as ``[1, b, r']``) from one GEMM on the dense copy, where :meth:`dequantize` copied
+        these LoRA-A rows ``a`` under its weights and ``x`` is a wide step's; else None."""
+        if not self._on_dense_copy(x) or self._lora != (a.data_ptr(), tuple(a.shape)):
+            return None
+        y = F.linear(x, self._dequantized).split(self.sizes + [a.shape[0]], dim=1)
+        return list(y[:-1]), y[-1][None]
 
     def with_dense(self, x: torch.Tensor, frags: torch.Tensor, rows: int):
         """(outputs, ``x @ A.T`` split-K partials) from one mma-GEMV launch, ``A`` given as

@@ -169,7 +169,6 @@ class FusedDecoder:
         for layer in self.layers:
             for g in layer.groups():
                 g.gemm.prepare(dtype)
-                g.gemm.dequantize(dtype if dequantize else None, rows)
         for moe in self.moe:
             moe.prepare(dtype)
         if record and self.moe and (self._choices is None or self._choices.shape[1] < rows):
@@ -182,6 +181,9 @@ class FusedDecoder:
         self.layers = decoder_layers([lyr.source for lyr in self.layers], [
             {kind: by_layer.get((kind, id(lyr))) for kind in GROUPS} | {"moe": lyr.moe} for lyr in self.layers],
             self.norm)
+        for layer in self.layers:  # (after the adapter's refresh: a dense copy takes its group's LoRA-A rows)
+            for g in layer.groups():
+                g.gemm.dequantize(dtype if dequantize else None, rows, g.a if g.adapter else None)
         norms = [self.layers[0].input_norm] + [n for lyr in self.layers for n in (
             lyr.post_attention_norm, lyr.next_norm, *lyr.qk_norms)]
         self._key = (self.pdl, self.wgmma) + tuple(n.weight.data_ptr() for n in norms) + tuple(
@@ -195,8 +197,9 @@ class FusedDecoder:
         return self._wide_key if batch > gemv_plan.MAX_M else self._key
 
     def dequantized_bytes(self, dtype: torch.dtype, rows: int = gemv_plan.WIDE_MAX_M) -> int:
-        """What ``prepare(dtype, dequantize=True, rows=rows)`` allocates."""
-        return sum(g.gemm.dequantized_bytes(dtype, rows) for lyr in self.layers for g in lyr.groups())
+        """What ``prepare(dtype, dequantize=True, rows=rows)`` allocates (LoRA-A rows as the last rollout's)."""
+        return sum(g.gemm.dequantized_bytes(dtype, rows, g.a.shape[0] if g.adapter else 0)
+                   for lyr in self.layers for g in lyr.groups())
 
     def release(self) -> None:
         """After a rollout: drop the dense copies (the update gets the memory back)."""

@@ -82,9 +82,12 @@ class GemmGroup:
 
     def project(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Base GEMM outputs (one per module) and LoRA-A partials of the group's input: one launch where the NVFP4
-        GEMV takes the LoRA-A rows too (batch <= 16), else the GEMM and :meth:`lora_a`."""
-        if self.adapter and self.a_frags is not None:
-            both = self.gemm.with_dense(x, self.a_frags, self.a.shape[0])
+        GEMV takes the LoRA-A rows too (up to ``gemv_plan.DENSE_WGMMA_MAX_M`` rows) or the wide steps' dense copy
+        holds them under its weights, else the GEMM and :meth:`lora_a`."""
+        if self.adapter:
+            both = self.gemm.with_lora_rows(x, self.a)
+            if both is None and self.a_frags is not None:
+                both = self.gemm.with_dense(x, self.a_frags, self.a.shape[0])
             if both is not None:
                 return both
         return self.gemm(x), self.lora_a(x)

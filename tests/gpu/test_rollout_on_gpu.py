@@ -104,6 +104,29 @@ def test_wide_batches_on_the_bf16_copy_and_after_it_moved(policy, prompts):
     assert max_logprob_error(policy, r2) < LOGPROB_ATOL
 
 
+def test_wide_steps_take_the_lora_a_product_from_the_dense_copy(policy, prompts):
+    """Above 64 rows a group's bf16 copy holds its LoRA-A rows under the weights: one GEMM gives the base outputs and
+    ``x @ A.T``, as the two products apart (bf16 roundings of another cuBLAS kernel)."""
+    engine = CUDAGraphRollout(check_every=4, wide_batch_bf16=True)
+    engine.generate(policy, prompts, 32, 0, [], SamplingSpec(max_new_tokens=4, seed=0))
+    decoder = engine._decoder[1]
+    decoder.prepare(torch.bfloat16, dequantize=True, rows=96)
+    groups = [g for layer in decoder.layers for g in layer.groups() if g.gemm._dequantized is not None]
+    try:
+        assert groups and all(g.adapter for g in groups)  # (groups the wgmma GEMV serves faster keep no copy)
+        for g in groups:
+            x = torch.randn(96, g.gemm.layers[0].in_features, device="cuda").to(torch.bfloat16)
+            assert g.gemm.with_lora_rows(x, g.a) is not None
+            outs, u = g.project(x)
+            torch.testing.assert_close(u[0].float(), (x.float() @ g.a.float().t()), rtol=2e-2, atol=2e-2)
+            for y, apart in zip(outs, g.gemm(x)):
+                torch.testing.assert_close(y.float(), apart.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        decoder.release()
+    assert all(g.gemm.with_lora_rows(torch.zeros(96, g.gemm.layers[0].in_features, device="cuda",
+                                                 dtype=torch.bfloat16), g.a) is None for g in groups)
+
+
 def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
     engine = CUDAGraphRollout(check_every=4)
     spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")

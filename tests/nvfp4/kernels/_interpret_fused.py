@@ -151,6 +151,18 @@ res["wide-copy-vs-dequantize"] = float(((gemm._dequantized - exact).abs() / exac
 x = rnd(70, 128, dtype=torch.float32)  # above the GEMV's 64 rows
 outs = gemm(x)
 res["wide-out"] = max(diff(y, x @ w.t()) for y, w in zip(outs, exact.split([64, 32, 48])))
+# the group's LoRA-A rows copied under the dense copy: one GEMM makes the base outputs and the LoRA-A product
+a = rnd(8, 128, dtype=torch.float32)
+res["wide-lora-bytes"] = float(gemm.dequantized_bytes(torch.float32, lora_rows=8) == (144 + 8) * 128 * 4)
+gemm.dequantize(torch.float32, lora_a=a)
+outs_a, u = gemm.with_lora_rows(x, a)
+res["wide-lora-out"] = max(diff(y, x @ w.t()) for y, w in zip(outs_a, exact.split([64, 32, 48])))
+res["wide-lora-u"] = diff(u[0], x @ a.t()) if u.shape == (1, 70, 8) else float("inf")
+# other rows than the copied ones (a refreshed adapter's new buffer), or a step the GEMV serves: not from the copy
+res["wide-lora-only-its-rows"] = float(gemm.with_lora_rows(x, a.clone()) is None
+                                       and gemm.with_lora_rows(x[:64], a) is None)
+res["wide-lora-base-unchanged"] = float(all(torch.equal(p, q) for p, q in zip(gemm(x), outs)))
 gemm.dequantize(None)
-res["wide-released"] = float(gemm._dequantized is None and (gemm.key(), gemm.wide_key()) == before)
+res["wide-released"] = float(gemm._dequantized is None and (gemm.key(), gemm.wide_key()) == before
+                             and gemm.with_lora_rows(x, a) is None)
 print(json.dumps(res))

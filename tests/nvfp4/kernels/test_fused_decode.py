@@ -71,6 +71,15 @@ def test_wide_batch_dense_copy_is_the_dequantized_stack(interpreted):
     assert interpreted["wide-out"] < 1e-4
 
 
+def test_wide_batch_dense_copy_takes_the_lora_a_rows(interpreted):
+    """A group's LoRA-A rows copied under its dense copy: one GEMM gives the base outputs and ``x @ A.T`` (as the
+    consumers take LoRA-A outputs, ``[1, b, r']``); only for those rows (a new adapter buffer, or a step of 64 rows or
+    fewer, takes the separate product), the base outputs unchanged, nothing left after the release."""
+    assert interpreted["wide-lora-bytes"] == 1.0
+    assert interpreted["wide-lora-out"] < 1e-4 and interpreted["wide-lora-u"] < 1e-4
+    assert interpreted["wide-lora-only-its-rows"] == 1.0 and interpreted["wide-lora-base-unchanged"] == 1.0
+
+
 def test_stacked_nvfp4_repack_is_the_stacked_weight():
     """q|k|v (one global scale) repacked as one weight decodes to the three dequantized weights stacked."""
     from qerl.nvfp4.kernels import gemv_layout
