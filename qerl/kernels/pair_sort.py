@@ -2,8 +2,9 @@
 
 ``index [T, k]`` holds the expert ids of ``P = T * k`` pairs (pair ``p = t * k + j``). A pair's place in the stable
 sort by expert is a count: the pairs of a smaller expert id, plus the earlier pairs of its own id. Programs of
-``ROWS`` pairs each count that against every pair, ``COLS`` at a time (comparisons summed across a tile), and write
-their pair ids at those places; the programs past them count, for ``CHUNK`` experts each, the pairs of a smaller id:
+``ROWS`` pairs each count that against every pair, up to ``MAX_COLS`` at a time (a decode step's pairs in one tile:
+the loop's loads are serial, each an L2 round trip), and write their pair ids at those places; the programs past
+them count, for ``CHUNK`` experts each, the pairs of a smaller id:
 each expert's first slot (``offsets``). The result is the stable sort's, element for element (what
 ``torch.sort(stable=True)`` + ``searchsorted`` give, :func:`sort_pairs_torch`), so the grouped kernels' values do
 not depend on which one ran. Static shapes, no host sync: a CUDA graph captures it.
@@ -21,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.grid import cdiv
+from qerl.kernels.grid import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_MAX_PAIRS = 8192
 """Above this many pairs the torch path sorts (the kernel makes P^2 comparisons)."""
 
 
-ROWS, COLS, CHUNK = 32, 128, 32  # pairs per slot program, pairs per comparison tile, experts per offsets program
+ROWS, MAX_COLS, CHUNK = 8, 1024, 8  # pairs per slot program, most pairs per comparison tile, experts per offsets program
 
 
 @triton.jit
@@ -66,7 +67,8 @@ def sort_pairs(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     order = torch.empty(P, dtype=torch.long, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
     grid = cdiv(P, ROWS) + cdiv(num_experts + 1, CHUNK)
-    _sort_pairs_kernel[(grid,)](ids.contiguous(), order, offsets, P, num_experts, ROWS=ROWS, COLS=COLS, CHUNK=CHUNK,
+    cols = min(MAX_COLS, next_power_of_2(P))
+    _sort_pairs_kernel[(grid,)](ids.contiguous(), order, offsets, P, num_experts, ROWS=ROWS, COLS=cols, CHUNK=CHUNK,
                                 num_warps=4)
     return order, offsets
 

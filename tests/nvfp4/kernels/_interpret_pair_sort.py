@@ -8,9 +8,9 @@ from qerl.kernels.pair_sort import sort_pairs, sort_pairs_torch
 
 res = {}
 g = torch.Generator().manual_seed(0)
-# decode shapes (128 experts top-8 over 1 and 40 rows: several chunks), 256 experts (the narrower chunks), a few
+# decode shapes (128 experts top-8 over 1, 40 and 128 rows: several chunks, one full comparison tile), 256 experts (the narrower chunks), a few
 # experts chosen by all (long runs of one id across chunks), ragged P
-for T, E, k in ((1, 128, 8), (40, 128, 8), (9, 256, 8), (700, 6, 2), (7, 60, 4)):
+for T, E, k in ((1, 128, 8), (40, 128, 8), (128, 128, 8), (9, 256, 8), (700, 6, 2), (7, 60, 4)):
     scores = torch.rand(T, E, generator=g)
     if E == 6:
         scores[:, :2] += 1.0  # experts 0 and 1 take every token
