@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from qerl.hub import EMBEDDED_MODEL, cache_dir, load_tokenizer, resolve_model, write_once
 from qerl.model.attention import replace_attentions
-from qerl.model.experts import replace_fused_experts
+from qerl.model.experts import grouped_on, replace_fused_experts
 from qerl.model.gated_mlp import replace_gated_mlps
 from qerl.model.projection_layout import lay_out_projections
 from qerl.model.rms_norm import replace_rms_norms
@@ -148,7 +148,7 @@ def load_model(
         del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    replace_fused_experts(model)  # MoE: one Linear per expert projection, as the checkpoints store them
+    replace_fused_experts(model, grouped_on(device))  # MoE: one Linear per expert projection, as checkpoints store them
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches_target(n, targets)}
     if nvfp4 and not linears:
         raise ValueError(f"No Linear layer of {path} matches the NVFP4 targets {targets}.")

@@ -19,7 +19,10 @@ named as the hub checkpoint's projections (``experts.{e}.gate_proj.lora_A.weight
 
 The forward takes what the router gives (``top_k_index`` / ``top_k_weights``, as transformers' experts do) and runs
 each expert that received tokens on those tokens only: a routed expert's weight is dequantized for its tokens, an
-expert no token chose costs nothing. This is the CPU reference path; the GPU's grouped kernels compute the same.
+expert no token chose costs nothing. Two paths compute it, chosen per ``Experts`` when it is built (``grouped``,
+resolved from the device by :func:`grouped_on`): a host loop over the experts that received tokens (the reference, and
+the CPU's path), or the same products through a few grouped GEMMs per layer (``qerl.model.grouped_experts``: the
+CUDA update's path, forward and backward), which runs the loop itself where it cannot honour a layer's setting.
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qerl.model.grouped_experts import grouped_experts
 from qerl.model.replace import replace_modules
+
+GROUPED_DEVICES = ("cuda",)
+"""Device types whose ``Experts`` run through grouped GEMMs (``grouped_on``); elsewhere the loop over experts."""
+
+
+def grouped_on(device: str | torch.device) -> bool:
+    """Whether the experts of a model placed on ``device`` run through grouped GEMMs (:data:`GROUPED_DEVICES`)."""
+    return torch.device(device).type in GROUPED_DEVICES
 
 
 class ExpertMLP(nn.Module):
@@ -43,14 +55,31 @@ class ExpertMLP(nn.Module):
 
 
 class Experts(nn.ModuleList):
-    """The E routed experts of one MoE layer (see the module docstring); called as transformers' experts module is."""
+    """The E routed experts of one MoE layer (see the module docstring); called as transformers' experts module is.
+
+    Args:
+        experts: the ``ExpertMLP`` of each expert, by expert id.
+        grouped: run them through grouped GEMMs (``qerl.model.grouped_experts``) rather than a loop over experts.
+    """
+
+    def __init__(self, experts=None, grouped: bool = False):
+        super().__init__(experts)
+        self.grouped = grouped
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``hidden_states [T, H]``, ``top_k_index [T, k]`` (expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``:
         sum over each token's k experts of weight * expert(token)."""
+        out, hit = grouped_experts(self, hidden_states, top_k_index, top_k_weights) if self.grouped else (None, None)
+        if out is not None:
+            return out
+        if hit is None:
+            with torch.no_grad():
+                hit = torch.bincount(top_k_index.flatten(), minlength=len(self)).nonzero().flatten().tolist()
+        return self._loop(hidden_states, top_k_index, top_k_weights, hit)
+
+    def _loop(self, hidden_states, top_k_index, top_k_weights, hit: list[int]) -> torch.Tensor:
+        """The reference: each expert of ``hit`` (those that received tokens) on its tokens, added in expert order."""
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.bincount(top_k_index.flatten(), minlength=len(self)).nonzero().flatten().tolist()
         for e in hit:
             token, slot = torch.where(top_k_index == e)  # the tokens routed to expert e, and where in their top-k
             y = self[e](hidden_states[token]) * top_k_weights[token, slot, None].to(hidden_states.dtype)
@@ -78,9 +107,9 @@ def is_fused_experts(module: nn.Module) -> bool:
             and not getattr(module, "has_bias", False))
 
 
-def unfused_experts(module: nn.Module) -> Experts:
+def unfused_experts(module: nn.Module, grouped: bool = False) -> Experts:
     """An ``Experts`` of ``nn.Linear`` projections of the fused module's shape, on the fused module's device (meta when
-    the model is a skeleton), its weights the fused ones' slices."""
+    the model is a skeleton), its weights the fused ones' slices (``grouped``: see ``Experts``)."""
     num, two_i, hidden = module.gate_up_proj.shape
     inter = two_i // 2
     dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
@@ -92,12 +121,13 @@ def unfused_experts(module: nn.Module) -> Experts:
         return layer
 
     return Experts([ExpertMLP(linear(module.gate_up_proj[e, :inter]), linear(module.gate_up_proj[e, inter:]),
-                              linear(module.down_proj[e])) for e in range(num)])
+                              linear(module.down_proj[e])) for e in range(num)], grouped)
 
 
-def replace_fused_experts(model: nn.Module) -> int:
-    """Put an ``Experts`` (per-expert ``nn.Linear``) in the place of every fused experts module; returns how many."""
-    return replace_modules(model, is_fused_experts, unfused_experts)
+def replace_fused_experts(model: nn.Module, grouped: bool = False) -> int:
+    """Put an ``Experts`` (per-expert ``nn.Linear``; ``grouped``: see ``Experts``) in the place of every fused experts
+    module; returns how many."""
+    return replace_modules(model, is_fused_experts, lambda module: unfused_experts(module, grouped))
 
 
 def expert_count(model: nn.Module) -> int:

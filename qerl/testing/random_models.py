@@ -136,7 +136,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     from transformers import AutoModelForCausalLM
 
     from qerl.model.attention import replace_attentions
-    from qerl.model.experts import replace_fused_experts
+    from qerl.model.experts import grouped_on, replace_fused_experts
     from qerl.model.gated_mlp import replace_gated_mlps
     from qerl.model.rms_norm import replace_rms_norms
 
@@ -145,7 +145,7 @@ def build_random_model(config, quantization: str = "nvfp4", targets=DEFAULT_TARG
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    replace_fused_experts(model)  # MoE: per-expert Linears, as load_model makes them
+    replace_fused_experts(model, grouped_on(device))  # MoE: per-expert Linears, as load_model makes them
     if quantization == "nvfp4":
         for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
             if matches_target(name, targets):

@@ -1,0 +1,223 @@
+"""The routed experts' forward and backward through grouped GEMMs (``torch._grouped_mm``: CUTLASS on sm_90 for bf16,
+a loop of matmuls on the CPU), instead of a host loop over the experts that received tokens.
+
+Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [T, k]`` (P = T k pairs):
+
+    each token's k experts put in ascending order (the order in which the loop adds its products)
+    pairs sorted by expert, stably (within an expert, tokens in order: the loop's rows)
+    xs  = x[token of each pair]                                          [P, H]   one gather
+    gu  = xs [Wg; Wu]^T  +  s (xs [Ag; Au]^T) diag(Bg, Bu)^T             [P, 2I]  three grouped GEMMs
+    h   = silu(gate) * up                                                [P, I]
+    y   = (h Wd^T  +  s (h Ad^T) Bd^T) * router weight                   [P, H]   three grouped GEMMs
+    out = each token's k products summed in expert order                 [T, H]
+
+over the G experts that received tokens (one host sync per layer: which experts' modules take part). The frozen base
+weights (NVFP4 or 16-bit) are stacked dense ``[G, out, in]`` in the compute dtype for one grouped GEMM and dropped:
+``_FrozenGroupedMatmul`` stacks them again in the backward instead of saving them (a frozen base has no weight
+gradient; the stack is the layer's transient dequantized copy). LoRA A and B of the hit experts are stacked by
+``torch.stack`` inside autograd, so an expert no token chose keeps grad None, as the loop leaves it (AdamW skips None;
+zeros would decay its moments and apply weight decay). Ranks are padded with zeros to 16 bytes (the grouped GEMM's
+stride rule); gate and up share one LoRA-B GEMM through a block-diagonal stack (its zero blocks cost a K = 2r GEMM).
+
+Roundings as the loop's (each projection's base product rounded to the compute dtype, LoRA added and rounded, silu
+rounded, the product with up rounded, the router-weight product rounded, the k products added one at a time in expert
+order), except: the LoRA-B product is rounded before it is added (the loop adds it inside the fp32 accumulator of
+``addmm``), and the input's gradient sums gate and up (and a token's k pairs) in fp32 before one rounding.
+
+``grouped_experts`` returns None where the grouped path cannot compute what the loop computes: activations other than
+bf16 on CUDA (the grouped GEMM's one CUDA dtype; the CPU's takes fp32 and fp16 too), a projection that is
+not a frozen bias-free ``NVFP4Linear`` / ``nn.Linear``, or a LoRA layer outside ``LoraLinear``'s fast path (dropout,
+DoRA and other variants, several active adapters, a LoRA bias, adapters disabled or merged), adapters on some experts
+only, or scalings that differ within a stack: the caller runs the loop then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl.model.lora_linear import LoraLinear
+from qerl.nvfp4.linear import NVFP4Linear, kernel_name
+
+STRIDE_BYTES = 16  # torch._grouped_mm wants every operand's strides a multiple of 16 bytes
+
+
+class _Stack(NamedTuple):
+    """One grouped projection over the hit experts: per expert, the layers stacked along the output dim."""
+
+    bases: list[list[nn.Module]]  # [G][n] the frozen layers
+    lora_a: list[list[torch.Tensor]] | None  # [n][G] A [r, in] (by layer kind: one torch.stack each)
+    lora_b: list[list[torch.Tensor]] | None  # [n][G] B [out, r]
+    scaling: float
+
+
+def _frozen_base(layer: nn.Module) -> bool:
+    return (isinstance(layer, NVFP4Linear) or type(layer) is nn.Linear) and layer.bias is None and not any(
+        p.requires_grad for p in layer.parameters())
+
+
+def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
+    """The stack of ``layers [G][n]``, or None where the grouped path cannot honour one of them."""
+    bases, a, b, scalings, ranks = [], [[] for _ in layers[0]], [[] for _ in layers[0]], set(), set()
+    for expert in layers:
+        bases.append([])
+        for j, layer in enumerate(expert):
+            if isinstance(layer, LoraLinear):
+                adapter = layer._fast_adapter((), {})
+                if adapter is None:
+                    return None
+                a[j].append(layer.lora_A[adapter].weight)
+                b[j].append(layer.lora_B[adapter].weight)
+                scalings.add(float(layer.scaling[adapter]))
+                ranks.add(a[j][-1].shape[0])
+                layer = layer.base_layer
+            if not _frozen_base(layer):
+                return None
+            bases[-1].append(layer)
+    adapted = sum(len(x) for x in a)
+    if adapted == 0:
+        return _Stack(bases, None, None, 1.0)
+    if adapted != len(layers) * len(layers[0]) or len(scalings) != 1 or len(ranks) != 1:
+        return None
+    return _Stack(bases, a, b, scalings.pop())
+
+
+def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
+    """``layer``'s frozen weight ``[out, in]`` written into ``out`` in its dtype, the values its own matmul uses."""
+    if not isinstance(layer, NVFP4Linear):
+        out.copy_(layer.weight)
+    elif kernel_name(layer.kernel, layer.weight_global_scale.device) == "cached":
+        out.copy_(layer.dense_weight(out.dtype))
+    else:
+        layer.dequantize(out.dtype, out=out)
+
+
+def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[G, sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim."""
+    rows = sum(layer.out_features for layer in bases[0])
+    stack = torch.empty(len(bases), rows, bases[0][0].in_features, dtype=dtype, device=device)
+    for g, layers in enumerate(bases):
+        row = 0
+        for layer in layers:
+            _write_dense(layer, stack[g, row:row + layer.out_features])
+            row += layer.out_features
+    return stack
+
+
+class _FrozenGroupedMatmul(torch.autograd.Function):
+    """``xs [P, in] -> [P, out]``, each expert's rows times its frozen weights; gradient to ``xs`` only, and the dense
+    stack is made again in the backward rather than saved."""
+
+    @staticmethod
+    def forward(ctx, xs, offsets, bases):
+        ctx.save_for_backward(offsets)
+        ctx.bases = bases
+        return torch._grouped_mm(xs, dense_stack(bases, xs.dtype, xs.device).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        (offsets,) = ctx.saved_tensors
+        return torch._grouped_mm(dy.contiguous(), dense_stack(ctx.bases, dy.dtype, dy.device), offs=offsets), None, None
+
+
+class _GatherPairs(torch.autograd.Function):
+    """``x [T, H] -> xs [P, H]`` (row ``token[i]`` for sorted pair ``i``); backward: each token's k pair gradients
+    summed (``inverse``: pair ``t k + j`` -> its sorted position), no atomics."""
+
+    @staticmethod
+    def forward(ctx, x, token, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, dxs):
+        (inverse,) = ctx.saved_tensors
+        dx = dxs.index_select(0, inverse).view(-1, ctx.top_k, dxs.shape[-1]).sum(1)
+        return dx, None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """Rows ``y[rows]`` of a permutation; backward through its ``inverse`` (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, y, rows, inverse):
+        ctx.save_for_backward(inverse)
+        return y.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (inverse,) = ctx.saved_tensors
+        return dy.index_select(0, inverse), None, None
+
+
+def _padded_rank(rank: int, dtype: torch.dtype) -> int:
+    align = max(1, STRIDE_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-rank // align) * align
+
+
+def _lora_stacks(stack: _Stack, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A [G, n r', in]`` and block-diagonal ``B^T [G, n r', sum of out]`` in ``dtype`` (r' the padded rank)."""
+    rank = stack.lora_a[0][0].shape[0]
+    pad = _padded_rank(rank, dtype) - rank
+    a = torch.cat([F.pad(torch.stack(kind), (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
+    b_t = [F.pad(torch.stack(kind), (0, pad)).transpose(1, 2).to(dtype) for kind in stack.lora_b]  # [G, r', out]
+    if len(b_t) == 1:
+        return a, b_t[0]
+    outs = [t.shape[2] for t in b_t]
+    rows = []
+    for j, t in enumerate(b_t):  # layer j's B^T in its own rows and columns, zeros elsewhere
+        left, right = sum(outs[:j]), sum(outs[j + 1:])
+        rows.append(F.pad(t, (left, right)))
+    return a, torch.cat(rows, 1)
+
+
+def _project(xs: torch.Tensor, offsets: torch.Tensor, stack: _Stack) -> torch.Tensor:
+    """``xs [P, in]`` in expert order -> ``[P, sum of out]``: base products plus the scaled LoRA products."""
+    base = _FrozenGroupedMatmul.apply(xs, offsets, stack.bases)
+    if stack.lora_a is None:
+        return base
+    a, b_t = _lora_stacks(stack, base.dtype)
+    down = torch._grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
+    return base.add(torch._grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
+
+
+def grouped_experts(experts: Sequence[nn.Module], hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None]:
+    """``sum_j weight[t, j] * expert_{index[t, j]}(x[t])`` for ``hidden_states [T, H]`` through grouped GEMMs (see the
+    module docstring), and the experts that received tokens; None for the output where the loop must run instead (and
+    for the experts too where they were not counted).
+    ``experts``: modules with ``gate_proj``, ``up_proj`` and ``down_proj``."""
+    tokens, top_k = top_k_index.shape
+    if hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16:
+        return None, None
+    index, slot = top_k_index.sort(dim=1)  # each token's experts in ascending order
+    flat = index.flatten()
+    order = torch.argsort(flat, stable=True)  # sorted position -> pair t k + j
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    sizes = torch.bincount(flat, minlength=len(experts)).tolist()  # the one host sync: which modules take part
+    hit = [e for e, n in enumerate(sizes) if n]
+    if not hit:
+        return torch.zeros_like(hidden_states), hit
+    gate_up = _stack_of([[experts[e].gate_proj, experts[e].up_proj] for e in hit])
+    down = _stack_of([[experts[e].down_proj] for e in hit])
+    if gate_up is None or down is None:
+        return None, hit
+    offsets = torch.tensor(list(accumulate(n for n in sizes if n)), dtype=torch.int32, device=flat.device)
+    xs = _GatherPairs.apply(hidden_states, order // top_k, inverse, top_k)  # [P, H]
+    gate, up = _project(xs, offsets, gate_up).chunk(2, dim=-1)
+    y = _project(F.silu(gate) * up, offsets, down)  # [P, H]
+    y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
+    y = _Permute.apply(y, inverse, order).view(tokens, top_k, -1)  # back to [T, k, H], k in expert order
+    out = y[:, 0]
+    for j in range(1, top_k):  # one rounding per added product, as the loop's index_add_
+        out = out + y[:, j]
+    return out.contiguous(), hit

@@ -1,0 +1,123 @@
+"""The routed experts through grouped GEMMs (``qerl.model.grouped_experts``) against the loop over experts (the
+reference, itself tested against float64 in test_experts.py) on the tiny Qwen3-MoE with NVFP4 and 16-bit experts and
+LoRA: outputs, the input's gradient, the router's gradient through the routing weights, and every LoRA A/B gradient,
+None exactly where the loop leaves None (experts no token chose)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.model.checkpoint_io import load_model
+from qerl.model.experts import Experts, grouped_on
+from qerl.model.grouped_experts import grouped_experts
+from qerl.model.policy import build_policy
+from qerl.model.replace import replace_modules
+
+IDS = torch.tensor([[1, 520, 3000, 17, 9, 400, 2, 77, 5000, 12, 8, 31]])
+# fp32: the same products summed in the same order, up to the GEMM's blocking; bf16: an ulp or two of the rounded
+# activations (the LoRA-B product rounded before its add), more in the sums over tokens of the weight gradients
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (0.03, 0.05)}  # (outputs and input grads, LoRA grads)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    scale = float(expected.float().abs().max())
+    assert float((actual.float() - expected.float()).abs().max()) <= tolerance * scale
+
+
+def random_adapters(policy):
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    return policy
+
+
+def lora_grads(policy) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in policy.named_parameters() if ".experts." in n and "lora_" in n}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(tiny_model_dirs, quantization, dtype):
+    policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), quantization, lora_rank=4,
+                                          dtype=str(dtype).removeprefix("torch.")))
+    experts = policy.get_base_model().model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(40, 64, generator=g).to(dtype)
+    router0 = torch.randn(8, 64, generator=g)
+    dy = torch.randn(40, 64, generator=g).to(dtype)
+    runs = {}
+    for grouped in (False, True):
+        x, router = x0.clone().requires_grad_(), router0.clone().requires_grad_()
+        logits = (x.float() @ router.t()).masked_fill(torch.arange(8) == 6, -1e9)  # expert 6 gets no token
+        weight, index = logits.softmax(-1).topk(2, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        if grouped:
+            out, hit = grouped_experts(experts, x, index, weight)
+            assert out is not None and 6 not in hit  # the grouped path ran
+        else:
+            out = Experts(list(experts), grouped=False)(x, index, weight)
+        out.backward(dy)
+        runs[grouped] = out.detach(), x.grad, router.grad, lora_grads(policy)
+        policy.zero_grad(set_to_none=True)
+    (out, dx, drouter, dlora), (ref, dx_ref, drouter_ref, dlora_ref) = runs[True], runs[False]
+    activations, weights = TOLERANCE[dtype]
+    assert out.dtype == ref.dtype == dtype
+    close(out, ref, activations)
+    close(dx, dx_ref, activations)
+    close(drouter, drouter_ref, activations)  # the routing weights' gradient reaches the router and x
+    assert {n for n, v in dlora.items() if v is None} == {n for n, v in dlora_ref.items() if v is None}
+    assert any(".layers.0.mlp.experts.6." in n for n, v in dlora.items() if v is None)  # not zeros: None
+    assert sum(v is not None for v in dlora.values()) == 7 * 3 * 2  # every other expert's A and B of gate, up, down
+    for name, grad in dlora.items():
+        if grad is not None:
+            assert grad.dtype == dlora_ref[name].dtype
+            close(grad, dlora_ref[name], weights)
+
+
+def test_a_policy_with_grouped_experts_gives_the_loops_logits_and_gradients(tiny_model_dirs):
+    policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32"))
+
+    def loss_and_grads():
+        logits = policy(IDS).logits
+        logits.log_softmax(-1).square().mean().backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+        policy.zero_grad(set_to_none=True)
+        return logits.detach(), grads
+
+    ref, ref_grads = loss_and_grads()
+    assert replace_modules(policy, lambda m: isinstance(m, Experts), lambda m: Experts(list(m), grouped=True)) == 2
+    logits, grads = loss_and_grads()
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    assert {n for n, v in grads.items() if v is None} == {n for n, v in ref_grads.items() if v is None}
+    for name, grad in grads.items():
+        if grad is not None:  # layer 0 and its attention take gradients through layer 1's routing weights too
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_what_the_grouped_path_cannot_honour_runs_the_loop(tiny_model_dirs):
+    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, lora_dropout=0.1, dtype="float32")
+    policy.eval()  # peft's dropout module stays in place (eval keeps it from drawing): LoraLinear's fast path declines
+    experts = policy.get_base_model().model.layers[0].mlp.experts
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    index, weight = torch.tensor([[0, 3]] * 6), torch.full((6, 2), 0.5)
+    out, hit = grouped_experts(experts, x, index, weight)
+    assert out is None and hit == [0, 3]
+    with torch.no_grad():
+        assert torch.equal(Experts(list(experts), grouped=True)(x, index, weight),
+                           Experts(list(experts), grouped=False)(x, index, weight))
+
+
+def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
+    model = load_model(str(tiny_model_dirs["qwen3_moe"]), "bf16", dtype=torch.bfloat16)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.grouped is False and grouped_on("cpu") is False and grouped_on("cuda") is True
+    for p in experts.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    index = torch.randint(0, 8, (10, 8), generator=torch.Generator().manual_seed(2)).argsort(1)[:, :2]
+    weight = torch.rand(10, 2, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, _ = grouped_experts(experts, x, index, weight)
+        close(out, experts(x, index, weight), TOLERANCE[torch.bfloat16][0])
