@@ -1,0 +1,67 @@
+"""The update's routed experts through grouped GEMMs on the GPU (``pytest -m gpu``; skipped without CUDA): CUTLASS's
+``torch._grouped_mm`` against the loop over experts (the Triton NVFP4 matmuls and cuBLAS LoRA products, itself
+checked against float64 in test_moe_on_gpu.py): output, the input's and the router's gradients, every LoRA A/B
+gradient and None where the loop leaves None, in bf16 tolerances; the experts dequantized from their compressed
+tensors and, after the loop's kernels moved those to host memory, from the repacked copy alike.
+
+A random-init Qwen3-30B-A3B layout at a small size (128 experts, top-8), NVFP4 or bf16 experts with LoRA.
+"""
+
+import pytest
+import torch
+
+from qerl.model.experts import Experts
+from qerl.model.grouped_experts import grouped_experts
+from qerl.testing.random_models import build_random_policy, model_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ACTIVATIONS, WEIGHTS = 0.03, 0.05  # max |diff| / max |loop|: bf16 roundings in another order, sums over tokens
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    scale = float(expected.float().abs().max())
+    assert float((actual.float() - expected.float()).abs().max()) <= tolerance * scale
+
+
+@pytest.mark.parametrize("quantization, rank", [("nvfp4", 4), ("bf16", 16)])  # rank 4: padded to 16 bytes
+def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(quantization, rank):
+    config = model_config("qwen3-30b-a3b", hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    policy = build_random_policy(config, quantization, lora_rank=rank, lora_b_std=0.02)
+    experts = next(m for m in policy.modules() if isinstance(m, Experts))
+    assert experts.grouped  # the loader's choice on CUDA
+    lora = {n: p for n, p in policy.named_parameters() if ".experts." in n and "lora_" in n}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x0 = torch.randn(300, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    router0 = (torch.randn(128, 256, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    dy = torch.randn(300, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    silent = torch.arange(128, device="cuda") % 16 == 5  # experts no token chooses: their LoRA grads stay None
+
+    def run(grouped: bool):
+        x, router = x0.clone().requires_grad_(), router0.clone().requires_grad_()
+        weight, index = (x @ router.t()).float().masked_fill(silent, -1e9).softmax(-1).topk(8, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        if grouped:
+            out, hit = grouped_experts(experts, x, index, weight)
+            assert out is not None and not set(hit) & set(silent.nonzero().flatten().tolist())
+        else:
+            out = Experts(list(experts), grouped=False)(x, index, weight)
+        out.backward(dy)
+        grads = {n: p.grad for n, p in lora.items()}
+        policy.zero_grad(set_to_none=True)
+        return out.detach(), x.grad, router.grad, grads
+
+    first = run(True)  # from the compressed tensors
+    (ref, dx_ref, dr_ref, dl_ref) = run(False)
+    out, dx, dr, dl = run(True)  # the loop's NVFP4 kernels may have moved them to host memory: the repacked copy
+    close(out, first[0], ACTIVATIONS)  # (the two dequantizations may round a weight apart)
+    close(dx, first[1], ACTIVATIONS)
+    close(out, ref, ACTIVATIONS)
+    close(dx, dx_ref, ACTIVATIONS)
+    close(dr, dr_ref, ACTIVATIONS)
+    assert {n for n, g in dl.items() if g is None} == {n for n, g in dl_ref.items() if g is None}
+    assert sum(g is None for g in dl.values()) == 8 * 3 * 2  # the silent experts' A and B of gate, up and down
+    for name, grad in dl.items():
+        if grad is not None:
+            close(grad, dl_ref[name], WEIGHTS)
