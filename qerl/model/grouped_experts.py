@@ -98,15 +98,45 @@ def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
 
 
 def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[G, sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim."""
+    """``[G, sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim; in one copy
+    (16-bit) or one dequantize launch (NVFP4 on the Triton kernels) where the layers allow, else layer by layer."""
+    flat = [layer for layers in bases for layer in layers]
     rows = sum(layer.out_features for layer in bases[0])
     stack = torch.empty(len(bases), rows, bases[0][0].in_features, dtype=dtype, device=device)
-    for g, layers in enumerate(bases):
-        row = 0
-        for layer in layers:
-            _write_dense(layer, stack[g, row:row + layer.out_features])
-            row += layer.out_features
+    if all(type(layer) is nn.Linear and layer.weight.dtype == dtype for layer in flat):
+        torch.cat([layer.weight for layer in flat], out=stack.view(-1, stack.shape[-1]))
+    elif not dequantize_stacked(flat, stack.view(-1, stack.shape[-1])):
+        for g, layers in enumerate(bases):
+            row = 0
+            for layer in layers:
+                _write_dense(layer, stack[g, row:row + layer.out_features])
+                row += layer.out_features
     return stack
+
+
+def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor) -> bool:
+    """The dense weights of NVFP4 ``layers`` (equal shapes, on the Triton kernels) written into ``out`` (their rows
+    stacked) by one dequantize launch over their storage concatenated, with a global scale of 1 (``E2M1 * scale`` is
+    exact in 16 bits), then one division of each layer's rows by its own global scale; False (nothing written) where
+    the layers do not allow it. A weight may differ from the layer's own dequantize by one rounding (``x / gs`` here,
+    ``E2M1 * (scale / gs)`` there: both fp32, then cast)."""
+    from qerl.nvfp4.kernels.matmul import dequantize_dense, dequantize_repacked
+
+    if not all(isinstance(layer, NVFP4Linear) and kernel_name(layer.kernel, out.device) == "triton"
+               and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers):
+        return False
+    one = torch.ones(1, dtype=torch.float32, device=out.device)
+    repacked = [layer.gemv_weight(build=False) for layer in layers]
+    if all(r is not None for r in repacked):  # the decode GEMV's copies (the compressed tensors may be in host memory)
+        dequantize_repacked(torch.cat([w for w, _ in repacked]), torch.cat([f for _, f in repacked]), one, out.dtype,
+                            out=out)
+    elif all(layer.weight_packed.device == out.device for layer in layers):
+        scale = torch.cat([layer.weight_scale.view(torch.uint8) for layer in layers]).view(torch.float8_e4m3fn)
+        dequantize_dense(torch.cat([layer.weight_packed for layer in layers]), scale, one, out.dtype, out=out)
+    else:
+        return False
+    out.view(len(layers), -1).div_(torch.cat([layer.weight_global_scale for layer in layers]).view(-1, 1))
+    return True
 
 
 class _FrozenGroupedMatmul(torch.autograd.Function):

@@ -5,6 +5,8 @@ None exactly where the loop leaves None (experts no token chose)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,3 +123,13 @@ def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
     with torch.no_grad():
         out, _ = grouped_experts(experts, x, index, weight)
         close(out, experts(x, index, weight), TOLERANCE[torch.bfloat16][0])
+
+
+def test_stacked_dequantize_and_grouped_experts_on_the_triton_kernels_interpreted(run_interpreted):
+    pytest.importorskip("triton")
+    results = run_interpreted(Path(__file__).with_name("_interpret_dense_stack.py"))
+    for storage in ("compressed", "repacked"):  # one rounding apart at most (x / gs against E2M1 * (scale / gs))
+        assert results[f"{storage}-float32"] <= 2**-22 and results[f"{storage}-float16"] <= 2**-10, results
+    assert results["hit-float32"] == results["hit-float16"] == [0, 2]
+    assert results["grouped-out-float32"] < 1e-5 and results["grouped-dx-float32"] < 1e-5, results
+    assert results["grouped-out-float16"] < 5e-3 and results["grouped-dx-float16"] < 5e-3, results
