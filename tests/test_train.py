@@ -347,11 +347,14 @@ GRAPH_ENGINE = ["--model.rollout.class_path", "qerl.rollout.cuda_graph.CUDAGraph
                 "--model.sampling.max_new_tokens", "4", "--model.rollout.init_args.fused", "true"]
 
 
-@pytest.fixture(scope="module", params=["builtin", "cuda_graph"])
+@pytest.fixture(scope="module", params=["builtin", "cuda_graph", "grouped"])
 def moe_runs(request, tiny_model_dirs, tmp_path_factory):
     """A straight 4-step run of the tiny MoE with the engine, and the run resumed from its step-2 checkpoint (the graph
-    engine asked for its fused step: the MoE step, recording the expert choices for the mismatch)."""
+    engine asked for its fused step: the MoE step, recording the expert choices for the mismatch; ``grouped``: the
+    builtin engine with the experts through grouped GEMMs, CUDA's update path, chosen for the CPU too)."""
     import warnings
+
+    from qerl.model.experts import Experts
 
     root = tmp_path_factory.mktemp(f"moe_{request.param}")
     engine = GRAPH_ENGINE if request.param == "cuda_graph" else []
@@ -365,10 +368,13 @@ def moe_runs(request, tiny_model_dirs, tmp_path_factory):
                             "qerl.testing.fixed_rollouts.HashReward", *extra])  # rewards that differ: gradients
         fallbacks = [w for w in caught if "fused decoding off" in str(w.message)]
         return {"weights": trainable(cli.model), "events": events(Path(cli.trainer.log_dir)),
-                "log_dir": Path(cli.trainer.log_dir), "fallbacks": [str(w.message) for w in fallbacks]}
+                "log_dir": Path(cli.trainer.log_dir), "fallbacks": [str(w.message) for w in fallbacks],
+                "grouped": {m.grouped for m in cli.model.modules() if isinstance(m, Experts)}}
 
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
+        if request.param == "grouped":
+            mp.setattr("qerl.model.experts.GROUPED_DEVICES", ("cpu", "cuda"))
         straight = fit("S")
         resumed = fit("R", "--ckpt_path", str(straight["log_dir"] / "checkpoints" / "epoch=0-step=2.ckpt"))
     return request.param, straight, resumed
@@ -389,3 +395,4 @@ def test_a_moe_policy_trains_its_expert_adapters_and_resumes_exactly(moe_runs):
     assert mismatch[0] == 0.0 and all(0 <= v <= 1 for v in mismatch.values())  # stage 0: no noise, same routing
     if engine == "cuda_graph":  # the fused step takes the MoE: no fallback to the transformers step
         assert s["fallbacks"] == []
+    assert s["grouped"] == r["grouped"] == {engine == "grouped"}

@@ -1,7 +1,8 @@
 """The routed experts through grouped GEMMs (``qerl.model.grouped_experts``) against the loop over experts (the
 reference, itself tested against float64 in test_experts.py) on the tiny Qwen3-MoE with NVFP4 and 16-bit experts and
 LoRA: outputs, the input's gradient, the router's gradient through the routing weights, and every LoRA A/B gradient,
-None exactly where the loop leaves None (experts no token chose)."""
+None exactly where the loop leaves None (experts no token chose); the CUDA path's stacked dequantize and the grouped
+experts on the Triton NVFP4 kernels under Triton's interpreter."""
 
 from __future__ import annotations
 
