@@ -207,6 +207,12 @@ def largest_layer_weights(shape: ModelShape, settings: PolicySettings) -> int:
     return max((math.prod(shape.projection(p)) for p in PROJECTIONS if targeted[p]), default=0)
 
 
+def grouped_expert_stack_weights(shape: ModelShape) -> int:
+    """Weights of the largest stack a MoE layer's grouped update makes dense at once (``qerl.model.grouped_experts``:
+    every expert's gate|up, whether NVFP4 or 16-bit), 0 for a dense model."""
+    return shape.experts * 2 * shape.expert_intermediate * shape.hidden
+
+
 def nvfp4_weights(shape: ModelShape, settings: PolicySettings) -> int:
     if settings.quantization != "nvfp4":
         return 0

@@ -9,8 +9,9 @@ saved tensors), not measured.
 
 from __future__ import annotations
 
-from qerl.model.footprint import (DENSE_BYTES, LORA_PARAM_BYTES, Component, ModelShape,
-                                  largest_layer_weights, layer_projections, lora_parameters, norm_channels)
+from qerl.model.footprint import (DENSE_BYTES, GEMV_BYTES_PER_WEIGHT, LORA_PARAM_BYTES, Component, ModelShape,
+                                  grouped_expert_stack_weights, largest_layer_weights, layer_projections,
+                                  lora_parameters, norm_channels)
 from qerl.rollout.footprint import wave_kv_cache_bytes
 from qerl.rollout.run_settings import RunSettings
 
@@ -95,6 +96,10 @@ def update_components(shape: ModelShape, settings: RunSettings, tokens: int, kep
     if settings.quantization == "nvfp4":
         out.append(Component("update", "NVFP4 weight dequantized per layer (bf16, forward + backward)",
                              largest_layer_weights(shape, settings) * DENSE_BYTES * DEQUANTIZED_LAYER_COPIES))
+    if shape.experts:  # one stack at a time: the forward's is dropped, the backward makes its own
+        storage = GEMV_BYTES_PER_WEIGHT if settings.quantization == "nvfp4" else 0  # (the larger layout) concatenated
+        out.append(Component("update", "MoE experts' gate|up stacked dense for the grouped update (bf16, one layer's)",
+                             grouped_expert_stack_weights(shape) * (DENSE_BYTES + storage)))
     if kept_kv_rows:
         out.append(Component("update", f"KV cache kept by the engine ({kept_kv_rows} rows)",
                              wave_kv_cache_bytes(shape, settings, kept_kv_rows)))

@@ -492,3 +492,15 @@ def test_a_moe_on_the_graph_engine_keeps_its_experts_compressed_beside_their_rep
     plan = plan_memory(shape, tiny_settings(quantization="nvfp4", engine=engine))
     stacks = [c.nbytes for c in plan.components if c.name.startswith("MoE experts' compressed stack")]
     assert stacks == ([shape.layers * 8 * 3 * 64 * 128 * 0.5625] if engine == "cuda_graph" else [])
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_a_moe_update_counts_the_grouped_gemms_stack_of_one_layers_gate_up(quantization):
+    # the grouped update stacks every expert's gate|up dense (bf16) for one GEMM, from the NVFP4 storage concatenated
+    # (at most the repacked layout's 0.625 B/weight); a dense model makes none
+    shape = ModelShape.from_config(tiny_config("qwen3_moe", hidden_size=128))  # experts 8 x 2 x 64 x 128
+    plan = plan_memory(shape, tiny_settings(quantization=quantization))
+    stack = {c.phase: c.nbytes for c in plan.components if c.name.startswith("MoE experts' gate|up stacked")}
+    assert stack == {"update": 8 * 2 * 64 * 128 * (2 + (0.625 if quantization == "nvfp4" else 0))}
+    dense = plan_memory(ModelShape.from_config(tiny_config("qwen3", hidden_size=128)), tiny_settings())
+    assert not any("stacked dense" in c.name for c in dense.components)
