@@ -11,13 +11,15 @@ Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [
     y   = (h Wd^T  +  s (h Ad^T) Bd^T) * router weight                   [P, H]   three grouped GEMMs
     out = each token's k products summed in expert order                 [T, H]
 
-over the G experts that received tokens (one host sync per layer: which experts' modules take part). The frozen base
-weights (NVFP4 or 16-bit) are stacked dense ``[G, out, in]`` in the compute dtype for one grouped GEMM and dropped:
-``_FrozenGroupedMatmul`` stacks them again in the backward instead of saving them (a frozen base has no weight
-gradient; the stack is the layer's transient dequantized copy). LoRA A and B of the hit experts are stacked by
-``torch.stack`` inside autograd, so an expert no token chose keeps grad None, as the loop leaves it (AdamW skips None;
-zeros would decay its moments and apply weight decay). Ranks are padded with zeros to 16 bytes (the grouped GEMM's
-stride rule); gate and up share one LoRA-B GEMM through a block-diagonal stack (its zero blocks cost a K = 2r GEMM).
+the base products over all E experts (an expert no token chose is an empty group), the LoRA products over the G that
+received tokens (one host sync per layer, after the gate|up base GEMM is queued). The frozen base weights (NVFP4 or
+16-bit) are stacked dense ``[E, out, in]`` in the compute dtype for one grouped GEMM and dropped (NVFP4: one Triton
+dequantize launch per stack, ``dequantize_stacked``): ``_FrozenGroupedMatmul`` stacks them again in the backward
+instead of saving them (a frozen base has no weight gradient; the stack is the layer's transient dequantized copy).
+LoRA A and B of the hit experts are stacked by ``torch.stack`` inside autograd, so an expert no token chose keeps grad
+None, as the loop leaves it (AdamW skips None; zeros would decay its moments and apply weight decay). Ranks are padded
+with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one LoRA-B GEMM through a block-diagonal
+stack (its zero blocks cost a K = 2r GEMM).
 
 Roundings as the loop's (each projection's base product rounded to the compute dtype, LoRA added and rounded, silu
 rounded, the product with up rounded, the router-weight product rounded, the k products added one at a time in expert
@@ -48,11 +50,11 @@ STRIDE_BYTES = 16  # torch._grouped_mm wants every operand's strides a multiple 
 
 
 class _Stack(NamedTuple):
-    """One grouped projection over the hit experts: per expert, the layers stacked along the output dim."""
+    """One grouped projection over the E experts: per expert, the layers stacked along the output dim."""
 
-    bases: list[list[nn.Module]]  # [G][n] the frozen layers
-    lora_a: list[list[torch.Tensor]] | None  # [n][G] A [r, in] (by layer kind: one torch.stack each)
-    lora_b: list[list[torch.Tensor]] | None  # [n][G] B [out, r]
+    bases: list[list[nn.Module]]  # [E][n] the frozen layers
+    lora_a: list[list[torch.Tensor]] | None  # [n][E] A [r, in] (by layer kind: one torch.stack each)
+    lora_b: list[list[torch.Tensor]] | None  # [n][E] B [out, r]
     scaling: float
 
 
@@ -193,12 +195,14 @@ def _padded_rank(rank: int, dtype: torch.dtype) -> int:
     return -(-rank // align) * align
 
 
-def _lora_stacks(stack: _Stack, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A [G, n r', in]`` and block-diagonal ``B^T [G, n r', sum of out]`` in ``dtype`` (r' the padded rank)."""
+def _lora_stacks(stack: _Stack, hit: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A [G, n r', in]`` and block-diagonal ``B^T [G, n r', sum of out]`` of the ``hit`` experts in ``dtype`` (r'
+    the padded rank)."""
     rank = stack.lora_a[0][0].shape[0]
     pad = _padded_rank(rank, dtype) - rank
-    a = torch.cat([F.pad(torch.stack(kind), (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
-    b_t = [F.pad(torch.stack(kind), (0, pad)).transpose(1, 2).to(dtype) for kind in stack.lora_b]  # [G, r', out]
+    a = torch.cat([F.pad(torch.stack([kind[e] for e in hit]), (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
+    b_t = [F.pad(torch.stack([kind[e] for e in hit]), (0, pad)).transpose(1, 2).to(dtype)
+           for kind in stack.lora_b]  # [G, r', out]
     if len(b_t) == 1:
         return a, b_t[0]
     outs = [t.shape[2] for t in b_t]
@@ -209,12 +213,13 @@ def _lora_stacks(stack: _Stack, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return a, torch.cat(rows, 1)
 
 
-def _project(xs: torch.Tensor, offsets: torch.Tensor, stack: _Stack) -> torch.Tensor:
-    """``xs [P, in]`` in expert order -> ``[P, sum of out]``: base products plus the scaled LoRA products."""
-    base = _FrozenGroupedMatmul.apply(xs, offsets, stack.bases)
+def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[int], offsets: torch.Tensor
+               ) -> torch.Tensor:
+    """``base [P, out]`` (the frozen products of ``xs [P, in]`` in expert order) plus the scaled LoRA products of the
+    ``hit`` experts (``offsets``: their rows' ends)."""
     if stack.lora_a is None:
         return base
-    a, b_t = _lora_stacks(stack, base.dtype)
+    a, b_t = _lora_stacks(stack, hit, base.dtype)
     down = torch._grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
     return base.add(torch._grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
 
@@ -226,25 +231,28 @@ def grouped_experts(experts: Sequence[nn.Module], hidden_states: torch.Tensor, t
     for the experts too where they were not counted).
     ``experts``: modules with ``gate_proj``, ``up_proj`` and ``down_proj``."""
     tokens, top_k = top_k_index.shape
-    if hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16:
+    if hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16 or not top_k_index.numel():
+        return None, None
+    gate_up = _stack_of([[e.gate_proj, e.up_proj] for e in experts])
+    down = _stack_of([[e.down_proj] for e in experts])
+    if gate_up is None or down is None:
         return None, None
     index, slot = top_k_index.sort(dim=1)  # each token's experts in ascending order
     flat = index.flatten()
     order = torch.argsort(flat, stable=True)  # sorted position -> pair t k + j
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    sizes = torch.bincount(flat, minlength=len(experts)).tolist()  # the one host sync: which modules take part
-    hit = [e for e, n in enumerate(sizes) if n]
-    if not hit:
-        return torch.zeros_like(hidden_states), hit
-    gate_up = _stack_of([[experts[e].gate_proj, experts[e].up_proj] for e in hit])
-    down = _stack_of([[experts[e].down_proj] for e in hit])
-    if gate_up is None or down is None:
-        return None, hit
-    offsets = torch.tensor(list(accumulate(n for n in sizes if n)), dtype=torch.int32, device=flat.device)
+    counts = torch.bincount(flat, minlength=len(experts))
     xs = _GatherPairs.apply(hidden_states, order // top_k, inverse, top_k)  # [P, H]
-    gate, up = _project(xs, offsets, gate_up).chunk(2, dim=-1)
-    y = _project(F.silu(gate) * up, offsets, down)  # [P, H]
+    # the base products over all E experts (empty groups cost nothing) are queued before the host waits
+    every = counts.cumsum(0).to(torch.int32)
+    gate_up_base = _FrozenGroupedMatmul.apply(xs, every, gate_up.bases)
+    sizes = counts.tolist()  # the one host sync: whose LoRA takes part (an expert no token chose keeps grad None)
+    hit = [e for e, n in enumerate(sizes) if n]
+    offsets = torch.tensor(list(accumulate(sizes[e] for e in hit)), dtype=torch.int32, device=flat.device)
+    gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets).chunk(2, dim=-1)
+    h = F.silu(gate) * up  # [P, I]
+    y = _with_lora(_FrozenGroupedMatmul.apply(h, every, down.bases), h, down, hit, offsets)  # [P, H]
     y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
     y = _Permute.apply(y, inverse, order).view(tokens, top_k, -1)  # back to [T, k, H], k in expert order
     out = y[:, 0]

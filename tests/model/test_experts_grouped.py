@@ -106,7 +106,7 @@ def test_what_the_grouped_path_cannot_honour_runs_the_loop(tiny_model_dirs):
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
     index, weight = torch.tensor([[0, 3]] * 6), torch.full((6, 2), 0.5)
     out, hit = grouped_experts(experts, x, index, weight)
-    assert out is None and hit == [0, 3]
+    assert out is None and hit is None
     with torch.no_grad():
         assert torch.equal(Experts(list(experts), grouped=True)(x, index, weight),
                            Experts(list(experts), grouped=False)(x, index, weight))
