@@ -27,10 +27,10 @@ order), except: the LoRA-B product is rounded before it is added (the loop adds 
 ``addmm``), and the input's gradient sums gate and up (and a token's k pairs) in fp32 before one rounding.
 
 ``grouped_experts`` returns None where the grouped path cannot compute what the loop computes: activations other than
-bf16 on CUDA (the grouped GEMM's one CUDA dtype; the CPU's takes fp32 and fp16 too), a projection that is
-not a frozen bias-free ``NVFP4Linear`` / ``nn.Linear``, or a LoRA layer outside ``LoraLinear``'s fast path (dropout,
-DoRA and other variants, several active adapters, a LoRA bias, adapters disabled or merged), adapters on some experts
-only, or scalings that differ within a stack: the caller runs the loop then.
+bf16 on CUDA (the grouped GEMM's one CUDA dtype; the CPU's takes fp32 and fp16 too), a projection that is not a
+frozen bias-free ``NVFP4Linear`` / ``nn.Linear``, a LoRA layer outside ``LoraLinear``'s fast path (dropout, DoRA and
+other variants, several active adapters, a LoRA bias, merged adapters; disabled ones run the base alone, as peft's
+forward does), adapters on some experts only, or scalings that differ within a stack: the caller runs the loop then.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
     for expert in layers:
         bases.append([])
         for j, layer in enumerate(expert):
-            if isinstance(layer, LoraLinear):
+            if isinstance(layer, LoraLinear) and layer.disable_adapters and not layer.merged:
+                layer = layer.base_layer  # peft's forward runs the base alone (a reference policy's pass)
+            elif isinstance(layer, LoraLinear):
                 adapter = layer._fast_adapter((), {})
                 if adapter is None:
                     return None

@@ -110,6 +110,10 @@ def test_what_the_grouped_path_cannot_honour_runs_the_loop(tiny_model_dirs):
     with torch.no_grad():
         assert torch.equal(Experts(list(experts), grouped=True)(x, index, weight),
                            Experts(list(experts), grouped=False)(x, index, weight))
+        with policy.disable_adapter():  # peft's forward runs the base alone: so does the grouped path
+            out, hit = grouped_experts(experts, x, index, weight)
+            assert hit == [0, 3]
+            torch.testing.assert_close(out, Experts(list(experts), grouped=False)(x, index, weight))
 
 
 def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
