@@ -66,6 +66,9 @@ class Experts(nn.ModuleList):
         super().__init__(experts)
         self.grouped = grouped
 
+    def extra_repr(self) -> str:
+        return f"grouped={self.grouped}"
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``hidden_states [T, H]``, ``top_k_index [T, k]`` (expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``:
         sum over each token's k experts of weight * expert(token)."""
