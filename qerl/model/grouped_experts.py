@@ -11,9 +11,10 @@ Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [
     y   = (h Wd^T  +  s (h Ad^T) Bd^T) * router weight                   [P, H]   three grouped GEMMs
     out = each token's k products summed in expert order                 [T, H]
 
-the base products over all E experts (an expert no token chose is an empty group), the LoRA products over the G that
-received tokens (one host sync per layer, after the gate|up base GEMM is queued). The frozen base weights (NVFP4 or
-16-bit) are stacked dense ``[E, out, in]`` in the compute dtype for one grouped GEMM and dropped (NVFP4: one Triton
+the LoRA products over the G experts that received tokens (one host sync per layer: which LoRA takes part), the base
+products over all E experts (an unchosen one an empty group) where there are ``EVERY_EXPERT_PAIRS`` pairs per expert
+or more (the gate|up base GEMM then queued before the sync), else over the G. The frozen base weights (NVFP4 or
+16-bit) are stacked dense ``[E or G, out, in]`` in the compute dtype for one grouped GEMM and dropped (NVFP4: one Triton
 dequantize launch per stack, ``dequantize_stacked``): ``_FrozenGroupedMatmul`` stacks them again in the backward
 instead of saving them (a frozen base has no weight gradient; the stack is the layer's transient dequantized copy).
 LoRA A and B of the hit experts are stacked by ``torch.stack`` inside autograd, so an expert no token chose keeps grad
@@ -47,6 +48,8 @@ from qerl.model.lora_linear import LoraLinear
 from qerl.nvfp4.linear import NVFP4Linear, kernel_name
 
 STRIDE_BYTES = 16  # torch._grouped_mm wants every operand's strides a multiple of 16 bytes
+EVERY_EXPERT_PAIRS = 4  # pairs per expert from which the base GEMMs take every expert: a uniform router leaves about
+#                         e^-4 of them unchosen, cheaper to dequantize than to wait for the count on the host
 
 
 class _Stack(NamedTuple):
@@ -246,15 +249,20 @@ def grouped_experts(experts: Sequence[nn.Module], hidden_states: torch.Tensor, t
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat, minlength=len(experts))
     xs = _GatherPairs.apply(hidden_states, order // top_k, inverse, top_k)  # [P, H]
-    # the base products over all E experts (empty groups cost nothing) are queued before the host waits
-    every = counts.cumsum(0).to(torch.int32)
-    gate_up_base = _FrozenGroupedMatmul.apply(xs, every, gate_up.bases)
+    every = flat.numel() >= EVERY_EXPERT_PAIRS * len(experts)
+    if every:  # the base products over all E experts (empty groups), queued before the host waits
+        base_offsets = counts.cumsum(0).to(torch.int32)
+        gate_up_base = _FrozenGroupedMatmul.apply(xs, base_offsets, gate_up.bases)
     sizes = counts.tolist()  # the one host sync: whose LoRA takes part (an expert no token chose keeps grad None)
     hit = [e for e, n in enumerate(sizes) if n]
     offsets = torch.tensor(list(accumulate(sizes[e] for e in hit)), dtype=torch.int32, device=flat.device)
+    down_bases = down.bases
+    if not every:  # few pairs: the chosen experts' weights alone
+        base_offsets, down_bases = offsets, [down.bases[e] for e in hit]
+        gate_up_base = _FrozenGroupedMatmul.apply(xs, offsets, [gate_up.bases[e] for e in hit])
     gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets).chunk(2, dim=-1)
     h = F.silu(gate) * up  # [P, I]
-    y = _with_lora(_FrozenGroupedMatmul.apply(h, every, down.bases), h, down, hit, offsets)  # [P, H]
+    y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases), h, down, hit, offsets)  # [P, H]
     y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
     y = _Permute.apply(y, inverse, order).view(tokens, top_k, -1)  # back to [T, k, H], k in expert order
     out = y[:, 0]

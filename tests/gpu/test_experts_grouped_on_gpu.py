@@ -24,24 +24,30 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> Non
     assert float((actual.float() - expected.float()).abs().max()) <= tolerance * scale
 
 
-@pytest.mark.parametrize("quantization, rank", [("nvfp4", 4), ("bf16", 16)])  # rank 4: padded to 16 bytes
-def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(quantization, rank):
+@pytest.fixture(scope="module", params=[("nvfp4", 4), ("bf16", 16)], ids=["nvfp4-r4", "bf16-r16"])  # r4: padded
+def policy(request):
+    quantization, rank = request.param
     config = model_config("qwen3-30b-a3b", hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    policy = build_random_policy(config, quantization, lora_rank=rank, lora_b_std=0.02)
+    return build_random_policy(config, quantization, lora_rank=rank, lora_b_std=0.02)
+
+
+@pytest.mark.parametrize("tokens", [300, 20])  # base GEMMs over every expert, and over the chosen ones alone
+def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(policy, tokens):
     experts = next(m for m in policy.modules() if isinstance(m, Experts))
     assert experts.grouped  # the loader's choice on CUDA
     lora = {n: p for n, p in policy.named_parameters() if ".experts." in n and "lora_" in n}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x0 = torch.randn(300, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    x0 = torch.randn(tokens, 256, device="cuda", generator=gen).to(torch.bfloat16)
     router0 = (torch.randn(128, 256, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    dy = torch.randn(300, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    dy = torch.randn(tokens, 256, device="cuda", generator=gen).to(torch.bfloat16)
     silent = torch.arange(128, device="cuda") % 16 == 5  # experts no token chooses: their LoRA grads stay None
 
     def run(grouped: bool):
         x, router = x0.clone().requires_grad_(), router0.clone().requires_grad_()
         weight, index = (x @ router.t()).float().masked_fill(silent, -1e9).softmax(-1).topk(8, dim=-1)
         weight = weight / weight.sum(-1, keepdim=True)
+        hit = None
         if grouped:
             out, hit = grouped_experts(experts, x, index, weight)
             assert out is not None and not set(hit) & set(silent.nonzero().flatten().tolist())
@@ -50,18 +56,19 @@ def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(quantiza
         out.backward(dy)
         grads = {n: p.grad for n, p in lora.items()}
         policy.zero_grad(set_to_none=True)
-        return out.detach(), x.grad, router.grad, grads
+        return out.detach(), x.grad, router.grad, grads, hit
 
-    first = run(True)  # from the compressed tensors
-    (ref, dx_ref, dr_ref, dl_ref) = run(False)
-    out, dx, dr, dl = run(True)  # the loop's NVFP4 kernels may have moved them to host memory: the repacked copy
+    first = run(True)  # (the first test: from the compressed tensors)
+    ref, dx_ref, dr_ref, dl_ref, _ = run(False)
+    out, dx, dr, dl, hit = run(True)  # the loop's NVFP4 kernels may have moved them to host memory: the repacked copy
     close(out, first[0], ACTIVATIONS)  # (the two dequantizations may round a weight apart)
     close(dx, first[1], ACTIVATIONS)
     close(out, ref, ACTIVATIONS)
     close(dx, dx_ref, ACTIVATIONS)
     close(dr, dr_ref, ACTIVATIONS)
     assert {n for n, g in dl.items() if g is None} == {n for n, g in dl_ref.items() if g is None}
-    assert sum(g is None for g in dl.values()) == 8 * 3 * 2  # the silent experts' A and B of gate, up and down
+    assert sum(g is not None for g in dl.values()) == 6 * len(hit)  # A and B of gate, up, down of each chosen one
+    assert tokens == 20 or len(hit) == 120  # every expert but the silent ones
     for name, grad in dl.items():
         if grad is not None:
             close(grad, dl_ref[name], WEIGHTS)
