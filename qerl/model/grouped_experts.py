@@ -1,4 +1,4 @@
-"""The routed experts' forward and backward through grouped GEMMs (``torch._grouped_mm``: CUTLASS on sm_90 for bf16,
+"""The routed experts' forward and backward through grouped GEMMs (``F.grouped_mm``: CUTLASS on sm_90 for bf16,
 a loop of matmuls on the CPU), instead of a host loop over the experts that received tokens.
 
 Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [T, k]`` (P = T k pairs):
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from qerl.model.lora_linear import LoraLinear
 from qerl.nvfp4.linear import NVFP4Linear, kernel_name
 
-STRIDE_BYTES = 16  # torch._grouped_mm wants every operand's strides a multiple of 16 bytes
+STRIDE_BYTES = 16  # grouped_mm wants every operand's strides a multiple of 16 bytes
 EVERY_EXPERT_PAIRS = 4  # pairs per expert from which the base GEMMs take every expert: a uniform router leaves about
 #                         e^-4 of them unchosen, cheaper to dequantize than to wait for the count on the host
 
@@ -154,14 +154,14 @@ class _FrozenGroupedMatmul(torch.autograd.Function):
     def forward(ctx, xs, offsets, bases):
         ctx.save_for_backward(offsets)
         ctx.bases = bases
-        return torch._grouped_mm(xs, dense_stack(bases, xs.dtype, xs.device).transpose(1, 2), offs=offsets)
+        return F.grouped_mm(xs, dense_stack(bases, xs.dtype, xs.device).transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, dy):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         (offsets,) = ctx.saved_tensors
-        return torch._grouped_mm(dy.contiguous(), dense_stack(ctx.bases, dy.dtype, dy.device), offs=offsets), None, None
+        return F.grouped_mm(dy.contiguous(), dense_stack(ctx.bases, dy.dtype, dy.device), offs=offsets), None, None
 
 
 class _GatherPairs(torch.autograd.Function):
@@ -225,8 +225,8 @@ def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[in
     if stack.lora_a is None:
         return base
     a, b_t = _lora_stacks(stack, hit, base.dtype)
-    down = torch._grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
-    return base.add(torch._grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
+    down = F.grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
+    return base.add(F.grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
 
 
 def grouped_experts(experts: Sequence[nn.Module], hidden_states: torch.Tensor, top_k_index: torch.Tensor,

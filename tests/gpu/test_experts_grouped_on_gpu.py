@@ -1,5 +1,5 @@
 """The update's routed experts through grouped GEMMs on the GPU (``pytest -m gpu``; skipped without CUDA): CUTLASS's
-``torch._grouped_mm`` against the loop over experts (the Triton NVFP4 matmuls and cuBLAS LoRA products, itself
+``F.grouped_mm`` against the loop over experts (the Triton NVFP4 matmuls and cuBLAS LoRA products, itself
 checked against float64 in test_moe_on_gpu.py): output, the input's and the router's gradients, every LoRA A/B
 gradient and None where the loop leaves None, in bf16 tolerances; the experts dequantized from their compressed
 tensors and, after the loop's kernels moved those to host memory, from the repacked copy alike.
