@@ -140,7 +140,7 @@ def main() -> None:
     path = out_dir / f"moe_update_{args.quantization}.json"
     path.write_text(json.dumps({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": name, "torch": torch.__version__, "args": vars(args),
+        "device": name, "torch": torch.__version__, "command": "python " + " ".join(sys.argv), "args": vars(args),
         "variants": results, "loop_over_grouped": ratios, "max_rel_err": errors, "problems": problems,
         "record": record}, indent=1))
     print(f"wrote {path}")
