@@ -67,7 +67,7 @@ def _frozen_base(layer: nn.Module) -> bool:
 
 
 def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
-    """The stack of ``layers [G][n]``, or None where the grouped path cannot honour one of them."""
+    """The stack of ``layers [E][n]``, or None where the grouped path cannot honour one of them."""
     bases, a, b, scalings, ranks = [], [[] for _ in layers[0]], [[] for _ in layers[0]], set(), set()
     for expert in layers:
         bases.append([])
@@ -105,8 +105,9 @@ def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
 
 
 def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[G, sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim; in one copy
-    (16-bit) or one dequantize launch (NVFP4 on the Triton kernels) where the layers allow, else layer by layer."""
+    """``[len(bases), sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim; in
+    one copy (16-bit) or one dequantize launch (NVFP4 on the Triton kernels) where the layers allow, else layer by
+    layer."""
     flat = [layer for layers in bases for layer in layers]
     rows = sum(layer.out_features for layer in bases[0])
     stack = torch.empty(len(bases), rows, bases[0][0].in_features, dtype=dtype, device=device)
