@@ -61,29 +61,25 @@ class _Stack(NamedTuple):
     scaling: float
 
 
-def _frozen_base(layer: nn.Module) -> bool:
-    return (isinstance(layer, NVFP4Linear) or type(layer) is nn.Linear) and layer.bias is None and not any(
-        p.requires_grad for p in layer.parameters())
-
-
 def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
     """The stack of ``layers [E][n]``, or None where the grouped path cannot honour one of them."""
     bases, a, b, scalings, ranks = [], [[] for _ in layers[0]], [[] for _ in layers[0]], set(), set()
     for expert in layers:
         bases.append([])
         for j, layer in enumerate(expert):
-            if isinstance(layer, LoraLinear) and layer.disable_adapters and not layer.merged:
-                layer = layer.base_layer  # peft's forward runs the base alone (a reference policy's pass)
-            elif isinstance(layer, LoraLinear):
-                adapter = layer._fast_adapter((), {})
-                if adapter is None:
-                    return None
-                a[j].append(layer.lora_A[adapter].weight)
-                b[j].append(layer.lora_B[adapter].weight)
-                scalings.add(float(layer.scaling[adapter]))
-                ranks.add(a[j][-1].shape[0])
+            adapter = None
+            if isinstance(layer, LoraLinear):
+                if not (layer.disable_adapters and not layer.merged):  # disabled: peft's forward runs the base alone
+                    adapter = layer._fast_adapter((), {})  # (None too where the base would take gradients)
+                    if adapter is None:
+                        return None
+                    a[j].append(layer.lora_A[adapter].weight)
+                    b[j].append(layer.lora_B[adapter].weight)
+                    scalings.add(float(layer.scaling[adapter]))
+                    ranks.add(a[j][-1].shape[0])
                 layer = layer.base_layer
-            if not _frozen_base(layer):
+            if not (isinstance(layer, NVFP4Linear) or type(layer) is nn.Linear) or layer.bias is not None or (
+                    adapter is None and any(p.requires_grad for p in layer.parameters())):
                 return None
             bases[-1].append(layer)
     adapted = sum(len(x) for x in a)
