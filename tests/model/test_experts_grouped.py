@@ -17,7 +17,7 @@ from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, grouped_experts
 from qerl.model.policy import build_policy
 from qerl.model.replace import replace_modules
 
-IDS = torch.tensor([[1, 520, 3000, 17, 9, 400, 2, 77, 5000, 12, 8, 31]])
+IDS = torch.tensor([[1, 520, 3000, 17, 9, 400, 2, 77, 5000, 12, 8, 31, 4000, 66, 901, 3, 250, 19, 7, 1200]])  # 40 pairs
 # fp32: the same products summed in the same order, up to the GEMM's blocking; bf16: an ulp or two of the rounded
 # activations (the LoRA-B product rounded before its add), more in the sums over tokens of the weight gradients
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (0.03, 0.05)}  # (outputs and input grads, LoRA grads)
@@ -82,8 +82,10 @@ def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(
             close(grad, dlora_ref[name], weights)
 
 
-def test_a_policy_with_grouped_experts_gives_the_loops_logits_and_gradients(tiny_model_dirs):
-    policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32"))
+@pytest.mark.parametrize("checkpointing", [False, True])  # recomputed in the backward: the same saved tensors
+def test_a_policy_with_grouped_experts_gives_the_loops_logits_and_gradients(tiny_model_dirs, checkpointing):
+    policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32",
+                                          gradient_checkpointing=checkpointing))
 
     def loss_and_grads():
         logits = policy(IDS).logits
