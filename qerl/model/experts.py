@@ -39,8 +39,9 @@ GROUPED_DEVICES = ("cuda",)
 
 
 def grouped_on(device: str | torch.device) -> bool:
-    """Whether the experts of a model placed on ``device`` run through grouped GEMMs (:data:`GROUPED_DEVICES`)."""
-    return torch.device(device).type in GROUPED_DEVICES
+    """Whether the experts of a model placed on ``device`` run through grouped GEMMs (:data:`GROUPED_DEVICES`, and a
+    torch with ``F.grouped_mm``: 2.10 or later; the loop on older ones)."""
+    return torch.device(device).type in GROUPED_DEVICES and hasattr(F, "grouped_mm")
 
 
 class ExpertMLP(nn.Module):
