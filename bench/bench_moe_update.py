@@ -13,7 +13,7 @@ measurement, ``problems`` what was still wrong with it); ``peak_gib``: the peak 
 forward + backward above what was allocated before it. ``loop_over_grouped`` > 1: grouped faster. ``max_rel_err``:
 grouped against the loop (output, input and router gradients, LoRA gradients), max |diff| / max |loop|.
 
-Writes ``<out>/moe_update_<quantization>.json``.
+Writes ``<out>/moe_update_<device>_<quantization>.json``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def main() -> None:
         print("problem:", p)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"moe_update_{args.quantization}.json"
+    tag = name.split()[-1].lower() if cuda else "cpu"  # (NVIDIA H200 -> h200)
+    path = out_dir / f"moe_update_{tag}_{args.quantization}.json"
     path.write_text(json.dumps({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name, "torch": torch.__version__, "command": "python " + " ".join(sys.argv), "args": vars(args),

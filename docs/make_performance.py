@@ -403,6 +403,21 @@ def expert_gemv_section(result: dict) -> list[str]:
     return lines
 
 
+def moe_update_section(result: dict) -> list[str]:
+    """Loop over experts against grouped GEMMs: fwd+bwd and fwd ms, peak memory, the loop / grouped ratio."""
+    a = result["args"]
+    ratio = result["loop_over_grouped"]
+    rows = [[name, num(v["fwd_bwd_ms"], 1), num(v["fwd_ms"], 1), num(v["peak_gib"], 2),
+             num(ratio["fwd_bwd"]) if name == "grouped" else "-", num(ratio["fwd"]) if name == "grouped" else "-"]
+            for name, v in result["variants"].items()]
+    err = ", ".join(f"{k} {v:.1e}" for k, v in result["max_rel_err"].items())
+    lines = [f"{a['quantization']} experts, {a['tokens']} tokens, top-{a['top_k']} of {a['experts']}, H {a['hidden']}, "
+             f"I {a['inter']}, LoRA r{a['rank']}; grouped vs loop, largest relative error: {err}", ""]
+    problems = [f"Timing note: {p}" for p in result.get("problems", [])]
+    return lines + table(["path", "fwd+bwd ms", "fwd ms", "peak GiB", "loop / grouped fwd+bwd", "loop / grouped fwd"],
+                         rows) + ([""] + problems if problems else [])
+
+
 def generic_section(result: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in result["rows"] for k in r if not isinstance(r[k], (dict, list))))
     note = [result["note"], ""] if isinstance(result.get("note"), str) else []
@@ -789,6 +804,12 @@ SECTIONS = (
             "grouped kernels on the compressed layout and on bf16 weights, CUDA-graph timed past the L2; GB/s of the "
             "touched experts' bytes in each arm's layout, x floor against their compressed bytes at the copy "
             "bandwidth (`bench/bench_expert_gemv.py`).", expert_gemv_section),
+    Section("Mixture-of-experts: the update's routed experts", "moe_update_*.json",
+            "PYTHONPATH=. python bench/bench_moe_update.py --tokens 16384 --quantization nvfp4 --out bench/results",
+            "One Qwen3-30B-A3B MoE layer's routed experts in the update (random NVFP4 experts + LoRA r16, a random "
+            "router), forward and backward: the host loop over the experts that received tokens (`Experts` with "
+            "`grouped=False`, the CPU path) against the grouped GEMMs (`qerl.model.grouped_experts`, CUDA's), side by "
+            "side in one process (`bench/bench_moe_update.py`).", moe_update_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "
