@@ -124,11 +124,12 @@ def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor) -> bool:
     exact in 16 bits), then one division of each layer's rows by its own global scale; False (nothing written) where
     the layers do not allow it. A weight may differ from the layer's own dequantize by one rounding (``x / gs`` here,
     ``E2M1 * (scale / gs)`` there: both fp32, then cast)."""
-    from qerl.nvfp4.kernels.matmul import dequantize_dense, dequantize_repacked
-
     if not all(isinstance(layer, NVFP4Linear) and kernel_name(layer.kernel, out.device) == "triton"
                and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers):
         return False
+    # (imported where the Triton kernels run: the module reads the interpreter setting when it loads)
+    from qerl.nvfp4.kernels.matmul import dequantize_dense, dequantize_repacked
+
     one = torch.ones(1, dtype=torch.float32, device=out.device)
     repacked = [layer.gemv_weight(build=False) for layer in layers]
     if all(r is not None for r in repacked):  # the decode GEMV's copies (the compressed tensors may be in host memory)
