@@ -3,7 +3,7 @@ peft ``LoraLinear`` trio on its tokens) against the grouped GEMMs (``qerl.model.
 one process on the same modules and inputs. Random NVFP4 (or bf16) experts, LoRA r16 on every expert projection
 (B random), H 2048, I 768, 128 experts, top-8 of a random router, bf16 activations.
 
-    PYTHONPATH=. python bench/bench_moe_update.py [--tokens 16384] [--quantization nvfp4] [--out DIR]
+    PYTHONPATH=. python bench/bench_moe_update.py [--tokens 16384] [--quantization nvfp4] [--out DIR] [--profile]
 
 Per variant: ``fwd_bwd_ms`` (router softmax/top-k, the experts' forward, the backward into the input, the router and
 every LoRA A/B) and ``fwd_ms`` (the same forward under no_grad, as a log-prob pass runs it), each timed twice after a
@@ -12,6 +12,9 @@ problem: a one-time cost inside a timing, repeats far apart; the figures are the
 measurement, ``problems`` what was still wrong with it); ``peak_gib``: the peak memory allocated during a
 forward + backward above what was allocated before it. ``loop_over_grouped`` > 1: grouped faster. ``max_rel_err``:
 grouped against the loop (output, input and router gradients, LoRA gradients), max |diff| / max |loop|.
+
+``--profile``: one more grouped forward + backward under torch.profiler: its wall time against its kernels' summed
+GPU time (far apart: host-bound) and the top host operators and kernels (``profile`` in the JSON).
 
 Writes ``<out>/moe_update_<device>_<quantization>.json``.
 """
@@ -69,6 +72,32 @@ class Step:
         return self.experts(self.x, index, weight)
 
 
+def profile_call(call, cuda: bool, top: int = 15) -> dict:
+    """One call under torch.profiler: its wall ms, the summed GPU kernel ms (far below the wall: the host is the
+    bound), and the top operators by self host time and the top kernels by GPU time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    kernels = [e for e in events if e.device_type.name == "CUDA"]  # (the operators' device time: their kernels')
+    device_us = sum(e.self_device_time_total for e in kernels)
+    return {"wall_ms": wall * 1e3, "kernel_ms": device_us / 1e3,
+            "host_top": [{"op": e.key[:80], "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3}
+                         for e in host],
+            "kernel_top": [{"kernel": e.key[:80], "calls": e.count,
+                            "ms": e.self_device_time_total / 1e3}
+                           for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]}
+
+
 def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     if a is None or b is None:
         return 0.0 if a is None and b is None else float("inf")
@@ -86,6 +115,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--attempts", type=int, default=3, help="measurements at most, until one has no problem")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, one grouped forward + backward under torch.profiler (``profile``)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: a smoke run of the script at small sizes)
     cuda = device == "cuda"
@@ -125,6 +156,7 @@ def main() -> None:
     ratios = {k: results["loop"][f"{k}_ms"] / results["grouped"][f"{k}_ms"] for k in ("fwd_bwd", "fwd")}
     problems = method_problems(record)
 
+    profiled = profile_call(steps["grouped"].forward_backward, cuda) if args.profile else None
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{name}: {args.quantization} experts, {args.tokens} tokens, top-{args.top_k} of "
           f"{args.experts}, H {args.hidden}, I {args.inter}, LoRA r{args.rank}")
@@ -135,6 +167,12 @@ def main() -> None:
     print(f"loop / grouped: fwd+bwd {ratios['fwd_bwd']:.2f}x, fwd {ratios['fwd']:.2f}x; max rel err {errors}")
     for p in problems:
         print("problem:", p)
+    if profiled:
+        print(f"grouped fwd+bwd profiled: {profiled['wall_ms']:.1f} ms wall, {profiled['kernel_ms']:.1f} ms of kernels")
+        for row in profiled["host_top"][:8]:
+            print(f"  host {row['self_host_ms']:8.2f} ms {row['calls']:6d}x  {row['op']}")
+        for row in profiled["kernel_top"][:8]:
+            print(f"  gpu  {row['ms']:8.2f} ms {row['calls']:6d}x  {row['kernel']}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = name.split()[-1].lower() if cuda else "cpu"  # (NVIDIA H200 -> h200)
@@ -143,7 +181,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name, "torch": torch.__version__, "command": "python " + " ".join(sys.argv), "args": vars(args),
         "variants": results, "loop_over_grouped": ratios, "max_rel_err": errors, "problems": problems,
-        "record": record}, indent=1))
+        "record": record, **({"profile": profiled} if profiled else {})}, indent=1))
     print(f"wrote {path}")
 
 
