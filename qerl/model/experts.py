@@ -27,6 +27,8 @@ CUDA update's path, forward and backward), which runs the loop itself where it c
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -76,6 +78,11 @@ class Experts(nn.ModuleList):
         out, hit = grouped_experts(self, hidden_states, top_k_index, top_k_weights) if self.grouped else (None, None)
         if out is not None:
             return out
+        if self.grouped and top_k_index.numel():  # (Python shows a warning once per place: once a run)
+            warnings.warn("MoE experts: the grouped GEMMs cannot run this layer as set (LoRA dropout or a peft "
+                          "variant, adapters on some experts only, or activations other than bf16 on CUDA); the "
+                          "slower loop over experts runs instead. Fix: model.policy.lora_dropout 0, dtype bfloat16.",
+                          stacklevel=2)
         if hit is None:
             with torch.no_grad():
                 hit = torch.bincount(top_k_index.flatten(), minlength=len(self)).nonzero().flatten().tolist()
