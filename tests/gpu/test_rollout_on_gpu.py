@@ -118,6 +118,7 @@ def test_wide_steps_take_the_lora_a_product_from_the_dense_copy(policy, prompts)
             x = torch.randn(96, g.gemm.layers[0].in_features, device="cuda").to(torch.bfloat16)
             assert g.gemm.with_lora_rows(x, g.a) is not None
             outs, u = g.project(x)
+            assert u.untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()  # one GEMM's output
             torch.testing.assert_close(u[0].float(), (x.float() @ g.a.float().t()), rtol=2e-2, atol=2e-2)
             for y, apart in zip(outs, g.gemm(x)):
                 torch.testing.assert_close(y.float(), apart.float(), rtol=2e-2, atol=2e-2)
