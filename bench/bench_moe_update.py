@@ -1,7 +1,8 @@
 """The update's routed experts of one Qwen3-30B-A3B MoE layer, forward and backward: the loop over experts (each a
 peft ``LoraLinear`` trio on its tokens) against the grouped GEMMs (``qerl.model.grouped_experts``), side by side in
 one process on the same modules and inputs. Random NVFP4 (or bf16) experts, LoRA r16 on every expert projection
-(B random), H 2048, I 768, 128 experts, top-8 of a random router, bf16 activations.
+(B random), H 2048, I 768, 128 experts, top-8 of a random router, bf16 activations; NVFP4 experts' repacked copies
+stacked as the rollout's MoE step leaves them for the update (``NVFP4Linear.stacked_gemv_weight``).
 
     PYTHONPATH=. python bench/bench_moe_update.py [--tokens 16384] [--quantization nvfp4] [--out DIR] [--profile]
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing_method import fastest, method_problems, timed_twice  # noqa: E402
 
 from qerl.model.experts import Experts  # noqa: E402
+from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
 from qerl.testing.random_models import build_random_policy, model_config  # noqa: E402
 
 VARIANTS = ("loop", "grouped")
@@ -122,6 +124,9 @@ def main() -> None:
     cuda = device == "cuda"
 
     policy, experts = build(args.quantization, args.rank, args.hidden, args.inter, args.experts, device)
+    if args.quantization == "nvfp4" and cuda:  # the repacked copies as a rollout's MoE step leaves them: one stack
+        NVFP4Linear.stacked_gemv_weight([m.base_layer for e in experts for m in (e.gate_proj, e.up_proj)])
+        NVFP4Linear.stacked_gemv_weight([e.down_proj.base_layer for e in experts])
     lora = [p for n, p in policy.named_parameters() if ".experts." in n and "lora_" in n]
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=device, generator=gen).to(torch.bfloat16)

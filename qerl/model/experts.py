@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl.model.grouped_experts import grouped_experts
+from qerl.model.grouped_experts import adapter_state, expert_stacks, grouped_experts
 from qerl.model.replace import replace_modules
 
 GROUPED_DEVICES = ("cuda",)
@@ -68,6 +68,7 @@ class Experts(nn.ModuleList):
     def __init__(self, experts=None, grouped: bool = False):
         super().__init__(experts)
         self.grouped = grouped
+        self._stacks = None  # (adapter_state, expert_stacks) of the grouped path: made on first use, again on a change
 
     def extra_repr(self) -> str:
         return f"grouped={self.grouped}"
@@ -75,7 +76,8 @@ class Experts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``hidden_states [T, H]``, ``top_k_index [T, k]`` (expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``:
         sum over each token's k experts of weight * expert(token)."""
-        out, hit = grouped_experts(self, hidden_states, top_k_index, top_k_weights) if self.grouped else (None, None)
+        out, hit = (grouped_experts(self._grouped_stacks(), hidden_states, top_k_index, top_k_weights)
+                    if self.grouped else (None, None))
         if out is not None:
             return out
         if self.grouped and top_k_index.numel():  # (Python shows a warning once per place: once a run)
@@ -87,6 +89,14 @@ class Experts(nn.ModuleList):
             with torch.no_grad():
                 hit = torch.bincount(top_k_index.flatten(), minlength=len(self)).nonzero().flatten().tolist()
         return self._loop(hidden_states, top_k_index, top_k_weights, hit)
+
+    def _grouped_stacks(self):
+        """The experts' stacks for the grouped path, made again when peft changes an adapter's state (the frozen bases
+        and which layers carry adapters are read when they are made)."""
+        state = adapter_state(self)
+        if self._stacks is None or self._stacks[0] != state:
+            self._stacks = (state, expert_stacks(self))
+        return self._stacks[1]
 
     def _loop(self, hidden_states, top_k_index, top_k_weights, hit: list[int]) -> torch.Tensor:
         """The reference: each expert of ``hit`` (those that received tokens) on its tokens, added in expert order."""

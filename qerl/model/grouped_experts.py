@@ -13,10 +13,14 @@ Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [
 
 the LoRA products over the G experts that received tokens (one host sync per layer: which LoRA takes part), the base
 products over all E experts (an unchosen one an empty group) where there are ``EVERY_EXPERT_PAIRS`` pairs per expert
-or more (the gate|up base GEMM then queued before the sync), else over the G. The frozen base weights (NVFP4 or
-16-bit) are stacked dense ``[E or G, out, in]`` in the compute dtype for one grouped GEMM and dropped (NVFP4: one Triton
-dequantize launch per stack, ``dequantize_stacked``): ``_FrozenGroupedMatmul`` stacks them again in the backward
-instead of saving them (a frozen base has no weight gradient; the stack is the layer's transient dequantized copy).
+or more (the gate|up base GEMM then queued before the sync, and every expert's LoRA stacks made while it runs: kept
+when every expert was hit), else over the G. The frozen base weights (NVFP4 or 16-bit) are stacked dense
+``[E or G, out, in]`` in the compute dtype for one grouped GEMM and dropped (NVFP4: one Triton dequantize launch per
+stack over the layers' storage, each layer's rows with its own global scale, ``dequantize_stacked``):
+``_FrozenGroupedMatmul`` stacks them again in the backward instead of saving them (a frozen base has no weight
+gradient; the stack is the layer's transient dequantized copy). The k products' sum goes back by one gather
+(``_SumPairs``). Which layers take part (``expert_stacks``) is worked out once per adapter state (``Experts`` keeps
+it): the per-call host work is what the GPU waits on in a layer of 128 experts.
 LoRA A and B of the hit experts are stacked by ``torch.stack`` inside autograd, so an expert no token chose keeps grad
 None, as the loop leaves it (AdamW skips None; zeros would decay its moments and apply weight decay). Ranks are padded
 with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one LoRA-B GEMM through a block-diagonal
@@ -120,28 +124,41 @@ def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.
 
 def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor) -> bool:
     """The dense weights of NVFP4 ``layers`` (equal shapes, on the Triton kernels) written into ``out`` (their rows
-    stacked) by one dequantize launch over their storage concatenated, with a global scale of 1 (``E2M1 * scale`` is
-    exact in 16 bits), then one division of each layer's rows by its own global scale; False (nothing written) where
-    the layers do not allow it. A weight may differ from the layer's own dequantize by one rounding (``x / gs`` here,
-    ``E2M1 * (scale / gs)`` there: both fp32, then cast)."""
+    stacked) by one dequantize launch over their storage joined, each layer's rows with its own global scale (the
+    values of each layer's own dequantize); False (nothing written) where the layers do not allow it."""
     if not all(isinstance(layer, NVFP4Linear) and kernel_name(layer.kernel, out.device) == "triton"
-               and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers):
+               and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers) or (
+            layers[0].out_features % 16):  # (the kernels' row tile reads one global scale)
         return False
     # (imported where the Triton kernels run: the module reads the interpreter setting when it loads)
     from qerl.nvfp4.kernels.matmul import dequantize_dense, dequantize_repacked
 
-    one = torch.ones(1, dtype=torch.float32, device=out.device)
+    global_scales = torch.cat([layer.weight_global_scale.reshape(1) for layer in layers])
     repacked = [layer.gemv_weight(build=False) for layer in layers]
     if all(r is not None for r in repacked):  # the decode GEMV's copies (the compressed tensors may be in host memory)
-        dequantize_repacked(torch.cat([w for w, _ in repacked]), torch.cat([f for _, f in repacked]), one, out.dtype,
-                            out=out)
+        dequantize_repacked(joined([w for w, _ in repacked]), joined([f for _, f in repacked]), global_scales,
+                            out.dtype, out=out)
     elif all(layer.weight_packed.device == out.device for layer in layers):
-        scale = torch.cat([layer.weight_scale.view(torch.uint8) for layer in layers]).view(torch.float8_e4m3fn)
-        dequantize_dense(torch.cat([layer.weight_packed for layer in layers]), scale, one, out.dtype, out=out)
+        scale = joined([layer.weight_scale.view(torch.uint8) for layer in layers]).view(torch.float8_e4m3fn)
+        dequantize_dense(joined([layer.weight_packed for layer in layers]), scale, global_scales, out.dtype, out=out)
     else:
         return False
-    out.view(len(layers), -1).div_(torch.cat([layer.weight_global_scale for layer in layers]).view(-1, 1))
     return True
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without the copy where the parts are consecutive rows of one storage (the MoE decode
+    step keeps the experts' repacked copies as slices of one stack per layer)."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for part in parts:
+        if (part.data_ptr() != end or not part.is_contiguous() or part.dtype != first.dtype
+                or part.shape[1:] != first.shape[1:] or part.untyped_storage().data_ptr() != storage):
+            return torch.cat(parts)
+        end += part.nbytes
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 class _FrozenGroupedMatmul(torch.autograd.Function):
@@ -179,18 +196,25 @@ class _GatherPairs(torch.autograd.Function):
         return dx, None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """Rows ``y[rows]`` of a permutation; backward through its ``inverse`` (no atomics)."""
+class _SumPairs(torch.autograd.Function):
+    """``y [P, H]`` (sorted pairs) -> ``out [T, H]``: each token's k products added one at a time in expert order
+    (``inverse``: pair ``t k + j`` -> its sorted position); backward: each sorted pair takes its token's gradient
+    (``token``), one gather, where autograd through a permute and k slices would write k zero-filled ``[T, k, H]``
+    gradients and add them."""
 
     @staticmethod
-    def forward(ctx, y, rows, inverse):
-        ctx.save_for_backward(inverse)
-        return y.index_select(0, rows)
+    def forward(ctx, y, inverse, token, top_k):
+        ctx.save_for_backward(token)
+        products = y.index_select(0, inverse).view(-1, top_k, y.shape[-1])
+        out = products[:, 0].clone()
+        for j in range(1, top_k):  # one rounding per added product, as the loop's index_add_
+            out += products[:, j]
+        return out
 
     @staticmethod
-    def backward(ctx, dy):
-        (inverse,) = ctx.saved_tensors
-        return dy.index_select(0, inverse), None, None
+    def backward(ctx, dout):
+        (token,) = ctx.saved_tensors
+        return dout.index_select(0, token), None, None, None
 
 
 def _padded_rank(rank: int, dtype: torch.dtype) -> int:
@@ -216,54 +240,71 @@ def _lora_stacks(stack: _Stack, hit: list[int], dtype: torch.dtype) -> tuple[tor
     return a, torch.cat(rows, 1)
 
 
-def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[int], offsets: torch.Tensor
-               ) -> torch.Tensor:
+def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[int], offsets: torch.Tensor,
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``base [P, out]`` (the frozen products of ``xs [P, in]`` in expert order) plus the scaled LoRA products of the
-    ``hit`` experts (``offsets``: their rows' ends)."""
+    ``hit`` experts (``offsets``: their rows' ends; ``lora``: their ``_lora_stacks`` where already made)."""
     if stack.lora_a is None:
         return base
-    a, b_t = _lora_stacks(stack, hit, base.dtype)
+    a, b_t = lora or _lora_stacks(stack, hit, base.dtype)
     down = F.grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
     return base.add(F.grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
 
 
-def grouped_experts(experts: Sequence[nn.Module], hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def adapter_state(experts: Sequence[nn.Module]) -> tuple:
+    """What peft can change on the experts' LoRA layers once they are built (adapters disabled, merged, which is
+    active, their scalings): :func:`expert_stacks` is made again when it changes."""
+    return tuple((layer.disable_adapters, layer.merged, tuple(layer.active_adapters), tuple(layer.scaling.values()))
+                 for e in experts for layer in (e.gate_proj, e.up_proj, e.down_proj) if isinstance(layer, LoraLinear))
+
+
+def expert_stacks(experts: Sequence[nn.Module]) -> tuple[_Stack, _Stack] | None:
+    """The gate|up and down stacks of ``experts`` (modules with ``gate_proj``, ``up_proj`` and ``down_proj``), or None
+    where the grouped path cannot honour one of their layers."""
+    gate_up = _stack_of([[e.gate_proj, e.up_proj] for e in experts])
+    down = _stack_of([[e.down_proj] for e in experts])
+    return None if gate_up is None or down is None else (gate_up, down)
+
+
+def grouped_experts(stacks: tuple[_Stack, _Stack] | None, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None]:
     """``sum_j weight[t, j] * expert_{index[t, j]}(x[t])`` for ``hidden_states [T, H]`` through grouped GEMMs (see the
     module docstring), and the experts that received tokens; None for the output where the loop must run instead (and
-    for the experts too where they were not counted).
-    ``experts``: modules with ``gate_proj``, ``up_proj`` and ``down_proj``."""
+    for the experts too where they were not counted). ``stacks``: the experts' :func:`expert_stacks`."""
     tokens, top_k = top_k_index.shape
-    if hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16 or not top_k_index.numel():
+    if stacks is None or hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16 or not top_k_index.numel():
         return None, None
-    gate_up = _stack_of([[e.gate_proj, e.up_proj] for e in experts])
-    down = _stack_of([[e.down_proj] for e in experts])
-    if gate_up is None or down is None:
-        return None, None
+    gate_up, down = stacks
+    num_experts = len(gate_up.bases)
     index, slot = top_k_index.sort(dim=1)  # each token's experts in ascending order
     flat = index.flatten()
     order = torch.argsort(flat, stable=True)  # sorted position -> pair t k + j
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=len(experts))
-    xs = _GatherPairs.apply(hidden_states, order // top_k, inverse, top_k)  # [P, H]
-    every = flat.numel() >= EVERY_EXPERT_PAIRS * len(experts)
+    counts = torch.bincount(flat, minlength=num_experts)
+    token = order // top_k
+    xs = _GatherPairs.apply(hidden_states, token, inverse, top_k)  # [P, H]
+    every = flat.numel() >= EVERY_EXPERT_PAIRS * num_experts
+    lora = None, None
     if every:  # the base products over all E experts (empty groups), queued before the host waits
         base_offsets = counts.cumsum(0).to(torch.int32)
         gate_up_base = _FrozenGroupedMatmul.apply(xs, base_offsets, gate_up.bases)
+        every_expert = list(range(num_experts))  # the LoRA stacks too, made while the GPU runs: kept if all were hit
+        lora = tuple(None if s.lora_a is None else _lora_stacks(s, every_expert, hidden_states.dtype)
+                     for s in (gate_up, down))
     sizes = counts.tolist()  # the one host sync: whose LoRA takes part (an expert no token chose keeps grad None)
     hit = [e for e, n in enumerate(sizes) if n]
-    offsets = torch.tensor(list(accumulate(sizes[e] for e in hit)), dtype=torch.int32, device=flat.device)
+    if every and len(hit) == num_experts:
+        offsets = base_offsets
+    else:
+        offsets = torch.tensor(list(accumulate(sizes[e] for e in hit)), dtype=torch.int32, device=flat.device)
+        lora = None, None
     down_bases = down.bases
     if not every:  # few pairs: the chosen experts' weights alone
         base_offsets, down_bases = offsets, [down.bases[e] for e in hit]
         gate_up_base = _FrozenGroupedMatmul.apply(xs, offsets, [gate_up.bases[e] for e in hit])
-    gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets).chunk(2, dim=-1)
+    gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets, lora[0]).chunk(2, dim=-1)
     h = F.silu(gate) * up  # [P, I]
-    y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases), h, down, hit, offsets)  # [P, H]
+    y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases), h, down, hit, offsets, lora[1])  # [P, H]
     y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
-    y = _Permute.apply(y, inverse, order).view(tokens, top_k, -1)  # back to [T, k, H], k in expert order
-    out = y[:, 0]
-    for j in range(1, top_k):  # one rounding per added product, as the loop's index_add_
-        out = out + y[:, j]
-    return out.contiguous(), hit
+    return _SumPairs.apply(y, inverse, token, top_k), hit

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qerl.model.experts import Experts
-from qerl.model.grouped_experts import grouped_experts
+from qerl.model.grouped_experts import expert_stacks, grouped_experts
 from qerl.testing.random_models import build_random_policy, model_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,7 +49,7 @@ def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(policy, 
         weight = weight / weight.sum(-1, keepdim=True)
         hit = None
         if grouped:
-            out, hit = grouped_experts(experts, x, index, weight)
+            out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
             assert out is not None and not set(hit) & set(silent.nonzero().flatten().tolist())
         else:
             out = Experts(list(experts), grouped=False)(x, index, weight)

@@ -11,7 +11,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/model/test_
 import torch  # noqa: E402
 
 from qerl.model.experts import ExpertMLP, Experts  # noqa: E402
-from qerl.model.grouped_experts import dense_stack, grouped_experts  # noqa: E402
+from qerl.model.grouped_experts import dense_stack, expert_stacks, grouped_experts  # noqa: E402
 from qerl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 128, 64, 3
@@ -51,7 +51,7 @@ def main() -> None:
         x = (torch.randn(8, HIDDEN, generator=gen) * 0.5).to(dtype).requires_grad_()
         index = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2], [0, 2], [2, 0], [0, 2]])  # expert 1: no token
         weight = torch.rand(8, 2, generator=gen)
-        out, hit = grouped_experts(experts, x, index, weight)
+        out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
         (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
         x_ref = x.detach().clone().requires_grad_()
         ref = experts(x_ref, index, weight)
@@ -64,6 +64,11 @@ def main() -> None:
             p.gemv_weight()
     for dtype in (torch.float32, torch.float16):
         results[f"repacked-{str(dtype).removeprefix('torch.')}"] = stack_errors(experts, dtype)
+    # as the MoE decode step leaves them: each layer's copy a slice of one stack (joined without a copy)
+    NVFP4Linear.stacked_gemv_weight([p for e in experts for p in (e.gate_proj, e.up_proj)])
+    NVFP4Linear.stacked_gemv_weight([e.down_proj for e in experts])
+    for dtype in (torch.float32, torch.float16):
+        results[f"stacked-{str(dtype).removeprefix('torch.')}"] = stack_errors(experts, dtype)
     print(json.dumps(results))
 
 

@@ -13,7 +13,7 @@ import torch
 
 from qerl.model.checkpoint_io import load_model
 from qerl.model.experts import Experts, grouped_on
-from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, grouped_experts
+from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, expert_stacks, grouped_experts, joined
 from qerl.model.policy import build_policy
 from qerl.model.replace import replace_modules
 
@@ -62,7 +62,7 @@ def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(
         weight, index = logits.softmax(-1).topk(2, dim=-1)
         weight = weight / weight.sum(-1, keepdim=True)
         if grouped:
-            out, hit = grouped_experts(experts, x, index, weight)
+            out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
             assert out is not None and 6 not in hit  # the grouped path ran
         else:
             out = Experts(list(experts), grouped=False)(x, index, weight)
@@ -112,16 +112,38 @@ def test_what_the_grouped_path_cannot_honour_runs_the_loop(tiny_model_dirs):
     experts = policy.get_base_model().model.layers[0].mlp.experts
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
     index, weight = torch.tensor([[0, 3]] * 6), torch.full((6, 2), 0.5)
-    out, hit = grouped_experts(experts, x, index, weight)
+    out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
     assert out is None and hit is None
     with torch.no_grad():
         with pytest.warns(UserWarning, match="the slower loop over experts runs instead"):
             fallback = Experts(list(experts), grouped=True)(x, index, weight)
         assert torch.equal(fallback, Experts(list(experts), grouped=False)(x, index, weight))
         with policy.disable_adapter():  # peft's forward runs the base alone: so does the grouped path
-            out, hit = grouped_experts(experts, x, index, weight)
+            out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
             assert hit == [0, 3]
             torch.testing.assert_close(out, Experts(list(experts), grouped=False)(x, index, weight))
+
+
+def test_the_grouped_experts_follow_peft_disabling_and_scaling_their_adapters(tiny_model_dirs):
+    policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32"))
+    experts = policy.get_base_model().model.layers[0].mlp.experts
+    grouped, loop = Experts(list(experts), grouped=True), Experts(list(experts), grouped=False)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
+    index = torch.randint(0, 8, (12, 8), generator=torch.Generator().manual_seed(5)).argsort(1)[:, :2]
+    weight = torch.rand(12, 2, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        adapted = grouped(x, index, weight)  # (its stacks are made here, with the adapters on)
+        close(adapted, loop(x, index, weight), 1e-5)
+        with policy.disable_adapter():
+            base = grouped(x, index, weight)
+            close(base, loop(x, index, weight), 1e-5)
+        assert float((adapted - base).abs().max()) > 1e-3 * float(adapted.abs().max())  # the adapters count
+        for module in experts.modules():
+            if hasattr(module, "scaling"):
+                module.scaling["default"] *= 3.0
+        scaled = grouped(x, index, weight)
+        close(scaled, loop(x, index, weight), 1e-5)
+        assert float((scaled - adapted).abs().max()) > 1e-3 * float(adapted.abs().max())
 
 
 def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
@@ -135,14 +157,24 @@ def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
     index = torch.randint(0, 8, (10, 8), generator=torch.Generator().manual_seed(2)).argsort(1)[:, :2]
     weight = torch.rand(10, 2, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        out, _ = grouped_experts(experts, x, index, weight)
+        out, _ = grouped_experts(expert_stacks(experts), x, index, weight)
         close(out, experts(x, index, weight), TOLERANCE[torch.bfloat16][0])
+
+
+def test_joined_parts_of_one_storage_are_a_view_and_others_a_copy():
+    whole = torch.arange(60.0).view(12, 5)
+    parts = list(whole.split([3, 4, 5]))
+    view = joined(parts)
+    assert torch.equal(view, whole) and view.data_ptr() == whole.data_ptr()  # no copy
+    for others in ([parts[1], parts[0]], [parts[0], parts[2]], [parts[0], whole[3:7].clone()], [whole[:, :2]]):
+        out = joined(others)
+        assert torch.equal(out, torch.cat(others)) and out.data_ptr() != whole.data_ptr()
 
 
 def test_stacked_dequantize_and_grouped_experts_on_the_triton_kernels_interpreted(run_interpreted):
     pytest.importorskip("triton")
     results = run_interpreted(Path(__file__).with_name("_interpret_dense_stack.py"))
-    for storage in ("compressed", "repacked"):  # one rounding apart at most (x / gs against E2M1 * (scale / gs))
+    for storage in ("compressed", "repacked", "stacked"):  # one rounding apart at most (the kernel's order against the reference's)
         assert results[f"{storage}-float32"] <= 2**-22 and results[f"{storage}-float16"] <= 2**-10, results
     assert results["hit-float32"] == results["hit-float16"] == [0, 2]
     assert results["grouped-out-float32"] < 1e-5 and results["grouped-dx-float32"] < 1e-5, results

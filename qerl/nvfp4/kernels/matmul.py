@@ -110,14 +110,15 @@ def _nvfp4_mm_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    packed_ptr, scale_ptr, global_scale_ptr, out_ptr, ROWS, COLS,
+    packed_ptr, scale_ptr, global_scale_ptr, out_ptr, ROWS, COLS, ROWS_PER_SCALE,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, SHIFT: tl.constexpr,
 ):
-    """``out [ROWS, COLS] = dequant(W)`` in one pass (0.5625 bytes read, 2 written per weight)."""
+    """``out [ROWS, COLS] = dequant(W)`` in one pass (0.5625 bytes read, 2 written per weight); each
+    ``ROWS_PER_SCALE`` rows (a multiple of ``BLOCK_R``) take the next global scale (stacked layers)."""
     row0 = tl.program_id(0) * BLOCK_R
     col0 = tl.program_id(1) * BLOCK_C
     w = _unpacked_weight_tile(packed_ptr, scale_ptr, row0, col0, ROWS, COLS, BLOCK_R, BLOCK_C, COMPUTE)
-    w = w.to(tl.float32) * (SHIFT / tl.load(global_scale_ptr))
+    w = w.to(tl.float32) * (SHIFT / tl.load(global_scale_ptr + row0 // ROWS_PER_SCALE))
     rows = row0 + tl.arange(0, BLOCK_R)
     cols = col0 + tl.arange(0, BLOCK_C)
     tl.store(out_ptr + rows[:, None] * COLS + cols[None, :], w.to(out_ptr.dtype.element_ty),
@@ -127,9 +128,11 @@ def _dequantize_kernel(
 @triton.jit
 def _dequantize_repacked_kernel(
     words_ptr, factors_ptr, global_scale_ptr, mag_base_ptr, sign_base_ptr, e2m1_ptr, out_ptr, CHUNKS, COLS,
+    BLOCKS_PER_SCALE,
 ):
     """``out[16 rb : +16, 64 c : +64] = dequant(W)`` from the decode GEMV's repacked layout (``gemv_layout``): each
-    element's word, bit positions and factor half follow from its (row, k) by the layout's fragment order."""
+    element's word, bit positions and factor half follow from its (row, k) by the layout's fragment order; each
+    ``BLOCKS_PER_SCALE`` row blocks take the next global scale (stacked layers)."""
     rb = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, 16)[:, None]
@@ -145,7 +148,7 @@ def _dequantize_repacked_kernel(
     factor = tl.load(factors_ptr + tile * 32 + lane)
     bits = tl.where(hi == 1, (factor >> 16) & 0xFFFF, factor & 0xFFFF)
     scale = (bits << 16).to(tl.float32, bitcast=True) * 2.0**-118  # the e4m3 block scale, exactly
-    value = tl.load(e2m1_ptr + code) * (scale / tl.load(global_scale_ptr))
+    value = tl.load(e2m1_ptr + code) * (scale / tl.load(global_scale_ptr + rb // BLOCKS_PER_SCALE))
     value = tl.where(negative == 1, -value, value)
     tl.store(out_ptr + (rb * 16 + r) * COLS + c * 64 + k, value.to(out_ptr.dtype.element_ty))
 
@@ -229,14 +232,16 @@ def dequantize_dense(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 ``[N, K]`` -> dense ``dtype`` in one Triton pass (the same values as ``qerl.nvfp4.format.dequantize``);
-    ``out``: a contiguous ``[N, K]`` tensor to write (e.g. rows of a stacked weight)."""
+    ``out``: a contiguous ``[N, K]`` tensor to write (e.g. rows of a stacked weight). ``weight_global_scale``: one
+    scale, or one per equal share of the rows (layers stacked along the output dim, see :func:`rows_per_scale`)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
     if out is None:
         out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    args = (weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k)
+    args = (weight_packed, weight_scale.view(torch.uint8), weight_global_scale, out, n, k,
+            rows_per_scale(n, weight_global_scale, _DEQUANT_BLOCK[0]))
     grid = (cdiv(n, _DEQUANT_BLOCK[0]), cdiv(k, _DEQUANT_BLOCK[1]), 1)
     if _INTERPRET:
         _dequantize_kernel[grid](*args, **_dequant_constants(dtype))
@@ -250,7 +255,8 @@ def dequantize_repacked(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode GEMV's repacked weight (``gemv_layout.repack``) -> dense ``dtype [N, K]``, the values of
-    ``qerl.nvfp4.format.dequantize`` on the compressed-tensors tensors it was made from."""
+    ``qerl.nvfp4.format.dequantize`` on the compressed-tensors tensors it was made from. ``weight_global_scale``: one
+    scale, or one per equal share of the rows (layers stacked along the output dim, see :func:`rows_per_scale`)."""
     blocks, chunks = words.shape[:2]
     n, k = blocks * 16, chunks * gemv_layout.CHUNK
     if out is None:
@@ -259,8 +265,20 @@ def dequantize_repacked(
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     mag, sign, e2m1 = _repacked_tables(words.device)
-    _dequantize_repacked_kernel[(blocks, chunks)](words, factors, weight_global_scale, mag, sign, e2m1, out, chunks, k)
+    _dequantize_repacked_kernel[(blocks, chunks)](words, factors, weight_global_scale, mag, sign, e2m1, out, chunks, k,
+                                                  rows_per_scale(n, weight_global_scale, 16) // 16)
     return out
+
+
+def rows_per_scale(rows: int, global_scales: torch.Tensor, multiple: int) -> int:
+    """The rows each of ``global_scales`` covers, in order (one scale: all of them); a multiple of ``multiple`` (the
+    kernel's row tile, which reads one scale)."""
+    count = global_scales.numel()
+    share = rows // count
+    if count != 1 and (share * count != rows or share % multiple):
+        raise ValueError(f"{count} global scales cannot each cover an equal share of {rows} rows in multiples of "
+                         f"{multiple}: stack layers of equal shapes whose rows are a multiple of {multiple}.")
+    return rows if count == 1 else share
 
 
 @functools.cache
