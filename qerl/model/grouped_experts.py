@@ -41,6 +41,7 @@ forward does), adapters on some experts only, or scalings that differ within a s
 from __future__ import annotations
 
 from collections.abc import Sequence
+import weakref
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -63,6 +64,7 @@ class _Stack(NamedTuple):
     lora_a: list[list[torch.Tensor]] | None  # [n][E] A [r, in] (by layer kind: one torch.stack each)
     lora_b: list[list[torch.Tensor]] | None  # [n][E] B [out, r]
     scaling: float
+    joins: dict  # the NVFP4 bases' storage joined for the stacked dequantize (``_Join`` by part), kept across calls
 
 
 def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
@@ -88,10 +90,10 @@ def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
             bases[-1].append(layer)
     adapted = sum(len(x) for x in a)
     if adapted == 0:
-        return _Stack(bases, None, None, 1.0)
+        return _Stack(bases, None, None, 1.0, {})
     if adapted != len(layers) * len(layers[0]) or len(scalings) != 1 or len(ranks) != 1:
         return None
-    return _Stack(bases, a, b, scalings.pop())
+    return _Stack(bases, a, b, scalings.pop(), {})
 
 
 def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
@@ -104,16 +106,17 @@ def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
         layer.dequantize(out.dtype, out=out)
 
 
-def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.device, joins: dict | None = None
+                ) -> torch.Tensor:
     """``[len(bases), sum of out, in]``: each expert's frozen layers' dense weights, stacked along the output dim; in
     one copy (16-bit) or one dequantize launch (NVFP4 on the Triton kernels) where the layers allow, else layer by
-    layer."""
+    layer. ``joins``: where the NVFP4 layers' joined storage is kept between calls on the same ``bases``."""
     flat = [layer for layers in bases for layer in layers]
     rows = sum(layer.out_features for layer in bases[0])
     stack = torch.empty(len(bases), rows, bases[0][0].in_features, dtype=dtype, device=device)
     if all(type(layer) is nn.Linear and layer.weight.dtype == dtype for layer in flat):
         torch.cat([layer.weight for layer in flat], out=stack.view(-1, stack.shape[-1]))
-    elif not dequantize_stacked(flat, stack.view(-1, stack.shape[-1])):
+    elif not dequantize_stacked(flat, stack.view(-1, stack.shape[-1]), joins if joins is not None else {}):
         for g, layers in enumerate(bases):
             row = 0
             for layer in layers:
@@ -122,10 +125,11 @@ def dense_stack(bases: list[list[nn.Module]], dtype: torch.dtype, device: torch.
     return stack
 
 
-def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor) -> bool:
+def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor, joins: dict) -> bool:
     """The dense weights of NVFP4 ``layers`` (equal shapes, on the Triton kernels) written into ``out`` (their rows
-    stacked) by one dequantize launch over their storage joined, each layer's rows with its own global scale (the
-    values of each layer's own dequantize); False (nothing written) where the layers do not allow it."""
+    stacked) by one dequantize launch over their storage joined (kept in ``joins`` while it is the same tensors),
+    each layer's rows with its own global scale (the values of each layer's own dequantize); False (nothing written)
+    where the layers do not allow it."""
     if not all(isinstance(layer, NVFP4Linear) and kernel_name(layer.kernel, out.device) == "triton"
                and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers) or (
             layers[0].out_features % 16):  # (the kernels' row tile reads one global scale)
@@ -133,14 +137,20 @@ def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor) -> bool:
     # (imported where the Triton kernels run: the module reads the interpreter setting when it loads)
     from qerl.nvfp4.kernels.matmul import dequantize_dense, dequantize_repacked
 
-    global_scales = torch.cat([layer.weight_global_scale.reshape(1) for layer in layers])
+    def join(name: str, parts: list[torch.Tensor], make=joined) -> torch.Tensor:
+        return joins.setdefault(name, _Join()).of(parts, make)
+
+    global_scales = join("global_scales", [layer.weight_global_scale for layer in layers],
+                         lambda parts: torch.cat([t.reshape(1) for t in parts]))
     repacked = [layer.gemv_weight(build=False) for layer in layers]
     if all(r is not None for r in repacked):  # the decode GEMV's copies (the compressed tensors may be in host memory)
-        dequantize_repacked(joined([w for w, _ in repacked]), joined([f for _, f in repacked]), global_scales,
-                            out.dtype, out=out)
+        dequantize_repacked(join("words", [w for w, _ in repacked]), join("factors", [f for _, f in repacked]),
+                            global_scales, out.dtype, out=out)
     elif all(layer.weight_packed.device == out.device for layer in layers):
-        scale = joined([layer.weight_scale.view(torch.uint8) for layer in layers]).view(torch.float8_e4m3fn)
-        dequantize_dense(joined([layer.weight_packed for layer in layers]), scale, global_scales, out.dtype, out=out)
+        scale = join("scales", [layer.weight_scale for layer in layers],
+                     lambda parts: joined([t.view(torch.uint8) for t in parts]).view(torch.float8_e4m3fn))
+        dequantize_dense(join("packed", [layer.weight_packed for layer in layers]), scale, global_scales, out.dtype,
+                         out=out)
     else:
         return False
     return True
@@ -161,22 +171,50 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # (inference tensors have no version counter)
+
+
+class _Join:
+    """``make(parts)`` kept while the parts are the same tensors, unwritten since (checked by identity and version:
+    the per-call host work of 256 experts' checks and copies is what the GPU otherwise waits on); a result that is
+    a copy of more than ``KEPT_COPY_BYTES`` is made again each call instead (kept, it would be resident memory the
+    plan does not count)."""
+
+    KEPT_COPY_BYTES = 1 << 20
+
+    def __init__(self):
+        self.key: list = []
+        self.value: torch.Tensor | None = None
+
+    def of(self, parts: list[torch.Tensor], make) -> torch.Tensor:
+        if len(parts) == len(self.key) and all(ref() is t and version == _version(t)
+                                               for (ref, version), t in zip(self.key, parts)):
+            return self.value
+        value = make(parts)
+        if value.nbytes <= self.KEPT_COPY_BYTES or (
+                value.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()):
+            self.key, self.value = [(weakref.ref(t), _version(t)) for t in parts], value
+        return value
+
+
 class _FrozenGroupedMatmul(torch.autograd.Function):
     """``xs [P, in] -> [P, out]``, each expert's rows times its frozen weights; gradient to ``xs`` only, and the dense
     stack is made again in the backward rather than saved."""
 
     @staticmethod
-    def forward(ctx, xs, offsets, bases):
+    def forward(ctx, xs, offsets, bases, joins):
         ctx.save_for_backward(offsets)
-        ctx.bases = bases
-        return F.grouped_mm(xs, dense_stack(bases, xs.dtype, xs.device).transpose(1, 2), offs=offsets)
+        ctx.bases, ctx.joins = bases, joins
+        return F.grouped_mm(xs, dense_stack(bases, xs.dtype, xs.device, joins).transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, dy):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         (offsets,) = ctx.saved_tensors
-        return F.grouped_mm(dy.contiguous(), dense_stack(ctx.bases, dy.dtype, dy.device), offs=offsets), None, None
+        stack = dense_stack(ctx.bases, dy.dtype, dy.device, ctx.joins)
+        return F.grouped_mm(dy.contiguous(), stack, offs=offsets), None, None, None
 
 
 class _GatherPairs(torch.autograd.Function):
@@ -288,7 +326,7 @@ def grouped_experts(stacks: tuple[_Stack, _Stack] | None, hidden_states: torch.T
     lora = None, None
     if every:  # the base products over all E experts (empty groups), queued before the host waits
         base_offsets = counts.cumsum(0).to(torch.int32)
-        gate_up_base = _FrozenGroupedMatmul.apply(xs, base_offsets, gate_up.bases)
+        gate_up_base = _FrozenGroupedMatmul.apply(xs, base_offsets, gate_up.bases, gate_up.joins)
         every_expert = list(range(num_experts))  # the LoRA stacks too, made while the GPU runs: kept if all were hit
         lora = tuple(None if s.lora_a is None else _lora_stacks(s, every_expert, hidden_states.dtype)
                      for s in (gate_up, down))
@@ -299,12 +337,13 @@ def grouped_experts(stacks: tuple[_Stack, _Stack] | None, hidden_states: torch.T
     else:
         offsets = torch.tensor(list(accumulate(sizes[e] for e in hit)), dtype=torch.int32, device=flat.device)
         lora = None, None
-    down_bases = down.bases
+    down_bases, down_joins = down.bases, down.joins
     if not every:  # few pairs: the chosen experts' weights alone
-        base_offsets, down_bases = offsets, [down.bases[e] for e in hit]
-        gate_up_base = _FrozenGroupedMatmul.apply(xs, offsets, [gate_up.bases[e] for e in hit])
+        base_offsets, down_bases, down_joins = offsets, [down.bases[e] for e in hit], None
+        gate_up_base = _FrozenGroupedMatmul.apply(xs, offsets, [gate_up.bases[e] for e in hit], None)
     gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets, lora[0]).chunk(2, dim=-1)
     h = F.silu(gate) * up  # [P, I]
-    y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases), h, down, hit, offsets, lora[1])  # [P, H]
+    y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases, down_joins), h, down, hit, offsets,
+                   lora[1])  # [P, H]
     y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
     return _SumPairs.apply(y, inverse, token, top_k), hit

@@ -182,12 +182,12 @@ class NVFP4Linear(nn.Module):
         """The decode GEMV's repacked copy of this weight (words, factors), built on first use and rebuilt after the
         storage changes; None when it is missing and ``build`` is False (never built inside a CUDA graph capture:
         allocations and host-to-device index tensors)."""
-        from qerl.nvfp4.kernels.gemv_layout import repack
-
         key = _storage_version(self.weight_packed, self.weight_scale)
         if self._gemv_cache is None or self._gemv_cache[0] != key:
             if not build:
                 return None
+            from qerl.nvfp4.kernels.gemv_layout import repack
+
             device = self.weight_global_scale.device  # the compressed-tensors tensors may be in host memory
             self._gemv_cache = (key, repack(self.weight_packed.to(device), self.weight_scale.to(device)))
             if device.type == "cuda" and self.weight_packed.is_cuda:  # (again after a module.to(cuda))

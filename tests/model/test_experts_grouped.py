@@ -13,7 +13,7 @@ import torch
 
 from qerl.model.checkpoint_io import load_model
 from qerl.model.experts import Experts, grouped_on
-from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, expert_stacks, grouped_experts, joined
+from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, _Join, expert_stacks, grouped_experts, joined
 from qerl.model.policy import build_policy
 from qerl.model.replace import replace_modules
 
@@ -169,6 +169,17 @@ def test_joined_parts_of_one_storage_are_a_view_and_others_a_copy():
     for others in ([parts[1], parts[0]], [parts[0], parts[2]], [parts[0], whole[3:7].clone()], [whole[:, :2]]):
         out = joined(others)
         assert torch.equal(out, torch.cat(others)) and out.data_ptr() != whole.data_ptr()
+    kept, parts = _Join(), [torch.ones(2, 3), torch.zeros(1, 3)]
+    first = kept.of(parts, torch.cat)
+    assert kept.of(parts, torch.cat) is first  # the same tensors: kept
+    parts[1].fill_(5.0)  # written in place: made again
+    assert torch.equal(kept.of(parts, torch.cat)[2], torch.full((3,), 5.0))
+    parts[0] = torch.full((2, 3), 7.0)  # another tensor: made again
+    assert torch.equal(kept.of(parts, torch.cat)[:2], parts[0])
+    big = [torch.zeros(_Join.KEPT_COPY_BYTES // 4, 1), torch.ones(1, 1)]  # a large copy: never kept
+    assert kept.of(big, torch.cat) is not kept.of(big, torch.cat)
+    views = list(torch.zeros(_Join.KEPT_COPY_BYTES // 4 + 1, 1).split([5, _Join.KEPT_COPY_BYTES // 4 - 4]))
+    assert kept.of(views, joined) is kept.of(views, joined)  # a large view of the parts' own storage: kept
 
 
 def test_stacked_dequantize_and_grouped_experts_on_the_triton_kernels_interpreted(run_interpreted):
