@@ -198,3 +198,29 @@ def test_the_e2e_command_builds_the_timed_engine_through_the_cli(no_model_loads,
         assert type(cli.model.rollout).__name__ == engine.split(".")[-1]
         assert cli.model.rollout.phase_records == [] and cli.model.rollout.wave_rows is not None  # planned
     assert isinstance(cli.model.rollout, TimedForcedLengthRollout) and cli.model.rollout.length_median == 400.0
+
+
+def test_a_fit_with_the_timed_engine_records_each_steps_rollout_inside_its_logged_time(tiny_model_dirs, tmp_path,
+                                                                                       monkeypatch):
+    """Through ``train.py fit`` as the e2e benchmark runs it (the tiny MoE's fused step, its expert choices recorded):
+    one breakdown per step, each inside the step's ``perf/rollout_s`` (which also times the routing records and the
+    detokenizing around ``generate``: the e2e's ``outside_generate_s``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qerl.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main(["fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.policy.model",
+                    str(tiny_model_dirs["qwen3_moe"]), "--trainer.logger.init_args.save_dir", str(tmp_path),
+                    "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
+                    "--model.rollout.class_path", "rollout_phases.TimedForcedLengthRollout",
+                    "--model.rollout.init_args.fused", "true", "--model.rollout.init_args.length_median", "4",
+                    "--model.rollout.init_args.check_every", "2", "--model.sampling.max_new_tokens", "12"])
+    events = EventAccumulator(str(cli.trainer.log_dir))
+    events.Reload()
+    rollout_s = [e.value for e in events.Scalars("perf/rollout_s")]
+    records = cli.model.rollout.phase_records
+    assert len(records) == len(rollout_s) == 2
+    for record, logged in zip(records, rollout_s):
+        assert 0 < record["total_s"] <= logged
+        assert record["decode_steps"] >= 1 and record["prefills"] == 1
