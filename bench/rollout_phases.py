@@ -112,7 +112,11 @@ class PhaseRecorder:
             rollout = super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=routing)
         finally:
             self._recording = None
-        self.phase_records.append(breakdown(*recording.close(), check_every=self.check_every))
+        try:
+            record = breakdown(*recording.close(), check_every=self.check_every)
+        except Exception as e:  # noqa: BLE001  a record must never stop the training run it times
+            record = {"error": repr(e)}
+        self.phase_records.append(record)
         return rollout
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
@@ -225,10 +229,12 @@ def breakdown(segments: list[Segment], wall_s: float, check_every: int) -> dict:
             "cells": [cells[k] for k in sorted(cells, key=lambda k: (-k[0], k[1])) if cells[k]["steps"]]}
 
 
-def interpolated_ms(rows: int, table: dict[int, float]) -> float:
+def interpolated_ms(rows: int, table: dict[int, float]) -> float | None:
     """The ms per step at ``rows`` from a table measured at some row counts: linear between the nearest two, the
-    nearest one's outside them."""
+    nearest one's outside them (None from an empty table)."""
     known = sorted(table)
+    if not known:
+        return None
     if rows <= known[0]:
         return table[known[0]]
     if rows >= known[-1]:
@@ -256,7 +262,7 @@ def short_context_model(record: dict, table: dict[int, float]) -> dict:
     over their steps' model, checks, setup, ...). ``model_s + context_s + rest_s == total_s``."""
     rows = []
     for bucket in record["buckets"]:
-        ms = interpolated_ms(bucket["batch"], table)
+        ms = interpolated_ms(bucket["batch"], table) or 0.0  # (no replayed step anywhere to model from: 0)
         replay_model = bucket["steps"] * ms / 1e3
         rows.append({"batch": bucket["batch"], "short_ms": ms, "steps": bucket["steps"] + bucket["capture_steps"],
                      "model_s": (bucket["steps"] + bucket["capture_steps"]) * ms / 1e3, "replay_s": bucket["seconds"],
@@ -288,6 +294,7 @@ def summarize(records: list[dict], table: dict[int, float] | None = None) -> dic
     """The calls' mean parts, and their mean decode per batch bucket against ``short_context_model`` (``table``: a
     decode benchmark's rows -> ms per step; empty or None: each call's own shortest length bucket per batch
     bucket)."""
+    records = [r for r in records if "error" not in r]
     n = max(len(records), 1)
     models = [short_context_model(r, table or own_short_context_table(r)) for r in records]
     buckets: dict[int, dict] = {}

@@ -146,6 +146,20 @@ def test_the_short_context_table_is_interpolated_in_rows():
     assert interpolated_ms(256, table) == 11.5  # (the nearest measured one outside them)
     assert interpolated_ms(32, table) == pytest.approx(5.5 + 4.0 * 16 / 48)
     assert interpolated_ms(96, table) == pytest.approx(10.5)
+    assert interpolated_ms(8, {}) is None
+
+
+def test_a_breakdown_that_fails_is_recorded_and_the_rollout_goes_on(policy, monkeypatch):
+    def failing(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the breakdown")
+
+    monkeypatch.setattr("rollout_phases.breakdown", failing)
+    engine = TimedForcedLengthRollout(length_median=4, check_every=2, length_bucket=8)
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=1, stream="separate")
+    r = engine.generate(policy, PROMPTS[:1], 2, PAD, [EOS], spec)
+    assert r.completion_ids.shape[0] == 2
+    assert engine.phase_records == [{"error": "ZeroDivisionError('a bug in the breakdown')"}]
+    assert summarize(engine.phase_records)["calls"] == 0  # left out of the summary
 
 
 def record_of(decode_s: float, prefill_s: float) -> dict:

@@ -16,16 +16,22 @@ from forced_lengths import ForcedLengthRollout  # noqa: E402
 from rollout_phases import TimedForcedLengthRollout  # noqa: E402
 from test_rollout_phases import expected_schedule  # noqa: E402
 
+from qerl.model.routing import RoutingRecorder  # noqa: E402
 from qerl.rollout.sampling_spec import SamplingSpec  # noqa: E402
-from qerl.testing.random_models import build_random_policy, qwen25_config  # noqa: E402
+from qerl.testing.random_models import build_random_policy, model_config  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def policy():
-    config = qwen25_config("qwen2.5-7b", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+WIDTHS = {"qwen2.5-7b": dict(intermediate_size=512), "qwen3-30b-a3b": dict(moe_intermediate_size=128)}
+
+
+@pytest.fixture(scope="module", params=list(WIDTHS))
+def policy(request):
+    """A dense and a MoE shape cut to 2 layers of width 256: the fused dense step, and the fused MoE step recording
+    its expert choices as in the e2e benchmark."""
+    config = model_config(request.param, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512, **WIDTHS[request.param])
     return build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
 
 
@@ -34,8 +40,15 @@ def test_the_gpu_breakdown_sums_to_the_call_counts_captures_once_and_samples_the
     options = dict(length_median=24, length_sigma=0.8, check_every=4, length_bucket=16)
     spec = SamplingSpec(max_new_tokens=96, temperature=1.0, seed=3, stream="separate")
     timed, plain = TimedForcedLengthRollout(**options), ForcedLengthRollout(**options)
+    moe = getattr(policy.get_base_model().config, "num_experts", 0)
     for call in range(2):
-        r = timed.generate(policy, prompts, 4, 0, [1], spec)
+        routing = RoutingRecorder() if moe else None
+        if routing is None:
+            r = timed.generate(policy, prompts, 4, 0, [1], spec)
+        else:
+            with routing.recording(policy):
+                r = timed.generate(policy, prompts, 4, 0, [1], spec, routing=routing)
+        assert "error" not in timed.phase_records[-1]
         record = timed.phase_records[-1]
         assert sum(record["parts"].values()) == pytest.approx(record["total_s"], rel=1e-9)
         assert record["total_s"] <= record["wall_s"] + 1e-3  # the events lie inside the host's timing
