@@ -29,7 +29,8 @@ drops the first step (graph capture, autotuning) and prints the medians side by 
 ``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``: setup,
 prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each timed
 call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
-(``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
+(``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so
+the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
 """
 
 from __future__ import annotations
