@@ -13,6 +13,9 @@ its mark to the next, so the parts sum to the call's time by construction and ev
 captures a graph counts under the capture: it runs eagerly, then is captured). A check's segment is the GPU's time from
 the end of the steps queued before it to the first step after it: the host's sync, its decision and any compaction.
 
+Each record also says why the call captured what it did (``graph_facts``: the graphs held at its start and at its
+first prefill, the engine's clears, and where the decode state was rebuilt, what of its key changed).
+
 ``short_context_model`` sets the measured replays beside a model of steps x a short-context ms per step (a decode
 benchmark's, per batch bucket): what the replays take over the model is the cost of the longer contexts (attention over
 the KV cache) and the rest of the call is what no decode step explains.
@@ -54,6 +57,9 @@ class PhaseRecording:
             torch.cuda.synchronize(device)  # the first event then stands at the host's start
         self.wall_start = time.perf_counter()
         self.segments: list[Segment] = []
+        self.graphs: dict[str, int] = {}  # captured steps held at the call's start and at its first prefill
+        self.clears = 0  # times the engine dropped all its graphs during the call
+        self.state_keys: tuple | None = None  # (old, new) keys of a decode state rebuilt during the call
         self.mark("setup")
 
     def mark(self, kind: str, batch: int | None = None, length: int | None = None) -> None:
@@ -108,12 +114,15 @@ class PhaseRecorder:
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=None):
         recording = self._recording = PhaseRecording(next(policy.parameters()).device)
+        recording.graphs["at_start"] = len(self._graph_cache.graphs)
         try:
             rollout = super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=routing)
         finally:
             self._recording = None
         try:
             record = breakdown(*recording.close(), check_every=self.check_every)
+            record["graphs"] = graph_facts(recording.graphs, recording.clears, recording.state_keys,
+                                           record["captures"])
         except Exception as e:  # noqa: BLE001  a record must never stop the training run it times
             record = {"error": repr(e)}
         self.phase_records.append(record)
@@ -131,9 +140,22 @@ class PhaseRecorder:
         elif name == "check":
             r.mark("check", r.last.batch)
         elif name in ("prefill", "done"):
+            r.graphs.setdefault("at_first_prefill", len(self._graph_cache.graphs))
             r.mark("prefill" if name == "prefill" else "finish")
         elif name == "decode":
             r.mark("loop")  # (until the first step: the host entering the loop)
+
+    def _clear_graphs(self) -> None:
+        if self._recording is not None:
+            self._recording.clears += 1
+        super()._clear_graphs()
+
+    def _ensure_state(self, *args, **kwargs):
+        before = self._state
+        state = super()._ensure_state(*args, **kwargs)
+        if self._recording is not None and state is not before:
+            self._recording.state_keys = (None if before is None else before.key, state.key)
+        return state
 
     def _run_step(self, s, policy, b: int, length: int, spec) -> None:
         if self._recording is not None:
@@ -162,6 +184,23 @@ class TimedCUDAGraphRollout(PhaseRecorder, CUDAGraphRollout):
 
 class TimedForcedLengthRollout(PhaseRecorder, ForcedLengthRollout):
     """``forced_lengths.ForcedLengthRollout`` with its calls split into phases (``phase_records``)."""
+
+
+STATE_KEY = ("parameters", "top_p", "policy", "kv_dtype", "decoder")  # ``CUDAGraphRollout._ensure_state``'s key
+
+
+def graph_facts(graphs: dict[str, int], clears: int, state_keys: tuple | None, captures: int) -> dict:
+    """Why a call captured what it did: the captured steps held at its start and at its first prefill, the times the
+    engine dropped them all (a new decode state, a KV cache at another address, ...), and where the decode state was
+    rebuilt, what of its key changed (with the parameters whose storage moved: weights moved out and back between
+    rollouts make every graph stale)."""
+    facts = {**graphs, "clears": clears, "captures": captures, "state_rebuilt": state_keys is not None}
+    if state_keys is not None and state_keys[0] is not None:
+        old, new = state_keys
+        facts["state_key_changed"] = [name for name, a, b in zip(STATE_KEY, old, new) if a != b]
+        if len(old[0]) == len(new[0]):
+            facts["parameters_moved"] = sum(a != b for a, b in zip(old[0], new[0]))
+    return facts
 
 
 def decode_part(batch: int) -> str:
@@ -314,7 +353,8 @@ def summarize(records: list[dict], table: dict[int, float] | None = None) -> dic
     return {"calls": len(records), "parts": mean_parts(records),
             **{key: sum(m[key] for m in models) / n for key in ("model_s", "context_s", "rest_s")},
             "short_ms_source": "decode benchmark" if table else "each batch bucket's shortest length bucket",
-            "buckets": [buckets[b] for b in sorted(buckets, reverse=True)]}
+            "buckets": [buckets[b] for b in sorted(buckets, reverse=True)],
+            "graphs": [r["graphs"] for r in records if "graphs" in r]}
 
 
 def phase_table(summaries: dict[str, dict]) -> list[str]:
@@ -336,6 +376,13 @@ def phase_table(summaries: dict[str, dict]) -> list[str]:
             line += f"{values['bf16'] / values['nvfp4']:12.2f}"
         lines.append(line)
     for q, s in summaries.items():
+        for g in s.get("graphs", []):
+            changed = (f" (changed: {', '.join(g['state_key_changed']) or 'sizes'}"
+                       + (f"; {g['parameters_moved']} parameters moved" if g.get("parameters_moved") else "") + ")"
+                       if "state_key_changed" in g else "")
+            lines.append(f"{q}: graphs held {g.get('at_start')} at the start, {g.get('at_first_prefill')} at the first "
+                         f"prefill; {g['clears']} clears, {g['captures']} captures"
+                         + (f"; decode state rebuilt{changed}" if g["state_rebuilt"] else ""))
         lines.append(f"{q}: model = steps x short-context ms per step ({s['short_ms_source']}); per batch bucket:")
         for b in s["buckets"]:
             ms = f"{b['ms_per_step']:.2f}" if b["ms_per_step"] is not None else "-"

@@ -237,3 +237,30 @@ def test_a_fit_with_the_timed_engine_records_each_steps_rollout_inside_its_logge
     for record, logged in zip(records, rollout_s):
         assert 0 < record["total_s"] <= logged
         assert record["decode_steps"] >= 1 and record["prefills"] == 1
+
+
+def test_the_record_says_when_the_decode_state_was_rebuilt_and_what_of_its_key_changed(policy):
+    engine = TimedForcedLengthRollout(length_median=4, check_every=2, length_bucket=8)
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=1, stream="separate")
+    engine.generate(policy, PROMPTS[:1], 2, PAD, [EOS], spec)
+    first = engine.phase_records[-1]["graphs"]
+    assert first["state_rebuilt"] and "state_key_changed" not in first and first["at_start"] == 0
+    engine.generate(policy, PROMPTS[:1], 2, PAD, [EOS], spec)
+    assert not engine.phase_records[-1]["graphs"]["state_rebuilt"]  # the same request: the state is kept
+    engine.generate(policy, PROMPTS, 2, PAD, [EOS], spec)
+    grown = engine.phase_records[-1]["graphs"]
+    assert grown["state_rebuilt"] and grown["state_key_changed"] == [] and grown["clears"] >= 1  # more rows
+    lora = next(p for name, p in policy.named_parameters() if "lora_A" in name)
+    original = lora.data
+    try:
+        lora.data = original.clone()  # its storage moves (as weights moved out and back between rollouts)
+        engine.generate(policy, PROMPTS, 2, PAD, [EOS], spec)
+    finally:
+        lora.data = original
+    moved = engine.phase_records[-1]["graphs"]
+    assert moved["state_key_changed"] == ["parameters"] and moved["parameters_moved"] == 1
+    lines = phase_table({"nvfp4": summarize(engine.phase_records)})
+    graphs = [line for line in lines if line.startswith("nvfp4: graphs held")]
+    assert len(graphs) == 4 and graphs[0].endswith("; decode state rebuilt") and "rebuilt" not in graphs[1]
+    assert graphs[2].endswith("decode state rebuilt (changed: sizes)")
+    assert graphs[3].endswith("decode state rebuilt (changed: parameters; 1 parameters moved)")

@@ -59,7 +59,9 @@ def test_the_gpu_breakdown_sums_to_the_call_counts_captures_once_and_samples_the
         assert record["decode_steps"] == sum(cells.values())  # a captured step once: under its capture
         assert set(seen) <= set(cells) and all(seen[k] <= cells[k] for k in seen)
         assert (record["checks"] + record["compactions"], record["compactions"]) == (checks, compactions)
+        graphs = record["graphs"]
+        assert graphs["captures"] == record["captures"] and graphs["at_first_prefill"] <= timed.graphs_captured
         if call == 0:
-            assert record["captures"] > 0 and record["parts"]["captures"] > 0
+            assert record["captures"] > 0 and record["parts"]["captures"] > 0 and graphs["at_start"] == 0
         expected = plain.generate(policy, prompts, 4, 0, [1], spec)
         assert torch.equal(r.completion_ids, expected.completion_ids)
