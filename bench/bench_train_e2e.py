@@ -26,7 +26,11 @@ through the real CLI: DataModule, rollout engine, rewards, GRPOModule, callbacks
 set by the random weights (EOS is rare) or drawn (``--lengths lognormal``), so the timings are those of real weights
 at those lengths. Reads ``perf/rollout_s``, ``perf/train_s``, ``perf/peak_memory_gb`` back from the event files,
 drops the first step (graph capture, autotuning) and prints the medians side by side; writes
-``train_e2e_<device>.json``. Each format trains in a process of its own, so the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
+``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``: setup,
+prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each timed
+call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
+(``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so
+the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
 
     nvfp4 = [m for m in cli.model.policy.modules() if isinstance(m, NVFP4Linear)]
     released = sum(m._packed_released for m in nvfp4)  # layers whose compressed-tensors copy is in host memory
+    phases = getattr(cli.model.rollout, "phase_records", [])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(sorted(glob.glob(str(log_root / name / "*" / "events*")))[-1])
@@ -135,14 +140,34 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "steps": len(series["perf/rollout_s"]),
         "engine": args.engine,
         "gpu_memory_utilization": getattr(cli.model.rollout, "gpu_memory_utilization", None),  # the plan's (vLLM)
+        # each generate call's breakdown (rollout_phases.py), the first step's dropped as above
+        "rollout_phases": phases[1:] or phases,
     }
 
 
 ENGINES = {  # --engine -> --lengths -> the rollout class
-    "cuda_graph": {"fixed": "qerl.rollout.cuda_graph.CUDAGraphRollout",
-                   "lognormal": "forced_lengths.ForcedLengthRollout"},
+    "cuda_graph": {"fixed": "rollout_phases.TimedCUDAGraphRollout",  # (the engine, its calls split into phases)
+                   "lognormal": "rollout_phases.TimedForcedLengthRollout"},
     "vllm": {"fixed": "qerl.rollout.vllm.VLLMRollout", "lognormal": "forced_lengths.ForcedLengthVLLMRollout"},
 }
+
+
+def rollout_phases_summaries(results: dict, decode_report: str, size: str, device: str) -> dict[str, dict]:
+    """Per format with recorded rollout phases: their summary (``rollout_phases.summarize``, modelled on the decode
+    report's steps where it measured this size and format on this device) and the rollout time outside ``generate``
+    (routing records, detokenizing: ``rollout_s`` is timed around them)."""
+    from rollout_phases import decode_bench_table, summarize
+
+    report = json.loads(Path(decode_report).read_text()) if decode_report and Path(decode_report).exists() else {}
+    summaries = {}
+    for q, r in results.items():
+        if not r.get("rollout_phases"):
+            continue
+        table = decode_bench_table(report, size, q) if report.get("device") == device else {}
+        summary = summarize(r["rollout_phases"], table)
+        summary["outside_generate_s"] = r["rollout_s"] - summary["parts"]["total_s"]
+        summaries[q] = summary
+    return summaries
 
 
 def kv_cache_dtype(args, quantization: str) -> str:
@@ -173,6 +198,10 @@ def main() -> None:
                         "there (bench/update_profiler.py; that step's time then includes the profiler's: use --steps 4)")
     parser.add_argument("--drop-checkpoints", action="store_true",
                         help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
+    parser.add_argument("--short-context-ms", default=str(Path(__file__).parent / "results" / "moe_decode_h200.json"),
+                        help="a decode benchmark's JSON (bench_moe_decode.py) whose graph-replayed steps of this size "
+                        "and format model the rollout's decode (where it has none, or is of another device: each batch "
+                        "bucket's own shortest length bucket)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
     work = Path(args.work)
@@ -186,7 +215,7 @@ def main() -> None:
         if not (target / "config.json").exists():
             write_models(args.size, args.tokenizer, work, vocab, (quantization,))
         results[quantization] = in_own_process(fit, target, quantization, args, work / "runs")
-        print(quantization, results[quantization], flush=True)
+        print(quantization, {k: v for k, v in results[quantization].items() if k != "rollout_phases"}, flush=True)
         if args.drop_checkpoints:  # a 30B-A3B's bf16 checkpoint alone is 61 GB: both do not fit a 64 GiB disk
             shutil.rmtree(target)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
@@ -229,6 +258,16 @@ def main() -> None:
     for key, value in row.items():
         if "_over_" in key or key.startswith("speedup") or "_main" in key:
             print(f"  {key}: {value:.3f}")
+    try:  # the runs' own figures are written whatever happens to their breakdown
+        phases = rollout_phases_summaries(results, args.short_context_ms, args.size, device)
+        if phases:
+            from rollout_phases import phase_table
+
+            print("\n" + "\n".join(phase_table(phases)))
+            for q, summary in phases.items():
+                results[q]["rollout_phases_summary"] = summary
+    except Exception as e:  # noqa: BLE001
+        print(f"rollout phases: no summary ({e!r}); runs.<format>.rollout_phases hold the calls' records")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = device.split()[1].lower() if len(device.split()) > 1 else "gpu"

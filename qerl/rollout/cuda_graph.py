@@ -369,6 +369,7 @@ class CUDAGraphRollout(RolloutEngine):
         b, steps = N, 1
         while steps < self._decode_limit(spec.max_new_tokens):
             if steps % self.check_every == 0:
+                self._phase("check", steps - 1)
                 alive = int((~s.finished[:b]).sum())  # host sync, once every check_every steps
                 if alive == 0:
                     break
@@ -407,7 +408,7 @@ class CUDAGraphRollout(RolloutEngine):
 
     def _phase(self, name: str, decode_steps: int = 0) -> None:
         """Told each phase of a call and the decode steps run so far ("prefill", "decode", "done"; "capture" /
-        "captured" around each captured step): nothing to do here."""
+        "captured" around each captured step; "check" before each check's sync): nothing to do here."""
 
     def _fused_decoder(self, base, device):
         from qerl.rollout.fused_decoder import FusedDecoder, Unsupported
