@@ -48,6 +48,13 @@ class BaseGEMM:
         self.dense = None
         if self.kind == "dense" and fast and len(layers) > 1 and not any(m.weight.requires_grad for m in layers):
             self.dense = stacked_weight(layers)
+        if self.kind == "nvfp4" and fast and layers[0].weight_global_scale.is_cuda:
+            # the repacks now, not at the first step: they move the compressed tensors to host memory, and the engine
+            # keys its state (and graphs) on where the parameters live when a rollout starts
+            if self._mma_weight() is None:  # (the per-layer kernels read each layer's own)
+                for m in layers:
+                    if gemv_layout.supported(m.out_features, m.in_features):
+                        m.gemv_weight()
 
     def _mma_weight(self):
         ms = self.layers

@@ -152,6 +152,22 @@ def test_lora_updates_and_aqn_noise_reach_the_captured_graphs(policy, prompts):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")), reason="needs PDL (sm_90+)")
+def test_a_fresh_policys_second_rollout_captures_nothing(prompts):
+    # the first rollout on a fresh model builds the GEMV's repacked copies (the compressed tensors move to host
+    # memory): the engine's state must be keyed on where they are after that, or the second rollout recaptures all
+    config = qwen25_config("qwen2.5-7b", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    fresh = build_random_policy(config, "nvfp4", lora_rank=8, lora_b_std=0.02)
+    engine = CUDAGraphRollout(check_every=4)
+    spec = SamplingSpec(max_new_tokens=24, seed=0, stream="separate")
+    first = engine.generate(fresh, prompts, 4, 0, [], spec)
+    captured = engine.graphs_captured
+    assert captured >= 1
+    second = engine.generate(fresh, prompts, 4, 0, [], spec)
+    assert engine.graphs_captured == captured
+    assert torch.equal(first.completion_ids, second.completion_ids)
+
+
 def test_pdl_changes_when_kernels_start_never_what_they_compute(policy, prompts):
     runs = {}
     for on in (False, True):
