@@ -139,5 +139,11 @@ def largest_group_weights(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def bf16_copy_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """The bf16 copy of every NVFP4 weight (0 for bf16 base weights)."""
-    return nvfp4_weights(shape, settings) * DENSE_BYTES
+    """The bf16 copy the fused step's wide steps multiply: every NVFP4 weight of a dense model, a MoE's attention (its
+    experts' wide steps read their NVFP4 stacks); 0 for bf16 base weights."""
+    if not shape.experts:
+        return nvfp4_weights(shape, settings) * DENSE_BYTES
+    if settings.quantization != "nvfp4":
+        return 0
+    return DENSE_BYTES * sum(math.prod(shape.projection(p)) for layer in layer_projections(shape, settings.lora_targets)
+                             for p, targeted in layer if targeted and shape.copies(p) == 1)

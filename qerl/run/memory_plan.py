@@ -230,7 +230,7 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
         notes.append(f"KV cache kept through the update ({kv / GIB:.1f} GiB; the engine frees one above "
                      f"{KV_RELEASE_FRACTION:.0%} of the GPU unless keep_kv_cache is set)")
     copy = _makes_bf16_copy(shape, settings, rows, free_bytes)
-    if settings.quantization == "nvfp4" and rows > MAX_M and settings.wide_batch_bf16 is None and not shape.experts:
+    if settings.quantization == "nvfp4" and rows > MAX_M and settings.wide_batch_bf16 is None:
         extra = bf16_copy_bytes(shape, settings) / GIB
         notes.append(f"bf16 weight copy for waves above {MAX_M} rows: "
                      + ("made (it fits)" if copy else f"assumed not made (+{extra:.1f} GiB would not leave "
@@ -280,8 +280,6 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
 def _makes_bf16_copy(shape: ModelShape, settings: RunSettings, rows: int, free_bytes: int | None) -> bool:
     """Whether the engine makes the bf16 weight copy for waves of ``rows``: the engine's rule (``wants_bf16_copy``)
     with what the rollout leaves free (without a device only a copy the user asked for is counted)."""
-    if shape.experts:  # the fused decode step, which makes the copy, runs dense models only
-        return False
     need = bf16_copy_bytes(shape, settings)
     if free_bytes is None:
         return settings.wide_batch_bf16 is True and wants_bf16_copy(True, rows, need, 0)
