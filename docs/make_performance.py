@@ -240,7 +240,40 @@ def e2e_section(result: dict) -> list[str]:
     out = variant_table(update_floor_rows(result), ["model", "prompts", "group_size", "new_tokens"])
     out += ["", "Seconds per GRPO step (rollout = sampling, train = the update, step = both); a ratio bf16 / nvfp4 "
             "above 1 means NVFP4 is faster. Medians over the steps after the first (graph capture, autotuning)."]
+    summaries = {q: run["rollout_phases_summary"] for q, run in result.get("runs", {}).items()
+                 if isinstance(run.get("rollout_phases_summary"), dict)}
+    if summaries:
+        out += ["", "Where the rollout's seconds went (`bench/rollout_phases.py`: CUDA events at each phase and batch "
+                "bucket change, mean of the timed steps; decode b=N: the steps run at batch bucket N, ms a step in "
+                "brackets; captures: the steps that captured a graph):", ""] + rollout_parts_table(summaries)
     return out
+
+
+def rollout_parts_table(summaries: dict[str, dict]) -> list[str]:
+    """Seconds per part of a rollout (``rollout_phases.summarize``), one column per format, bf16 / nvfp4 last."""
+    formats = list(summaries)
+    ms = {q: {f"decode b={b['batch']}": b["ms_per_step"] for b in s.get("buckets", [])} for q, s in summaries.items()}
+    names = [k for k in dict.fromkeys(k for s in summaries.values() for k in s["parts"])
+             if any(s["parts"].get(k, 0.0) >= 0.0005 for s in summaries.values())]
+    ratio = {"nvfp4", "bf16"} <= set(formats)
+    rows = []
+    for name in names:
+        values = [summaries[q]["parts"].get(name) for q in formats]
+        cells = [num(v) + (f" ({num(ms[q].get(name), 1)} ms)" if ms[q].get(name) else "")
+                 for q, v in zip(formats, values)]
+        nvfp4, bf16 = summaries.get("nvfp4", {}).get("parts", {}).get(name), \
+            summaries.get("bf16", {}).get("parts", {}).get(name)
+        rows.append([name] + cells + ([num(bf16 / nvfp4) if nvfp4 and bf16 is not None else "-"] if ratio else []))
+    return table(["part"] + [f"{q} s" for q in formats] + (["bf16 / nvfp4"] if ratio else []), rows)
+
+
+def rollout_phases_section(result: dict) -> list[str]:
+    """The breakdown's recording against the same engine unrecorded, and the recorded calls' parts."""
+    a = result["args"]
+    return [f"{a['size']} {a['quantization']}, {a['prompts']} prompts x {a['group_size']}, {a['new_tokens']} new tokens "
+            f"(lognormal, median {a['length_median']:g}): recorded / plain call time "
+            f"{num(result['timed_over_plain'], 3)} (medians of {a['repeats']} calls each)", ""] + rollout_parts_table(
+        {a["quantization"]: result["summary"]})
 
 
 def memory_section(result: dict) -> list[str]:
@@ -804,6 +837,11 @@ SECTIONS = (
             "grouped kernels on the compressed layout and on bf16 weights, CUDA-graph timed past the L2; GB/s of the "
             "touched experts' bytes in each arm's layout, x floor against their compressed bytes at the copy "
             "bandwidth (`bench/bench_expert_gemv.py`).", expert_gemv_section),
+    Section("Where a rollout's time goes: the recording's cost", "rollout_phases_*.json",
+            "PYTHONPATH=. python bench/bench_rollout_phases.py --out bench/results",
+            "The rollout breakdown that `bench_train_e2e.py` records (`bench/rollout_phases.py`: a CUDA event where a "
+            "phase or batch bucket changes, no per-step sync) against the same forced-length engine unrecorded, one "
+            "process, the same drawn lengths (`bench/bench_rollout_phases.py`).", rollout_phases_section),
     Section("Mixture-of-experts: the update's routed experts", "moe_update_*.json",
             "PYTHONPATH=. python bench/bench_moe_update.py --tokens 16384 --quantization nvfp4 --out bench/results",
             "One Qwen3-30B-A3B MoE layer's routed experts in the update (random NVFP4 experts + LoRA r16, a random "
@@ -821,7 +859,8 @@ OTHER = Section("Other results", "*", "(see the results file)", "Results files w
 
 def section_of(name: str) -> Section:
     # a memory benchmark's file may also match another benchmark's prefix (train_e2e_memory_h100.json)
-    for section in sorted(SECTIONS, key=lambda s: not s.pattern.startswith("*")):
+    # (and the longest pattern first: rollout_phases_* before rollout_*)
+    for section in sorted(SECTIONS, key=lambda s: (not s.pattern.startswith("*"), -len(s.pattern))):
         if fnmatch.fnmatch(name, section.pattern):
             return section
     return OTHER
