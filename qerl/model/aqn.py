@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from qerl.model.experts import modules_outside_experts
 from qerl.model.policy import is_rms_norm
 
 
@@ -100,7 +101,7 @@ def takes_noise(name: str) -> bool:
 
 def rms_norms(model: nn.Module) -> list[nn.Module]:
     """The RMSNorms of ``model`` that AQN perturbs."""
-    return [m for n, m in model.named_modules() if is_rms_norm(m) and takes_noise(n)]
+    return [m for n, m in modules_outside_experts(model) if is_rms_norm(m) and takes_noise(n)]
 
 
 @contextmanager

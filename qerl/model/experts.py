@@ -28,6 +28,7 @@ CUDA update's path, forward and backward), which runs the loop itself where it c
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -156,11 +157,27 @@ def expert_count(model: nn.Module) -> int:
     return sum(len(m) for m in model.modules() if isinstance(m, Experts))
 
 
+def modules_outside_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` (each module once, by its first name) without the modules inside an ``Experts``: a
+    MoE's expert projections and their LoRA layers are nearly all of its modules (about 200 thousand at
+    Qwen3-30B-A3B), and a walk for its norms or routers, once a rollout, need not visit them."""
+    seen, stack = set(), [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield name, module
+        if not isinstance(module, Experts):
+            stack.extend((f"{name}.{child_name}" if name else child_name, child)
+                         for child_name, child in reversed(module._modules.items()) if child is not None)
+
+
 def routers(model: nn.Module) -> dict[str, nn.Module]:
     """The router of every MoE layer of ``model`` by module name: the ``gate`` beside an ``Experts`` (transformers'
     top-k router, which returns ``(logits, top-k weights, top-k indices)``)."""
     found = {}
-    for name, module in model.named_modules():
+    for name, module in modules_outside_experts(model):
         experts = getattr(module, "experts", None)
         gate = getattr(module, "gate", None)
         if isinstance(experts, Experts) and gate is not None:

@@ -187,14 +187,15 @@ class MoEStep:
         if self.lora is None or [tuple(t.shape) for t in self.lora] != list(shapes) or self.lora[0].dtype != dtype:
             self.lora = tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
         a_gu, b_gu, a_d, b_d = self.lora
-        dst, src, b_dst, scales = [], [], [], []
-        for e, ((_, ag, bg, sg), (_, au, bu, su), (_, ad, bd, sd)) in enumerate(parts):
-            dst += [a_gu[e, :r], a_gu[e, r:], b_gu[e, :I], b_gu[e, I:], a_d[e], b_d[e]]
-            src += [ag, au, bg, bu, ad, bd]
-            b_dst += [b_gu[e, :I], b_gu[e, I:], b_d[e]]
-            scales += [sg, su, sd]
-        torch._foreach_copy_(dst, [t.detach() for t in src])
-        torch._foreach_mul_(b_dst, scales)  # LoRA-B with the scaling folded in, as the dense groups' copies
+        # one stack per projection and matrix (a few launches a layer, not six copies per expert)
+        a = [torch.stack([trio[j][1].detach() for trio in parts]) for j in range(3)]  # [E, r, in] gate, up, down
+        b = [torch.stack([trio[j][2].detach() for trio in parts]) for j in range(3)]  # [E, out, r]
+        a_gu.view(E, 2, r, H).copy_(torch.stack(a[:2], 1))
+        a_d.copy_(a[2])
+        scales = torch.tensor([[p[3] for p in trio] for trio in parts], dtype=torch.float32, device=device)  # [E, 3]
+        for j, dst in enumerate((b_gu[:, :I], b_gu[:, I:], b_d)):
+            dst.copy_(b[j])  # rounded to the copy's dtype, then scaled: as the dense groups' copies fold it in
+            dst.mul_(scales[:, j, None, None])
 
     def key(self) -> tuple:
         """What a captured step reads of this block besides the norms: the storage and the adapter buffers."""

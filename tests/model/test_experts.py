@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from qerl.model.aqn import rms_norms
 from qerl.model.checkpoint_io import load_model
-from qerl.model.experts import Experts, expert_count, routers
+from qerl.model.experts import Experts, expert_count, modules_outside_experts, routers
 from qerl.model.policy import build_policy, save_adapter
 from qerl.nvfp4.checkpoint import NVFP4_KEYS, read_quantization_config
 from qerl.nvfp4.format import dequantize, global_scale, quantize
@@ -177,3 +178,15 @@ def test_the_random_qwen3_30b_a3b_builder_makes_a_working_moe_policy_at_a_small_
     assert expert_count(policy) == 16 and not any(p.device.type == "meta" for p in policy.parameters())
     r = CUDAGraphRollout().generate(policy, [[5, 9, 11], [12, 13]], 2, 0, [], SamplingSpec(max_new_tokens=4))
     assert r.completion_ids.shape == (4, 4) and torch.isfinite(r.logprobs).all()
+
+
+def test_the_walk_outside_the_experts_is_named_modules_without_what_the_experts_hold(tiny_model_dirs):
+    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32")
+    walked = list(modules_outside_experts(policy))
+    held = {id(c) for m in policy.modules() if isinstance(m, Experts) for c in m.modules() if c is not m}
+    expected = [(n, m) for n, m in policy.named_modules() if id(m) not in held]
+    assert [n for n, _ in walked] == [n for n, _ in expected] and all(a is b for (_, a), (_, b) in zip(walked, expected))
+    assert len(walked) < len(list(policy.named_modules())) / 2  # (the tiny model's 8 experts already dominate)
+    shared = nn.Sequential(nn.Linear(2, 2))
+    twice = nn.Sequential(shared, shared)  # a module reachable twice: visited once, as named_modules does
+    assert [n for n, _ in modules_outside_experts(twice)] == [n for n, _ in twice.named_modules()]
