@@ -165,6 +165,7 @@ def planned(row: dict, vocab: int, free_bytes: int, total_bytes: int) -> dict:
                        wave_rows=engine_settings(cli.config.model.rollout).wave_rows,
                        micro_batch_tokens=cli.config.model["update"].micro_batch_tokens)
     out = {f"plan_{k}": v for k, v in plan.summary().items()}
+    out["kv_cache_kept"] = bool(plan.kv_kept_rows)  # what the engine of this run does (a replay of the row pins it)
     # a KV cache the engine keeps is held between steps too (the plan counts it in the update phase)
     out["plan_resident_gb"] += wave_kv_cache_bytes(shape, settings, plan.kv_kept_rows) / 2**30
     for key in ("resident_gb", "peak_rollout_gb", "peak_update_gb", "peak_gb"):

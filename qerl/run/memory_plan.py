@@ -259,6 +259,12 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     else:
         tokens_budget = micro_batch_tokens
     tokens = micro_batch_span(settings, tokens_budget)
+    if (not kept and budget is not None and settings.engine == "cuda_graph" and settings.keep_kv_cache is None
+            and update_peak(shape, settings, tokens, rows, share) <= budget):
+        kept = rows  # freed, it comes back at another address and the next rollout captures its graphs again
+        notes.append(f"KV cache kept through the update ({wave_kv_cache_bytes(shape, settings, rows) / GIB:.1f} GiB): "
+                     "the update fits beside it, and the next rollout replays its decode graphs instead of "
+                     "capturing them again")
 
     engine = vllm_rollout_components(shape, settings, share, min(vllm_kv_rows, N)) if vllm else \
         rollout_components(shape, settings, rows, copy)
