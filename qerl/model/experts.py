@@ -159,8 +159,8 @@ def expert_count(model: nn.Module) -> int:
 
 def modules_outside_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` (each module once, by its first name) without the modules inside an ``Experts``: a
-    MoE's expert projections and their LoRA layers are nearly all of its modules (about 200 thousand at
-    Qwen3-30B-A3B), and a walk for its norms or routers, once a rollout, need not visit them."""
+    MoE's expert projections and their LoRA layers are nearly all of its modules, and a walk for its norms or routers,
+    once a rollout, need not visit them."""
     seen, stack = set(), [("", model)]
     while stack:
         name, module = stack.pop()

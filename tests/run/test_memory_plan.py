@@ -512,8 +512,8 @@ def test_a_moe_update_counts_the_grouped_gemms_stack_of_one_layers_gate_up(quant
 
 def test_a_moe_at_the_recipes_batch_decodes_its_wide_steps_on_a_bf16_copy_of_its_attention():
     # the fused MoE step multiplies a wide step's attention projections by the bf16 copy (its experts read their NVFP4
-    # stacks): the plan makes the copy where it fits, of the attention alone (the plan once kept any MoE from it, and
-    # the 128-row steps of a train.py run dequantized q|k|v and o per call: 18.6 ms a step against 11.5)
+    # stacks): the plan makes the copy where it fits, of the attention alone (it once kept any MoE from it, and a
+    # train.py run's 128-row steps dequantized q|k|v and o per call)
     shape = ModelShape.from_config(model_config("qwen3-30b-a3b"))
     settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048, micro_batch_size=64,
                            quantization="nvfp4")
