@@ -40,8 +40,8 @@ forward does), adapters on some experts only, or scalings that differ within a s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import weakref
+from collections.abc import Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.model.lora_linear import LoraLinear
-from qerl.nvfp4.linear import NVFP4Linear, kernel_name
+from qerl.nvfp4.linear import NVFP4Linear, kernel_name, storage_version
 
 STRIDE_BYTES = 16  # grouped_mm wants every operand's strides a multiple of 16 bytes
 EVERY_EXPERT_PAIRS = 4  # pairs per expert from which the base GEMMs take every expert: a uniform router leaves about
@@ -171,10 +171,6 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version  # (inference tensors have no version counter)
-
-
 class _Join:
     """``make(parts)`` kept while the parts are the same tensors, unwritten since (checked by identity and version:
     the per-call host work of 256 experts' checks and copies is what the GPU otherwise waits on); a result that is
@@ -188,13 +184,13 @@ class _Join:
         self.value: torch.Tensor | None = None
 
     def of(self, parts: list[torch.Tensor], make) -> torch.Tensor:
-        if len(parts) == len(self.key) and all(ref() is t and version == _version(t)
+        if len(parts) == len(self.key) and all(ref() is t and version == storage_version(t)
                                                for (ref, version), t in zip(self.key, parts)):
             return self.value
         value = make(parts)
         if value.nbytes <= self.KEPT_COPY_BYTES or (
                 value.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()):
-            self.key, self.value = [(weakref.ref(t), _version(t)) for t in parts], value
+            self.key, self.value = [(weakref.ref(t), storage_version(t)) for t in parts], value
         return value
 
 

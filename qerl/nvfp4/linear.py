@@ -71,10 +71,14 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def storage_version(t: torch.Tensor) -> tuple:
+    """Changes when ``t`` gets other storage or is written in place (``_version`` counts in-place writes:
+    load_state_dict copies into the existing tensors, keeping data_ptr; inference tensors have no counter)."""
+    return t.data_ptr(), t.device, -1 if t.is_inference() else t._version
+
+
 def _storage_version(*tensors: torch.Tensor) -> tuple:
-    # _version counts in-place writes (load_state_dict copies into the existing tensors, keeping data_ptr);
-    # inference tensors have no version counter.
-    return tuple((t.data_ptr(), t.device, -1 if t.is_inference() else t._version) for t in tensors)
+    return tuple(storage_version(t) for t in tensors)
 
 
 class NVFP4Linear(nn.Module):

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.kernels.split_k import counters
 from qerl.model.projection_layout import stacked_weight
-from qerl.nvfp4.linear import NVFP4Linear
+from qerl.nvfp4.linear import NVFP4Linear, storage_version
 from qerl.rollout.kernel_choice import Kernels
-from qerl.rollout.peft_layers import Unsupported, storage_version
+from qerl.rollout.peft_layers import Unsupported
 
 
 class BaseGEMM:

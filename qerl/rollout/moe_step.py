@@ -51,8 +51,8 @@ from qerl.nvfp4.kernels import expert_gemv as X
 from qerl.nvfp4.kernels import gemv_layout, gemv_plan
 from qerl.nvfp4.kernels import grouped_experts as G
 from qerl.kernels.topk_router import topk_route, topk_route_torch
-from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.peft_layers import Unsupported, lora_of, storage_version
+from qerl.nvfp4.linear import NVFP4Linear, storage_version
+from qerl.rollout.peft_layers import Unsupported, lora_of
 
 _NVFP4_KEYS = ("weight_packed", "weight_scale", "weight_global_scale")
 EXPERT_KERNELS = ("gemv", "grouped")

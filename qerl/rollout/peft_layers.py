@@ -1,5 +1,5 @@
-"""What the fused decode step reads of a peft-injected model: each LoRA layer's base and active adapter, and when a
-frozen tensor's storage changed (shared by the dense step, ``fused_decoder``, and the MoE step, ``moe_step``)."""
+"""What the fused decode step reads of a peft-injected model: each LoRA layer's base and active adapter (shared by the
+dense step, ``fused_decoder``, and the MoE step, ``moe_step``)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,3 @@ def lora_of(module: nn.Module):
     if getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
         raise Unsupported("LoRA with bias terms is not fused")
     return base, a.weight, b.weight, float(module.scaling[name])
-
-
-def storage_version(t: torch.Tensor) -> tuple:
-    """Changes when ``t`` gets other storage or is written in place."""
-    return t.data_ptr(), -1 if t.is_inference() else t._version
