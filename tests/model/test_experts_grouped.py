@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from qerl.model.checkpoint_io import load_model
 from qerl.model.experts import Experts, grouped_on
@@ -42,11 +43,13 @@ def lora_grads(policy) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in policy.named_parameters() if ".experts." in n and "lora_" in n}
 
 
-@pytest.mark.parametrize("tokens", [40, 8])  # the base GEMMs over every expert, and over the chosen ones alone
+# the base GEMMs over every expert (the LoRA stacks of every expert made ahead of the sync: kept where all were hit,
+# made again for the hit ones where one was not), and over the chosen ones alone
+@pytest.mark.parametrize("tokens, unchosen", [(40, 6), (40, None), (8, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
 def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(tiny_model_dirs, quantization, dtype,
-                                                                                tokens):
+                                                                                tokens, unchosen):
     assert (tokens * 2 >= EVERY_EXPERT_PAIRS * 8) == (tokens == 40)
     policy = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), quantization, lora_rank=4,
                                           dtype=str(dtype).removeprefix("torch.")))
@@ -58,12 +61,17 @@ def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(
     runs = {}
     for grouped in (False, True):
         x, router = x0.clone().requires_grad_(), router0.clone().requires_grad_()
-        logits = (x.float() @ router.t()).masked_fill(torch.arange(8) == 6, -1e9)  # expert 6 gets no token
+        logits = x.float() @ router.t()
+        if unchosen is None:  # every expert first choice of some token
+            logits = logits + 10.0 * F.one_hot(torch.arange(tokens) % 8, 8)
+        else:
+            logits = logits.masked_fill(torch.arange(8) == unchosen, -1e9)  # an expert that gets no token
         weight, index = logits.softmax(-1).topk(2, dim=-1)
         weight = weight / weight.sum(-1, keepdim=True)
         if grouped:
             out, hit = grouped_experts(expert_stacks(experts), x, index, weight)
-            assert out is not None and 6 not in hit  # the grouped path ran
+            assert out is not None  # the grouped path ran
+            assert unchosen not in hit if unchosen is not None else hit == list(range(8))
         else:
             out = Experts(list(experts), grouped=False)(x, index, weight)
         out.backward(dy)
@@ -76,7 +84,8 @@ def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(
     close(dx, dx_ref, activations)
     close(drouter, drouter_ref, activations)  # the routing weights' gradient reaches the router and x
     assert {n for n, v in dlora.items() if v is None} == {n for n, v in dlora_ref.items() if v is None}
-    assert any(".layers.0.mlp.experts.6." in n for n, v in dlora.items() if v is None)  # not zeros: None
+    if unchosen is not None:
+        assert any(f".layers.0.mlp.experts.{unchosen}." in n for n, v in dlora.items() if v is None)  # not zeros
     assert sum(v is not None for v in dlora.values()) == 6 * len(hit)  # A and B of gate, up, down of each chosen
     for name, grad in dlora.items():
         if grad is not None:
