@@ -13,7 +13,7 @@ same model (``profile_decode.kernel_table``), written under ``profiles``. ``--ex
 kernels, one NVFP4 arm each (``table``: ``moe_step.GEMV_ROWS``; ``gemv``:
 the decode GEMV's loop on the repacked stack, ``expert_gemv``; ``grouped``: the grouped kernels on the compressed one).
 
-Per quantization and row count (G = min(8, rows) samples per prompt, prompt 256 random tokens, ``--new`` tokens with
+Per quantization and row count (G = min(8, rows) samples per prompt, prompt ``--prompt`` random tokens (256), ``--new`` tokens with
 EOS ignored): ms per decode step (CUDA events around the decode phase), the experts the steps touched (distinct
 experts per layer, summed over layers, mean per step), and the step's read floor at the measured copy bandwidth: the
 weights every step reads (attention, routers, norms, LM head; not the input embedding) + the touched experts' weights
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import rollout_hooks
-from bench_rollout import copy_bandwidth, random_prompt
+from bench_rollout import copy_bandwidth
 from profile_decode import kernel_table
 
 from qerl.model.experts import Experts
@@ -97,10 +97,11 @@ class ExpertCounter:
         return sum(last) / steps
 
 
-def prompts_for(policy, rows: int) -> tuple[list[list[int]], int]:
+def prompts_for(policy, rows: int, prompt: int = PROMPT) -> tuple[list[list[int]], int]:
     group = min(8, rows)
     gen = torch.Generator().manual_seed(rows)
-    return [random_prompt(policy, gen) for _ in range(rows // group)], group
+    vocab = min(150000, policy.config.vocab_size)
+    return [[int(x) for x in torch.randint(0, vocab, (prompt,), generator=gen)] for _ in range(rows // group)], group
 
 
 def time_transformers(policy, rows: int, new: int) -> dict:
@@ -123,15 +124,15 @@ def time_transformers(policy, rows: int, new: int) -> dict:
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
-def touched_by_fused_step(policy, rows: int, new: int) -> float:
+def touched_by_fused_step(policy, rows: int, new: int, prompt: int = PROMPT) -> float:
     """Distinct experts per layer, summed over the layers, mean over the decode steps, from the fused step's routing
     record (captured steps included)."""
-    prompts, group = prompts_for(policy, rows)
+    prompts, group = prompts_for(policy, rows, prompt)
     recorder = RoutingRecorder()
     with recorder.recording(policy):
         r = CUDAGraphRollout(check_every=16, fused=True).generate(
             policy, prompts, group, 0, [], SamplingSpec(max_new_tokens=new, seed=0), routing=recorder)
-    choices = recorder.choices(r.prompt_ids.shape[0], PROMPT + new)[:, :, PROMPT:PROMPT + new - 1]  # decode steps
+    choices = recorder.choices(r.prompt_ids.shape[0], prompt + new)[:, :, prompt:prompt + new - 1]  # decode steps
     layers, _, steps, _ = choices.shape
     hit = torch.zeros(layers, steps, policy.config.num_experts, dtype=torch.bool, device=choices.device)
     index = choices.permute(0, 2, 1, 3).reshape(layers, steps, -1)
@@ -139,8 +140,8 @@ def touched_by_fused_step(policy, rows: int, new: int) -> float:
     return float(hit.sum()) / steps
 
 
-def time_fused(policy, rows: int, new: int, experts: str | None = None) -> dict:
-    prompts, group = prompts_for(policy, rows)
+def time_fused(policy, rows: int, new: int, experts: str | None = None, prompt: int = PROMPT) -> dict:
+    prompts, group = prompts_for(policy, rows, prompt)
     timer = rollout_hooks.PhaseTimer()
     # the KV cache kept between calls: a cache freed and allocated again elsewhere drops every graph
     eng = rollout_hooks.engine(check_every=16, fused=True, phase_hook=timer, keep_kv_cache=True, experts=experts)
@@ -166,7 +167,7 @@ def time_fused(policy, rows: int, new: int, experts: str | None = None) -> dict:
                   peak_gb=torch.cuda.max_memory_allocated() / 2**30)
     del eng, r  # (its KV cache and graphs: the routing record's call builds its own)
     torch.cuda.empty_cache()
-    return dict(result, experts_touched_per_step=touched_by_fused_step(policy, rows, new))
+    return dict(result, experts_touched_per_step=touched_by_fused_step(policy, rows, new, prompt))
 
 
 def main() -> None:
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--new", type=int, default=None,
                         help="tokens decoded per row (default: 64 fused, 8 transformers: its steps take seconds)")
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row (the steps' context)")
     parser.add_argument("--step", choices=sorted(STEPS), default="fused")
     parser.add_argument("--experts", nargs="+", choices=("table", "gemv", "grouped"), default=["table"],
                         help="the fused step's NVFP4 expert kernels, one arm each (bf16 runs once)")
@@ -220,23 +222,24 @@ def main() -> None:
         arms = args.experts if quantization == "nvfp4" and args.step == "fused" else ["table"]
         for rows, arm in ((r, a) for r in args.rows for a in arms):
             try:
-                result = (timed(policy, rows, args.new, None if arm == "table" else arm) if args.step == "fused"
+                result = (timed(policy, rows, args.new, None if arm == "table" else arm, args.prompt)
+                          if args.step == "fused"
                           else timed(policy, rows, args.new))
             except torch.cuda.OutOfMemoryError:
                 log(f"{quantization} rows {rows}: out of memory, skipped")
                 continue
-            context = PROMPT + args.new / 2  # mean attended length over the timed steps
+            context = args.prompt + args.new / 2  # mean attended length over the timed steps
             floor_bytes = dense + result["experts_touched_per_step"] * per_expert + rows * context * kv_per_token
             row = dict(model=NAME, quantization=quantization, lora_rank=16, rows=rows, new_tokens=args.new,
-                       step=STEPS[args.step], experts=arm, floor_ms=floor_bytes / bandwidth * 1e3, **result)
+                       prompt=args.prompt, step=STEPS[args.step], experts=arm, floor_ms=floor_bytes / bandwidth * 1e3, **result)
             row["over_floor"] = row["ms_step"] / row["floor_ms"]
             rows_out.append(row)
             log(f"{quantization} {arm:7s} rows {rows:4d}: {row['ms_step']:9.2f} ms/step (floor "
                 f"{row['floor_ms']:.2f} ms, {row['experts_touched_per_step']:.0f} experts touched per step)")
             save()
         for rows in args.profile:
-            table = kernel_table(policy, rows)
-            profiles.append(dict(quantization=quantization, rows=rows, **table))
+            table = kernel_table(policy, rows, prompt=args.prompt)
+            profiles.append(dict(quantization=quantization, rows=rows, prompt=args.prompt, **table))
             log(f"{quantization} rows {rows}: {table['kernels_per_step']:.0f} kernels, "
                 f"{table['kernel_ms_per_step']:.3f} ms of kernel time per eager step")
             for r in table["top"][:25]:

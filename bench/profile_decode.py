@@ -24,9 +24,12 @@ from qerl.rollout.sampling_spec import SamplingSpec
 from qerl.testing.random_models import build_random_policy, model_config
 
 
-def kernel_table(policy, batch: int, fused: bool = True) -> dict:
+def kernel_table(policy, batch: int, fused: bool = True, prompt: int = 256) -> dict:
+    """Kernel time per eager decode step at ``batch`` rows after a ``prompt``-token prompt (the context the steps
+    attend to)."""
     group = min(8, batch)
-    prompts = [[int(x) for x in torch.randint(0, 150000, (256,))] for _ in range(batch // group)]
+    vocab = policy.config.vocab_size
+    prompts = [[int(x) for x in torch.randint(0, vocab, (prompt,))] for _ in range(batch // group)]
     per = {}
     for steps in (4, 12):
         eng = rollout_hooks.engine(use_graphs=False, fused=fused)

@@ -515,7 +515,7 @@ class CUDAGraphRollout(RolloutEngine):
         mask[:, 0, 0].index_copy_(1, cache.position, running[:, None])
         if s.decoder is not None:
             logits = s.decoder.step(s.last[:b], s.pos[:b], cache.keys, cache.values, cache.position,
-                                       mask[:, 0, 0], length)
+                                    mask[:, 0, 0], length, idle=s.finished[:b])
         else:
             if self._routing is not None:  # the slots' rows, at the cache column of the token they feed
                 self._routing.place(s.first_row + s.slot_row[:b], cache.position, running)

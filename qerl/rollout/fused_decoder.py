@@ -209,17 +209,18 @@ class FusedDecoder:
 
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, keys: list, values: list, column: torch.Tensor,
-             mask: torch.Tensor, length: int) -> torch.Tensor:
+             mask: torch.Tensor, length: int, idle: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[b, V]`` of the next token for ``tokens [b]`` at position ids ``pos [b]``; writes their K/V into
         ``keys[i]/values[i] [rows, Hkv, L, D]`` at column ``column`` (1-element tensor) of rows 0..b-1 and attends to
-        columns 0..length-1 where ``mask [b, >= length]`` is True (the new column included)."""
+        columns 0..length-1 where ``mask [b, >= length]`` is True (the new column included). ``idle [b]`` bool: rows
+        whose logits and K/V nobody reads (stopped rows): the MoE blocks skip their experts."""
         attention, layers = self.ops.attention, self.layers
 
         def attend(i, q):
             return attention(q, keys[i], values[i], mask, length, layers[i].scaling, last=column)
 
         choices = self._choices[:, :tokens.shape[0]] if self._record else None
-        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend, choices))
+        return self.lm_head(self._layers(tokens, pos, keys, values, column, 1, attend, choices, idle))
 
     def step_choices(self, batch: int) -> torch.Tensor:
         """The expert choices ``[MoE layers, batch, k]`` of the last decode step (``prepare(record=True)``), rows as
@@ -252,9 +253,11 @@ class FusedDecoder:
         x = self._layers(tokens.reshape(-1), pos.reshape(-1), keys, values, column, P, attend, self.prefill_choices)
         return self.lm_head(x.view(B, P, -1)[:, -1])
 
-    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend, choices=None) -> torch.Tensor:
+    def _layers(self, tokens, pos, keys, values, column, seq_len: int, attend, choices=None,
+                idle=None) -> torch.Tensor:
         """The final RMSNorm's output for ``tokens`` (rows); ``attend(i, q)``: layer i's attention output;
-        ``choices [MoE layers, rows, k]``: where the MoE blocks write their expert choices, or None."""
+        ``choices [MoE layers, rows, k]``: where the MoE blocks write their expert choices, or None; ``idle [rows]``:
+        rows the MoE blocks send to no expert, or None."""
         ops = self.ops
         h = self.embed(tokens)
         inv_freq, attn_scaling = self.rotary.inv_freq, float(getattr(self.rotary, "attention_scaling", 1.0))
@@ -275,7 +278,7 @@ class FusedDecoder:
             x = ops.residual_norm(h, ln2.weight, ln2.variance_epsilon, y, *g.single(u))
             nxt = layer.next_norm
             if layer.moe is not None:
-                y = layer.moe(x, None if choices is None else choices[moe_layer])
+                y = layer.moe(x, None if choices is None else choices[moe_layer], idle)
                 x = ops.residual_norm(h, nxt.weight, nxt.variance_epsilon, y)
                 moe_layer += 1
                 continue

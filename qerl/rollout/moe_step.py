@@ -5,10 +5,11 @@ Per MoE layer, on the normalized input ``x [T, H]`` (T = rows of a decode step, 
     logits = x @ W_router.T                     16-bit, as transformers' router (frozen: no LoRA)
     w, idx = top-k of softmax(logits) (fp32)    renormalized over the k where the config's ``norm_topk_prob`` says
                                                 (one kernel: ``topk_router``)
-    order, offsets = sort_pairs(idx)            (token, expert) pairs sorted by expert, on the GPU
+    order, offsets = sort_pairs(idx, idle)      (token, expert) pairs sorted by expert, on the GPU; a decode step's
+                                                stopped rows (``idle``) go to no expert
     u  = grouped(x, A_gu) ; h = grouped(x, [Wg; Wu], gated, LoRA-B)     silu(gate) * up per pair
     u' = grouped(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
-    out = combine(y)                            each token's k products summed
+    out = combine(y, idle)                      each token's k products summed (an idle row's: zeros)
 
 (``qerl.nvfp4.kernels.grouped_experts``). Or, for NVFP4 experts at decode rows where :data:`GEMV_ROWS` (or the
 engine's ``Kernels.experts``) says so, the base products through the decode GEMV's asm loop on the repacked layout
@@ -210,16 +211,19 @@ class MoEStep:
         route = topk_route if self.fast else topk_route_torch
         return route(F.linear(x, self.router.weight), self.top_k, self.renormalize)
 
-    def __call__(self, x: torch.Tensor, choices: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, choices: torch.Tensor | None = None,
+                 idle: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output ``[T, H]`` for its normalized input ``x [T, H]``; ``choices [T, k]``: filled with the
-        expert ids each token went to (the rollout's routing record), or None."""
+        expert ids each token went to (the rollout's routing record), or None; ``idle [T]`` bool: tokens whose output
+        nobody reads (a decode step's stopped rows), sent to no expert and given zeros: a batch's finished rows all
+        feed the same token, and would pile onto the same few experts."""
         weight, index = self.route(x)
         if choices is not None:
             choices.copy_(index)
-        order, offsets = sort_pairs(index, len(self.bases))
+        order, offsets = sort_pairs(index, len(self.bases), idle)
         if self.gemv and (x.dtype == torch.bfloat16 or not self.fast) and expert_kernel(
                 x.shape[0], self.choice) == "gemv":
-            return self._through_gemv(x, weight, order, offsets)
+            return self._through_gemv(x, weight, order, offsets, idle)
         run = G.grouped if self.fast else G.grouped_torch
         k = self.top_k
         lora_gu = lora_d = None
@@ -230,10 +234,10 @@ class MoEStep:
         if self.adapter:
             lora_d = (run(h, order, offsets, a_d, top_k=1), b_d)
         y = run(h, order, offsets, self.down, top_k=1, lora=lora_d, route=weight.reshape(-1))
-        return G.combine(y, k)
+        return G.combine(y, k, idle)
 
-    def _through_gemv(self, x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor,
-                      offsets: torch.Tensor) -> torch.Tensor:
+    def _through_gemv(self, x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                      idle: torch.Tensor | None) -> torch.Tensor:
         """The experts through ``expert_gemv`` in expert order (see the module docstring): the base products from the
         repacked stacks, LoRA-A through the 16-bit grouped kernel, LoRA-B, gating and router weight through the
         grouped kernels' epilogue (``grouped_epilogue``: the roundings of :func:`G.grouped`), the down projection's
@@ -250,7 +254,7 @@ class MoEStep:
         y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
         if self.adapter:
             lora_d = (G.grouped(h, ident, offsets, a_d, top_k=1), b_d)
-        return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k)
+        return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k, idle)
 
 
 __all__ = ["EXPERT_KERNELS", "GEMV_ROWS", "MoEStep", "expert_kernel", "is_moe_block"]

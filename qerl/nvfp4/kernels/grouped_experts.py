@@ -352,26 +352,33 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, idle_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_IDLE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    end = H
+    if HAS_IDLE:  # an idle token's pairs went to no expert: nothing of it was written
+        end = tl.where(tl.load(idle_ptr + t) != 0, 0, H)
+    ok = cols < end
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):  # the token's k products in pair order
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
-def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
+def combine(y: torch.Tensor, top_k: int, idle: torch.Tensor | None = None) -> torch.Tensor:
     """``[T * k, H]`` pair outputs (router weights applied) -> ``[T, H]``: each token's k summed in fp32 (one launch
-    on CUDA; a torch reduction and a cast elsewhere)."""
+    on CUDA; a torch reduction and a cast elsewhere); ``idle [T]`` bool: tokens whose pairs went to no expert
+    (``pair_sort.sort_pairs``' ``idle``), whose rows of ``y`` were never written: zeros."""
     if not y.is_cuda and not _INTERPRET:
-        return torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
+        out = torch.sum(y.view(-1, top_k, y.shape[1]), dim=1, dtype=torch.float32).to(y.dtype)
+        return out if idle is None else out.masked_fill(idle[:, None], 0)
     y = y.contiguous()
     out = torch.empty(y.shape[0] // top_k, y.shape[1], dtype=y.dtype, device=y.device)
     if out.numel():
         block = min(1024, next_power_of_2(y.shape[1]))
-        _combine_kernel[(out.shape[0], cdiv(y.shape[1], block))](y, out, y.shape[1], TOP_K=top_k, BLOCK=block,
-                                                                 num_warps=4)
+        _combine_kernel[(out.shape[0], cdiv(y.shape[1], block))](
+            y, y if idle is None else idle.view(torch.uint8), out, y.shape[1], TOP_K=top_k, BLOCK=block,
+            HAS_IDLE=idle is not None, num_warps=4)
     return out
 
 

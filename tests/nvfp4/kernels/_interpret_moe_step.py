@@ -1,5 +1,6 @@
 """Run by test_grouped_experts_kernels.py under TRITON_INTERPRET=1: the fused decoder's MoE step on the grouped
-Triton kernels (``fast``) against the same step on their torch twins, on a tiny Qwen3-MoE with LoRA on every expert."""
+Triton kernels (``fast``) against the same step on their torch twins, on a tiny Qwen3-MoE with LoRA on every expert;
+with idle rows (sent to no expert) against the same step without."""
 
 import json
 import sys
@@ -21,6 +22,9 @@ for quantization in ("nvfp4", "bf16"):
                 p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
     block = policy.get_base_model().model.layers[0].mlp
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    idle = torch.zeros(40, dtype=torch.bool)
+    idle[::3] = True
+    idle_gap, idle_zero = [], []
     with torch.no_grad():
         outs = []
         for fast in (True, False):
@@ -28,8 +32,13 @@ for quantization in ("nvfp4", "bf16"):
             step.prepare(torch.float32)
             choices = torch.full((40, step.top_k), -1)
             outs.append((step(x, choices), choices))
+            # a decode step's stopped rows: no expert work, zeros; the other rows as before
+            idle_out = step(x, None, idle)
+            idle_gap.append(float((idle_out[~idle] - outs[-1][0][~idle]).abs().max()))
+            idle_zero.append(bool((idle_out[idle] == 0).all()))
         ref = block.experts(x, outs[1][1], step.route(x)[0])
     res[quantization] = {"vs_twin": float((outs[0][0] - outs[1][0]).abs().max() / outs[1][0].abs().max()),
                          "vs_modules": float((outs[0][0] - ref).abs().max() / ref.abs().max()),
-                         "same_choices": bool(torch.equal(outs[0][1], outs[1][1])), "adapter": step.adapter}
+                         "same_choices": bool(torch.equal(outs[0][1], outs[1][1])), "adapter": step.adapter,
+                         "idle_rows_change_the_others": max(idle_gap), "idle_rows_zero": all(idle_zero)}
 print(json.dumps(res), file=sys.stdout)

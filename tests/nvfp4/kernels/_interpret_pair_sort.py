@@ -20,4 +20,16 @@ for T, E, k in ((1, 128, 8), (40, 128, 8), (128, 128, 8), (9, 256, 8), (700, 6, 
     res[f"{T}-{E}-{k}"] = {"same_order": bool(torch.equal(order, order_ref)),
                            "same_offsets": bool(torch.equal(offsets, offsets_ref)),
                            "dtypes": [str(order.dtype), str(offsets.dtype)]}
+    # idle tokens (a decode step's stopped rows): their pairs after every expert's; the others as a plain stable sort
+    idle = torch.rand(T, generator=g) < 0.4
+    order, offsets = sort_pairs(index, E, idle)
+    order_ref, offsets_ref = sort_pairs_torch(index, E, idle)
+    live = [p for p in sorted(range(T * k), key=lambda p: int(index.view(-1)[p])) if not idle[p // k]]
+    counts = torch.bincount(index[~idle].reshape(-1), minlength=E)
+    res[f"{T}-{E}-{k}-idle"] = {
+        "same_order": bool(torch.equal(order, order_ref)) and order[:len(live)].tolist() == live
+        and sorted(order.tolist()) == list(range(T * k)),
+        "same_offsets": bool(torch.equal(offsets, offsets_ref))
+        and offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()],
+        "dtypes": [str(order.dtype), str(offsets.dtype)]}
 print(json.dumps(res))
