@@ -97,7 +97,8 @@ class MoEStep:
             raise Unsupported("a router other than a frozen top-k linear")
         self.router, self.top_k, self.renormalize = gate, int(gate.top_k), bool(gate.norm_topk_prob)
         self.experts, self.fast, self.choice = experts, fast, kernel
-        bases = [[lora_of(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
+        self.layers = [(m.gate_proj, m.up_proj, m.down_proj) for m in experts]  # (fixed, as the bases)
+        bases = [[lora_of(p)[0] for p in trio] for trio in self.layers]
         flat = [b for trio in bases for b in trio]
         self.kind = "nvfp4" if all(isinstance(b, NVFP4Linear) for b in flat) else \
             "dense" if all(type(b) is nn.Linear and b.bias is None for b in flat) else None
@@ -174,7 +175,7 @@ class MoEStep:
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
-        parts = [[lora_of(p) for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in self.experts]
+        parts = [[lora_of(p) for p in trio] for trio in self.layers]
         has = [p[1] is not None for trio in parts for p in trio]
         self.adapter = all(has)
         if not any(has):
