@@ -195,3 +195,8 @@ def test_fused_moe_rollout_reads_the_experts_through_its_stacks_and_follows_thei
     again = rollout(engine)
     assert decoder.key() != layout and stale not in engine._graph_cache.graphs
     assert torch.equal(again.logprobs, moved.logprobs) and torch.equal(again.completion_ids, moved.completion_ids)
+    state = engine._state
+    attention_a = next(p for n, p in named.items() if "q_proj" in n and "lora_A" in n)
+    attention_a.data = attention_a.data.clone()  # a parameter the session walks moves: the state (and graphs) go
+    rollout(engine)
+    assert engine._state is not state
