@@ -173,6 +173,18 @@ def modules_outside_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
                          for child_name, child in reversed(module._modules.items()) if child is not None)
 
 
+def parameters_outside_experts(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``list(model.named_parameters())`` without the parameters inside an ``Experts`` (each parameter once, by its
+    first name): for a caller that reads the experts through copies of its own, at a fraction of the walk."""
+    seen, found = set(), []
+    for name, module in modules_outside_experts(model):
+        for key, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                found.append((f"{name}.{key}" if name else key, p))
+    return found
+
+
 def routers(model: nn.Module) -> dict[str, nn.Module]:
     """The router of every MoE layer of ``model`` by module name: the ``gate`` beside an ``Experts`` (transformers'
     top-k router, which returns ``(logits, top-k weights, top-k indices)``)."""

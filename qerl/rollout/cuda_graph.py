@@ -50,6 +50,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from qerl.model.aqn import noisy_norms
+from qerl.model.experts import parameters_outside_experts
 from qerl.model.attention import SDPA_KERNELS
 from qerl.model.routing import RoutingRecorder
 from qerl.kernels.kv_cache_element import KV_CACHE_DTYPES, cache_dtype
@@ -298,7 +299,10 @@ class CUDAGraphRollout(RolloutEngine):
             raise ValueError(f"model.rollout.init_args.kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
                              f">= 8.9 (Ada, Hopper) for the fused decode step; {torch.cuda.get_device_name(device)} "
                              f"is {torch.cuda.get_device_capability(device)}. Use kv_cache_dtype=auto.")
-        params = list(policy.named_parameters())  # one walk of the module tree: thousands of modules for a large model
+        # one walk of the module tree; a fused MoE step reads its experts from its own stacks (``MoEStep.prepare``
+        # copies their LoRA, and restacks moved weights, which changes ``decoder.key``): nearly all modules, unvisited
+        params = parameters_outside_experts(policy) if decoder is not None and decoder.moe \
+            else list(policy.named_parameters())
         s = self._ensure_state(policy, base, params, wave_prompts * group_size, P + columns, new, spec, device,
                                decoder)
         # dropout off for the transformers forward (the fused step has none); walking the module tree twice to switch

@@ -98,7 +98,8 @@ class MoEStep:
             raise Unsupported("a router other than a frozen top-k linear")
         self.router, self.top_k, self.renormalize = gate, int(gate.top_k), bool(gate.norm_topk_prob)
         self.experts, self.fast, self.choice = experts, fast, kernel
-        bases = [[lora_of(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in experts]
+        self.layers = [(m.gate_proj, m.up_proj, m.down_proj) for m in experts]  # (fixed, as the bases)
+        bases = [[lora_of(p)[0] for p in trio] for trio in self.layers]
         flat = [b for trio in bases for b in trio]
         self.kind = "nvfp4" if all(isinstance(b, NVFP4Linear) for b in flat) else \
             "dense" if all(type(b) is nn.Linear and b.bias is None for b in flat) else None
@@ -132,7 +133,8 @@ class MoEStep:
         self._refresh_adapter(dtype)
 
     def _tensors(self, base: nn.Module) -> list[torch.Tensor]:
-        return [getattr(base, k) for k in _NVFP4_KEYS] if self.kind == "nvfp4" else [base.weight]
+        params = base._parameters  # (one dict: an attribute read per tensor of every expert, every rollout, is slow)
+        return [params[k] for k in _NVFP4_KEYS] if self.kind == "nvfp4" else [params["weight"]]
 
     def _storage_versions(self) -> tuple:
         return tuple(storage_version(t) for trio in self.bases for b in trio for t in self._tensors(b))
@@ -175,7 +177,7 @@ class MoEStep:
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
-        parts = [[lora_of(p) for p in (m.gate_proj, m.up_proj, m.down_proj)] for m in self.experts]
+        parts = [[lora_of(p) for p in trio] for trio in self.layers]
         has = [p[1] is not None for trio in parts for p in trio]
         self.adapter = all(has)
         if not any(has):
@@ -189,8 +191,8 @@ class MoEStep:
             self.lora = tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
         a_gu, b_gu, a_d, b_d = self.lora
         # one stack per projection and matrix (a few launches a layer, not six copies per expert)
-        a = [torch.stack([trio[j][1].detach() for trio in parts]) for j in range(3)]  # [E, r, in] gate, up, down
-        b = [torch.stack([trio[j][2].detach() for trio in parts]) for j in range(3)]  # [E, out, r]
+        a = [torch.stack([trio[j][1] for trio in parts]) for j in range(3)]  # [E, r, in] gate, up, down (no_grad)
+        b = [torch.stack([trio[j][2] for trio in parts]) for j in range(3)]  # [E, out, r]
         a_gu.view(E, 2, r, H).copy_(torch.stack(a[:2], 1))
         a_d.copy_(a[2])
         scales = torch.tensor([[p[3] for p in trio] for trio in parts], dtype=torch.float32, device=device)  # [E, 3]

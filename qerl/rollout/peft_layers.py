@@ -23,12 +23,14 @@ def active_module(module: nn.Module) -> nn.Module:
 
 def lora_of(module: nn.Module):
     """(base layer, A, B, scaling) of a peft LoRA layer with its adapter active, (module, None, None, 1) otherwise."""
-    if not hasattr(module, "lora_A"):
+    children = module._modules  # (read once: each submodule by attribute is a call, for every expert every rollout)
+    lora_a = children.get("lora_A")
+    if lora_a is None:
         return module, None, None, 1.0
-    base = module.base_layer
+    base = children["base_layer"]
     if module.disable_adapters or module.merged:
         return base, None, None, 1.0
-    active = [a for a in module.active_adapters if a in module.lora_A]
+    active = [a for a in module.active_adapters if a in lora_a]
     if len(active) > 1:
         raise Unsupported("more than one active LoRA adapter")
     if not active:
@@ -36,7 +38,7 @@ def lora_of(module: nn.Module):
     name = active[0]
     if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
         raise Unsupported("LoRA variants (DoRA, ...) are not fused")
-    a, b = module.lora_A[name], module.lora_B[name]
-    if getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
+    a, b = lora_a[name]._parameters, children["lora_B"][name]._parameters
+    if a.get("bias") is not None or b.get("bias") is not None:
         raise Unsupported("LoRA with bias terms is not fused")
-    return base, a.weight, b.weight, float(module.scaling[name])
+    return base, a["weight"], b["weight"], float(module.scaling[name])

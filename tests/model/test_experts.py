@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from qerl.model.aqn import rms_norms
 from qerl.model.checkpoint_io import load_model
-from qerl.model.experts import Experts, expert_count, modules_outside_experts, routers
+from qerl.model.experts import Experts, expert_count, modules_outside_experts, parameters_outside_experts, routers
 from qerl.model.policy import build_policy, save_adapter
 from qerl.nvfp4.checkpoint import NVFP4_KEYS, read_quantization_config
 from qerl.nvfp4.format import dequantize, global_scale, quantize
@@ -190,3 +190,15 @@ def test_the_walk_outside_the_experts_is_named_modules_without_what_the_experts_
     shared = nn.Sequential(nn.Linear(2, 2))
     twice = nn.Sequential(shared, shared)  # a module reachable twice: visited once, as named_modules does
     assert [n for n, _ in modules_outside_experts(twice)] == [n for n, _ in twice.named_modules()]
+
+
+def test_the_parameters_outside_the_experts_are_named_parameters_without_the_experts(tiny_model_dirs):
+    policy = build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4, dtype="float32")
+    held = {id(p) for m in policy.modules() if isinstance(m, Experts) for p in m.parameters()}
+    expected = [(n, p) for n, p in policy.named_parameters() if id(p) not in held]
+    walked = parameters_outside_experts(policy)
+    assert [n for n, _ in walked] == [n for n, _ in expected] and all(a is b for (_, a), (_, b) in zip(walked, expected))
+    assert held and any("lora_" in n for n, _ in walked)
+    tied = nn.Linear(2, 2)
+    twice = nn.Sequential(tied, nn.Sequential(tied))  # a parameter reachable twice: listed once, as named_parameters
+    assert parameters_outside_experts(twice) == list(twice.named_parameters())

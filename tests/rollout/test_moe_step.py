@@ -151,3 +151,52 @@ def test_moe_step_through_the_expert_gemv_twin_equals_the_per_expert_modules(tmp
     assert expert_kernel(257, "gemv") == "grouped"  # a prefill: the grouped kernels' wide tiles
     with pytest.raises(ValueError, match="expert kernel 'fast'"):
         FusedDecoder(base, Kernels(fast=False, experts="fast"))
+
+
+def test_fused_moe_rollout_reads_the_experts_through_its_stacks_and_follows_their_moves(model_dir):
+    """The fused step copies the experts' LoRA itself: the session makes model-dtype copies of the other LoRA matrices
+    only (the experts' are nearly all of them), and its stacks follow the experts' matrices when they change in place,
+    when their storage moves, and when a base weight's storage moves (a new layout key: its graphs go)."""
+    from qerl.rollout.graph_cache import GraphKey
+
+    policy = moe_policy(model_dir, "nvfp4", "bfloat16")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()  # peft's usual fp32 adapter on a bf16 model: the session copies it to bf16
+    named = dict(policy.named_parameters())
+    expert_b = next(p for n, p in named.items() if ".experts." in n and "lora_B" in n)
+    engine = CUDAGraphRollout(check_every=3, fused=True)
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.7, seed=1, stream="separate")
+
+    def rollout(engine):
+        return engine.generate(policy, PROMPTS, group_size=2, pad_id=PAD, eos_ids=[EOS], spec=spec)
+
+    first = rollout(engine)
+    copied = {id(p) for p in named.values()} & engine._adapters.shadows.keys()
+    lora = {id(p) for n, p in named.items() if "lora_" in n}
+    experts = {id(p) for n, p in named.items() if ".experts." in n and "lora_" in n}
+    assert copied == lora - experts and experts  # the attention's LoRA copied, none of the experts'
+    with torch.no_grad():
+        expert_b.add_(0.3)  # what an optimizer step does: in place
+    stepped = rollout(engine)
+    assert not torch.equal(stepped.logprobs, first.logprobs)
+    assert torch.equal(stepped.logprobs, rollout(CUDAGraphRollout(check_every=3, fused=True)).logprobs)
+    with torch.no_grad():
+        expert_b.data = expert_b.data + 0.3  # its storage moves
+    moved = rollout(engine)
+    assert not torch.equal(moved.logprobs, stepped.logprobs)
+    assert torch.equal(moved.logprobs, rollout(CUDAGraphRollout(check_every=3, fused=True)).logprobs)
+    decoder, layout = engine._state.decoder, engine._state.decoder.key()
+    stale = GraphKey(4, 16, 0.7, False, False, layout)
+    engine._graph_cache.graphs[stale] = object()  # stands for a graph captured on CUDA over this layout
+    packed = next(m for m in policy.modules() if isinstance(m, Experts))[1].down_proj.base_layer.weight_packed
+    packed.data = packed.data.clone()  # a base weight's storage moves (same values)
+    again = rollout(engine)
+    assert decoder.key() != layout and stale not in engine._graph_cache.graphs
+    assert torch.equal(again.logprobs, moved.logprobs) and torch.equal(again.completion_ids, moved.completion_ids)
+    state = engine._state
+    attention_a = next(p for n, p in named.items() if "q_proj" in n and "lora_A" in n)
+    attention_a.data = attention_a.data.clone()  # a parameter the session walks moves: the state (and graphs) go
+    rollout(engine)
+    assert engine._state is not state
