@@ -127,4 +127,6 @@ def test_the_grouped_epilogue_on_given_products_equals_the_grouped_kernel_and_it
     res = run_interpreted(Path(__file__).with_name("_interpret_grouped_epilogue.py"))
     assert len(res) == 9  # gate_up, down and the gather into expert order, 3 dtype / size cases each
     for key, v in res.items():
-        assert v["vs_fused"] <= 1e-6 and v["vs_twin"] <= (1e-6 if "float32" in key else 1e-3), (key, v)
+        # (float16: the interpreter's products can land one rounding apart, by the CPU's matmul kernels)
+        tolerance = 1e-6 if "float32" in key else 1e-3
+        assert v["vs_fused"] <= tolerance and v["vs_twin"] <= tolerance, (key, v)
