@@ -99,6 +99,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # (shared/DESIGN.md: as seen on the H100)
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
                f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
+    if args.profile_rollout_steps and args.engine == "cuda_graph":  # (rollout_phases.StepWindow)
+        profile += ["--model.rollout.init_args.profile_steps", str(args.profile_rollout_steps)]
     cli = cli_main([  # (a fresh process: no CUDA call before it, so that the CLI's allocator settings apply)
         "fit", "--config", "configs/gpu.yaml", "--trainer.accelerator", "auto",
         "--model.policy.model", str(model_dir), "--model.policy.quantization", quantization,
@@ -196,6 +198,9 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--profile-update", default=None, help="a directory: profile the NVFP4 run's second update "
                         "there (bench/update_profiler.py; that step's time then includes the profiler's: use --steps 4)")
+    parser.add_argument("--profile-rollout-steps", type=int, default=0,
+                        help="torch.profiler over this many decode steps of the second rollout's widest batch bucket "
+                        "(rollout_phases.StepWindow; that call is left out of the phase summary: use --steps 4)")
     parser.add_argument("--drop-checkpoints", action="store_true",
                         help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
     parser.add_argument("--short-context-ms", default=str(Path(__file__).parent / "results" / "moe_decode_h200.json"),
@@ -266,6 +271,12 @@ def main() -> None:
             print("\n" + "\n".join(phase_table(phases)))
             for q, summary in phases.items():
                 results[q]["rollout_phases_summary"] = summary
+        for q, r in results.items():  # --profile-rollout-steps: the profiled call's window
+            for window in [rec["profile"] for rec in r.get("rollout_phases", []) if rec.get("profile")]:
+                print(f"\n{q}: {window['steps']} steps at b={window['batch']} profiled ({window['captures']} captured): "
+                      f"{window['ms_per_step']:.2f} ms a step, {window['kernel_ms_per_step']:.2f} ms of kernels")
+                for k in window["top"][:20]:
+                    print(f"  {k['us_per_step']:9.1f} us {k['per_step']:6.1f}x  {k['kernel']}")
     except Exception as e:  # noqa: BLE001
         print(f"rollout phases: no summary ({e!r}); runs.<format>.rollout_phases hold the calls' records")
     out = Path(args.out)

@@ -13,6 +13,11 @@ its mark to the next, so the parts sum to the call's time by construction and ev
 captures a graph counts under the capture: it runs eagerly, then is captured). A check's segment is the GPU's time from
 the end of the steps queued before it to the first step after it: the host's sync, its decision and any compaction.
 
+``profile_steps`` (an engine option) profiles the second call's widest batch bucket: ``torch.profiler`` over that
+many of its decode steps (after ``StepWindow.SKIP`` of them), the kernels a step runs and their time beside the
+window's ms per step (CUDA events), in that call's record (``profile``), which ``summarize`` then leaves out (the
+profiler slows the host).
+
 Each record also says why the call captured what it did (``graph_facts``: the graphs held at its start and at its
 first prefill, the engine's clears, and where the decode state was rebuilt, what of its key changed).
 
@@ -23,6 +28,7 @@ the KV cache) and the rest of the call is what no decode step explains.
 
 from __future__ import annotations
 
+import collections
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,19 +108,87 @@ class PhaseRecording:
         return self.segments[:-1], wall
 
 
+class StepWindow:
+    """``torch.profiler`` over ``steps`` decode steps of a call's first (widest) batch bucket, after ``SKIP`` of them
+    (its captures): ``table()`` gives the kernels per step (CUDA; on the CPU the operators) and the window's ms per
+    step, so a slow bucket's kernels can be set beside a decode benchmark's."""
+
+    SKIP = 8
+
+    def __init__(self, steps: int, device: torch.device):
+        self.steps, self.cuda = steps, device.type == "cuda"
+        self.batch: int | None = None
+        self.seen = 0
+        self.profiler = self.start = self.result = None
+        self.captures = 0  # steps of the window that captured a graph (they run eagerly too)
+
+    def before(self, batch: int) -> None:
+        if self.batch is None:
+            self.batch = batch
+        if batch != self.batch or self.result is not None:
+            return
+        self.seen += 1
+        if self.seen == self.SKIP + 1:
+            activity = torch.profiler.ProfilerActivity.CUDA if self.cuda else torch.profiler.ProfilerActivity.CPU
+            self.profiler = torch.profiler.profile(activities=[activity])
+            self.profiler.__enter__()
+            self.start = _clock(self.cuda)
+
+    def after(self, batch: int) -> None:
+        if self.profiler is None or batch != self.batch or self.seen < self.SKIP + self.steps:
+            return
+        end = _clock(self.cuda)
+        if self.cuda:
+            end.synchronize()
+        self.profiler.__exit__(None, None, None)
+        seconds = self.start.elapsed_time(end) / 1e3 if self.cuda else end - self.start
+        kind = "CUDA" if self.cuda else "CPU"
+        per = collections.defaultdict(lambda: [0, 0.0])
+        for e in self.profiler.events():
+            if e.device_type.name == kind and (self.cuda or e.cpu_parent is None):  # (CPU: top-level operators)
+                row = per[e.name[:90]]
+                row[0] += 1
+                row[1] += e.device_time if self.cuda else e.cpu_time_total
+        rows = sorted(({"kernel": name, "per_step": n / self.steps, "us_per_step": us / self.steps}
+                       for name, (n, us) in per.items()), key=lambda r: -r["us_per_step"])
+        self.result = {"batch": self.batch, "steps": self.steps, "captures": self.captures,
+                       "ms_per_step": 1e3 * seconds / self.steps, "kind": kind,
+                       "kernel_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3, "top": rows[:30]}
+        self.profiler = None
+
+
+def _clock(cuda: bool):
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class PhaseRecorder:
     """A CUDA-graph engine (the next base) whose ``generate`` calls are split into phases (see the module docstring);
-    ``phase_records`` holds one ``breakdown`` per call. Multi-turn episode calls are not recorded."""
+    ``phase_records`` holds one ``breakdown`` per call. Multi-turn episode calls are not recorded.
 
-    def __init__(self, **kwargs):
+    Args:
+        profile_steps: profile this many decode steps of the second call's widest batch bucket (``StepWindow``; 0:
+            none).
+        **kwargs: the engine's arguments.
+    """
+
+    def __init__(self, profile_steps: int = 0, **kwargs):
         super().__init__(**kwargs)
+        self.profile_steps = profile_steps
         self.phase_records: list[dict] = []
         self._recording: PhaseRecording | None = None  # the current generate call's
+        self._window: StepWindow | None = None  # the profiled call's
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=None):
-        recording = self._recording = PhaseRecording(next(policy.parameters()).device)
+        device = next(policy.parameters()).device
+        recording = self._recording = PhaseRecording(device)
         recording.graphs["at_start"] = len(self._graph_cache.graphs)
+        self._window = StepWindow(self.profile_steps, device) if self.profile_steps and len(
+            self.phase_records) == 1 else None
         try:
             rollout = super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=routing)
         finally:
@@ -125,6 +199,10 @@ class PhaseRecorder:
                                            record["captures"])
         except Exception as e:  # noqa: BLE001  a record must never stop the training run it times
             record = {"error": repr(e)}
+        if self._window is not None:
+            record["profiled"] = True
+            record["profile"] = self._window.result
+            self._window = None
         self.phase_records.append(record)
         return rollout
 
@@ -135,6 +213,8 @@ class PhaseRecorder:
             return
         if name == "capture":
             r.capture()
+            if self._window is not None and self._window.profiler is not None:
+                self._window.captures += 1
         elif name == "captured":
             r.resume()
         elif name == "check":
@@ -160,7 +240,11 @@ class PhaseRecorder:
     def _run_step(self, s, policy, b: int, length: int, spec) -> None:
         if self._recording is not None:
             self._recording.step(b, length)
+        if self._window is not None:
+            self._window.before(b)
         super()._run_step(s, policy, b, length, spec)
+        if self._window is not None:
+            self._window.after(b)
 
     @contextmanager
     def _adapter_copies(self, policy, params: list, dtype):
@@ -333,7 +417,7 @@ def summarize(records: list[dict], table: dict[int, float] | None = None) -> dic
     """The calls' mean parts, and their mean decode per batch bucket against ``short_context_model`` (``table``: a
     decode benchmark's rows -> ms per step; empty or None: each call's own shortest length bucket per batch
     bucket)."""
-    records = [r for r in records if "error" not in r]
+    records = [r for r in records if "error" not in r and not r.get("profiled")]
     n = max(len(records), 1)
     models = [short_context_model(r, table or own_short_context_table(r)) for r in records]
     buckets: dict[int, dict] = {}

@@ -264,3 +264,17 @@ def test_the_record_says_when_the_decode_state_was_rebuilt_and_what_of_its_key_c
     assert len(graphs) == 4 and graphs[0].endswith("; decode state rebuilt") and "rebuilt" not in graphs[1]
     assert graphs[2].endswith("decode state rebuilt (changed: sizes)")
     assert graphs[3].endswith("decode state rebuilt (changed: parameters; 1 parameters moved)")
+
+
+def test_the_second_call_profiles_its_widest_buckets_steps_and_the_summary_leaves_it_out(policy):
+    engine = TimedForcedLengthRollout(length_median=40, length_sigma=0.1, check_every=4, length_bucket=8,
+                                      profile_steps=3)
+    spec = SamplingSpec(max_new_tokens=24, seed=0)
+    for _ in range(3):
+        engine.generate(policy, PROMPTS, 2, PAD, [EOS], spec)
+    first, second, third = engine.phase_records
+    assert "profile" not in first and "profile" not in third and second["profiled"]
+    window = second["profile"]
+    assert window["batch"] == len(PROMPTS) * 2 and window["steps"] == 3 and window["kind"] == "CPU"
+    assert window["ms_per_step"] > 0 and window["top"] and window["kernel_ms_per_step"] > 0
+    assert summarize(engine.phase_records)["calls"] == 2
