@@ -110,8 +110,8 @@ class PhaseRecording:
 
 class StepWindow:
     """``torch.profiler`` over ``steps`` decode steps of a call's first (widest) batch bucket, after ``SKIP`` of them
-    (its captures): ``table()`` gives the kernels per step (CUDA; on the CPU the operators) and the window's ms per
-    step, so a slow bucket's kernels can be set beside a decode benchmark's."""
+    (its captures): ``result`` holds the kernels per step (CUDA; on the CPU the operators) and the window's ms per
+    step, so a slow bucket's kernels can be set beside a decode benchmark's. A bucket that ends first closes it."""
 
     SKIP = 8
 
@@ -125,6 +125,8 @@ class StepWindow:
     def before(self, batch: int) -> None:
         if self.batch is None:
             self.batch = batch
+        if batch != self.batch:
+            self.close()
         if batch != self.batch or self.result is not None:
             return
         self.seen += 1
@@ -135,8 +137,14 @@ class StepWindow:
             self.start = _clock(self.cuda)
 
     def after(self, batch: int) -> None:
-        if self.profiler is None or batch != self.batch or self.seen < self.SKIP + self.steps:
+        if self.profiler is not None and batch == self.batch and self.seen >= self.SKIP + self.steps:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the profiler (if it runs) and tabulate the steps it saw."""
+        if self.profiler is None:
             return
+        self.steps = max(1, min(self.steps, self.seen - self.SKIP))
         end = _clock(self.cuda)
         if self.cuda:
             end.synchronize()
@@ -193,6 +201,8 @@ class PhaseRecorder:
             rollout = super().generate(policy, prompt_ids, group_size, pad_id, eos_ids, spec, routing=routing)
         finally:
             self._recording = None
+            if self._window is not None:  # (a bucket shorter than the window: what it saw)
+                self._window.close()
         try:
             record = breakdown(*recording.close(), check_every=self.check_every)
             record["graphs"] = graph_facts(recording.graphs, recording.clears, recording.state_keys,

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rollout_phases import (  # noqa: E402
     Segment,
+    StepWindow,
     TimedForcedLengthRollout,
     breakdown,
     interpolated_ms,
@@ -278,3 +279,11 @@ def test_the_second_call_profiles_its_widest_buckets_steps_and_the_summary_leave
     assert window["batch"] == len(PROMPTS) * 2 and window["steps"] == 3 and window["kind"] == "CPU"
     assert window["ms_per_step"] > 0 and window["top"] and window["kernel_ms_per_step"] > 0
     assert summarize(engine.phase_records)["calls"] == 2
+    # a bucket shorter than the window: it closes with what it saw, and the next calls run unprofiled
+    short = TimedForcedLengthRollout(length_median=40, length_sigma=0.1, check_every=4, length_bucket=8,
+                                     profile_steps=100)
+    for _ in range(3):
+        short.generate(policy, PROMPTS, 2, PAD, [EOS], spec)
+    window = short.phase_records[1]["profile"]
+    assert window["steps"] == 23 - StepWindow.SKIP  # the call's 23 decode steps, all in one bucket
+    assert "profile" not in short.phase_records[2]
