@@ -200,3 +200,27 @@ def test_fused_moe_rollout_reads_the_experts_through_its_stacks_and_follows_thei
     attention_a.data = attention_a.data.clone()  # a parameter the session walks moves: the state (and graphs) go
     rollout(engine)
     assert engine._state is not state
+
+
+def test_the_decode_steps_send_their_stopped_rows_to_no_expert(model_dir, monkeypatch):
+    """Rows that sampled EOS keep decoding beside the others (their output unread); the engine hands them to the MoE
+    blocks as idle, whose pairs then sit past every expert's range, and the live rows' log-probs stay exact."""
+    import qerl.rollout.moe_step as moe_step
+
+    seen = []
+
+    def spy(index, num_experts, idle=None):
+        order, offsets = real(index, num_experts, idle)
+        if index.shape[0] == len(PROMPTS) * 4:  # a decode step's rows (the prefill's tokens are more)
+            seen.append((idle.clone() if idle is not None else None, int(offsets[-1]), index.shape[1]))
+        return order, offsets
+
+    real = moe_step.sort_pairs
+    monkeypatch.setattr(moe_step, "sort_pairs", spy)
+    policy = moe_policy(model_dir, "nvfp4", "float32")
+    r = sample(policy)
+    assert seen and all(idle is not None for idle, _, _ in seen)
+    assert any(idle.any() for idle, _, _ in seen), "no row stopped early: the EOS ids no longer stop any"
+    assert all(live == k * int((~idle).sum()) for idle, live, k in seen)
+    lp, _ = recompute(policy, r, 0.7)
+    torch.testing.assert_close(r.logprobs, lp, atol=2e-5, rtol=0)
