@@ -125,7 +125,9 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     events = EventAccumulator(sorted(glob.glob(str(log_root / name / "*" / "events*")))[-1])
     events.Reload()
     series = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    steady = lambda tag: statistics.median(series[tag][1:] or series[tag])  # noqa: E731  first step warms up
+    # the first step warms up; a profiled second step (either profiler) is slowed by the profiler: both left out
+    first = 2 if profile else 1
+    steady = lambda tag: statistics.median(series[tag][first:] or series[tag])  # noqa: E731
     return {
         "rollout_s": steady("perf/rollout_s"),
         "train_s": steady("perf/train_s"),
@@ -197,10 +199,10 @@ def main() -> None:
     parser.add_argument("--compare", default=None, help="a JSON of an earlier run of this benchmark")
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--profile-update", default=None, help="a directory: profile the NVFP4 run's second update "
-                        "there (bench/update_profiler.py; that step's time then includes the profiler's: use --steps 4)")
+                        "there (bench/update_profiler.py; that step is left out of the medians)")
     parser.add_argument("--profile-rollout-steps", type=int, default=0,
                         help="torch.profiler over this many decode steps of the second rollout's widest batch bucket "
-                        "(rollout_phases.StepWindow; that call is left out of the phase summary: use --steps 4)")
+                        "(rollout_phases.StepWindow; that step is left out of the medians and the phase summary)")
     parser.add_argument("--drop-checkpoints", action="store_true",
                         help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
     parser.add_argument("--short-context-ms", default=str(Path(__file__).parent / "results" / "moe_decode_h200.json"),
@@ -209,6 +211,9 @@ def main() -> None:
                         "bucket's own shortest length bucket)")
     parser.add_argument("overrides", nargs="*", help="more train.py options for every run (after --)")
     args = parser.parse_args()
+    if (args.profile_update or args.profile_rollout_steps) and args.steps < 3:
+        parser.error(f"--steps {args.steps}: a profiled run profiles its second step and times the steps after it; "
+                     "use --steps 3 or more (4 for two timed steps).")
     work = Path(args.work)
     from transformers import AutoTokenizer
 

@@ -287,3 +287,11 @@ def test_the_second_call_profiles_its_widest_buckets_steps_and_the_summary_leave
     window = short.phase_records[1]["profile"]
     assert window["steps"] == 23 - StepWindow.SKIP  # the call's 23 decode steps, all in one bucket
     assert "profile" not in short.phase_records[2]
+
+
+def test_a_profiled_e2e_run_needs_a_timed_step_after_the_profiled_one():
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_e2e.py"), "--tokenizer", "unused",
+                           "--steps", "2", "--profile-rollout-steps", "8"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--steps 2" in done.stderr and "--steps 3 or more" in done.stderr
