@@ -69,12 +69,7 @@ class PhaseRecording:
         self.mark("setup")
 
     def mark(self, kind: str, batch: int | None = None, length: int | None = None) -> None:
-        if self.cuda:
-            clock = torch.cuda.Event(enable_timing=True)
-            clock.record()
-        else:
-            clock = time.perf_counter()
-        self.segments.append(Segment(kind, batch, length, 0, clock))
+        self.segments.append(Segment(kind, batch, length, 0, _clock(self.cuda)))
 
     @property
     def last(self) -> Segment:
@@ -166,6 +161,7 @@ class StepWindow:
 
 
 def _clock(cuda: bool):
+    """A CUDA event recorded now (no sync), or the host clock where the steps run on the CPU."""
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
