@@ -10,8 +10,8 @@ weight), timed in CUDA graphs over routings and weight copies that pass the L2:
 
 - ``grouped-nvfp4`` / ``grouped-bf16``: the grouped kernel with its default configuration, LoRA-B, gating and router
   weight fused;
-- ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, a program per expert or per token block;
-  0 / None: the default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
+- ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, block schedule; 0 / None: the
+  default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
   against the dense GEMV's);
 - ``gemv-step``: what ``MoEStep`` runs per projection on the default variant: the gather into expert order (gate/up),
   the expert GEMV, and the grouped kernels' epilogue (LoRA-B, silu-mul or router weight, written back at each pair's
@@ -79,7 +79,7 @@ class GemvCase:
 
 def variants(rows: int) -> list[X.ExpertGemvConfig]:
     tiles = X.default_tiles(rows * TOP_K, E)
-    out = [X.ExpertGemvConfig(), X.ExpertGemvConfig(loop=False)]
+    out = [X.ExpertGemvConfig(schedule=schedule) for schedule in X.SCHEDULES]
     for t in sorted({max(1, tiles // 2), tiles, min(8, tiles * 2)}):
         for wgmma in (True, False):
             for splits in (1, 4) if rows <= 16 else (1,):  # (splitting K lost from 16 rows on)
@@ -123,7 +123,7 @@ def main() -> None:
                         base_ref = out.double()
                     err = rel_err(out, base_ref)  # the variants against each other (same sums, other splits)
                     record("gemv-base", graph_ms(lambda i, c=config: gemv.base(c, i), nv.calls), err,
-                           repacked_bytes, [config.tiles, config.splits, config.wgmma, config.loop])
+                           repacked_bytes, [config.tiles, config.splits, config.wgmma, config.schedule])
                 except Exception as e:  # noqa: BLE001 (a variant that does not build or launch: recorded)
                     print(f"rows {rows} {projection} gemv {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     found.append(dict(kind="gemv-base", projection=projection, rows=rows, config=str(config),

@@ -1,5 +1,5 @@
 """Where the expert GEMV (``qerl.nvfp4.kernels.expert_gemv``) departs from float64, when it does: per variant (token
-tiles, K splits, wgmma or mma.sync loop) and row count at Qwen3-30B-A3B's expert shapes, the relative error, NaNs, and
+tiles, K splits, wgmma or mma.sync loop, block schedule) and row count at Qwen3-30B-A3B's expert shapes, the relative error, NaNs, and
 which sorted rows, which row of its token block, which output row blocks and which experts are wrong. A triage tool
 for a GPU round (the GPU tier's tests say only that a case failed).
 
@@ -61,13 +61,13 @@ def main() -> None:
             xs = torch.randn(rows * top_k, k, device="cuda", generator=gen).to(torch.bfloat16)
             ref = reference(xs, experts, packed, scale, gs)
             # the simplest first: a fault (illegal address) ends the process
-            for wgmma, loop, splits, tiles in itertools.product((False, True), (False, True), (1, 3), (1, 2, 8)):
-                if not loop and splits > 1:
+            for wgmma, schedule, splits, tiles in itertools.product((False, True), X.SCHEDULES, (1, 3), (1, 2, 8)):
+                if schedule == "grid" and splits > 1:
                     continue
-                name = f"{n}x{k} rows {rows} tiles {tiles} splits {splits} wgmma {wgmma} loop {loop}"
+                name = f"{n}x{k} rows {rows} tiles {tiles} splits {splits} wgmma {wgmma} schedule {schedule}"
                 try:
                     out = X.expert_gemv(xs, offsets, words, factors, gs, rows,
-                                        X.ExpertGemvConfig(tiles, splits, wgmma, loop))
+                                        X.ExpertGemvConfig(tiles, splits, wgmma, schedule))
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 (a triage tool: report and go on)
                     print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -179,8 +179,11 @@ def test_expert_gemv_equals_float64_and_replays_another_routing_from_a_graph(row
         gs = 2688.0 / (0.5 + torch.rand(num, device="cuda", generator=gen))
         words, factors = X.repack_stack(packed, scale)
 
-        def routing():
-            index = torch.rand(rows, num, device="cuda", generator=gen).topk(top_k, dim=1).indices
+        def routing(skewed=False):  # skewed: every token's first choice expert 5 (its blocks over many programs)
+            scores = torch.rand(rows, num, device="cuda", generator=gen)
+            if skewed:
+                scores[:, 5] = 2.0
+            index = scores.topk(top_k, dim=1).indices
             order, offsets = sort_pairs(index, num)
             return index.reshape(-1)[order], torch.randn(rows * top_k, k, device="cuda", generator=gen).to(
                 torch.bfloat16), offsets
@@ -189,15 +192,18 @@ def test_expert_gemv_equals_float64_and_replays_another_routing_from_a_graph(row
             ref = _expert_products_float64(xs, experts, packed, scale, gs)
             assert float((out.double() - ref).abs().max()) <= 0.01 * float(ref.abs().max()), (n, k)
 
-        experts, xs, offsets = routing()
-        for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=3, wgmma=wgmma),
-                       X.ExpertGemvConfig(tiles=2, splits=2, wgmma=wgmma), X.ExpertGemvConfig(wgmma=wgmma, loop=False)):
-            check(X.expert_gemv(xs, offsets, words, factors, gs, rows, config), experts, xs)
+        for skewed in (True, False):
+            experts, xs, offsets = routing(skewed)
+            for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=3, wgmma=wgmma),
+                           X.ExpertGemvConfig(tiles=2, splits=2, wgmma=wgmma),
+                           X.ExpertGemvConfig(wgmma=wgmma, schedule="grid"),
+                           X.ExpertGemvConfig(wgmma=wgmma, schedule="loop")):
+                check(X.expert_gemv(xs, offsets, words, factors, gs, rows, config), experts, xs)
         # captured once, replayed on another routing written into the same buffers (offsets read on the device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = X.expert_gemv(xs, offsets, words, factors, gs, rows, X.ExpertGemvConfig(wgmma=wgmma))
-        experts, xs2, offsets2 = routing()
+        experts, xs2, offsets2 = routing(skewed=True)
         xs.copy_(xs2)
         offsets.copy_(offsets2)
         graph.replay()

@@ -4,12 +4,13 @@ every expert, each reading its weight in the GEMV's repacked layout (``gemv_layo
 The (token, expert) pairs are sorted by expert (``pair_sort``: expert e owns slots ``offsets[e] .. offsets[e + 1]``)
 and the caller gathers the input rows into that order once (``x_sorted [P, K]``), so expert e's rows are contiguous:
 its product is an ordinary GEMV of ``x_sorted[offsets[e]:offsets[e + 1]]`` by its own weight. Program (row group,
-K split, expert) reads ``offsets[e]`` and ``offsets[e + 1]`` on the device and walks the expert's token blocks of
-``8 NT`` rows (none for an expert no pair chose: none of its bytes read), pointing the unchanged asm main loop and
-epilogue (the mma.sync or the warpgroup-MMA loop, fused split-K reduction) at its expert's words, factors and global
-scale, the block's rows of ``x_sorted`` and of the output. (Without ``loop``: one program per token block of the
-worst case, an expert getting ``rows`` pairs, the empty ones exiting at once.) The grid is static and no host reads
-the offsets: a CUDA graph captures the launch.
+K split, i) takes the i-th token block of ``8 NT`` rows in the list of every expert's blocks (``expert_blocks``: found
+from the offsets on the device; an expert no pair chose has none: none of its bytes read), pointing the unchanged asm
+main loop and epilogue (the mma.sync or the warpgroup-MMA loop, fused split-K reduction) at its expert's words,
+factors and global scale, the block's rows of ``x_sorted`` and of the output; so a busy expert's blocks run side by
+side. (``schedule="loop"``: one program per expert walking its blocks; ``"grid"``: one per token block of the worst
+case, an expert getting ``rows`` pairs, the empty ones exiting at once.) The grid is static and no host reads the
+offsets: a CUDA graph captures the launch.
 
 Stacked storage: ``words [E, N/16, K/64, 32, 4]`` int32 and ``factors [E, N/16, K/64, 32]`` int32, every expert's
 ``gemv_layout.repack`` (:func:`repack_stack`; the repack is per 16-row block, so one repack of the ``[E N, K]``
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels.expert_blocks import expert_block, list_block, list_programs
 from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.kernels.split_k import counters
 from qerl.nvfp4.kernels import gemv_layout
@@ -52,14 +54,16 @@ class ExpertGemvConfig:
             64 / 128 rows of Qwen3-30B-A3B no split count beat the unsplit launch by more than a few percent, and most
             lost (``bench/bench_expert_gemv.py``, ``expert_gemv_h200.json``).
         wgmma: the warpgroup-MMA loop (None: on sm_90), else the mma.sync loop.
-        loop: one program per (row group, split, expert) walking the expert's token blocks (None: on), else one per
-            token block of the worst case (``rows`` pairs per expert; most exit at once).
+        schedule: which token blocks a program takes: ``list`` the i-th of every expert's blocks in expert order
+            (``expert_blocks``; a step that sends most tokens to a few experts spreads their blocks over programs),
+            ``loop`` every block of one expert in turn, ``grid`` one block of the worst case (``rows`` pairs per
+            expert; most programs exit at once).
     """
 
     tiles: int = 0
     splits: int = 1
     wgmma: bool | None = None
-    loop: bool | None = None
+    schedule: str = "list"
 
 
 def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,26 +99,45 @@ def default_tiles(pairs: int, num_experts: int) -> int:
     return tiles_for(min(MAX_M, math.ceil(1.5 * mean + 2)))
 
 
-def program_blocks(offsets: list[int], index: int, tiles: int, blocks: int = 0) -> list[tuple[int, int, int]]:
-    """What program ``index`` of the expert axis computes, as ``(expert, first sorted row, rows)`` per token block:
-    with ``blocks`` > 0 (the grid of ``blocks`` token blocks per expert) at most its one block, none when that block
-    is empty; with ``blocks`` = 0 (``loop``) every block of expert ``index`` in turn. The kernel's mapping, as a pure
-    function of the host's offsets."""
-    e, block = divmod(index, blocks) if blocks else (index, None)
+SCHEDULES = ("list", "loop", "grid")
+
+
+def programs(schedule: str, rows: int, pairs: int, num: int, tiles: int) -> int:
+    """Programs of the launch's block axis: enough for any routing of ``rows`` tokens' ``pairs`` pairs."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if schedule == "list":
+        return list_programs(pairs, num, 8 * tiles)
+    return num * (token_blocks(rows, tiles) if schedule == "grid" else 1)
+
+
+def program_blocks(offsets: list[int], index: int, tiles: int, schedule: str = "list",
+                   rows: int = 0) -> list[tuple[int, int, int]]:
+    """What program ``index`` of the block axis computes, as ``(expert, first sorted row, rows)`` per token block:
+    ``list`` the index-th block of the list (none past it), ``loop`` every block of expert ``index`` in turn, ``grid``
+    (``rows`` tokens: ``token_blocks`` per expert) at most its one block, none when that block is empty. The kernel's
+    mapping, as a pure function of the host's offsets."""
     step = 8 * tiles
-    firsts = range(offsets[e], offsets[e + 1], step) if blocks == 0 else [offsets[e] + block * step]
+    if schedule == "list":
+        e, first, end = list_block(offsets, index, step)
+        return [(e, first, min(end - first, step))] if first < end else []
+    if schedule == "loop":
+        e, firsts = index, range(offsets[index], offsets[index + 1], step)
+    else:
+        e, block = divmod(index, token_blocks(rows, tiles))
+        firsts = [offsets[e] + block * step]
     return [(e, first, min(offsets[e + 1] - first, step)) for first in firsts if first < offsets[e + 1]]
 
 
 def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
-                          global_scale: torch.Tensor, tiles: int, blocks: int = 0) -> torch.Tensor:
+                          global_scale: torch.Tensor, tiles: int, schedule: str = "list", rows: int = 0) -> torch.Tensor:
     """:func:`expert_gemv` in float64 from the repacked words as the asm decodes them (``emulate_repacked``), program
-    by program through :func:`program_blocks`; rows no program covers stay NaN."""
+    by program through :func:`program_blocks` (``rows``: the step's tokens); rows no program covers stay NaN."""
     num, nb = words.shape[:2]
     out = torch.full((x_sorted.shape[0], nb * 16), float("nan"), dtype=torch.float64)
     bounds = offsets.tolist()
-    for index in range(num * (blocks or 1)):
-        for e, first, m in program_blocks(bounds, index, tiles, blocks):
+    for index in range(programs(schedule, rows, x_sorted.shape[0], num, tiles)):
+        for e, first, m in program_blocks(bounds, index, tiles, schedule, rows):
             w = gemv_layout.emulate_repacked(words[e], factors[e]).double() * (SHIFT / float(global_scale[e]))
             out[first:first + m] = x_sorted[first:first + m].double() @ w.t()
     return out
@@ -199,12 +222,18 @@ def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr,
 
 @triton.jit(do_not_specialize=["P"])
 def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
-                        CHUNKS_PER_SPLIT, SPLITS, BLOCKS,
+                        CHUNKS_PER_SPLIT, SPLITS, BLOCKS, E,
                         NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr,
-                        LOOP: tl.constexpr):
-    """Program (row group, K split, expert * BLOCKS + token block), or with ``LOOP`` (row group, K split, expert)
-    walking its expert's token blocks one after the other; see the module docstring."""
-    if LOOP:
+                        SCHEDULE: tl.constexpr, EP: tl.constexpr):
+    """Program (row group, K split, i): ``SCHEDULE`` 0 the i-th block of the list of every expert's token blocks,
+    1 every block of expert i one after the other, 2 block ``i % BLOCKS`` of expert ``i // BLOCKS``; see the module
+    docstring."""
+    if SCHEDULE == 0:
+        e, t0, end = expert_block(offsets_ptr, tl.program_id(2), E, 8 * NT, EP)
+        if t0 < end:
+            _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
+                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+    elif SCHEDULE == 1:
         e = tl.program_id(2)
         end = tl.load(offsets_ptr + e + 1)
         for t0 in range(tl.load(offsets_ptr + e), end, 8 * NT):
@@ -279,14 +308,14 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         cnt = counter if counter is not None else counters(x_sorted.device, p_rows * nb)
         if cnt.numel() < p_rows * nb:
             raise ValueError(f"{cnt.numel()} split-K counters for {p_rows * nb} (block, row block) pairs")
-    loop = config.loop is not False
-    blocks = 1 if loop else token_blocks(rows, tiles)
-    _expert_gemv_kernel[(groups, splits, num * blocks)](
+    axis = programs(config.schedule, rows, p_rows, num, tiles)
+    _expert_gemv_kernel[(groups, splits, axis)](
         x_sorted.data_ptr(), words.data_ptr(), factors.data_ptr(), global_scale, offsets, out.data_ptr(),
         part.data_ptr() if part is not None else 0, cnt.data_ptr() if cnt is not None else 0, n, k, p_rows,
-        per_split, splits, blocks, LOOP=loop, **constants)
+        per_split, splits, token_blocks(rows, tiles), num, SCHEDULE=SCHEDULES.index(config.schedule),
+        EP=next_power_of_2(num), **constants)
     return out
 
 
-__all__ = ["ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
-           "program_blocks", "repack_stack", "rows_in_expert_order", "token_blocks", "unrepack_stack", "variant"]
+__all__ = ["SCHEDULES", "ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
+           "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks", "unrepack_stack", "variant"]

@@ -3,9 +3,10 @@
 A router sends each of ``T`` tokens to ``k`` of ``E`` experts: ``P = T * k`` pairs, pair ``p = t * k + j`` being
 token ``t``'s j-th choice. ``pair_sort.sort_pairs`` orders the pairs by expert on the GPU (static shapes, no host
 sync, so a CUDA graph captures it) and gives each expert its slice ``offsets[e] .. offsets[e + 1]`` of that order. One
-launch then serves all experts: program ``(e, n)`` loops over expert e's pairs in tiles of 16 and computes output
-columns ``n`` of each; an expert no pair chose loops zero times and reads none of its weights (a decode step's time is
-the bytes of the experts it touches).
+launch then serves all experts: program ``(i, n)`` takes the i-th tile of 16 pairs in the list of every expert's tiles
+(``expert_blocks``: found from the offsets on the device, so a busy expert's tiles run side by side) and computes
+output columns ``n`` of each pair; an expert no pair chose has no tile and none of its weights is read (a decode
+step's time is the bytes of the experts it touches).
 
     u_gu  = grouped(x, A_gu)                   LoRA-A of gate and up, [P, 2r]           (dense weights [E, 2r, H])
     h     = grouped(x, W_gu, gated)            silu(x Wg^T + u_g Bg^T) * (x Wu^T + u_u Bu^T), [P, I]
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from qerl.nvfp4.format import dequantize
+from qerl.kernels.expert_blocks import expert_block, list_programs
 from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.nvfp4.kernels.weight_tile import _pair_order_tile, _unpacked_weight_tile
 
@@ -186,23 +188,23 @@ def _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLO
 
 @triton.jit
 def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, b_ptr, r,
-                    route_ptr, out_ptr, N, K, TOPK_IN,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                    route_ptr, out_ptr, N, K, TOPK_IN, E,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EP: tl.constexpr,
+                    RP: tl.constexpr,
                     NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
                     SHIFT: tl.constexpr, BASE: tl.constexpr = False):
     """``BASE``: the base products come rounded from ``x_ptr`` (row = the pair's slot in expert order, ``[Wg; Wu]``
     columns where ``GATED``) instead of from a weight: the epilogue alone (:func:`grouped_epilogue`)."""
-    e = tl.program_id(0)
+    e, start, end = expert_block(offsets_ptr, tl.program_id(0), E, BLOCK_M, EP)
+    e = tl.minimum(e, E - 1)  # (past the list: no tile, start >= end)
     n0 = tl.program_id(1) * BLOCK_N
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
     gs = 1.0
     if NVFP4:
         gs = tl.load(gs_ptr + e)
     cols = n0 + tl.arange(0, BLOCK_N)
     N_W = 2 * N if GATED else N  # [Wg; Wu] stacked per expert: rows n of the gate, N + n of the up projection
-    for m0 in range(start, end, BLOCK_M):  # zero iterations for an expert no pair chose: none of its bytes read
+    for m0 in range(start, tl.minimum(start + BLOCK_M, end), BLOCK_M):  # this program's tile, if it has one
         slot = m0 + tl.arange(0, BLOCK_M)
         pair_ok = slot < end
         pairs = tl.load(order_ptr + slot, mask=pair_ok, other=0)
@@ -273,10 +275,11 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
     block_k = min(cfg.block_k, max(16, next_power_of_2(K)))
     block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
-    _grouped_kernel[(E, cdiv(N, block_n))](
+    _grouped_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
-        route if route is not None else x, out, N, K, top_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RP=max(16, next_power_of_2(r)), NVFP4=nvfp4,
+        route if route is not None else x, out, N, K, top_k, E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EP=next_power_of_2(E), RP=max(16, next_power_of_2(r)),
+        NVFP4=nvfp4,
         PAIR_ORDER=pair_order, USE_ASM=pair_order and unpack == "asm", GATED=gated,
         HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
         num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
@@ -301,10 +304,11 @@ def grouped_epilogue(base: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     r = b.shape[2] if lora is not None else 0
     cfg = default_config(P, E, "bf16", gated)
     block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
-    _grouped_kernel[(E, cdiv(N, block_n))](
+    block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M
+    _grouped_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         base, base.stride(0), order, offsets, base, base, base, u, u.stride(0), b, r,
-        route if route is not None else base, out, N, 0, 1,
-        BLOCK_M=WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M, BLOCK_N=block_n, BLOCK_K=16,
+        route if route is not None else base, out, N, 0, 1, E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, EP=next_power_of_2(E),
         RP=max(16, next_power_of_2(r)), NVFP4=False, PAIR_ORDER=False, USE_ASM=False, GATED=gated,
         HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[base.dtype], SHIFT=_SHIFT[base.dtype], BASE=True,
         num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)

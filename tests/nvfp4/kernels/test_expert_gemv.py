@@ -36,26 +36,46 @@ def test_repack_stack_is_every_experts_repack_and_reversible():
     assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scale.view(torch.uint8))
 
 
-@pytest.mark.parametrize("loop", [True, False])
-@pytest.mark.parametrize("rows,top_k,num,tiles", [(1, 2, 6, 1), (5, 3, 4, 1), (12, 2, 5, 1), (12, 2, 5, 2)])
-def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles, loop):
-    gen = torch.Generator().manual_seed(rows * 10 + num)
+def routings(rows, top_k, num, seed):
+    """Uniform routing, and skewed: every token's first choice expert 0 (one group's rows, a random-weight model)."""
+    gen = torch.Generator().manual_seed(seed)
     index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
-    _, offsets = sort_pairs_torch(index, num)
-    bounds, blocks = offsets.tolist(), 0 if loop else X.token_blocks(rows, tiles)
-    covered = []
-    for i in range(num * (blocks or 1)):
-        for e, first, m in X.program_blocks(bounds, i, tiles, blocks):
-            assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
-            covered += range(first, first + m)
-    assert sorted(covered) == list(range(rows * top_k))  # the worst case (rows pairs per expert) fits the grid
-    unused = [e for e in range(num) if bounds[e] == bounds[e + 1]]
-    assert not any(X.program_blocks(bounds, e * (blocks or 1) + b, tiles, blocks)
-                   for e in unused for b in range(blocks or 1))
+    skewed = torch.stack([torch.cat((torch.zeros(1, dtype=torch.long), 1 + torch.randperm(num - 1, generator=gen)[
+        :top_k - 1])) for _ in range(rows)])
+    return index, skewed
 
 
-@pytest.mark.parametrize("tiles,loop", [(1, True), (2, True), (1, False)])
-def test_launch_arithmetic_equals_float64_per_expert_products(tiles, loop):
+@pytest.mark.parametrize("schedule", X.SCHEDULES)
+@pytest.mark.parametrize("rows,top_k,num,tiles", [(1, 2, 6, 1), (5, 3, 4, 1), (12, 2, 5, 1), (12, 2, 5, 2),
+                                                  (40, 3, 9, 1)])
+def test_programs_cover_every_sorted_row_once_and_empty_blocks_exit(rows, top_k, num, tiles, schedule):
+    for index in routings(rows, top_k, num, rows * 10 + num):
+        _, offsets = sort_pairs_torch(index, num)
+        bounds = offsets.tolist()
+        covered, busy = [], []
+        for i in range(X.programs(schedule, rows, rows * top_k, num, tiles)):
+            blocks = X.program_blocks(bounds, i, tiles, schedule, rows)
+            for e, first, m in blocks:
+                assert bounds[e] <= first and first + m <= bounds[e + 1] and 1 <= m <= 8 * tiles
+                assert bounds[e] < bounds[e + 1]  # an expert no pair chose: no block, none of its bytes read
+                covered += range(first, first + m)
+            busy.append(len(blocks))
+        assert sorted(covered) == list(range(rows * top_k))  # the worst case fits the grid
+        if schedule == "list":  # a busy expert's blocks spread over programs, one each
+            assert max(busy) == 1
+
+
+def test_the_list_schedule_is_the_device_arithmetic_past_the_last_block():
+    from qerl.kernels.expert_blocks import list_block, list_programs
+
+    bounds = [0, 0, 17, 17, 20]  # experts 0 and 2 unused, 1 with 17 pairs (3 blocks of 8), 3 with 3
+    assert [list_block(bounds, i, 8) for i in range(5)] == [(1, 0, 17), (1, 8, 17), (1, 16, 17), (3, 17, 20),
+                                                            (4, 0, 0)]
+    assert list_programs(20, 4, 8) == 6 and list_programs(3, 128, 16) == 3
+
+
+@pytest.mark.parametrize("tiles,schedule", [(1, "list"), (2, "list"), (1, "loop"), (2, "loop"), (1, "grid")])
+def test_launch_arithmetic_equals_float64_per_expert_products(tiles, schedule):
     num, n, k, rows, top_k = 5, 32, 192, 12, 2
     packed, scale, gs = random_experts(num, n, k, tiles)
     words, factors = X.repack_stack(packed, scale)
@@ -64,8 +84,7 @@ def test_launch_arithmetic_equals_float64_per_expert_products(tiles, loop):
     index = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(rows)])
     order, offsets = sort_pairs_torch(index, num)
     x_sorted = x[order // top_k]
-    blocks = 0 if loop else X.token_blocks(rows, tiles)
-    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, blocks)
+    out = X.expert_gemv_reference(x_sorted, offsets, words, factors, gs, tiles, schedule, rows)
     experts = index.reshape(-1)[order]  # each sorted row's expert
     ref = torch.stack([x_sorted[p].double() @ dequantize(packed[e], scale[e], gs[e:e + 1], torch.float64).t()
                        for p, e in enumerate(experts.tolist())])
@@ -90,12 +109,12 @@ from qerl.nvfp4.kernels import expert_gemv as X
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "offsets_ptr": "*i32", "out_addr": "i64",
        "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
-       "SPLITS": "i32", "BLOCKS": "i32", "NT": "constexpr", "WARPS": "constexpr", "ASM": "constexpr",
-       "SHIFT": "constexpr", "LOOP": "constexpr"}
+       "SPLITS": "i32", "BLOCKS": "i32", "E": "i32", "NT": "constexpr", "WARPS": "constexpr",
+       "ASM": "constexpr", "SHIFT": "constexpr", "SCHEDULE": "constexpr", "EP": "constexpr"}
 for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync) [+ L: a 100M+ weight, whose 8-warp ring is not static]
-    nt, wgmma, large = int(spec[0]), spec[1] == "w", "L" in spec  # [+ g: a program per token block, not the loop]
+    nt, wgmma, large = int(spec[0]), spec[1] == "w", "L" in spec  # [+ o: the loop schedule, g: the grid's]
     consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma)
-    consts["LOOP"] = "g" not in spec
+    consts["SCHEDULE"], consts["EP"] = 1 if "o" in spec else 2 if "g" in spec else 0, 128
     warps = consts.pop("num_warps")
     k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
@@ -115,7 +134,7 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg"]
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg", "2wo", "1mo"]
     for line in _build_for_sm90(script, variants):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         assert line.endswith("MARKS:"), line
