@@ -2,7 +2,7 @@
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
         [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--kv-cache-dtypes nvfp4=fp8_e4m3] \
-        [--engine cuda_graph|vllm] [--compare earlier.json]
+        [--engine cuda_graph|vllm] [--prompt-source arithmetic|random] [--compare earlier.json]
 
 ``--engine vllm``: the same runs with the colocated vLLM engine (``qerl.rollout.vllm.VLLMRollout``; lognormal lengths:
 ``forced_lengths.ForcedLengthVLLMRollout``), its ``gpu_memory_utilization`` and ``max_model_len`` left to the memory
@@ -14,6 +14,11 @@ at a length drawn from a lognormal of median 400 tokens and sigma 0.8 (``bench/f
 draws over ``--new-tokens`` are truncated), the same draws for both formats, so that batch compaction in the rollout
 and padding-free updates count as they would with a real policy. ``--kv-cache-dtypes``: the rollout engine's
 ``kv_cache_dtype`` per format (``auto`` where not named), e.g. NVFP4 with an e4m3 cache against bf16 as it is.
+``--prompt-source``: the data module's
+embedded arithmetic questions (the default), or questions of random tokens (``bench/random_prompts.py``) laid out
+without a chat template's shared text (``bench/plain_prompt.jinja``): a random-weight MoE sends the rows of prompts
+that share text (the first; GSM8K's too) to a few experts at every layer, where a trained router spreads them
+(``bench/routing_skew.py``); the second it routes about as evenly as a trained router.
 ``--compare`` adds the step of an earlier run of
 this benchmark (e.g. an older checkout on the same lengths) to the table. The update's floor is the FLOPs the update
 must do at the dense bf16 rate (``update_flops.py``: about 4 x the frozen linears' parameters per real token, as the
@@ -86,6 +91,14 @@ def in_own_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+PROMPT_SOURCES = {  # train.py options per --prompt-source
+    "arithmetic": lambda tokenizer: [],  # the data module's default
+    "random": lambda tokenizer: ["--data.sources+=random_prompts.RandomTokenPrompts",  # (bench/random_prompts.py)
+                                 f"--data.sources.tokenizer={tokenizer}",
+                                 "--model.agent.chat_template", str(Path(__file__).with_name("plain_prompt.jinja"))],
+}
+
+
 def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     from qerl.cli import cli_main
 
@@ -112,7 +125,7 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "--model.dapo.dynamic_sampling", "false", "--model.log_samples_every", "0",
         "--trainer.max_steps", str(args.steps), "--trainer.logger.init_args.save_dir", str(log_root),
         "--trainer.logger.init_args.name", name, "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-        *profile, *args.overrides,
+        *profile, *PROMPT_SOURCES[args.prompt_source](args.tokenizer), *args.overrides,
     ])
     alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # cudaFree + retry: memory pressure
     from qerl.nvfp4.linear import NVFP4Linear
@@ -203,6 +216,10 @@ def main() -> None:
     parser.add_argument("--profile-rollout-steps", type=int, default=0,
                         help="torch.profiler over this many decode steps of the second rollout's widest batch bucket "
                         "(rollout_phases.StepWindow; that step is left out of the medians and the phase summary)")
+    parser.add_argument("--prompt-source", choices=("arithmetic", "random"), default="arithmetic",
+                        help="the embedded arithmetic questions (the CPU default's), or questions of random tokens "
+                        "(bench/random_prompts.py: a random-weight MoE routes them about as evenly as a trained router; "
+                        "the arithmetic ones it sends to a few experts, bench/routing_skew.py)")
     parser.add_argument("--drop-checkpoints", action="store_true",
                         help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
     parser.add_argument("--short-context-ms", default=str(Path(__file__).parent / "results" / "moe_decode_h200.json"),
@@ -230,6 +247,7 @@ def main() -> None:
             shutil.rmtree(target)
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
            "lengths": args.lengths, "engine": args.engine, "label": args.label,
+           "prompt_source": args.prompt_source,
            "micro_batch_tokens": args.micro_batch_tokens,
            "checkpointing": args.checkpointing, "overrides": args.overrides}
     from qerl.testing.random_models import model_config
@@ -293,6 +311,7 @@ def main() -> None:
                                                                       f"_{args.lengths}")
     suffix += "" if args.label == "current" else f"_{args.label}"
     suffix += "_vllm" if args.engine == "vllm" else ""
+    suffix += "_random_prompts" if args.prompt_source == "random" else ""
     (out / f"train_e2e_{tag}{suffix}.json").write_text(json.dumps(report, indent=2))
 
 

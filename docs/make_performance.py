@@ -799,8 +799,8 @@ SECTIONS = (
             profile_section),
     Section("Where an update phase's time goes", "update_phase_*.json",
             "python bench/bench_train_e2e.py --tokenizer DIR --steps 4 --profile-update bench/results",
-            "torch.profiler over the second step's update phase of `bench_train_e2e.py` (7B shape, lognormal lengths; "
-            "`bench/update_profiler.py`). GPU busy is the union of the kernels' intervals: the rest of the wall time "
+            "torch.profiler over the second step's update phase of `bench_train_e2e.py` (the shape and lengths in each "
+            "file's command; `bench/update_profiler.py`). GPU busy is the union of the kernels' intervals: the rest of the wall time "
             "the GPU waits on the host. The profiler itself slows the host, so the wall time is above the unprofiled "
             "`train_s`.", update_phase_section),
     Section("Agents: multi-turn rollouts", "agent_rollout_*.json",
@@ -848,6 +848,13 @@ SECTIONS = (
             "router), forward and backward: the host loop over the experts that received tokens (`Experts` with "
             "`grouped=False`, the CPU path) against the grouped GEMMs (`qerl.model.grouped_experts`, CUDA's), side by "
             "side in one process (`bench/bench_moe_update.py`).", moe_update_section),
+    Section("Mixture-of-experts: how a random-weight model routes", "routing_skew_*.json",
+            "PYTHONPATH=. python bench/routing_skew.py --tokenizer DIR --out bench/results/routing_skew_cpu.json",
+            "One decode step's top-8 choices per MoE layer of a random-init Qwen3-30B-A3B (cut to a few layers, on the "
+            "CPU) on the prompts `bench_train_e2e.py` trains on against `bench_moe_decode.py`'s random-token prompts and "
+            "a uniform router (`bench/routing_skew.py`): the experts hit, the pairs of the busiest expert, the 8 busiest "
+            "experts' share. Why the whole-step benchmark's MoE decode differs from the decode benchmark's.",
+            generic_section),
     Section("Token-block GEMV sweep (65-256 tokens)", "wide_probe_*.json",
             "PYTHONPATH=. python bench/sweep_wide_gemv.py bench/results",
             "The sweep behind the GEMV's defaults at 33-256 tokens: the best (warps, stages) per shape against cuBLAS "

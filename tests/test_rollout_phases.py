@@ -295,3 +295,29 @@ def test_a_profiled_e2e_run_needs_a_timed_step_after_the_profiled_one():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_e2e.py"), "--tokenizer", "unused",
                            "--steps", "2", "--profile-rollout-steps", "8"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--steps 2" in done.stderr and "--steps 3 or more" in done.stderr
+
+
+def test_the_e2e_random_prompt_source_feeds_distinct_random_questions_through_the_cli(tiny_model_dirs, tmp_path,
+                                                                                       monkeypatch):
+    """``--prompt-source random``: the options it adds build the data module on ``bench/random_prompts.py``'s source
+    alone, and a batch's prompts are distinct questions of random tokens without the chat template's shared text (not
+    the embedded arithmetic ones)."""
+    import bench_train_e2e
+    from random_prompts import RandomTokenPrompts
+
+    from qerl.cli import QeRLCLI
+    from qerl.data.prompts import MathPromptDataModule
+    from qerl.modules.grpo_module import GRPOModule
+
+    monkeypatch.chdir(tmp_path)
+    model = str(tiny_model_dirs["qwen3_moe"])
+    cli = QeRLCLI(GRPOModule, MathPromptDataModule, run=False, args=[
+        "--config", str(ROOT / "configs" / "debug.yaml"), "--model.policy.model", model,
+        "--data.max_prompt_tokens", "256", *bench_train_e2e.PROMPT_SOURCES["random"](model)])  # (gpu.yaml's)
+    assert isinstance(cli.datamodule.source, RandomTokenPrompts)  # the one source
+    cli.datamodule.setup("fit")
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    assert len(set(batch["prompts"])) == len(batch["prompts"]) > 1
+    assert not any("What is" in p or "<|im_start|>" in p for p in batch["prompts"])  # no shared text
+    assert all(len(ids) > 100 for ids in batch["prompt_ids"])  # ~160 random tokens each, the template around them
+    assert bench_train_e2e.PROMPT_SOURCES["arithmetic"](model) == []

@@ -35,7 +35,8 @@ from qerl.data.skips import SKIP_REASONS
 from qerl.data.sources import PromptSource, endless
 
 STREAM_COUNTERS = ("prompts", "too_long")  # counted per consumer over its share: summed across consumers
-SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training never sees, logged as data/skipped_*
+SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")
+TOO_LONG_IN_A_ROW = 1000  # prompts over max_prompt_tokens in a row that stop the stream: the limit is wrong  # rows and prompts training never sees, logged as data/skipped_*
 
 
 
@@ -167,6 +168,7 @@ class PromptStream(IterableDataset):
         saved = self._counters.get(worker, {}) if resuming else {}
         counts = Counter({key: saved.get(key, 0) for key in STREAM_COUNTERS})
         rows = endless(self.source) if self.endless and not self.source.infinite else iter(self.source)
+        too_long, shortest = 0, None  # prompts over the limit in a row, and the shortest of them
         for i, row in enumerate(shuffled(rows, self.shuffle_buffer, random.Random(self.seed))):
             if i % k != me or i // k < start:  # another consumer's row, or one this consumer already passed
                 continue
@@ -175,7 +177,14 @@ class PromptStream(IterableDataset):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has the specials
             if len(ids) > self.max_prompt_tokens:
                 counts["too_long"] += 1
+                too_long, shortest = too_long + 1, min(len(ids), shortest or len(ids))
+                if too_long == TOO_LONG_IN_A_ROW:  # (an endless source would be read forever)
+                    raise ValueError(
+                        f"data.max_prompt_tokens={self.max_prompt_tokens}: {too_long} prompts in a row were longer "
+                        f"(chat template included; the shortest {shortest} tokens). Fix: raise data.max_prompt_tokens "
+                        "or give shorter prompts.")
                 continue
+            too_long = 0
             counts["prompts"] += 1
             state = (worker, workers, self.world_size, i // k + 1, {**self.source.stats, **counts})
             yield {

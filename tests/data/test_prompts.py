@@ -85,6 +85,19 @@ def test_length_filter_counts_skipped_prompts(tokenizer, tmp_path):
     assert stream.stats["too_long"] == 5 and stream.stats["prompts"] == 5
 
 
+def test_an_endless_source_whose_prompts_are_all_too_long_is_refused_not_read_forever(tokenizer, monkeypatch):
+    import qerl.data.prompt_stream as prompt_stream
+
+    monkeypatch.setattr(prompt_stream, "TOO_LONG_IN_A_ROW", 20)
+    stream = PromptStream(ArithmeticSource(), tokenizer, max_prompt_tokens=8)  # the template alone is longer
+    with pytest.raises(ValueError, match=r"data.max_prompt_tokens=8: 20 prompts in a row were longer .*shortest \d+ "
+                                         r"tokens.*Fix: raise data.max_prompt_tokens"):
+        next(iter(stream))
+    # a long prompt now and then is skipped and counted, as before
+    rows = iter(PromptStream(ArithmeticSource(), tokenizer, max_prompt_tokens=1000))
+    assert next(rows)["prompt_ids"]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sharding_covers_a_finite_source_once(tokenizer, tmp_path, num_workers):
     rows = [{"question": f"Question {i}?", "answer": str(i)} for i in range(53)]
