@@ -27,7 +27,8 @@ class RandomTokenPrompts(PromptSource):
     """Endless questions of ``tokens`` random token ids of ``tokenizer`` (a directory or hub id), decoded to text.
 
     Args:
-        tokenizer: the tokenizer whose vocabulary the tokens are drawn from.
+        tokenizer: the tokenizer whose vocabulary the tokens are drawn from (an embedded model's name, HF id or
+            directory, as ``model.policy.model``).
         tokens: tokens per question (the chat template adds its own; keep the sum under the data module's
             ``max_prompt_tokens``).
         seed: seed of the draws.
@@ -36,9 +37,9 @@ class RandomTokenPrompts(PromptSource):
     infinite = True
 
     def __init__(self, tokenizer: str, tokens: int = 160, seed: int = 0):
-        from transformers import AutoTokenizer
+        from qerl.hub import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self.tokens, self.seed = tokens, seed
         self.special = set(self.tokenizer.all_special_ids)
         self.stats = Counter()

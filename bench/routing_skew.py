@@ -13,9 +13,10 @@ the share of the pairs the 8 busiest experts took; beside them a uniform router'
 at random). Prompt sets: ``arithmetic`` (the embedded source through the chat template, as ``bench_train_e2e.py``'s
 runs), ``random`` (320 random tokens per prompt, as ``bench_moe_decode.py``), ``random_text`` (questions of random
 tokens through the chat template: ``bench/random_prompts.py``), ``random_text_plain`` (the same without the template's
-text, ``bench/plain_prompt.jinja``: what ``bench_train_e2e.py --prompt-source random`` trains on) and ``questions`` (GSM8K-style rows of a jsonl, if given). What is left out: the depth (48 layers do not fit this machine's memory at the real width; a
-deeper layer's residual holds more of the context) and trained weights (a trained router is balanced by its
-auxiliary loss).
+text, ``bench/plain_prompt.jinja``: what ``bench_train_e2e.py --prompt-source random`` trains on) and ``questions``
+(GSM8K-style rows of a jsonl, if given). What is left out: the depth (48 layers do not fit this machine's memory at
+the real width; a deeper layer's residual holds more of the context) and trained weights (a trained router is
+balanced by its auxiliary loss).
 """
 
 from __future__ import annotations
@@ -47,15 +48,14 @@ def main() -> None:
     parser.add_argument("--continuation", type=int, default=32)
     parser.add_argument("--questions", default=None, help="a jsonl with a 'question' field (e.g. GSM8K's test split)")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
     from qerl.data.prompt_format import format_prompt
     from qerl.data.sources.arithmetic import ArithmeticSource
+    from qerl.hub import load_tokenizer
     from qerl.testing.random_models import build_random_model, model_config
     from qerl.tools.chat_template import with_chat_template
     from random_prompts import PLAIN_TEMPLATE, RandomTokenPrompts
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     config = model_config("qwen3-30b-a3b", vocab_size=len(tokenizer), num_hidden_layers=args.layers)
     model = build_random_model(config, "bf16", device="cpu").eval()
     routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
@@ -71,7 +71,7 @@ def main() -> None:
             "random": [torch.randint(0, len(tokenizer), (320,), generator=gen).tolist() for _ in range(PROMPTS)],
             "random_text": chat(row["question"] for row in itertools.islice(
                 iter(RandomTokenPrompts(args.tokenizer)), PROMPTS))}
-    plain = with_chat_template(AutoTokenizer.from_pretrained(args.tokenizer), str(PLAIN_TEMPLATE))
+    plain = with_chat_template(load_tokenizer(args.tokenizer), str(PLAIN_TEMPLATE))
     sets["random_text_plain"] = [plain(format_prompt(plain, row["question"]), add_special_tokens=False).input_ids
                                  for row in itertools.islice(iter(RandomTokenPrompts(args.tokenizer, seed=1)), PROMPTS)]
     if args.questions:

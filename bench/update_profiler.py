@@ -1,4 +1,5 @@
-"""A callback for benchmarks: torch.profiler over one step's update phase (``policy_update`` as the module's step calls it) only.
+"""A callback for benchmarks: torch.profiler over one step's update phase only (``policy_update``, as the module's
+step calls it).
 
     --trainer.callbacks+=update_profiler.UpdateProfiler --trainer.callbacks.out=DIR --trainer.callbacks.name=nvfp4
     (bench/ on the Python path)
@@ -42,11 +43,12 @@ class UpdateProfiler(L.Callback):
 
     def __init__(self, out: str, name: str = "update", step: int = 1, rows: int = 40):
         self.out, self.name, self.step, self.rows = Path(out), name, step, rows
+        self.original = None  # the module file's own update, while this callback swaps it
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         # the module's step calls its file's ``policy_update``: that name is swapped for this step's batch only
         home = sys.modules[type(pl_module).__module__]
-        self.original = getattr(self, "original", None) or home.policy_update
+        self.original = self.original or home.policy_update
         if batch_idx != self.step:
             home.policy_update = self.original
             return
@@ -66,6 +68,10 @@ class UpdateProfiler(L.Callback):
             return result
 
         home.policy_update = profiled
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.original is not None:  # (the profiled step was the last: the process keeps the module's own update)
+            sys.modules[type(pl_module).__module__].policy_update = self.original
 
     def _write(self, prof, wall: float) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,8 @@ from qerl.data.skips import SKIP_REASONS
 from qerl.data.sources import PromptSource, endless
 
 STREAM_COUNTERS = ("prompts", "too_long")  # counted per consumer over its share: summed across consumers
-SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")
-TOO_LONG_IN_A_ROW = 1000  # prompts over max_prompt_tokens in a row that stop the stream: the limit is wrong  # rows and prompts training never sees, logged as data/skipped_*
+SKIPPED_COUNTERS = (*SKIP_REASONS, "too_long")  # rows and prompts training never sees, logged as data/skipped_*
+TOO_LONG_AT_START = 1000  # prompts over max_prompt_tokens before a consumer's first fitting one: the limit is wrong
 
 
 
@@ -168,7 +168,7 @@ class PromptStream(IterableDataset):
         saved = self._counters.get(worker, {}) if resuming else {}
         counts = Counter({key: saved.get(key, 0) for key in STREAM_COUNTERS})
         rows = endless(self.source) if self.endless and not self.source.infinite else iter(self.source)
-        too_long, shortest = 0, None  # prompts over the limit in a row, and the shortest of them
+        too_long, shortest = 0, None  # prompts over the limit before this pass's first prompt, the shortest of them
         for i, row in enumerate(shuffled(rows, self.shuffle_buffer, random.Random(self.seed))):
             if i % k != me or i // k < start:  # another consumer's row, or one this consumer already passed
                 continue
@@ -177,14 +177,15 @@ class PromptStream(IterableDataset):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has the specials
             if len(ids) > self.max_prompt_tokens:
                 counts["too_long"] += 1
-                too_long, shortest = too_long + 1, min(len(ids), shortest or len(ids))
-                if too_long == TOO_LONG_IN_A_ROW:  # (an endless source would be read forever)
-                    raise ValueError(
-                        f"data.max_prompt_tokens={self.max_prompt_tokens}: {too_long} prompts in a row were longer "
-                        f"(chat template included; the shortest {shortest} tokens). Fix: raise data.max_prompt_tokens "
-                        "or give shorter prompts.")
+                if too_long is not None:  # none yielded yet: an endless source would be read forever
+                    too_long, shortest = too_long + 1, min(len(ids), shortest or len(ids))
+                    if too_long == TOO_LONG_AT_START:
+                        raise ValueError(
+                            f"data.max_prompt_tokens={self.max_prompt_tokens}: the first {too_long} prompts were all "
+                            f"longer (chat template included; the shortest {shortest} tokens). Fix: raise "
+                            "data.max_prompt_tokens or give shorter prompts.")
                 continue
-            too_long = 0
+            too_long = None  # a prompt fits: later runs of long ones are skipped and counted, never refused mid-run
             counts["prompts"] += 1
             state = (worker, workers, self.world_size, i // k + 1, {**self.source.stats, **counts})
             yield {

@@ -88,14 +88,22 @@ def test_length_filter_counts_skipped_prompts(tokenizer, tmp_path):
 def test_an_endless_source_whose_prompts_are_all_too_long_is_refused_not_read_forever(tokenizer, monkeypatch):
     import qerl.data.prompt_stream as prompt_stream
 
-    monkeypatch.setattr(prompt_stream, "TOO_LONG_IN_A_ROW", 20)
+    monkeypatch.setattr(prompt_stream, "TOO_LONG_AT_START", 20)
     stream = PromptStream(ArithmeticSource(), tokenizer, max_prompt_tokens=8)  # the template alone is longer
-    with pytest.raises(ValueError, match=r"data.max_prompt_tokens=8: 20 prompts in a row were longer .*shortest \d+ "
-                                         r"tokens.*Fix: raise data.max_prompt_tokens"):
+    with pytest.raises(ValueError, match=r"data.max_prompt_tokens=8: the first 20 prompts were all longer .*shortest "
+                                         r"\d+ tokens.*Fix: raise data.max_prompt_tokens"):
         next(iter(stream))
-    # a long prompt now and then is skipped and counted, as before
-    rows = iter(PromptStream(ArithmeticSource(), tokenizer, max_prompt_tokens=1000))
-    assert next(rows)["prompt_ids"]
+
+def test_long_prompts_after_the_first_that_fits_are_skipped_and_counted_never_refused(tokenizer, tmp_path,
+                                                                                       monkeypatch):
+    import qerl.data.prompt_stream as prompt_stream
+
+    monkeypatch.setattr(prompt_stream, "TOO_LONG_AT_START", 20)
+    rows = [{"question": "short?", "answer": "1"}] + [{"question": "long " * 300, "answer": "2"}] * 25 + [
+        {"question": "short again?", "answer": "3"}]
+    stream = PromptStream(HubSource(str(write_jsonl(tmp_path / "x.jsonl", rows))), tokenizer, max_prompt_tokens=64,
+                          shuffle_buffer=0, endless=False)
+    assert [item["answer"] for item in stream] == ["1", "3"]  # (a run that has started is not stopped mid-way)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -130,7 +130,8 @@ def program_blocks(offsets: list[int], index: int, tiles: int, schedule: str = "
 
 
 def expert_gemv_reference(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
-                          global_scale: torch.Tensor, tiles: int, schedule: str = "list", rows: int = 0) -> torch.Tensor:
+                          global_scale: torch.Tensor, tiles: int, schedule: str = "list",
+                          rows: int = 0) -> torch.Tensor:
     """:func:`expert_gemv` in float64 from the repacked words as the asm decodes them (``emulate_repacked``), program
     by program through :func:`program_blocks` (``rows``: the step's tokens); rows no program covers stay NaN."""
     num, nb = words.shape[:2]
@@ -317,5 +318,6 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     return out
 
 
-__all__ = ["SCHEDULES", "ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference", "expert_gemv_torch",
-           "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks", "unrepack_stack", "variant"]
+__all__ = ["SCHEDULES", "ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference",
+           "expert_gemv_torch", "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks",
+           "unrepack_stack", "variant"]
