@@ -14,8 +14,9 @@ weight), timed in CUDA graphs over routings and weight copies that pass the L2:
   default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
   against the dense GEMV's);
 - ``gemv-step``: what ``MoEStep`` runs per projection on the default variant: the gather into expert order (gate/up),
-  the expert GEMV, and the grouped kernels' epilogue (LoRA-B, silu-mul or router weight, written back at each pair's
-  index for down); the LoRA-A products are inputs here as in the grouped arms.
+  the expert GEMV, and the epilogue (``expert_lora.expert_epilogue``: LoRA-B, silu-mul or router weight, written back
+  at each pair's index for down); the LoRA-A products are inputs here as in the grouped arms (the step makes gate/up's
+  in the gather and down's in gate/up's epilogue: ``bench_moe_decode.py --profile`` times them in the step).
 
 Each row: ms, GB/s of the touched experts' bytes (in the row's own layout), x floor (the compressed bytes at the
 measured copy bandwidth), relative error against float64. Prints a table and the ``MoEStep.GEMV_ROWS`` entries the
@@ -38,6 +39,7 @@ from bench_rollout import copy_bandwidth  # noqa: E402
 from sweep_grouped_experts import E, TOP_K, Case, rel_err  # noqa: E402
 
 from qerl.nvfp4.kernels import expert_gemv as X  # noqa: E402
+from qerl.nvfp4.kernels import expert_lora as L  # noqa: E402
 from qerl.nvfp4.kernels import grouped_experts as G  # noqa: E402
 
 
@@ -67,9 +69,9 @@ class GemvCase:
         if self.case.gated:
             xs = x.index_select(0, order // self.case.top_k)
             gu = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-            return G.grouped_epilogue(gu, ident, offsets, gated=True, lora=(u, self.case.b))
+            return L.expert_epilogue(gu, ident, offsets, gated=True, lora=(u, self.case.b))[0]
         y = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-        return G.grouped_epilogue(y, order, offsets, lora=(u, self.case.b), route=route)
+        return L.expert_epilogue(y, order, offsets, lora=(u, self.case.b), route=route)[0]
 
     def reference(self) -> torch.Tensor:
         """The float64 reference in the order :meth:`step` writes."""

@@ -2,7 +2,7 @@
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
         [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--kv-cache-dtypes nvfp4=fp8_e4m3] \
-        [--engine cuda_graph|vllm] [--prompt-source arithmetic|random] [--compare earlier.json]
+        [--engine cuda_graph|vllm] [--prompt-source arithmetic|random] [--compare earlier.json] [--parallel]
 
 ``--engine vllm``: the same runs with the colocated vLLM engine (``qerl.rollout.vllm.VLLMRollout``; lognormal lengths:
 ``forced_lengths.ForcedLengthVLLMRollout``), its ``gpu_memory_utilization`` and ``max_model_len`` left to the memory
@@ -35,7 +35,9 @@ drops the first step (graph capture, autotuning) and prints the medians side by 
 prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each timed
 call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
 (``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so
-the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it).
+the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it); ``--parallel``
+(a machine with a GPU per format): each format's checkpoint write and run pinned to a GPU of its own, the formats at
+the same time on identical GPUs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -89,6 +91,29 @@ def in_own_process(fn, *args):
     """``fn(*args)`` in a fresh (spawned) process: a run leaves nothing on the GPU for the next one to plan around."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+def on_gpu(gpu: int, fn, *args):
+    """``fn(*args)`` seeing only GPU ``gpu`` (a fresh process: CUDA not yet initialized)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return fn(*args)
+
+
+def run_format(quantization: str, args, work: Path, vocab: int, gpu: int | None = None) -> dict:
+    """One format's checkpoint written (an earlier call's is reused) and trained, each in a process of its own
+    (pinned to ``gpu`` where given; else the checkpoint is written here)."""
+    target = work / f"{args.size}-{quantization}"
+    pinned = (lambda fn, *a: in_own_process(on_gpu, gpu, fn, *a)) if gpu is not None else in_own_process
+    if not (target / "config.json").exists():
+        if gpu is None:
+            write_models(args.size, args.tokenizer, work, vocab, (quantization,))
+        else:
+            pinned(write_models, args.size, args.tokenizer, work, vocab, (quantization,))
+    result = pinned(fit, target, quantization, args, work / "runs")
+    print(quantization, {k: v for k, v in result.items() if k != "rollout_phases"}, flush=True)
+    if args.drop_checkpoints:  # a 30B-A3B's bf16 checkpoint alone is 61 GB: both do not fit a 64 GiB disk
+        shutil.rmtree(target)
+    return result
 
 
 PROMPT_SOURCES = {  # train.py options per --prompt-source
@@ -220,6 +245,9 @@ def main() -> None:
                         help="the embedded arithmetic questions (the CPU default's), or questions of random tokens "
                         "(bench/random_prompts.py: a random-weight MoE routes them about as evenly as a trained router; "
                         "the arithmetic ones it sends to a few experts, bench/routing_skew.py)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="each format on a GPU of its own (GPU i for the i-th of --quantizations), at the same "
+                             "time: the runs side by side on identical GPUs in half the time")
     parser.add_argument("--drop-checkpoints", action="store_true",
                         help="delete each format's random checkpoint after its run (disk: a MoE's bf16 one is 61 GB)")
     parser.add_argument("--short-context-ms", default=str(Path(__file__).parent / "results" / "moe_decode_h200.json"),
@@ -231,22 +259,22 @@ def main() -> None:
     if (args.profile_update or args.profile_rollout_steps) and args.steps < 3:
         parser.error(f"--steps {args.steps}: a profiled run profiles its second step and times the steps after it; "
                      "use --steps 3 or more (4 for two timed steps).")
+    quantizations = args.quantizations.split(",")
+    if args.parallel and torch.cuda.device_count() < len(quantizations):
+        parser.error(f"--parallel: {len(quantizations)} formats need as many GPUs, this machine has "
+                     f"{torch.cuda.device_count()}; leave --parallel out to run them one after the other.")
     work = Path(args.work)
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(args.tokenizer))
-    quantizations = args.quantizations.split(",")
-    results = {}
-    for quantization in quantizations:  # each checkpoint written just before its run (an earlier call's is reused)
-        target = work / f"{args.size}-{quantization}"
-        if not (target / "config.json").exists():
-            write_models(args.size, args.tokenizer, work, vocab, (quantization,))
-        results[quantization] = in_own_process(fit, target, quantization, args, work / "runs")
-        print(quantization, {k: v for k, v in results[quantization].items() if k != "rollout_phases"}, flush=True)
-        if args.drop_checkpoints:  # a 30B-A3B's bf16 checkpoint alone is 61 GB: both do not fit a 64 GiB disk
-            shutil.rmtree(target)
+    if args.parallel:  # each format's write and run pinned to a GPU of its own, the formats at the same time
+        with ThreadPoolExecutor(len(quantizations)) as pool:
+            runs = [pool.submit(run_format, q, args, work, vocab, gpu) for gpu, q in enumerate(quantizations)]
+            results = dict(zip(quantizations, (run.result() for run in runs)))
+    else:
+        results = {q: run_format(q, args, work, vocab) for q in quantizations}
     row = {"model": args.size, "prompts": args.prompts, "group_size": args.group_size, "new_tokens": args.new_tokens,
-           "lengths": args.lengths, "engine": args.engine, "label": args.label,
+           "lengths": args.lengths, "engine": args.engine, "label": args.label, "parallel": args.parallel,
            "prompt_source": args.prompt_source,
            "micro_batch_tokens": args.micro_batch_tokens,
            "checkpointing": args.checkpointing, "overrides": args.overrides}

@@ -297,6 +297,18 @@ def test_a_profiled_e2e_run_needs_a_timed_step_after_the_profiled_one():
     assert done.returncode == 2 and "--steps 2" in done.stderr and "--steps 3 or more" in done.stderr
 
 
+def test_a_parallel_e2e_run_needs_a_gpu_per_format():
+    import subprocess
+
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per format")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_e2e.py"), "--tokenizer", "unused",
+                           "--quantizations", "nvfp4,bf16", "--parallel"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--parallel: 2 formats need as many GPUs" in done.stderr, done.stderr[-500:]
+
+
 def test_the_e2e_random_prompt_source_feeds_distinct_random_questions_through_the_cli(tiny_model_dirs, tmp_path,
                                                                                        monkeypatch):
     """``--prompt-source random``: the options it adds build the data module on ``bench/random_prompts.py``'s source

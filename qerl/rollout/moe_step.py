@@ -7,21 +7,21 @@ Per MoE layer, on the normalized input ``x [T, H]`` (T = rows of a decode step, 
                                                 (one kernel: ``topk_router``)
     order, offsets = sort_pairs(idx, idle)      (token, expert) pairs sorted by expert, on the GPU; a decode step's
                                                 stopped rows (``idle``) go to no expert
-    u  = grouped(x, A_gu) ; h = grouped(x, [Wg; Wu], gated, LoRA-B)     silu(gate) * up per pair
-    u' = grouped(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
+    u  = A(x, A_gu) ; h = grouped(x, [Wg; Wu], gated, LoRA-B)           silu(gate) * up per pair
+    u' = A(h, A_d)  ; y = grouped(h, W_d, LoRA-B, router weight)
     out = combine(y, idle)                      each token's k products summed (an idle row's: zeros)
 
-(``qerl.nvfp4.kernels.grouped_experts``). Or, for NVFP4 experts at decode rows where :data:`GEMV_ROWS` (or the
-engine's ``Kernels.experts``) says so, the base products through the decode GEMV's asm loop on the repacked layout
-(``qerl.nvfp4.kernels.expert_gemv``), everything in expert order:
+(``qerl.nvfp4.kernels.grouped_experts``; the LoRA-A products ``A`` through ``expert_lora.expert_lora_a``). Or, for
+NVFP4 experts at decode rows where :data:`GEMV_ROWS` (or the engine's ``Kernels.experts``) says so, the base products
+through the decode GEMV's asm loop on the repacked layout (``qerl.nvfp4.kernels.expert_gemv``), everything in expert
+order, the LoRA around it in three launches (``qerl.nvfp4.kernels.expert_lora``):
 
-    xs = x[order // k]                          each pair's input row, gathered once into expert order
-    h  = epilogue(expert_gemv(xs, W_gu), A_gu)  silu(gate) * up with LoRA-B, [P, I] in expert order
-    y  = epilogue(expert_gemv(h, W_d), A_d, w)  LoRA-B and router weight, written at each pair's index
-    out = combine(y)
+    xs, u  = x[order // k], A(xs, A_gu)             each pair's input row gathered once into expert order, its A
+    h, u'  = epilogue(expert_gemv(xs, W_gu), u)     silu(gate) * up with LoRA-B [P, I], and A(h, A_d) [P, r]
+    y      = epilogue(expert_gemv(h, W_d), u', w)   LoRA-B and router weight, written at each pair's index
+    out    = combine(y)
 
-(LoRA-A through the 16-bit grouped kernel, the epilogues through ``grouped_experts.grouped_epilogue``: the roundings
-of the grouped path.)
+(the roundings of the grouped path.)
 
 Everything has static shapes and no host sync: a CUDA graph captures it, and
 each step's expert choices can be written into a buffer the engine hands to the ``RoutingRecorder``.
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from qerl.kernels.pair_sort import sort_pairs
 from qerl.model.experts import Experts
 from qerl.nvfp4.kernels import expert_gemv as X
+from qerl.nvfp4.kernels import expert_lora as L
 from qerl.nvfp4.kernels import gemv_layout, gemv_plan
 from qerl.nvfp4.kernels import grouped_experts as G
 from qerl.kernels.topk_router import topk_route, topk_route_torch
@@ -226,37 +227,39 @@ class MoEStep:
         if self.gemv and (x.dtype == torch.bfloat16 or not self.fast) and expert_kernel(
                 x.shape[0], self.choice) == "gemv":
             return self._through_gemv(x, weight, order, offsets, idle)
-        run = G.grouped if self.fast else G.grouped_torch
+        run, a_products = (G.grouped, L.expert_lora_a) if self.fast else (G.grouped_torch, G.grouped_torch)
         k = self.top_k
         lora_gu = lora_d = None
         if self.adapter:
             a_gu, b_gu, a_d, b_d = self.lora
-            lora_gu = (run(x, order, offsets, a_gu, top_k=k), b_gu)
+            lora_gu = (a_products(x, order, offsets, a_gu, top_k=k), b_gu)
         h = run(x, order, offsets, self.gate_up, top_k=k, gated=True, lora=lora_gu)
         if self.adapter:
-            lora_d = (run(h, order, offsets, a_d, top_k=1), b_d)
+            lora_d = (a_products(h, order, offsets, a_d, top_k=1), b_d)
         y = run(h, order, offsets, self.down, top_k=1, lora=lora_d, route=weight.reshape(-1))
         return G.combine(y, k, idle)
 
     def _through_gemv(self, x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
                       idle: torch.Tensor | None) -> torch.Tensor:
         """The experts through ``expert_gemv`` in expert order (see the module docstring): the base products from the
-        repacked stacks, LoRA-A through the 16-bit grouped kernel, LoRA-B, gating and router weight through the
-        grouped kernels' epilogue (``grouped_epilogue``: the roundings of :func:`G.grouped`), the down projection's
+        repacked stacks, the LoRA launches around them (``expert_lora``: the gather with gate/up's A products, the
+        gate/up epilogue with down's, the down epilogue; the roundings of :func:`G.grouped`), the down projection's
         written back at each pair's index."""
         k, rows = self.top_k, x.shape[0]
-        xs = X.rows_in_expert_order(x, order, k)  # [P, H]
-        ident = self.slots[:xs.shape[0]]
-        gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
-        lora_gu = lora_d = None
+        ident = self.slots[:order.numel()]
+        a_gu = b_gu = a_d = b_d = u_gu = None
         if self.adapter:
             a_gu, b_gu, a_d, b_d = self.lora
-            lora_gu = (G.grouped(xs, ident, offsets, a_gu, top_k=1), b_gu)
-        h = G.grouped_epilogue(gu, ident, offsets, gated=True, lora=lora_gu)  # [P, I] in expert order
+            xs, u_gu = L.gathered_lora_a(x, order, offsets, a_gu, top_k=k)  # [P, H], [P, 2r]
+        else:
+            xs = X.rows_in_expert_order(x, order, k)
+        gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
+        h, u_d = L.expert_epilogue(gu, ident, offsets, gated=True, lora=(u_gu, b_gu) if self.adapter else None,
+                                   next_a=a_d)  # [P, I], [P, r] in expert order
         y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
-        if self.adapter:
-            lora_d = (G.grouped(h, ident, offsets, a_d, top_k=1), b_d)
-        return G.combine(G.grouped_epilogue(y, order, offsets, lora=lora_d, route=weight.reshape(-1)), k, idle)
+        out, _ = L.expert_epilogue(y, order, offsets, lora=(u_d, b_d) if self.adapter else None,
+                                   route=weight.reshape(-1))
+        return G.combine(out, k, idle)
 
 
 __all__ = ["EXPERT_KERNELS", "GEMV_ROWS", "MoEStep", "expert_kernel", "is_moe_block"]

@@ -193,9 +193,7 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
                     RP: tl.constexpr,
                     NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
-                    SHIFT: tl.constexpr, BASE: tl.constexpr = False):
-    """``BASE``: the base products come rounded from ``x_ptr`` (row = the pair's slot in expert order, ``[Wg; Wu]``
-    columns where ``GATED``) instead of from a weight: the epilogue alone (:func:`grouped_epilogue`)."""
+                    SHIFT: tl.constexpr):
     e, start, end = expert_block(offsets_ptr, tl.program_id(0), E, BLOCK_M, EP)
     e = tl.minimum(e, E - 1)  # (past the list: no tile, start >= end)
     n0 = tl.program_id(1) * BLOCK_N
@@ -209,21 +207,12 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
         pair_ok = slot < end
         pairs = tl.load(order_ptr + slot, mask=pair_ok, other=0)
         rows = pairs // TOPK_IN
-        if BASE:
-            ok = pair_ok[:, None] & (cols[None, :] < N)
-            acc = tl.load(x_ptr + slot[:, None].to(tl.int64) * sx + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            acc_up = acc
-            if GATED:
-                acc_up = tl.load(x_ptr + slot[:, None].to(tl.int64) * sx + N + cols[None, :], mask=ok,
-                                 other=0.0).to(tl.float32)
-        else:
-            acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
-        u_rows = slot if BASE else pairs  # (given base products: their LoRA-A outputs in the same expert order)
-        v = _epilogue(acc, gs, u_ptr, su, u_rows, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
+        acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
+        v = _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
                       HAS_LORA, DT, SHIFT)
         if GATED:
-            up = _epilogue(acc_up, gs, u_ptr, su, u_rows, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
+            up = _epilogue(acc_up, gs, u_ptr, su, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
                            NVFP4, HAS_LORA, DT, SHIFT)
             v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
@@ -286,35 +275,6 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     return out
 
 
-def grouped_epilogue(base: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, *, gated: bool = False,
-                     lora=None, route: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`grouped`'s epilogue on base products computed elsewhere (the expert GEMV): ``base [P, N']`` rounded to
-    its dtype, row ``s`` the pair in slot ``s`` of the expert order (``order[s]``); LoRA-B, gating and router weight
-    as :func:`grouped` applies them (the same roundings), written at the pair's index ``order[s]``. ``lora``:
-    ``(u [P, r'], B [E, N', r])``, u in expert order as ``base``; ``route [P]`` at pair index."""
-    P, n_rows = base.shape
-    E = offsets.numel() - 1
-    N = n_rows // 2 if gated else n_rows
-    out = torch.empty(P, N, dtype=base.dtype, device=base.device)
-    if P == 0:
-        return out
-    if not base.is_cuda and not _INTERPRET:
-        return grouped_torch(base, order, offsets, None, top_k=1, gated=gated, lora=lora, route=route, base=base)
-    u, b = lora if lora is not None else (base, base)
-    r = b.shape[2] if lora is not None else 0
-    cfg = default_config(P, E, "bf16", gated)
-    block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
-    block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M
-    _grouped_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
-        base, base.stride(0), order, offsets, base, base, base, u, u.stride(0), b, r,
-        route if route is not None else base, out, N, 0, 1, E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, EP=next_power_of_2(E),
-        RP=max(16, next_power_of_2(r)), NVFP4=False, PAIR_ORDER=False, USE_ASM=False, GATED=gated,
-        HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[base.dtype], SHIFT=_SHIFT[base.dtype], BASE=True,
-        num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
-    return out
-
-
 def expert_weight(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert e's dense ``[N', K]`` weight in ``dtype`` (NVFP4 dequantized)."""
     if isinstance(weight, tuple):
@@ -325,7 +285,7 @@ def expert_weight(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False, lora=None, route=None, base=None):
     """Torch twin of :func:`grouped` (same roundings): a host loop over the experts that received pairs; with ``base``
-    (``weight`` None) the twin of :func:`grouped_epilogue`."""
+    (``weight`` None) the twin of ``expert_lora.expert_epilogue``."""
     dtype = x.dtype
     P = order.numel()
     E, n_rows = (offsets.numel() - 1, base.shape[1]) if base is not None else \
@@ -387,4 +347,4 @@ def combine(y: torch.Tensor, top_k: int, idle: torch.Tensor | None = None) -> to
 
 
 __all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
-           "expert_weight", "grouped", "grouped_epilogue", "grouped_torch", "pairs_bucket", "weight_kind"]
+           "expert_weight", "grouped", "grouped_torch", "pairs_bucket", "weight_kind"]

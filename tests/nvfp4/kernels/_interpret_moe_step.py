@@ -1,6 +1,7 @@
 """Run by test_grouped_experts_kernels.py under TRITON_INTERPRET=1: the fused decoder's MoE step on the grouped
 Triton kernels (``fast``) against the same step on their torch twins, on a tiny Qwen3-MoE with LoRA on every expert;
-with idle rows (sent to no expert) against the same step without."""
+with idle rows (sent to no expert) against the same step without; and the expert GEMV's path with its LoRA launches
+interpreted (``expert_lora``; the GEMV itself, asm only, through its torch twin) against its twin."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ import tempfile
 import torch
 
 from qerl.model.policy import build_policy
+from qerl.kernels.pair_sort import sort_pairs
 from qerl.rollout.moe_step import MoEStep
 from qerl.testing.tiny_models import save_tiny_model
 
@@ -41,4 +43,31 @@ for quantization in ("nvfp4", "bf16"):
                          "vs_modules": float((outs[0][0] - ref).abs().max() / ref.abs().max()),
                          "same_choices": bool(torch.equal(outs[0][1], outs[1][1])), "adapter": step.adapter,
                          "idle_rows_change_the_others": max(idle_gap), "idle_rows_zero": all(idle_zero)}
+# hidden 128: the experts' K (128, and 64 for down) a multiple of the repacked layout's chunk of 64
+path = save_tiny_model(tempfile.mkdtemp(), "qwen3_moe", vocab_size=64, hidden_size=128)
+policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
+with torch.no_grad():
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+block = policy.get_base_model().model.layers[0].mlp
+x = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+idle = torch.zeros(40, dtype=torch.bool)
+idle[::3] = True
+with torch.no_grad():
+    outs = {}
+    for fast in (True, False):
+        step = MoEStep(block, fast, kernel="gemv")
+        step.prepare(torch.float32)
+        weight, index = step.route(x)
+        for name, rows_idle in (("all", None), ("idle", idle)):
+            order, offsets = sort_pairs(index, len(step.bases), rows_idle)
+            outs[fast, name] = step._through_gemv(x, weight, order, offsets, rows_idle)  # (fp32: not the table's)
+    ref = block.experts(x, index, weight)
+res["nvfp4-gemv"] = {"gemv": step.gemv, "adapter": step.adapter,
+                     "vs_twin": max(float((outs[True, n] - outs[False, n]).abs().max() / outs[False, n].abs().max())
+                                    for n in ("all", "idle")),
+                     "vs_modules": float((outs[True, "all"] - ref).abs().max() / ref.abs().max()),
+                     "idle_rows_zero": bool((outs[True, "idle"][idle] == 0).all()),
+                     "idle_rows_change_the_others": float((outs[True, "idle"][~idle] - outs[True, "all"][~idle]).abs().max())}
 print(json.dumps(res), file=sys.stdout)

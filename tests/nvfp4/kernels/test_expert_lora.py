@@ -1,0 +1,69 @@
+"""CPU checks of the expert GEMV path's LoRA launches (qerl.nvfp4.kernels.expert_lora): under the Triton interpreter
+against the grouped kernel and the torch twins, and their sm_90 build (the GPU run: tests/gpu/test_moe_on_gpu.py).
+"""
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from test_nvfp4_repack import _build_for_sm90  # noqa: E402 (the dense GEMV's build helper: a child process)
+
+
+def test_the_lora_launches_equal_the_grouped_kernel_and_their_twins(run_interpreted):
+    # the gathered rows and A products, the epilogues (LoRA-B, gating, router weight, the next A products): the
+    # grouped kernel's own results on the same rounded products (same roundings), in expert or pair order as asked
+    res = run_interpreted(Path(__file__).with_name("_interpret_expert_lora.py"))
+    kinds = ("lora_a", "gathered", "gate_up", "next_a", "down")
+    assert sorted(res) == sorted(f"{kind}-{case}" for kind in kinds
+                                 for case in ("float32-9", "float16-9", "float16-40-idle")), sorted(res)
+    for key, v in res.items():
+        # (float16: the interpreter's products can land one rounding apart, by the CPU's matmul kernels)
+        tolerance = 1e-6 if "float32" in key else 1e-3
+        assert v["vs_grouped"] <= tolerance and v["vs_twin"] <= tolerance, (key, v)
+        assert v.get("no_next", True), key
+
+
+_SM90_BUILD = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.nvfp4.kernels import expert_lora as L
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+ptr = {"x_ptr", "order_ptr", "offsets_ptr", "a_ptr", "u_ptr", "xs_ptr", "base_ptr", "b_ptr", "route_ptr", "out_ptr",
+       "un_ptr"}
+for spec in sys.argv[1:]:  # a: the A products [g: gathered, w: a prefill's 64-pair blocks]; e: the epilogue
+    block_m = 64 if "w" in spec else 16  # [g: gated, l: LoRA, r: routed, n: the next A products]
+    if spec[0] == "a":
+        fn, consts = L._lora_a_kernel, dict(BLOCK_M=block_m, BLOCK_K=L.BLOCK_K, RP=32, EP=128, GATHER="g" in spec)
+    else:
+        fn, consts = L._epilogue_kernel, dict(BLOCK_M=block_m, BLOCK_N=L.BLOCK_N, RP=16, RNP=16, EP=128,
+                                              GATED="g" in spec, HAS_LORA="l" in spec, ROUTED="r" in spec,
+                                              NEXT="n" in spec)
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts or n == "DT" else
+               "*i64" if n == "order_ptr" else "*i32" if n == "offsets_ptr" else "*bf16" if n in ptr else "i32")
+           for n in names}
+    consts["DT"] = triton.language.bfloat16
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
+    path.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    print(spec, " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))
+"""
+
+
+def test_every_lora_launch_assembles_for_sm90_without_spills(tmp_path):
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled CUDA tools")
+    script = tmp_path / "build.py"
+    script.write_text(_SM90_BUILD)
+    variants = ["a", "ag", "aw", "e", "eglrn", "egln", "elr", "elrw", "eglw", "er"]
+    for line in _build_for_sm90(script, variants):
+        assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
