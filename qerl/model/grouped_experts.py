@@ -282,7 +282,8 @@ def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[in
         return base
     a, b_t = lora or _lora_stacks(stack, hit, base.dtype)
     down = F.grouped_mm(xs.to(base.dtype), a.transpose(1, 2), offs=offsets)  # [P, n r']
-    return base.add(F.grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
+    # in place: the frozen product keeps nothing of its output, and a third [P, out] buffer is the update's peak
+    return base.add_(F.grouped_mm(down, b_t, offs=offsets), alpha=stack.scaling)
 
 
 def adapter_state(experts: Sequence[nn.Module]) -> tuple:

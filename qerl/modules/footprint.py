@@ -19,6 +19,8 @@ NORM_INPUT_BYTES = DENSE_BYTES  # qerl's RMSNorm keeps its 16-bit input per chan
 NORM_RSTD_BYTES = 4  # ... the rstd: counted for the per-head q/k norms (one per head and token), not per hidden row
 ATTENTION_LSE_BYTES = 4  # SDPA (flash / efficient) keeps one fp32 log-sum-exp per query head
 ROUTER_FP32_BUFFERS = 2  # [tokens, experts] fp32 a MoE router keeps: its logits and their softmax
+EXPERT_LORA_PRODUCT_BUFFERS = 1  # [pairs, hidden] bf16 beside a MoE layer's saved expert output: the LoRA product
+#                                  the grouped update adds into it in place (qerl.model.grouped_experts._with_lora)
 BACKWARD_INTERMEDIATE_BUFFERS = 3  # [tokens, intermediate] bf16 gradients alive in a layer's MLP backward
 BACKWARD_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 gradients alive across a layer's backward (residual, norm, ...)
 FINAL_HIDDEN_BUFFERS = 4  # [tokens, hidden] bf16 around the LM head: final norm input, output, gathered, grad
@@ -59,8 +61,9 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     total += I * b * targeted["down_proj"]  # down's LoRA-A input: the product
     total += r * b * sum(n * (routed if p in ("gate_proj", "up_proj", "down_proj") else 1)
                          for p, n in targeted.items())  # each LoRA-B's input (x @ A.T)
-    if shape.experts:  # the router's fp32 logits and probabilities, and each expert's output for its routing weight
-        total += shape.experts * ROUTER_FP32_BUFFERS * 4 + routed * H * b
+    if shape.experts:  # the router's fp32 logits and probabilities, each expert's output for its routing weight, and
+        # the LoRA product added into that output (alive at once in the forward and in a checkpointed layer's recompute)
+        total += shape.experts * ROUTER_FP32_BUFFERS * 4 + routed * H * b * (1 + EXPERT_LORA_PRODUCT_BUFFERS)
     return total
 
 

@@ -118,7 +118,6 @@ class MoEStep:
                                               GEMV_ROWS.values()) and all(
             gemv_layout.supported(n, k) for n, k in ((2 * self.inter, self.hidden), (self.hidden, self.inter)))
         self.gate_up_repacked = self.down_repacked = None  # (words, factors, global scales) where self.gemv
-        self.slots = None  # 0 .. P - 1 where self.gemv: the identity order of the grouped kernels in expert order
         self._stack()  # at build: the modules' parameters move into it before an engine keys its state on them
         self._versions = self._storage_versions()
         self.lora = None  # (A_gu, B_gu, A_d, B_d) buffers, kept while the adapter is off
@@ -174,7 +173,6 @@ class MoEStep:
 
             self.gate_up_repacked = repacked([m for g, u, _ in self.bases for m in (g, u)], 2 * I, self.gate_up[2])
             self.down_repacked = repacked([d for _, _, d in self.bases], H, self.down[2])
-            self.slots = torch.arange(gemv_plan.WIDE_MAX_M * self.top_k, device=device)  # built once: a launch less
 
     @torch.no_grad()
     def _refresh_adapter(self, dtype: torch.dtype) -> None:
@@ -246,16 +244,15 @@ class MoEStep:
         gate/up epilogue with down's, the down epilogue; the roundings of :func:`G.grouped`), the down projection's
         written back at each pair's index."""
         k, rows = self.top_k, x.shape[0]
-        ident = self.slots[:order.numel()]
         a_gu = b_gu = a_d = b_d = u_gu = None
         if self.adapter:
             a_gu, b_gu, a_d, b_d = self.lora
-            xs, u_gu = L.gathered_lora_a(x, order, offsets, a_gu, top_k=k)  # [P, H], [P, 2r]
+            xs, u_gu = L.gathered_lora_a(x, order, offsets, a_gu, top_k=k)  # [P, H], A products [(S,) P, 2r]
         else:
             xs = X.rows_in_expert_order(x, order, k)
         gu = X.expert_gemv(xs, offsets, *self.gate_up_repacked, rows)  # [P, 2I]
-        h, u_d = L.expert_epilogue(gu, ident, offsets, gated=True, lora=(u_gu, b_gu) if self.adapter else None,
-                                   next_a=a_d)  # [P, I], [P, r] in expert order
+        h, u_d = L.expert_epilogue(gu, None, offsets, gated=True, lora=(u_gu, b_gu) if self.adapter else None,
+                                   next_a=a_d)  # [P, I], [(S,) P, r] in expert order
         y = X.expert_gemv(h, offsets, *self.down_repacked, rows)  # [P, H]
         out, _ = L.expert_epilogue(y, order, offsets, lora=(u_d, b_d) if self.adapter else None,
                                    route=weight.reshape(-1))

@@ -1,24 +1,27 @@
 """The routed experts' LoRA around products computed elsewhere (the expert GEMV's path, ``MoEStep``): the LoRA-A
 products, and the epilogue (LoRA-B, gating, router weight) that also makes the next projection's LoRA-A products.
 
-Every launch takes one token block of 16 sorted pairs (64 in a prefill) of the list of every expert's blocks
-(``expert_blocks``) and does the whole row of work for it in one program: the A products walk K, the epilogue walks
-the output's columns. A decode step's blocks are few (1,024 pairs over 128 experts: ~190) and each expert's LoRA is
-small (``A [2r, H]``, ``B [2I, r]``), so a program per block and column tile (the grouped kernel's grid) is mostly
-the cost of finding its block and waiting on its first loads; a program per block that walks the row does that once.
+Program ``(i, j)`` takes token block i of 16 sorted pairs (64 in a prefill) in the list of every expert's blocks
+(``expert_blocks``) and one K slice (the A products) or column tile (the epilogue) j of it: a decode step has few
+blocks (1,024 pairs over 128 experts: ~190) and every program's time is mostly a chain of dependent loads (offsets,
+order, rows), so the work is spread over many short programs, not walked by few (a program per block walking its
+row measured slower on the H200 than the grouped kernel's launches it replaced). A reduction over the split axis
+(the A products over K; the next projection's A products over the epilogue's columns) is written as fp32 partial
+sums ``[S, P, r]``, which their reader sums in split order and rounds once (``grouped_experts.lora_a_rows``):
+deterministic, no atomics, no extra launch.
 
     xs, u_gu = gathered_lora_a(x, order, offsets, A_gu)       the input rows in expert order and their A products
     gu       = expert_gemv(xs, W_gu)                           (elsewhere)
-    h, u_d   = expert_epilogue(gu, ident, gated, (u_gu, B_gu), next_a=A_d)
+    h, u_d   = expert_epilogue(gu, None, gated, (u_gu, B_gu), next_a=A_d)   in expert order
     y        = expert_gemv(h, W_d)                             (elsewhere)
     out, _   = expert_epilogue(y, order, (u_d, B_d), route)    written at each pair's index
 
 Roundings are the grouped kernel's (``grouped_experts``): the base products arrive rounded; base + LoRA-B rounded;
-``silu`` rounded before the product with up; the router weight's product rounded at the store; the next A products
-are of the rounded stored rows, summed in fp32 and rounded once. :func:`expert_lora_a` is the A products at pair
-index for the grouped kernel's own path (the 16-bit experts, the prefill). The torch twins (the CPU path) are
-``grouped_experts.grouped_torch``'s arithmetic. Left out: a launch configuration table (one block size, swept by
-hand on the H200: see ``bench/bench_moe_decode.py``'s profile).
+``silu`` rounded before the product with up; the router weight's product rounded at the store; the A products
+(the next projection's: of the rounded stored rows) summed in fp32 and rounded once. :func:`expert_lora_a` is the A
+products at pair index for the grouped kernel's own path (the 16-bit experts, the prefill), which reads the partial
+sums the same way. The torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. Left out: a
+launch configuration table (one tile size each).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.expert_blocks import expert_block, list_programs
-from qerl.kernels.grid import next_power_of_2
-from qerl.nvfp4.kernels.grouped_experts import _INTERPRET, _TL, BLOCK_M, WIDE_BLOCK_M, _dot, grouped_torch
+from qerl.kernels.grid import cdiv, next_power_of_2
+from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, BLOCK_M, WIDE_BLOCK_M, _dot, _lora_a_rows,
+                                               grouped_torch, lora_a_layout)
 
-BLOCK_K = 128  # the A products' K step
-BLOCK_N = 128  # the epilogue's column step
+BLOCK_K = 256  # the A products' K slice per program
+BLOCK_N = 128  # the epilogue's columns per program
 
 
 def _block_m(pairs: int, experts: int) -> int:
@@ -40,11 +44,12 @@ def _block_m(pairs: int, experts: int) -> int:
 
 
 @triton.jit
-def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, K, R, TOPK_IN, E,
+def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, P, K, R, TOPK_IN, E,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
                    GATHER: tl.constexpr, DT: tl.constexpr):
-    """One token block's ``x A_e^T`` (``A [E, R, K]``); ``GATHER``: its input rows also stored at their slots and
-    the products written at the slots (expert order), else at the pairs' indices."""
+    """Token block i's ``x A_e^T`` over K slice j (``A [E, R, K]``): fp32 partial sums at ``u [j]``; ``GATHER``: the
+    slice of its input rows also stored at their slots and the sums written at the slots (expert order), else at
+    the pairs' indices."""
     e, start, end = expert_block(offsets_ptr, tl.program_id(0), E, BLOCK_M, EP)
     if start < end:
         slot = start + tl.arange(0, BLOCK_M)
@@ -52,18 +57,17 @@ def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, K, R
         pairs = tl.load(order_ptr + slot, mask=ok, other=0)
         rows = (pairs // TOPK_IN).to(tl.int64)
         j = tl.arange(0, RP)
-        a_rows = a_ptr + e.to(tl.int64) * R * K + j[:, None] * K
-        acc = tl.zeros([BLOCK_M, RP], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            in_k = cols[None, :] < K
-            x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok[:, None] & in_k, other=0.0)
-            if GATHER:
-                tl.store(xs_ptr + slot[:, None].to(tl.int64) * K + cols[None, :], x, mask=ok[:, None] & in_k)
-            a = tl.load(a_rows + cols[None, :], mask=(j[:, None] < R) & in_k, other=0.0)
-            acc = _dot(x.to(DT), tl.trans(a.to(DT)), acc, DT)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_k = cols[None, :] < K
+        x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok[:, None] & in_k, other=0.0)
+        if GATHER:
+            tl.store(xs_ptr + slot[:, None].to(tl.int64) * K + cols[None, :], x, mask=ok[:, None] & in_k)
+        a = tl.load(a_ptr + e.to(tl.int64) * R * K + j[:, None] * K + cols[None, :], mask=(j[:, None] < R) & in_k,
+                    other=0.0)
+        acc = _dot(x.to(DT), tl.trans(a.to(DT)), tl.zeros([BLOCK_M, RP], tl.float32), DT)
         at = slot if GATHER else pairs
-        tl.store(u_ptr + at[:, None].to(tl.int64) * R + j[None, :], acc.to(DT), mask=ok[:, None] & (j[None, :] < R))
+        part = u_ptr + tl.program_id(1).to(tl.int64) * P * R
+        tl.store(part + at[:, None].to(tl.int64) * R + j[None, :], acc, mask=ok[:, None] & (j[None, :] < R))
 
 
 @triton.jit
@@ -80,77 +84,74 @@ def _plus_lora_b(v, u, b_ptr, e, n, N_W, r, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _epilogue_kernel(base_ptr, sb, order_ptr, offsets_ptr, u_ptr, su, b_ptr, r, route_ptr, out_ptr,
-                     a_ptr, un_ptr, rn, N, E,
+def _epilogue_kernel(base_ptr, sb, order_ptr, offsets_ptr, u_ptr, su, ss, b_ptr, r, route_ptr, out_ptr,
+                     a_ptr, un_ptr, rn, P, N, E,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, RNP: tl.constexpr,
-                     EP: tl.constexpr, GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr,
-                     NEXT: tl.constexpr, DT: tl.constexpr):
-    """One token block's output row by column tiles: base rows at the slots (``[Wg; Wu]`` columns where ``GATED``),
-    written at the pairs' indices; ``NEXT``: the rows' products with the next projection's ``A [E, rn, N]``, at
-    the slots."""
+                     SPLITS: tl.constexpr, EP: tl.constexpr, IN_ORDER: tl.constexpr, GATED: tl.constexpr,
+                     HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, NEXT: tl.constexpr, DT: tl.constexpr):
+    """Token block i's column tile j: base rows at the slots (``[Wg; Wu]`` columns where ``GATED``), written at the
+    pairs' indices (``IN_ORDER``: at the slots); ``NEXT``: the tile's fp32 partial products with the next
+    projection's ``A [E, rn, N]`` at ``un [j]``, at the slots."""
     e, start, end = expert_block(offsets_ptr, tl.program_id(0), E, BLOCK_M, EP)
     if start < end:
         slot = start + tl.arange(0, BLOCK_M)
         ok = slot < end
-        pairs = tl.load(order_ptr + slot, mask=ok, other=0).to(tl.int64)
+        if IN_ORDER:
+            pairs = slot.to(tl.int64)
+        else:
+            pairs = tl.load(order_ptr + slot, mask=ok, other=0).to(tl.int64)
         base_rows = base_ptr + slot[:, None].to(tl.int64) * sb
         N_W = 2 * N if GATED else N
-        jr = tl.arange(0, RP)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        here = ok[:, None] & (cols[None, :] < N)
+        v = tl.load(base_rows + cols[None, :], mask=here, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.load(base_rows + N + cols[None, :], mask=here, other=0.0).to(tl.float32)
         u_gate = tl.zeros([BLOCK_M, RP], DT)
-        u_up = tl.zeros([BLOCK_M, RP], DT)
         if HAS_LORA:
-            u_rows = u_ptr + slot[:, None].to(tl.int64) * su + jr[None, :]
-            u_gate = tl.load(u_rows, mask=ok[:, None] & (jr[None, :] < r), other=0.0).to(DT)
-            if GATED:
-                u_up = tl.load(u_rows + r, mask=ok[:, None] & (jr[None, :] < r), other=0.0).to(DT)
-        route = tl.zeros([BLOCK_M], tl.float32)
+            u_gate = _lora_a_rows(u_ptr, su, ss, slot, ok, 0, r, RP, SPLITS, DT)
+        v = _plus_lora_b(v, u_gate, b_ptr, e, cols, N_W, r, BLOCK_M, BLOCK_N, RP, HAS_LORA, DT)
+        if GATED:
+            u_up = tl.zeros([BLOCK_M, RP], DT)
+            if HAS_LORA:
+                u_up = _lora_a_rows(u_ptr, su, ss, slot, ok, r, r, RP, SPLITS, DT)
+            up = _plus_lora_b(up, u_up, b_ptr, e, N + cols, N_W, r, BLOCK_M, BLOCK_N, RP, HAS_LORA, DT)
+            v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
-            route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
-        jn = tl.arange(0, RNP)
-        a_rows = a_ptr + e.to(tl.int64) * rn * N + jn[:, None] * N
-        un = tl.zeros([BLOCK_M, RNP], tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            here = ok[:, None] & (cols[None, :] < N)
-            v = tl.load(base_rows + cols[None, :], mask=here, other=0.0).to(tl.float32)
-            v = _plus_lora_b(v, u_gate, b_ptr, e, cols, N_W, r, BLOCK_M, BLOCK_N, RP, HAS_LORA, DT)
-            if GATED:
-                up = tl.load(base_rows + N + cols[None, :], mask=here, other=0.0).to(tl.float32)
-                up = _plus_lora_b(up, u_up, b_ptr, e, N + cols, N_W, r, BLOCK_M, BLOCK_N, RP, HAS_LORA,
-                                  DT)
-                v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
-            if ROUTED:
-                v = v * route[:, None]
-            h = v.to(DT)
-            tl.store(out_ptr + pairs[:, None] * N + cols[None, :], h, mask=here)
-            if NEXT:
-                a = tl.load(a_rows + cols[None, :], mask=(jn[:, None] < rn) & (cols[None, :] < N), other=0.0)
-                un = _dot(h, tl.trans(a.to(DT)), un, DT)
+            v = v * tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)[:, None]
+        h = v.to(DT)
+        tl.store(out_ptr + pairs[:, None] * N + cols[None, :], h, mask=here)
         if NEXT:
-            tl.store(un_ptr + slot[:, None].to(tl.int64) * rn + jn[None, :], un.to(DT),
-                     mask=ok[:, None] & (jn[None, :] < rn))
+            jn = tl.arange(0, RNP)
+            a = tl.load(a_ptr + e.to(tl.int64) * rn * N + jn[:, None] * N + cols[None, :],
+                        mask=(jn[:, None] < rn) & (cols[None, :] < N), other=0.0)
+            un = _dot(h, tl.trans(a.to(DT)), tl.zeros([BLOCK_M, RNP], tl.float32), DT)
+            part = un_ptr + tl.program_id(1).to(tl.int64) * P * rn
+            tl.store(part + slot[:, None].to(tl.int64) * rn + jn[None, :], un, mask=ok[:, None] & (jn[None, :] < rn))
 
 
 def _lora_a(x, order, offsets, a, top_k, gather):
     P, K = order.numel(), x.shape[1]
     E, R = a.shape[:2]
-    u = torch.empty(P, R, dtype=x.dtype, device=x.device)
-    xs = torch.empty(P, K, dtype=x.dtype, device=x.device) if gather else u
+    block_k = min(BLOCK_K, max(16, next_power_of_2(K)))
+    u = torch.empty(cdiv(K, block_k), P, R, dtype=torch.float32, device=x.device)
+    xs = torch.empty(P, K, dtype=x.dtype, device=x.device) if gather else None
     if P == 0:
         return xs, u
     block_m = _block_m(P, E)
-    _lora_a_kernel[(list_programs(P, E, block_m),)](
-        x, x.stride(0), order, offsets, a, u, xs, K, R, top_k, E,
-        BLOCK_M=block_m, BLOCK_K=min(BLOCK_K, max(16, next_power_of_2(K))), RP=max(16, next_power_of_2(R)),
-        EP=next_power_of_2(E), GATHER=gather, DT=_TL[x.dtype], num_warps=4, num_stages=1 if _INTERPRET else 3)
+    _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
+        x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E,
+        BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
+        DT=_TL[x.dtype], num_warps=4, num_stages=1)
     return xs, u
 
 
 def expert_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, *,
                   top_k: int) -> torch.Tensor:
-    """Each pair's LoRA-A product ``[P, R]`` at the pair's index: ``x [T, K]`` token rows (pair p reads row ``p //
-    top_k``) or ``[P, K]`` pair rows (``top_k=1``), ``a [E, R, K]`` 16-bit; ``order, offsets`` from
-    ``pair_sort.sort_pairs``."""
+    """Each pair's LoRA-A product at the pair's index: ``x [T, K]`` token rows (pair p reads row ``p // top_k``) or
+    ``[P, K]`` pair rows (``top_k=1``), ``a [E, R, K]`` 16-bit; ``order, offsets`` from ``pair_sort.sort_pairs``.
+    On CUDA the fp32 partial sums ``[S, P, R]`` of its K slices (the grouped kernels read them), elsewhere ``[P, R]``
+    in x's dtype."""
     if not x.is_cuda and not _INTERPRET:
         return grouped_torch(x, order, offsets, a, top_k=top_k)
     return _lora_a(x.contiguous(), order, offsets, a, top_k, False)[1]
@@ -158,50 +159,57 @@ def expert_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a
 
 def gathered_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, *,
                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xs [P, K], u [P, R])`` in expert order: row ``s`` the token row of pair ``order[s]`` and its product with
-    its expert's ``a [E, R, K]`` (the expert GEMV's input and the first projection's LoRA-A, one read of x)."""
+    """``(xs [P, K], u)`` in expert order: row ``s`` the token row of pair ``order[s]`` and its product with its
+    expert's ``a [E, R, K]`` (the expert GEMV's input and the first projection's LoRA-A, one read of x); u as
+    :func:`expert_lora_a` gives it."""
     if not x.is_cuda and not _INTERPRET:
         xs = x.index_select(0, order // top_k)
         return xs, grouped_torch(xs, torch.arange(order.numel(), device=x.device), offsets, a, top_k=1)
     return _lora_a(x.contiguous(), order, offsets, a, top_k, True)
 
 
-def expert_epilogue(base: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, *, gated: bool = False,
+def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: torch.Tensor, *, gated: bool = False,
                     lora=None, route: torch.Tensor | None = None,
                     next_a: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The grouped kernel's epilogue on base products computed elsewhere: ``base [P, N']`` rounded, row ``s`` the pair
     in slot ``s`` of the expert order (``order[s]``; ``N' = 2N`` when ``gated``: ``[gate | up]``); LoRA-B, gating and
-    router weight applied, written at the pair's index ``order[s]`` as ``[P, N]``.
+    router weight applied, written at the pair's index ``order[s]`` as ``[P, N]`` (``order`` None: at slot s).
 
     Args:
-        lora: ``(u [P, r'], B [E, N', r])``, u in expert order as ``base`` (``r' = 2r`` when gated), or None.
+        lora: ``(u, B [E, N', r])``: u the LoRA-A products in expert order as ``base`` (``[P, r']``, ``r' = 2r``
+            when gated, or their partial sums ``[S, P, r']``: :func:`gathered_lora_a`), or None.
         route: the router weight per pair ``[P]`` at pair index, or None.
         next_a: the next projection's LoRA-A ``[E, r_n, N]``: its products with the written rows are returned
-            beside them, in expert order (``[P, r_n]``); None: ``(out, None)``.
+            beside them in expert order (as :func:`gathered_lora_a` gives its u); None: ``(out, None)``.
     """
     P, n_cols = base.shape
     E = offsets.numel() - 1
     N = n_cols // 2 if gated else n_cols
     if not base.is_cuda and not _INTERPRET:
+        slots = torch.arange(P, device=base.device)
+        order = slots if order is None else order
         out = grouped_torch(base, order, offsets, None, top_k=1, gated=gated, lora=lora, route=route, base=base)
         if next_a is None:
             return out, None
-        return out, grouped_torch(out[order], torch.arange(P, device=base.device), offsets, next_a, top_k=1)
+        return out, grouped_torch(out[order], slots, offsets, next_a, top_k=1)
     out = torch.empty(P, N, dtype=base.dtype, device=base.device)
+    block_n = min(BLOCK_N, max(16, next_power_of_2(N)))
     rn = next_a.shape[1] if next_a is not None else 0
-    u_next = torch.empty(P, rn, dtype=base.dtype, device=base.device) if next_a is not None else None
+    u_next = torch.empty(cdiv(N, block_n), P, rn, dtype=torch.float32, device=base.device) \
+        if next_a is not None else None
     if P == 0:
         return out, u_next
     u, b = lora if lora is not None else (base, base)
     r = b.shape[2] if lora is not None else 0
+    splits, ss, su = lora_a_layout(u)
     block_m = _block_m(P, E)
-    _epilogue_kernel[(list_programs(P, E, block_m),)](
-        base, base.stride(0), order, offsets, u, u.stride(0), b, r, route if route is not None else base, out,
-        next_a if next_a is not None else base, u_next if u_next is not None else base, rn, N, E,
-        BLOCK_M=block_m, BLOCK_N=min(BLOCK_N, max(16, next_power_of_2(N))), RP=max(16, next_power_of_2(r)),
-        RNP=max(16, next_power_of_2(rn)), EP=next_power_of_2(E), GATED=gated, HAS_LORA=lora is not None,
-        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=4,
-        num_stages=1 if _INTERPRET else 2)
+    _epilogue_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
+        base, base.stride(0), order if order is not None else offsets, offsets, u, su, ss, b, r,
+        route if route is not None else base, out, next_a if next_a is not None else base,
+        u_next if u_next is not None else base, rn, P, N, E,
+        BLOCK_M=block_m, BLOCK_N=block_n, RP=max(16, next_power_of_2(r)), RNP=max(16, next_power_of_2(rn)),
+        SPLITS=splits, EP=next_power_of_2(E), IN_ORDER=order is None, GATED=gated, HAS_LORA=lora is not None,
+        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=4, num_stages=1)
     return out, u_next
 
 

@@ -168,17 +168,29 @@ def _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, n1, N, K, 
 
 
 @triton.jit
-def _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, RP: tl.constexpr, NVFP4: tl.constexpr, HAS_LORA: tl.constexpr,
-              DT: tl.constexpr, SHIFT: tl.constexpr):
+def _lora_a_rows(u_ptr, su, ss, rows, ok, col, r, RP: tl.constexpr, SPLITS: tl.constexpr, DT: tl.constexpr):
+    """``[rows, RP]`` LoRA-A products (columns ``col ..`` of u, ``r`` of them) in ``DT``: as stored (``SPLITS`` 1), or
+    the sum of ``SPLITS`` fp32 partial products ``ss`` apart, in split order, rounded once."""
+    j = tl.arange(0, RP)
+    at = u_ptr + rows[:, None].to(tl.int64) * su + col + j[None, :]
+    mask = ok[:, None] & (j[None, :] < r)
+    u = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        u += tl.load(at + s * ss, mask=mask, other=0.0).to(tl.float32)
+    return u.to(DT)
+
+
+@triton.jit
+def _epilogue(acc, gs, u_ptr, su, ss, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, RP: tl.constexpr, SPLITS: tl.constexpr, NVFP4: tl.constexpr,
+              HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
     """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
     if NVFP4:
         acc = acc * (SHIFT / gs)
     v = acc.to(DT).to(tl.float32)
     if HAS_LORA:
         j = tl.arange(0, RP)
-        u = tl.load(u_ptr + pairs[:, None] * su + u_col + j[None, :], mask=pair_ok[:, None] & (j[None, :] < r),
-                    other=0.0).to(DT)
+        u = _lora_a_rows(u_ptr, su, ss, pairs, pair_ok, u_col, r, RP, SPLITS, DT)
         n = n0 + tl.arange(0, BLOCK_N)
         b = tl.load(b_ptr + e.to(tl.int64) * N * r + n[:, None] * r + j[None, :],
                     mask=(n[:, None] < N) & (j[None, :] < r), other=0.0).to(DT)
@@ -187,10 +199,10 @@ def _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLO
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, b_ptr, r,
+def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr, u_ptr, su, ss, b_ptr, r,
                     route_ptr, out_ptr, N, K, TOPK_IN, E,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EP: tl.constexpr,
-                    RP: tl.constexpr,
+                    RP: tl.constexpr, SPLITS: tl.constexpr,
                     NVFP4: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr,
                     GATED: tl.constexpr, HAS_LORA: tl.constexpr, ROUTED: tl.constexpr, DT: tl.constexpr,
                     SHIFT: tl.constexpr):
@@ -209,16 +221,32 @@ def _grouped_kernel(x_ptr, sx, order_ptr, offsets_ptr, w_ptr, scale_ptr, gs_ptr,
         rows = pairs // TOPK_IN
         acc, acc_up = _base_products(x_ptr, sx, rows, pair_ok, w_ptr, scale_ptr, e, n0, N + n0, N_W, K, BLOCK_M,
                                      BLOCK_N, BLOCK_K, NVFP4, PAIR_ORDER, USE_ASM, GATED, DT)
-        v = _epilogue(acc, gs, u_ptr, su, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, NVFP4,
-                      HAS_LORA, DT, SHIFT)
+        v = _epilogue(acc, gs, u_ptr, su, ss, pairs, pair_ok, 0, b_ptr, e, n0, N_W, r, BLOCK_M, BLOCK_N, RP, SPLITS,
+                      NVFP4, HAS_LORA, DT, SHIFT)
         if GATED:
-            up = _epilogue(acc_up, gs, u_ptr, su, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N, RP,
-                           NVFP4, HAS_LORA, DT, SHIFT)
+            up = _epilogue(acc_up, gs, u_ptr, su, ss, pairs, pair_ok, r, b_ptr, e, N + n0, N_W, r, BLOCK_M, BLOCK_N,
+                           RP, SPLITS, NVFP4, HAS_LORA, DT, SHIFT)
             v = (v / (1.0 + tl.exp(-v))).to(DT).to(tl.float32) * up
         if ROUTED:
             v = v * tl.load(route_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * N + cols[None, :], v.to(DT),
                  mask=pair_ok[:, None] & (cols[None, :] < N))
+
+
+def lora_a_layout(u: torch.Tensor) -> tuple[int, int, int]:
+    """``(splits, split stride, row stride)`` of LoRA-A products ``[P, r']`` or of their partial sums ``[S, P, r']``."""
+    return (u.shape[0], u.stride(0), u.stride(1)) if u.dim() == 3 else (1, 0, u.stride(0))
+
+
+def lora_a_rows(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """LoRA-A products ``[P, r']`` in ``dtype``: as given, or the fp32 partial sums ``[S, P, r']`` a K-split launch
+    writes (``expert_lora``) summed in split order and rounded once, as the kernels read them."""
+    if u.dim() == 2:
+        return u.to(dtype)
+    total = u[0].float()
+    for part in u[1:]:
+        total = total + part.float()
+    return total.to(dtype)
 
 
 def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight, *, top_k: int, gated: bool = False,
@@ -232,8 +260,9 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         weight: ``(packed [E, N', K/2] uint8, scale [E, N', K/16] e4m3, global_scale [E] fp32)`` NVFP4 or a 16-bit
             ``[E, N', K]`` tensor; ``N' = 2N`` when ``gated`` (``[Wg; Wu]`` per expert), else ``N``.
         gated: return ``silu(gate) * up`` of the stacked pair of projections.
-        lora: ``(u [P, r'], B [E, N', r])``: LoRA-A outputs per pair (``r' = 2r`` when gated: gate's, then up's)
-            and the scaled LoRA-B matrices; None: no adapter.
+        lora: ``(u [P, r'], B [E, N', r])``: LoRA-A outputs per pair (``r' = 2r`` when gated: gate's, then up's;
+            or their fp32 partial sums ``[S, P, r']``, :func:`lora_a_rows`) and the scaled LoRA-B matrices; None: no
+            adapter.
         route: router weight per pair ``[P]`` multiplied into the output (the down projection), or None.
         config: the launch configuration (None: :func:`default_config`).
         unpack: one of :data:`UNPACKS` for NVFP4 weights (None: the configuration's where it applies, else
@@ -261,13 +290,15 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         packed = scale = gs = weight
     u, b = lora if lora is not None else (x, x)
     r = b.shape[2] if lora is not None else 0
+    splits, ss, su = lora_a_layout(u)
     block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
     block_k = min(cfg.block_k, max(16, next_power_of_2(K)))
     block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
     _grouped_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
-        x, x.stride(0), order, offsets, packed, scale, gs, u, u.stride(0), b, r,
+        x, x.stride(0), order, offsets, packed, scale, gs, u, su, ss, b, r,
         route if route is not None else x, out, N, K, top_k, E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EP=next_power_of_2(E), RP=max(16, next_power_of_2(r)),
+        SPLITS=splits,
         NVFP4=nvfp4,
         PAIR_ORDER=pair_order, USE_ASM=pair_order and unpack == "asm", GATED=gated,
         HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
@@ -293,6 +324,7 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
     N = n_rows // 2 if gated else n_rows
     out = torch.empty(P, N, dtype=dtype, device=x.device)
     bounds = offsets.tolist()
+    u = lora_a_rows(lora[0], dtype) if lora is not None else None
     for e in range(E):
         if bounds[e] == bounds[e + 1]:
             continue
@@ -300,7 +332,7 @@ def grouped_torch(x, order, offsets, weight, *, top_k: int, gated: bool = False,
         y = base[bounds[e]:bounds[e + 1]] if base is not None else F.linear(x[pairs // top_k],
                                                                              expert_weight(weight, e, dtype))
         if lora is not None:  # one rounding of base + LoRA-B, as the kernel's epilogue (and peft's addmm)
-            u, b = lora
+            b = lora[1]
             r = b.shape[2]
             b_e = b[e].to(dtype)
             rows = slice(bounds[e], bounds[e + 1]) if base is not None else pairs  # (u beside base: expert order)
@@ -347,4 +379,5 @@ def combine(y: torch.Tensor, top_k: int, idle: torch.Tensor | None = None) -> to
 
 
 __all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
-           "expert_weight", "grouped", "grouped_torch", "pairs_bucket", "weight_kind"]
+           "expert_weight", "grouped", "grouped_torch", "lora_a_layout", "lora_a_rows", "pairs_bucket",
+           "weight_kind"]

@@ -11,7 +11,7 @@ import torch
 from qerl.kernels.pair_sort import sort_pairs
 from qerl.nvfp4.kernels.expert_gemv import rows_in_expert_order
 from qerl.nvfp4.kernels.expert_lora import expert_epilogue, expert_lora_a, gathered_lora_a
-from qerl.nvfp4.kernels.grouped_experts import grouped, grouped_torch
+from qerl.nvfp4.kernels.grouped_experts import grouped, grouped_torch, lora_a_rows
 
 g = torch.Generator().manual_seed(0)
 E, H, I, k, r = 6, 320, 176, 2, 4  # experts 4 and 5 get no pair; H, I not powers of two: ragged tiles and K steps
@@ -42,10 +42,11 @@ for dtype, T, idle_every in ((torch.float32, 9, 0), (torch.float16, 9, 0), (torc
     s = order[:live]  # the live pairs' indices in expert order
 
     u = grouped(x, order, offsets, a_gu, top_k=k)  # [P, 2r] at pair index: the grouped kernel's A products
-    ua = expert_lora_a(x, order, offsets, a_gu, top_k=k)
+    ua = lora_a_rows(expert_lora_a(x, order, offsets, a_gu, top_k=k), dtype)  # (partial sums over K slices)
     res[f"lora_a-{name}"] = {"vs_grouped": rel(ua[s], u[s]),
                              "vs_twin": rel(ua[s], grouped_torch(x, order, offsets, a_gu, top_k=k)[s])}
-    xs, ug = gathered_lora_a(x, order, offsets, a_gu, top_k=k)  # expert order
+    xs, ug_parts = gathered_lora_a(x, order, offsets, a_gu, top_k=k)  # expert order
+    ug = lora_a_rows(ug_parts, dtype)
     gather = rows_in_expert_order(x, order, k)  # (the GEMV path's input without an adapter)
     res[f"gathered-{name}"] = {"vs_grouped": max(rel(ug[:live], u[s]), rel(xs[:live], x[s // k]),
                                                  rel(gather[:live], x[s // k])),
@@ -54,7 +55,8 @@ for dtype, T, idle_every in ((torch.float32, 9, 0), (torch.float16, 9, 0), (torc
 
     fused = grouped(x, order, offsets, w_gu, top_k=k, gated=True, lora=(u, b_gu))  # at pair index
     base = grouped(x, order, offsets, w_gu, top_k=k)[order]  # [P, 2I] rounded, in expert order
-    h, u_d = expert_epilogue(base, ident, offsets, gated=True, lora=(ug, b_gu), next_a=a_d)  # expert order
+    h, ud_parts = expert_epilogue(base, None, offsets, gated=True, lora=(ug_parts, b_gu), next_a=a_d)  # expert order
+    u_d = lora_a_rows(ud_parts, dtype)
     twin = grouped_torch(base, ident, offsets, None, top_k=1, gated=True, lora=(ug, b_gu), base=base)
     res[f"gate_up-{name}"] = {"vs_grouped": rel(h[:live], fused[s]), "vs_twin": rel(h[:live], twin[:live])}
     ud_grouped = grouped(fused, order, offsets, a_d, top_k=1)  # the grouped kernel's down A products, pair index
@@ -63,8 +65,12 @@ for dtype, T, idle_every in ((torch.float32, 9, 0), (torch.float16, 9, 0), (torc
 
     fused_d = grouped(fused, order, offsets, w_d, top_k=1, lora=(ud_grouped, b_d), route=route)  # pair index
     base_d = grouped(fused, order, offsets, w_d, top_k=1)[order]
-    y, none = expert_epilogue(base_d, order, offsets, lora=(u_d, b_d), route=route)
+    y, none = expert_epilogue(base_d, order, offsets, lora=(ud_parts, b_d), route=route)
     twin = grouped_torch(base_d, order, offsets, None, top_k=1, lora=(u_d, b_d), route=route, base=base_d)
     res[f"down-{name}"] = {"vs_grouped": rel(y[s], fused_d[s]), "vs_twin": rel(y[s], twin[s]),
-                           "no_next": none is None}
+                           "no_next": none is None, "splits": [ug_parts.shape[0], ud_parts.shape[0]]}
+    # the grouped kernel reads the partial sums as the epilogue does
+    fused_parts = grouped(x, order, offsets, w_gu, top_k=k, gated=True,
+                          lora=(expert_lora_a(x, order, offsets, a_gu, top_k=k), b_gu))
+    res[f"grouped_parts-{name}"] = {"vs_grouped": rel(fused_parts[s], fused[s]), "vs_twin": rel(fused_parts[s], fused[s])}
 print(json.dumps(res))

@@ -15,7 +15,7 @@ def test_the_lora_launches_equal_the_grouped_kernel_and_their_twins(run_interpre
     # the gathered rows and A products, the epilogues (LoRA-B, gating, router weight, the next A products): the
     # grouped kernel's own results on the same rounded products (same roundings), in expert or pair order as asked
     res = run_interpreted(Path(__file__).with_name("_interpret_expert_lora.py"))
-    kinds = ("lora_a", "gathered", "gate_up", "next_a", "down")
+    kinds = ("lora_a", "gathered", "gate_up", "next_a", "down", "grouped_parts")
     assert sorted(res) == sorted(f"{kind}-{case}" for kind in kinds
                                  for case in ("float32-9", "float16-9", "float16-40-idle")), sorted(res)
     for key, v in res.items():
@@ -23,6 +23,8 @@ def test_the_lora_launches_equal_the_grouped_kernel_and_their_twins(run_interpre
         tolerance = 1e-6 if "float32" in key else 1e-3
         assert v["vs_grouped"] <= tolerance and v["vs_twin"] <= tolerance, (key, v)
         assert v.get("no_next", True), key
+        if key.startswith("down"):  # H 320 and I 176 in slices of 256 and tiles of 128: reductions really split
+            assert v["splits"] == [2, 2], (key, v)
 
 
 _SM90_BUILD = """
@@ -37,15 +39,17 @@ ptr = {"x_ptr", "order_ptr", "offsets_ptr", "a_ptr", "u_ptr", "xs_ptr", "base_pt
        "un_ptr"}
 for spec in sys.argv[1:]:  # a: the A products [g: gathered, w: a prefill's 64-pair blocks]; e: the epilogue
     block_m = 64 if "w" in spec else 16  # [g: gated, l: LoRA, r: routed, n: the next A products]
-    if spec[0] == "a":
+    if spec[0] == "a":  # [o: in expert order, no order read; s: partial sums of 8 K slices]
         fn, consts = L._lora_a_kernel, dict(BLOCK_M=block_m, BLOCK_K=L.BLOCK_K, RP=32, EP=128, GATHER="g" in spec)
     else:
         fn, consts = L._epilogue_kernel, dict(BLOCK_M=block_m, BLOCK_N=L.BLOCK_N, RP=16, RNP=16, EP=128,
+                                              SPLITS=8 if "s" in spec else 1, IN_ORDER="o" in spec,
                                               GATED="g" in spec, HAS_LORA="l" in spec, ROUTED="r" in spec,
                                               NEXT="n" in spec)
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts or n == "DT" else
-               "*i64" if n == "order_ptr" else "*i32" if n == "offsets_ptr" else "*bf16" if n in ptr else "i32")
+               "*i64" if n == "order_ptr" else "*i32" if n == "offsets_ptr" else
+               "*fp32" if n in ("u_ptr", "un_ptr") else "*bf16" if n in ptr else "i32")
            for n in names}
     consts["DT"] = triton.language.bfloat16
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -64,6 +68,6 @@ def test_every_lora_launch_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = ["a", "ag", "aw", "e", "eglrn", "egln", "elr", "elrw", "eglw", "er"]
+    variants = ["a", "ag", "aw", "e", "eglrn", "egln", "elr", "elrw", "eglw", "er", "eglnoi", "elrs"]
     for line in _build_for_sm90(script, variants):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
