@@ -7,8 +7,8 @@ blocks (1,024 pairs over 128 experts: ~190) and every program's time is mostly a
 order, rows), so the work is spread over many short programs, not walked by few (a program per block walking its
 row measured slower on the H200 than the grouped kernel's launches it replaced). A reduction over the split axis
 (the A products over K; the next projection's A products over the epilogue's columns) is written as fp32 partial
-sums ``[S, P, r]``, which their reader sums in split order and rounds once (``grouped_experts.lora_a_rows``):
-deterministic, no atomics, no extra launch.
+sums ``[S, P, r]``, which their reader (a few programs per block) sums in split order and rounds once
+(``grouped_experts.lora_a_rows``): deterministic, no atomics, no extra launch.
 
     xs, u_gu = gathered_lora_a(x, order, offsets, A_gu)       the input rows in expert order and their A products
     gu       = expert_gemv(xs, W_gu)                           (elsewhere)
@@ -19,8 +19,8 @@ deterministic, no atomics, no extra launch.
 Roundings are the grouped kernel's (``grouped_experts``): the base products arrive rounded; base + LoRA-B rounded;
 ``silu`` rounded before the product with up; the router weight's product rounded at the store; the A products
 (the next projection's: of the rounded stored rows) summed in fp32 and rounded once. :func:`expert_lora_a` is the A
-products at pair index for the grouped kernel's own path (the 16-bit experts, the prefill), which reads the partial
-sums the same way. The torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. Left out: a
+products at pair index for the grouped kernel's own path (the 16-bit experts, the prefill): there a program per
+block walks K (one sum), as the grouped kernel has many programs per block that would each add partial sums. The torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. Left out: a
 launch configuration table (one tile size each).
 """
 
@@ -35,7 +35,8 @@ from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, BLOCK_M, WIDE_BLOCK_M, _dot, _lora_a_rows,
                                                grouped_torch, lora_a_layout)
 
-BLOCK_K = 256  # the A products' K slice per program
+BLOCK_K = 256  # the gathered A products' K slice per program
+WALK_BLOCK_K = 128  # the A products' K step where a program walks K (expert_lora_a)
 BLOCK_N = 128  # the epilogue's columns per program
 
 
@@ -44,12 +45,12 @@ def _block_m(pairs: int, experts: int) -> int:
 
 
 @triton.jit
-def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, P, K, R, TOPK_IN, E,
+def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, P, K, R, TOPK_IN, E, SLICE,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
                    GATHER: tl.constexpr, DT: tl.constexpr):
-    """Token block i's ``x A_e^T`` over K slice j (``A [E, R, K]``): fp32 partial sums at ``u [j]``; ``GATHER``: the
-    slice of its input rows also stored at their slots and the sums written at the slots (expert order), else at
-    the pairs' indices."""
+    """Token block i's ``x A_e^T`` over K slice j (``SLICE`` columns, ``BLOCK_K`` at a time; ``A [E, R, K]``): fp32
+    partial sums at ``u [j]``; ``GATHER``: the slice of its input rows also stored at their slots and the sums
+    written at the slots (expert order), else at the pairs' indices."""
     e, start, end = expert_block(offsets_ptr, tl.program_id(0), E, BLOCK_M, EP)
     if start < end:
         slot = start + tl.arange(0, BLOCK_M)
@@ -57,14 +58,17 @@ def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, P, K
         pairs = tl.load(order_ptr + slot, mask=ok, other=0)
         rows = (pairs // TOPK_IN).to(tl.int64)
         j = tl.arange(0, RP)
-        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        in_k = cols[None, :] < K
-        x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok[:, None] & in_k, other=0.0)
-        if GATHER:
-            tl.store(xs_ptr + slot[:, None].to(tl.int64) * K + cols[None, :], x, mask=ok[:, None] & in_k)
-        a = tl.load(a_ptr + e.to(tl.int64) * R * K + j[:, None] * K + cols[None, :], mask=(j[:, None] < R) & in_k,
-                    other=0.0)
-        acc = _dot(x.to(DT), tl.trans(a.to(DT)), tl.zeros([BLOCK_M, RP], tl.float32), DT)
+        acc = tl.zeros([BLOCK_M, RP], tl.float32)
+        first = tl.program_id(1) * SLICE
+        for k0 in range(first, tl.minimum(first + SLICE, K), BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            in_k = cols[None, :] < K
+            x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok[:, None] & in_k, other=0.0)
+            if GATHER:
+                tl.store(xs_ptr + slot[:, None].to(tl.int64) * K + cols[None, :], x, mask=ok[:, None] & in_k)
+            a = tl.load(a_ptr + e.to(tl.int64) * R * K + j[:, None] * K + cols[None, :],
+                        mask=(j[:, None] < R) & in_k, other=0.0)
+            acc = _dot(x.to(DT), tl.trans(a.to(DT)), acc, DT)
         at = slot if GATHER else pairs
         part = u_ptr + tl.program_id(1).to(tl.int64) * P * R
         tl.store(part + at[:, None].to(tl.int64) * R + j[None, :], acc, mask=ok[:, None] & (j[None, :] < R))
@@ -130,19 +134,22 @@ def _epilogue_kernel(base_ptr, sb, order_ptr, offsets_ptr, u_ptr, su, ss, b_ptr,
             tl.store(part + slot[:, None].to(tl.int64) * rn + jn[None, :], un, mask=ok[:, None] & (jn[None, :] < rn))
 
 
-def _lora_a(x, order, offsets, a, top_k, gather):
+def _lora_a(x, order, offsets, a, top_k, gather, split):
     P, K = order.numel(), x.shape[1]
     E, R = a.shape[:2]
-    block_k = min(BLOCK_K, max(16, next_power_of_2(K)))
-    u = torch.empty(cdiv(K, block_k), P, R, dtype=torch.float32, device=x.device)
+    # split: a program per K slice of BLOCK_K (the gather's partial sums); else each program walks K in steps of
+    # WALK_BLOCK_K (one sum: the grouped kernel, whose many programs per block would each add the partial sums)
+    block_k = min(BLOCK_K if split else WALK_BLOCK_K, max(16, next_power_of_2(K)))
+    slice_ = block_k if split else K
+    u = torch.empty(cdiv(K, slice_), P, R, dtype=torch.float32, device=x.device)
     xs = torch.empty(P, K, dtype=x.dtype, device=x.device) if gather else None
     if P == 0:
         return xs, u
     block_m = _block_m(P, E)
     _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
-        x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E,
+        x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E, slice_,
         BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
-        DT=_TL[x.dtype], num_warps=4, num_stages=1)
+        DT=_TL[x.dtype], num_warps=4, num_stages=1 if _INTERPRET or split else 3)
     return xs, u
 
 
@@ -150,22 +157,23 @@ def expert_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a
                   top_k: int) -> torch.Tensor:
     """Each pair's LoRA-A product at the pair's index: ``x [T, K]`` token rows (pair p reads row ``p // top_k``) or
     ``[P, K]`` pair rows (``top_k=1``), ``a [E, R, K]`` 16-bit; ``order, offsets`` from ``pair_sort.sort_pairs``.
-    On CUDA the fp32 partial sums ``[S, P, R]`` of its K slices (the grouped kernels read them), elsewhere ``[P, R]``
-    in x's dtype."""
+    On CUDA the fp32 sums ``[1, P, R]`` (the grouped kernel rounds them as it reads them), elsewhere ``[P, R]`` in
+    x's dtype."""
     if not x.is_cuda and not _INTERPRET:
         return grouped_torch(x, order, offsets, a, top_k=top_k)
-    return _lora_a(x.contiguous(), order, offsets, a, top_k, False)[1]
+    return _lora_a(x.contiguous(), order, offsets, a, top_k, False, False)[1]
 
 
 def gathered_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, *,
                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xs [P, K], u)`` in expert order: row ``s`` the token row of pair ``order[s]`` and its product with its
-    expert's ``a [E, R, K]`` (the expert GEMV's input and the first projection's LoRA-A, one read of x); u as
-    :func:`expert_lora_a` gives it."""
+    expert's ``a [E, R, K]`` (the expert GEMV's input and the first projection's LoRA-A, one read of x); on CUDA u
+    as the fp32 partial sums ``[S, P, R]`` of its K slices (:func:`expert_epilogue` reads them), elsewhere
+    ``[P, R]`` in x's dtype."""
     if not x.is_cuda and not _INTERPRET:
         xs = x.index_select(0, order // top_k)
         return xs, grouped_torch(xs, torch.arange(order.numel(), device=x.device), offsets, a, top_k=1)
-    return _lora_a(x.contiguous(), order, offsets, a, top_k, True)
+    return _lora_a(x.contiguous(), order, offsets, a, top_k, True, True)
 
 
 def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: torch.Tensor, *, gated: bool = False,
@@ -213,4 +221,4 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     return out, u_next
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "expert_epilogue", "expert_lora_a", "gathered_lora_a"]
+__all__ = ["BLOCK_K", "BLOCK_N", "WALK_BLOCK_K", "expert_epilogue", "expert_lora_a", "gathered_lora_a"]
