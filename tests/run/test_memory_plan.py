@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, ModelShape
+from qerl.model.footprint import GIB, NVFP4_BYTES_PER_WEIGHT, SAFETY_MARGIN_FRACTION, ModelShape
 from qerl.rollout.run_settings import RunSettings
 from qerl.modules.footprint import layer_activation_bytes, micro_batch_span
 from qerl.rollout.footprint import bf16_copy_spare
@@ -267,6 +267,22 @@ def test_the_kv_cache_counts_in_the_update_only_where_the_engine_keeps_it(engine
     # a kept cache is planned beside the update: the wave chosen leaves room for the shortest update next to it
     chosen = plan_memory(shape, replace(settings, keep_kv_cache=True), 40 * GIB, micro_batch_tokens="auto")
     assert chosen.peak_bytes <= 40 * GIB - chosen.margin_bytes and chosen.kv_kept_rows == chosen.wave_rows
+
+
+def test_the_kv_cache_is_kept_by_choice_only_with_the_margin_to_spare_once_more():
+    # keeping it is an optimization: beside a MoE update the plan's margin alone went to the allocator's
+    # fragmentation, so the plan keeps it only where the peak leaves the margin free a second time
+    shape = ModelShape.from_config(qwen25_config("qwen2.5-14b"))
+    settings = RunSettings(prompts=16, group_size=8, max_prompt_tokens=256, max_new_tokens=2048, engine="cuda_graph",
+                           gradient_checkpointing=True, waves=True)
+
+    def plan(free: int, keep=None):
+        return plan_memory(shape, replace(settings, keep_kv_cache=keep), free, wave_rows=24, micro_batch_tokens=8192)
+
+    peak = plan(79 * GIB, True).peak_bytes  # (the peak with the cache kept does not depend on the free memory)
+    tight = int(peak / (1 - 1.5 * SAFETY_MARGIN_FRACTION))  # one margin to spare, not two
+    assert plan(tight, True).kv_kept_rows == 24 and plan(tight).kv_kept_rows == 0
+    assert plan(int(peak / (1 - 2.2 * SAFETY_MARGIN_FRACTION))).kv_kept_rows == 24
 
 
 def fits(shape, settings, free, **kwargs) -> bool:
