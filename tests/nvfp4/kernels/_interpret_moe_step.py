@@ -14,18 +14,25 @@ from qerl.kernels.pair_sort import sort_pairs
 from qerl.rollout.moe_step import MoEStep
 from qerl.testing.tiny_models import save_tiny_model
 
-res = {}
-path = save_tiny_model(tempfile.mkdtemp(), "qwen3_moe", vocab_size=64, hidden_size=64)
-for quantization in ("nvfp4", "bf16"):
+
+
+def moe_block(hidden: int, quantization: str):
+    """A tiny Qwen3-MoE's first MoE block with nonzero LoRA on every expert, an input and every third row idle."""
+    path = save_tiny_model(tempfile.mkdtemp(), "qwen3_moe", vocab_size=64, hidden_size=hidden)
     policy = build_policy(str(path), quantization=quantization, lora_rank=4, dtype="float32")
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    block = policy.get_base_model().model.layers[0].mlp
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
     idle = torch.zeros(40, dtype=torch.bool)
     idle[::3] = True
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(1))
+    return policy.get_base_model().model.layers[0].mlp, x, idle
+
+
+res = {}
+for quantization in ("nvfp4", "bf16"):
+    block, x, idle = moe_block(64, quantization)
     idle_gap, idle_zero = [], []
     with torch.no_grad():
         outs = []
@@ -43,17 +50,7 @@ for quantization in ("nvfp4", "bf16"):
                          "vs_modules": float((outs[0][0] - ref).abs().max() / ref.abs().max()),
                          "same_choices": bool(torch.equal(outs[0][1], outs[1][1])), "adapter": step.adapter,
                          "idle_rows_change_the_others": max(idle_gap), "idle_rows_zero": all(idle_zero)}
-# hidden 128: the experts' K (128, and 64 for down) a multiple of the repacked layout's chunk of 64
-path = save_tiny_model(tempfile.mkdtemp(), "qwen3_moe", vocab_size=64, hidden_size=128)
-policy = build_policy(str(path), quantization="nvfp4", lora_rank=4, dtype="float32")
-with torch.no_grad():
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
-block = policy.get_base_model().model.layers[0].mlp
-x = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
-idle = torch.zeros(40, dtype=torch.bool)
-idle[::3] = True
+block, x, idle = moe_block(128, "nvfp4")  # hidden 128: the experts' K (128; 64 for down) in chunks of 64
 with torch.no_grad():
     outs = {}
     for fast in (True, False):
