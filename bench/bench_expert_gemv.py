@@ -65,11 +65,11 @@ class GemvCase:
     def step(self, i: int = 0) -> torch.Tensor:
         """The projection as ``MoEStep._through_gemv`` runs it, in expert order (gate/up) or pair order (down)."""
         x, order, _, _, route, _ = self.case.routings[i % len(self.sorted)]
-        xs, offsets, ident, u, _ = self.sorted[i % len(self.sorted)]
+        xs, offsets, _, u, _ = self.sorted[i % len(self.sorted)]
         if self.case.gated:
-            xs = x.index_select(0, order // self.case.top_k)
+            xs = X.rows_in_expert_order(x, order, self.case.top_k)  # (with an adapter the gather makes u as well)
             gu = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
-            return L.expert_epilogue(gu, ident, offsets, gated=True, lora=(u, self.case.b))[0]
+            return L.expert_epilogue(gu, None, offsets, gated=True, lora=(u, self.case.b))[0]
         y = X.expert_gemv(xs, offsets, *self.stack(i), self.rows)
         return L.expert_epilogue(y, order, offsets, lora=(u, self.case.b), route=route)[0]
 

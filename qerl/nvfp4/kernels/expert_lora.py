@@ -32,16 +32,12 @@ import triton.language as tl
 
 from qerl.kernels.expert_blocks import expert_block, list_programs
 from qerl.kernels.grid import cdiv, next_power_of_2
-from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, BLOCK_M, WIDE_BLOCK_M, _dot, _lora_a_rows,
+from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, _dot, _lora_a_rows, _plus_lora_b, block_rows,
                                                grouped_torch, lora_a_layout)
 
 BLOCK_K = 256  # the gathered A products' K slice per program
 WALK_BLOCK_K = 128  # the A products' K step where a program walks K (expert_lora_a)
 BLOCK_N = 128  # the epilogue's columns per program
-
-
-def _block_m(pairs: int, experts: int) -> int:
-    return WIDE_BLOCK_M if pairs >= WIDE_BLOCK_M * experts else BLOCK_M
 
 
 @triton.jit
@@ -72,19 +68,6 @@ def _lora_a_kernel(x_ptr, sx, order_ptr, offsets_ptr, a_ptr, u_ptr, xs_ptr, P, K
         at = slot if GATHER else pairs
         part = u_ptr + tl.program_id(1).to(tl.int64) * P * R
         tl.store(part + at[:, None].to(tl.int64) * R + j[None, :], acc, mask=ok[:, None] & (j[None, :] < R))
-
-
-@triton.jit
-def _plus_lora_b(v, u, b_ptr, e, n, N_W, r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr,
-                 HAS_LORA: tl.constexpr, DT: tl.constexpr):
-    """A column tile of one projection: rounded base ``v`` (+ ``u B_e[n]^T``, rounded), fp32 values."""
-    v = v.to(DT).to(tl.float32)
-    if HAS_LORA:
-        j = tl.arange(0, RP)
-        b = tl.load(b_ptr + e.to(tl.int64) * N_W * r + n[:, None] * r + j[None, :],
-                    mask=(n[:, None] < N_W) & (j[None, :] < r), other=0.0).to(DT)
-        v = (v + _dot(u, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DT)).to(DT).to(tl.float32)
-    return v
 
 
 @triton.jit
@@ -145,7 +128,7 @@ def _lora_a(x, order, offsets, a, top_k, gather, split):
     xs = torch.empty(P, K, dtype=x.dtype, device=x.device) if gather else None
     if P == 0:
         return xs, u
-    block_m = _block_m(P, E)
+    block_m = block_rows(P, E)
     _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
         x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E, slice_,
         BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
@@ -210,7 +193,7 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     u, b = lora if lora is not None else (base, base)
     r = b.shape[2] if lora is not None else 0
     splits, ss, su = lora_a_layout(u)
-    block_m = _block_m(P, E)
+    block_m = block_rows(P, E)
     _epilogue_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         base, base.stride(0), order if order is not None else offsets, offsets, u, su, ss, b, r,
         route if route is not None else base, out, next_a if next_a is not None else base,

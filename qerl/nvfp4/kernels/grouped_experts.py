@@ -96,6 +96,11 @@ _WIDE = GroupedConfig(64, 128, 8, 3)  # a prefill's 64-pair tiles
 _LORA_A_ROWS = 64  # a 16-bit weight of at most this many output rows per expert is a LoRA-A (2r or r rows)
 
 
+def block_rows(pairs: int, num_experts: int) -> int:
+    """Pairs per tile: :data:`WIDE_BLOCK_M` where experts get many pairs (a prefill), else :data:`BLOCK_M`."""
+    return WIDE_BLOCK_M if pairs >= WIDE_BLOCK_M * num_experts else BLOCK_M
+
+
 def pairs_bucket(pairs: int) -> int:
     """The table's key for ``pairs``: the next power of two in 8 .. 1024."""
     return min(max(8, next_power_of_2(pairs)), 1024)
@@ -110,7 +115,7 @@ def weight_kind(weight) -> str:
 
 def default_config(pairs: int, num_experts: int, kind: str, gated: bool) -> GroupedConfig:
     """The launch configuration for ``pairs`` (token, expert) pairs over ``num_experts`` experts of weight ``kind``."""
-    if pairs >= WIDE_BLOCK_M * num_experts:
+    if block_rows(pairs, num_experts) == WIDE_BLOCK_M:
         return _WIDE
     return DEFAULT_CONFIGS[(kind, gated, pairs_bucket(pairs))]
 
@@ -181,21 +186,30 @@ def _lora_a_rows(u_ptr, su, ss, rows, ok, col, r, RP: tl.constexpr, SPLITS: tl.c
 
 
 @triton.jit
+def _plus_lora_b(v, u, b_ptr, e, n, N_W, r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr,
+                 HAS_LORA: tl.constexpr, DT: tl.constexpr):
+    """A column tile ``n`` of one projection (fp32 values): base ``v`` rounded (+ ``u B_e[n]^T``, rounded), ``u`` the
+    tile's LoRA-A products in ``DT`` and ``B [E, N_W, r]``."""
+    v = v.to(DT).to(tl.float32)
+    if HAS_LORA:
+        j = tl.arange(0, RP)
+        b = tl.load(b_ptr + e.to(tl.int64) * N_W * r + n[:, None] * r + j[None, :],
+                    mask=(n[:, None] < N_W) & (j[None, :] < r), other=0.0).to(DT)
+        v = (v + _dot(u, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DT)).to(DT).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _epilogue(acc, gs, u_ptr, su, ss, pairs, pair_ok, u_col, b_ptr, e, n0, N, r, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, RP: tl.constexpr, SPLITS: tl.constexpr, NVFP4: tl.constexpr,
               HAS_LORA: tl.constexpr, DT: tl.constexpr, SHIFT: tl.constexpr):
     """One projection's output tile ``[BLOCK_M, BLOCK_N]`` (fp32 values): base rounded, + LoRA-B rounded."""
     if NVFP4:
         acc = acc * (SHIFT / gs)
-    v = acc.to(DT).to(tl.float32)
+    u = tl.zeros([BLOCK_M, RP], DT)
     if HAS_LORA:
-        j = tl.arange(0, RP)
         u = _lora_a_rows(u_ptr, su, ss, pairs, pair_ok, u_col, r, RP, SPLITS, DT)
-        n = n0 + tl.arange(0, BLOCK_N)
-        b = tl.load(b_ptr + e.to(tl.int64) * N * r + n[:, None] * r + j[None, :],
-                    mask=(n[:, None] < N) & (j[None, :] < r), other=0.0).to(DT)
-        v = (v + _dot(u, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DT)).to(DT).to(tl.float32)
-    return v
+    return _plus_lora_b(acc, u, b_ptr, e, n0 + tl.arange(0, BLOCK_N), N, r, BLOCK_M, BLOCK_N, RP, HAS_LORA, DT)
 
 
 @triton.jit
@@ -291,7 +305,7 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
     u, b = lora if lora is not None else (x, x)
     r = b.shape[2] if lora is not None else 0
     splits, ss, su = lora_a_layout(u)
-    block_m = WIDE_BLOCK_M if P >= WIDE_BLOCK_M * E else BLOCK_M  # each tile's weights are unpacked once per tile
+    block_m = block_rows(P, E)  # each tile's weights are unpacked once per tile
     block_k = min(cfg.block_k, max(16, next_power_of_2(K)))
     block_n = min(cfg.block_n, max(16, next_power_of_2(N)))
     _grouped_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
@@ -378,6 +392,6 @@ def combine(y: torch.Tensor, top_k: int, idle: torch.Tensor | None = None) -> to
     return out
 
 
-__all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "combine", "default_config",
-           "expert_weight", "grouped", "grouped_torch", "lora_a_layout", "lora_a_rows", "pairs_bucket",
-           "weight_kind"]
+__all__ = ["BLOCK_M", "DEFAULT_CONFIGS", "FORMATS", "UNPACKS", "GroupedConfig", "block_rows", "combine",
+           "default_config", "expert_weight", "grouped", "grouped_torch", "lora_a_layout", "lora_a_rows",
+           "pairs_bucket", "weight_kind"]

@@ -1,5 +1,6 @@
 """CPU checks of the expert GEMV path's LoRA launches (qerl.nvfp4.kernels.expert_lora): under the Triton interpreter
-against the grouped kernel and the torch twins, and their sm_90 build (the GPU run: tests/gpu/test_moe_on_gpu.py).
+against the grouped kernel and the torch twins, and their sm_90 build beside the grouped kernel's, which reads their
+sums too (the GPU run: tests/gpu/test_moe_on_gpu.py).
 """
 
 from pathlib import Path
@@ -34,24 +35,29 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl.nvfp4.kernels import expert_lora as L
+from qerl.nvfp4.kernels import grouped_experts as G
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-ptr = {"x_ptr", "order_ptr", "offsets_ptr", "a_ptr", "u_ptr", "xs_ptr", "base_ptr", "b_ptr", "route_ptr", "out_ptr",
-       "un_ptr"}
+types = {"order_ptr": "*i64", "offsets_ptr": "*i32", "u_ptr": "*fp32", "un_ptr": "*fp32", "gs_ptr": "*fp32"}
 for spec in sys.argv[1:]:  # a: the A products [g: gathered, w: a prefill's 64-pair blocks]; e: the epilogue
-    block_m = 64 if "w" in spec else 16  # [g: gated, l: LoRA, r: routed, n: the next A products]
-    if spec[0] == "a":  # [o: in expert order, no order read; s: partial sums of 8 K slices]
+    block_m = 64 if "w" in spec else 16  # [g: gated, l: LoRA, r: routed, n: the next A products,
+    splits = 8 if "s" in spec else 1  # o: in expert order, no order read; s: partial sums of 8 K slices];
+    if spec[0] == "a":  # G: the grouped kernel reading them (16-bit weights, N: NVFP4's, natural unpack)
         fn, consts = L._lora_a_kernel, dict(BLOCK_M=block_m, BLOCK_K=L.BLOCK_K, RP=32, EP=128, GATHER="g" in spec)
-    else:
+    elif spec[0] == "e":
         fn, consts = L._epilogue_kernel, dict(BLOCK_M=block_m, BLOCK_N=L.BLOCK_N, RP=16, RNP=16, EP=128,
-                                              SPLITS=8 if "s" in spec else 1, IN_ORDER="o" in spec,
-                                              GATED="g" in spec, HAS_LORA="l" in spec, ROUTED="r" in spec,
-                                              NEXT="n" in spec)
-    names = fn.arg_names
-    sig = {n: ("constexpr" if n in consts or n == "DT" else
-               "*i64" if n == "order_ptr" else "*i32" if n == "offsets_ptr" else
-               "*fp32" if n in ("u_ptr", "un_ptr") else "*bf16" if n in ptr else "i32")
-           for n in names}
+                                              SPLITS=splits, IN_ORDER="o" in spec, GATED="g" in spec,
+                                              HAS_LORA="l" in spec, ROUTED="r" in spec, NEXT="n" in spec)
+    else:
+        fn, consts = G._grouped_kernel, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, EP=128, RP=32, SPLITS=splits,
+                                             NVFP4=spec[0] == "N", PAIR_ORDER=False, USE_ASM=False,
+                                             GATED="g" in spec, HAS_LORA="l" in spec, ROUTED="r" in spec,
+                                             SHIFT=256.0)
+    nvfp4 = consts.get("NVFP4", False)
+    weights = {"w_ptr": "*u8", "scale_ptr": "*u8"} if nvfp4 else {"w_ptr": "*bf16", "scale_ptr": "*bf16",
+                                                                   "gs_ptr": "*bf16"}
     consts["DT"] = triton.language.bfloat16
+    sig = {n: "constexpr" if n in consts else {**types, **weights}.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
     path = Path(sys.argv[0]).with_suffix(f".{spec}.cubin")
@@ -61,13 +67,15 @@ for spec in sys.argv[1:]:  # a: the A products [g: gathered, w: a prefill's 64-p
 """
 
 
-def test_every_lora_launch_assembles_for_sm90_without_spills(tmp_path):
+def test_every_lora_launch_and_the_grouped_kernel_reading_them_assemble_for_sm90(tmp_path):
+    # (no local memory: a spill would cost the epilogues their bandwidth)
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = ["a", "ag", "aw", "e", "eglrn", "egln", "elr", "elrw", "eglw", "er", "eglnoi", "elrs"]
+    variants = ["a", "ag", "aw", "e", "eglrn", "egln", "elr", "elrw", "eglw", "er", "eglnoi", "elrs",
+                "Ggl", "Glr", "Gglsr", "Ngl", "Nlr", "G"]
     for line in _build_for_sm90(script, variants):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line

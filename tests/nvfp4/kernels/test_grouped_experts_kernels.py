@@ -62,3 +62,4 @@ def test_every_launch_the_moe_step_makes_has_a_valid_default_configuration():
     stacked = torch.zeros(4, 96, 64)
     assert G.weight_kind(stacked) == "bf16" and G.weight_kind(stacked[:, :32]) == "lora_a"
     assert G.weight_kind((torch.zeros(4, 8, 32, dtype=torch.uint8),) * 3) == "nvfp4"
+
