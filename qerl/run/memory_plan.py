@@ -259,10 +259,11 @@ def plan_memory(shape: ModelShape, settings: RunSettings, free_bytes: int | None
     else:
         tokens_budget = micro_batch_tokens
     tokens = micro_batch_span(settings, tokens_budget)
-    # kept by choice only with a spare as large as the margin left beside it, as the optional bf16 copy: beside a
-    # MoE update the margin alone went to the allocator's fragmentation
+    # beside a MoE update (its [pairs, *] buffers of every size fragment the allocator) kept by choice only with the
+    # margin left free a second time: the margin alone went to fragmentation there
+    spare = margin if shape.experts else 0
     if (not kept and budget is not None and settings.engine == "cuda_graph" and settings.keep_kv_cache is None
-            and update_peak(shape, settings, tokens, rows, share) + margin <= budget):
+            and update_peak(shape, settings, tokens, rows, share) + spare <= budget):
         kept = rows  # freed, it comes back at another address and the next rollout captures its graphs again
         notes.append(f"KV cache kept through the update ({wave_kv_cache_bytes(shape, settings, rows) / GIB:.1f} GiB): "
                      "the update fits beside it, and the next rollout replays its decode graphs instead of "
