@@ -61,9 +61,8 @@ def layer_activation_bytes(shape: ModelShape, settings: RunSettings) -> float:
     total += I * b * targeted["down_proj"]  # down's LoRA-A input: the product
     total += r * b * sum(n * (routed if p in ("gate_proj", "up_proj", "down_proj") else 1)
                          for p, n in targeted.items())  # each LoRA-B's input (x @ A.T)
-    if shape.experts:  # the router's fp32 logits and probabilities, each expert's output for its routing weight, and
-        # the LoRA product added into that output (alive at once in the forward and in a checkpointed layer's recompute)
-        total += shape.experts * ROUTER_FP32_BUFFERS * 4 + routed * H * b * (1 + EXPERT_LORA_PRODUCT_BUFFERS)
+    if shape.experts:  # the router's fp32 logits and probabilities, and each expert's output for its routing weight
+        total += shape.experts * ROUTER_FP32_BUFFERS * 4 + routed * H * b
     return total
 
 
@@ -99,7 +98,10 @@ def update_components(shape: ModelShape, settings: RunSettings, tokens: int, kep
     if settings.quantization == "nvfp4":
         out.append(Component("update", "NVFP4 weight dequantized per layer (bf16, forward + backward)",
                              largest_layer_weights(shape, settings) * DENSE_BYTES * DEQUANTIZED_LAYER_COPIES))
-    if shape.experts:  # one stack at a time: the forward's is dropped, the backward makes its own
+    if shape.experts:  # one layer's at a time: beside its saved tensors (the forward, or a checkpointed recompute)
+        out.append(Component("update", "MoE experts' LoRA product before it is added into their output (one layer's)",
+                             tokens * shape.experts_per_token * H * DENSE_BYTES * EXPERT_LORA_PRODUCT_BUFFERS))
+        # one stack at a time: the forward's is dropped, the backward makes its own
         storage = GEMV_BYTES_PER_WEIGHT if settings.quantization == "nvfp4" else 0  # (the larger layout) concatenated
         out.append(Component("update", "MoE experts' gate|up stacked dense for the grouped update (bf16, one layer's)",
                              grouped_expert_stack_weights(shape) * (DENSE_BYTES + storage)))
