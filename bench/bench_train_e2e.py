@@ -1,4 +1,5 @@
-"""End to end on one GPU: ``train.py fit`` on a 7B-shaped model, NVFP4 + LoRA against bf16 + LoRA, same settings.
+"""End to end: ``train.py fit`` on a 7B-shaped model, NVFP4 + LoRA against bf16 + LoRA, same settings, on one GPU (or
+a GPU per format: ``--parallel``).
 
     python bench/bench_train_e2e.py --tokenizer DIR --out bench/results [--size qwen2.5-7b] [--steps 4] \
         [--lengths fixed|lognormal] [--micro-batch-tokens T|auto] [--kv-cache-dtypes nvfp4=fp8_e4m3] \
