@@ -9,6 +9,8 @@ elementwise passes. Here the forward keeps gate and up only, and the backward re
     backward  du = round(dh * s);  ds = round(dh * u);  dg = round(ds * sig * (1 + g * (1 - sig))),  sig = 1 / (1 + exp(-g))
 
 which is autograd's gradient of ``F.silu(g) * u`` with its roundings (``silu_backward``'s expression).
+``SiluMulOfHalves`` takes the two factors as the halves of one ``[rows, 2C]`` tensor (a MoE layer's gate|up
+products), read and their gradients written in place.
 """
 
 from __future__ import annotations
@@ -24,27 +26,40 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _forward_kernel(g_ptr, u_ptr, h_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr):
+def _at(offs, C: tl.constexpr, STRIDE: tl.constexpr):
+    """Element ``offs`` of a ``[rows, C]`` product in a factor whose rows are ``STRIDE`` apart (0: contiguous)."""
+    if STRIDE:
+        r = offs // C
+        return r * STRIDE + (offs - r * C)
+    return offs
+
+
+@triton.jit
+def _forward_kernel(g_ptr, u_ptr, h_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
+                    STRIDE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    at = _at(offs, C, STRIDE)
+    g = tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
     tl.store(h_ptr + offs, (s * u).to(DT), mask=ok)
 
 
 @triton.jit
-def _backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr,
+                     C: tl.constexpr, STRIDE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    at = _at(offs, C, STRIDE)
     dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    tl.store(du_ptr + offs, (dh * s).to(DT), mask=ok)
+    tl.store(du_ptr + at, (dh * s).to(DT), mask=ok)
     ds = (dh * u).to(DT).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    tl.store(dg_ptr + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(DT), mask=ok)
+    tl.store(dg_ptr + at, (ds * sig * (1.0 + g * (1.0 - sig))).to(DT), mask=ok)
 
 
 def supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -57,7 +72,8 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _forward_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, DT=_DTYPES[gate.dtype], BLOCK=_BLOCK, num_warps=8)
+        _forward_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, DT=_DTYPES[gate.dtype], BLOCK=_BLOCK, C=1, STRIDE=0,
+                                            num_warps=8)
     return out
 
 
@@ -67,7 +83,7 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     n = gate.numel()
     if n:
         _backward_kernel[(cdiv(n, _BLOCK),)](dh.contiguous(), gate, up, dg, du, n, DT=_DTYPES[gate.dtype],
-                                             BLOCK=_BLOCK, num_warps=8)
+                                             BLOCK=_BLOCK, C=1, STRIDE=0, num_warps=8)
     return dg, du
 
 
@@ -85,3 +101,32 @@ class SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = silu_mul_backward(dh, gate, up)
         return dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None
+
+
+class SiluMulOfHalves(torch.autograd.Function):
+    """``gate_up [R, 2C] -> silu(gate_up[:, :C]) * gate_up[:, C:]`` ``[R, C]`` (a MoE layer's gate|up products), the
+    kernels reading the halves in place; keeps ``gate_up`` only, and its gradient is one ``[R, 2C]`` tensor (autograd
+    through ``chunk`` would copy the two halves' gradients into one)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        ctx.save_for_backward(gate_up)
+        rows, c = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, c, dtype=gate_up.dtype, device=gate_up.device)
+        if out.numel():
+            _forward_kernel[(cdiv(out.numel(), _BLOCK),)](gate_up, gate_up[:, c:], out, out.numel(),
+                                                          DT=_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c, STRIDE=2 * c,
+                                                          num_warps=8)
+        return out
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        c = gate_up.shape[1] // 2
+        grad = torch.empty_like(gate_up)
+        if dh.numel():
+            _backward_kernel[(cdiv(dh.numel(), _BLOCK),)](dh.contiguous(), gate_up, gate_up[:, c:], grad, grad[:, c:],
+                                                          dh.numel(), DT=_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c,
+                                                          STRIDE=2 * c, num_warps=8)
+        return grad

@@ -11,6 +11,9 @@ Per MoE layer, on ``x [T, H]`` with the router's ``index [T, k]`` and ``weight [
     y   = (h Wd^T  +  s (h Ad^T) Bd^T) * router weight                   [P, H]   three grouped GEMMs
     out = each token's k products summed in expert order                 [T, H]
 
+(on CUDA the silu product, the router weight with the pair sum, and the gather's backward are a Triton kernel each
+way: ``qerl.kernels.silu_mul``, ``qerl.kernels.pair_sum``, rounded as autograd rounds the expressions above)
+
 the LoRA products over the G experts that received tokens (one host sync per layer: which LoRA takes part), the base
 products over all E experts (an unchosen one an empty group) where there are ``EVERY_EXPERT_PAIRS`` pairs per expert
 or more (the gate|up base GEMM then queued before the sync, and every expert's LoRA stacks made while it runs: kept
@@ -226,6 +229,10 @@ class _GatherPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dxs):
         (inverse,) = ctx.saved_tensors
+        if dxs.is_cuda and _kernels():  # one kernel: the same fp32 sum, without the [P, H] gather
+            from qerl.kernels.pair_sum import pair_sum
+
+            return pair_sum(dxs, inverse, ctx.top_k), None, None, None
         dx = dxs.index_select(0, inverse).view(-1, ctx.top_k, dxs.shape[-1]).sum(1)
         return dx, None, None, None
 
@@ -338,9 +345,37 @@ def grouped_experts(stacks: tuple[_Stack, _Stack] | None, hidden_states: torch.T
     if not every:  # few pairs: the chosen experts' weights alone
         base_offsets, down_bases, down_joins = offsets, [down.bases[e] for e in hit], None
         gate_up_base = _FrozenGroupedMatmul.apply(xs, offsets, [gate_up.bases[e] for e in hit], None)
-    gate, up = _with_lora(gate_up_base, xs, gate_up, hit, offsets, lora[0]).chunk(2, dim=-1)
-    h = F.silu(gate) * up  # [P, I]
+    h = _silu_mul_of_halves(_with_lora(gate_up_base, xs, gate_up, hit, offsets, lora[0]))  # [P, I]
     y = _with_lora(_FrozenGroupedMatmul.apply(h, base_offsets, down_bases, down_joins), h, down, hit, offsets,
                    lora[1])  # [P, H]
-    y = (y * top_k_weights.gather(1, slot).flatten()[order, None].to(hidden_states.dtype)).to(hidden_states.dtype)
-    return _SumPairs.apply(y, inverse, token, top_k), hit
+    return _weighted_pair_sum(y, top_k_weights.gather(1, slot).flatten()[order], inverse, token, top_k), hit
+
+
+def _kernels() -> bool:
+    """Whether the update's elementwise kernels (``qerl.kernels.silu_mul``, ``qerl.kernels.pair_sum``) can run."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _silu_mul_of_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[gate | up]`` rows: one kernel each way on CUDA, autograd's expression elsewhere."""
+    if gate_up.is_cuda and _kernels():
+        from qerl.kernels.silu_mul import SiluMulOfHalves
+
+        return SiluMulOfHalves.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _weighted_pair_sum(y: torch.Tensor, weight: torch.Tensor, inverse: torch.Tensor, token: torch.Tensor,
+                       top_k: int) -> torch.Tensor:
+    """Each token's k products ``y`` (sorted pairs) times their router ``weight`` (sorted pairs), added in expert
+    order: one kernel each way on CUDA (``pair_sum``: the same roundings), autograd's expression elsewhere."""
+    if y.is_cuda and _kernels():
+        from qerl.kernels.pair_sum import WeightedPairSum
+
+        return WeightedPairSum.apply(y, weight, inverse, token, top_k)
+    return _SumPairs.apply(y * weight[:, None].to(y.dtype), inverse, token, top_k)

@@ -72,3 +72,47 @@ def test_grouped_experts_equal_the_loop_forward_and_backward_on_the_gpu(policy, 
     for name, grad in dl.items():
         if grad is not None:
             close(grad, dl_ref[name], WEIGHTS)
+
+
+def test_the_update_elementwise_kernels_round_in_bf16_as_autograd():
+    """pair_sum's kernels and the SiLU product of halves at a Qwen3-30B-A3B layer's widths (H 2048, I 768, top-8) in
+    bf16 against autograd through the expressions they replace: forward, the pairs' and gate|up's gradients equal
+    (silu: but where its exp lands on the other side of a rounding), the router weight's within an fp32 sum's order."""
+    import torch.nn.functional as F
+
+    from qerl.kernels.pair_sum import WeightedPairSum, pair_sum
+    from qerl.kernels.silu_mul import SiluMulOfHalves
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, top_k, hidden, inter = 1000, 8, 2048, 768
+    P = tokens * top_k
+    order = torch.randperm(P, device="cuda", generator=gen)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(P, device="cuda")
+    token = order // top_k
+    y0 = torch.randn(P, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    w0 = torch.rand(P, device="cuda", generator=gen)
+    dout = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ours = [y0.clone().requires_grad_(), w0.clone().requires_grad_()]
+    theirs = [y0.clone().requires_grad_(), w0.clone().requires_grad_()]
+    out = WeightedPairSum.apply(*ours, inverse, token, top_k)
+    products = (theirs[0] * theirs[1][:, None].to(torch.bfloat16))[inverse].view(tokens, top_k, hidden)
+    ref = products[:, 0].clone()
+    for j in range(1, top_k):
+        ref = ref + products[:, j]
+    (dy, dw), (dy_ref, dw_ref) = torch.autograd.grad(out, ours, dout), torch.autograd.grad(ref, theirs, dout)
+    assert torch.equal(out, ref) and torch.equal(dy, dy_ref)
+    assert dw.dtype == dw_ref.dtype and float((dw - dw_ref).abs().max()) <= 1e-2 * float(dw_ref.abs().max())
+    assert float((dw - dw_ref).ne(0).float().mean()) < 0.2  # one bf16 step apart at most, for a few
+    summed = pair_sum(y0, inverse, top_k)
+    assert float((summed.float() - y0[inverse].view(tokens, top_k, hidden).sum(1).float()).ne(0).float().mean()) < 1e-3
+    gate_up = (torch.randn(P, 2 * inter, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    dh = torch.randn(P, inter, device="cuda", generator=gen).to(torch.bfloat16)
+    mine, theirs_gu = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
+    h = SiluMulOfHalves.apply(mine)
+    gate, up = theirs_gu.chunk(2, dim=-1)
+    href = F.silu(gate) * up
+    (grad,), (grad_ref,) = torch.autograd.grad(h, [mine], dh), torch.autograd.grad(href, [theirs_gu], dh)
+    for a, b in ((h, href), (grad, grad_ref)):
+        assert float(a.ne(b).float().mean()) < 1e-3 and float((a.float() - b.float()).abs().max()) <= 1e-2 * float(
+            b.float().abs().max())
