@@ -10,7 +10,8 @@ Row ``s`` of ``y [P, H]`` is sorted pair ``order[s] = t k + j`` (token t's j-th 
                dw[s] = round(sum_h round(dout[t, h] * y[s, h]))   (fp32 sum)
     pair_sum   out[t] = round(sum_j x[s_j])                       (fp32 sum: a gather's backward)
 
-The forward and backward round where autograd through ``(y * w.to(y.dtype))`` gathered by ``inverse`` and added one
+Compiled without mul+add fusion: an FMA (of the products narrowed to bf16, which LLVM may do exactly) would skip
+the product's rounding. The forward and backward round where autograd through ``(y * w.to(y.dtype))`` gathered by ``inverse`` and added one
 product at a time rounds (the loop over experts' ``index_add_`` order); torch keeps three ``[P, H]`` passes in the
 forward (the product, the gather, the adds) and four in the backward (the gather of dout, two products, the sum),
 these kernels read y once each way. Left out: an fp32 ``y`` in the forward is summed as autograd does, but the
@@ -27,6 +28,7 @@ from qerl.kernels.grid import cdiv, next_power_of_2
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _BLOCK = 1024
+OPTIONS = {"enable_fp_fusion": False}  # the launches' compile options (see the module docstring)
 
 
 @triton.jit
@@ -78,7 +80,7 @@ def _summed(x: torch.Tensor, w: torch.Tensor | None, inverse: torch.Tensor, top_
         block = min(_BLOCK, next_power_of_2(H))
         _sum_kernel[(P // top_k, cdiv(H, block))](x, w if w is not None else x, inverse, out, H, TOP_K=top_k,
                                                    WEIGHTED=w is not None, DT=_DTYPES[x.dtype], BLOCK=block,
-                                                   num_warps=4)
+                                                   num_warps=4, **OPTIONS)
     return out
 
 
@@ -109,8 +111,9 @@ class WeightedPairSum(torch.autograd.Function):
         dw = torch.empty(P, dtype=y.dtype, device=y.device) if need_w else None
         if P:
             _backward_kernel[(P,)](dout, y, w, token, dy, dw if need_w else dy, H, NEED_W=need_w,
-                                   DT=_DTYPES[y.dtype], BLOCK=min(2048, next_power_of_2(H)), num_warps=4)
+                                   DT=_DTYPES[y.dtype], BLOCK=min(2048, next_power_of_2(H)), num_warps=4,
+                                   **OPTIONS)
         return dy, dw.to(w.dtype) if need_w else None, None, None, None
 
 
-__all__ = ["WeightedPairSum", "pair_sum", "supported"]
+__all__ = ["OPTIONS", "WeightedPairSum", "pair_sum", "supported"]
