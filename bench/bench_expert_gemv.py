@@ -10,8 +10,8 @@ weight), timed in CUDA graphs over routings and weight copies that pass the L2:
 
 - ``grouped-nvfp4`` / ``grouped-bf16``: the grouped kernel with its default configuration, LoRA-B, gating and router
   weight fused;
-- ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, block schedule; 0 / None: the
-  default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
+- ``gemv-base`` per variant (token tiles, K splits, wgmma or mma.sync loop, block schedule, row blocks per warp;
+  0 / None: the default): the expert GEMV alone on rows already in expert order (its read rate is the number to set
   against the dense GEMV's);
 - ``gemv-step``: what ``MoEStep`` runs per projection on the default variant: the gather into expert order (gate/up),
   the expert GEMV, and the epilogue (``expert_lora.expert_epilogue``: LoRA-B, silu-mul or router weight, written back
@@ -86,6 +86,7 @@ def variants(rows: int) -> list[X.ExpertGemvConfig]:
         for wgmma in (True, False):
             for splits in (1, 4) if rows <= 16 else (1,):  # (splitting K lost from 16 rows on)
                 out.append(X.ExpertGemvConfig(t, splits, wgmma))
+        out.append(X.ExpertGemvConfig(t, 1, True, row_blocks=2))  # two row blocks per warp: 128 rows a program
     return out
 
 
@@ -125,7 +126,8 @@ def main() -> None:
                         base_ref = out.double()
                     err = rel_err(out, base_ref)  # the variants against each other (same sums, other splits)
                     record("gemv-base", graph_ms(lambda i, c=config: gemv.base(c, i), nv.calls), err,
-                           repacked_bytes, [config.tiles, config.splits, config.wgmma, config.schedule])
+                           repacked_bytes, [config.tiles, config.splits, config.wgmma, config.schedule,
+                                            config.row_blocks])
                 except Exception as e:  # noqa: BLE001 (a variant that does not build or launch: recorded)
                     print(f"rows {rows} {projection} gemv {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     found.append(dict(kind="gemv-base", projection=projection, rows=rows, config=str(config),

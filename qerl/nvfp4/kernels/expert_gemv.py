@@ -58,12 +58,15 @@ class ExpertGemvConfig:
             (``expert_blocks``; a step that sends most tokens to a few experts spreads their blocks over programs),
             ``loop`` every block of one expert in turn, ``grid`` one block of the worst case (``rows`` pairs per
             expert; most programs exit at once).
+        row_blocks: 16-row weight blocks per warp (the warpgroup-MMA loop): 2 halves the programs and doubles each
+            one's stream of weight bytes, one activation tile per 128 weight rows.
     """
 
     tiles: int = 0
     splits: int = 1
     wgmma: bool | None = None
     schedule: str = "list"
+    row_blocks: int = 1
 
 
 def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,17 +184,20 @@ def expert_gemv_torch(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torc
 
 @triton.jit
 def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P, CHUNKS_PER_SPLIT, SPLITS,
-           NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr):
+           NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, RB: tl.constexpr):
     """The asm on one token block: sorted rows ``t0 .. min(end, t0 + 8 NT)`` of expert ``e``, this program's row group
     (axis 0) and K split (axis 1)."""
     pid_s = tl.program_id(1)
     warp, lane, g, q = _lanes(WARPS)
     m = tl.minimum(end - t0, 8 * NT)
     nchunks_all = K // 64
-    rb = tl.program_id(0) * WARPS + warp
+    rb = (tl.program_id(0) * WARPS + warp) * RB
     c0 = pid_s * CHUNKS_PER_SPLIT
     n = tl.zeros_like(rb) + (tl.minimum(c0 + CHUNKS_PER_SPLIT, nchunks_all) - c0)
     valid = rb < N // 16
+    valid2 = rb < 0
+    if RB > 1:  # the warp's second row block (if any)
+        valid2 = rb + 1 < N // 16
     expert = e.to(tl.int64) * (N // 16) * nchunks_all * 32  # lanes' fragments before this expert's
     base = expert + (tl.where(valid, rb, 0).to(tl.int64) * nchunks_all + c0) * 32 + lane
     w_ptr = w_addr + base * 16
@@ -200,6 +206,8 @@ def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr,
     x0 = x_addr + ((row0 + g) * K + c0 * 64 + 16 * q) * 2
     x_step = tl.zeros_like(x0) + K.to(tl.int64) * 16  # 8 token rows of bf16
     zero64 = tl.zeros_like(x0)
+    w_step = zero64 + (valid2.to(tl.int32) * nchunks_all * 512).to(tl.int64)
+    f_step = zero64 + (valid2.to(tl.int32) * nchunks_all * 128).to(tl.int64)
     row = rb * 16 + g
     tok = 2 * q
     here = (row0 + tok) * N + row
@@ -216,8 +224,8 @@ def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr,
     k2 = zero64 + K.to(tl.int64) * 2
     return tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (one row block per warp)
         ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
-        [w_ptr, f_ptr, n, x0, x_step, m - g, zero64, zero64, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
-         valid.to(tl.int32), fac, tl.zeros_like(tok), xs_base, k2],
+        [w_ptr, f_ptr, n, x0, x_step, m - g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
+         valid.to(tl.int32), fac, valid2.to(tl.int32), xs_base, k2],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -225,7 +233,7 @@ def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr,
 def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p_addr, c_addr, N, K, P,
                         CHUNKS_PER_SPLIT, SPLITS, BLOCKS, E,
                         NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr,
-                        SCHEDULE: tl.constexpr, EP: tl.constexpr):
+                        SCHEDULE: tl.constexpr, EP: tl.constexpr, RB: tl.constexpr):
     """Program (row group, K split, i): ``SCHEDULE`` 0 the i-th block of the list of every expert's token blocks,
     1 every block of expert i one after the other, 2 block ``i % BLOCKS`` of expert ``i // BLOCKS``; see the module
     docstring."""
@@ -233,13 +241,13 @@ def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p
         e, t0, end = expert_block(offsets_ptr, tl.program_id(2), E, 8 * NT, EP)
         if t0 < end:
             _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
-                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT, RB)
     elif SCHEDULE == 1:
         e = tl.program_id(2)
         end = tl.load(offsets_ptr + e + 1)
         for t0 in range(tl.load(offsets_ptr + e), end, 8 * NT):
             done = _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
-                          CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+                          CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT, RB)
             # a CTA barrier before the next block: its copies refill the ring a slower warpgroup's wgmma may still read
             tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [done], dtype=tl.int32, is_pure=False,
                                       pack=1)
@@ -249,22 +257,29 @@ def _expert_gemv_kernel(x_addr, w_addr, f_addr, gs_ptr, offsets_ptr, out_addr, p
         end = tl.load(offsets_ptr + e + 1)
         if t0 < end:
             _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P,
-                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT)
+                   CHUNKS_PER_SPLIT, SPLITS, NT, WARPS, ASM, SHIFT, RB)
 
 
-def variant(tiles: int, n: int, k: int, wgmma: bool) -> dict:
+def variant(tiles: int, n: int, k: int, wgmma: bool, row_blocks: int = 1) -> dict:
     """The launch constants of one variant: the fused mma.sync loop (activations prefetched a chunk ahead) or the
-    warpgroup-MMA loop with ``gemv_plan.default_wgmma``'s warps and stages."""
+    warpgroup-MMA loop with ``gemv_plan.default_wgmma``'s warps and stages (``row_blocks`` per warp: fewer stages
+    where the static ring would not hold them)."""
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"the expert GEMV takes 1, 2, 4 or 8 token tiles (up to {MAX_M} rows a block), got {tiles}")
+    if row_blocks not in (1, 2) or (row_blocks == 2 and not wgmma):
+        raise ValueError(f"row_blocks={row_blocks}: 1, or 2 on the warpgroup-MMA loop")
     if wgmma:
         warps, stages = default_wgmma(tiles, n, k)
-        if wgmma_ring_bytes(tiles, stages, warps) > WGMMA_SMEM_LIMIT:  # no Gluon launcher here: a static ring
+        if row_blocks == 2:  # the warpgroup's 128 rows: as many stages as the static ring holds
+            warps = 4
+            while stages > 2 and wgmma_ring_bytes(tiles, stages, warps, row_blocks) > WGMMA_SMEM_LIMIT:
+                stages -= 1
+        elif wgmma_ring_bytes(tiles, stages, warps) > WGMMA_SMEM_LIMIT:  # no Gluon launcher here: a static ring
             warps, stages = 4, 4
-        asm = _asm(tiles, True, False, 1, stages, warps, True)
+        asm = _asm(tiles, True, False, row_blocks, stages, warps, True)
     else:
         warps, asm = 4, _asm(tiles, True, tiles <= 4, 1, 0)
-    return dict(NT=tiles, WARPS=warps, ASM=asm, SHIFT=SHIFT, num_warps=warps)
+    return dict(NT=tiles, WARPS=warps, ASM=asm, SHIFT=SHIFT, RB=row_blocks, num_warps=warps)
 
 
 def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
@@ -298,8 +313,8 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         return out
     tiles = config.tiles or default_tiles(p_rows, num)
     wgmma = wgmma_supported(x_sorted.device) if config.wgmma is None else config.wgmma
-    constants = variant(tiles, n, k, wgmma)
-    groups = cdiv(nb, constants["WARPS"])
+    constants = variant(tiles, n, k, wgmma, config.row_blocks)
+    groups = cdiv(nb, constants["WARPS"] * config.row_blocks)
     chunks = k // 64
     per_split = cdiv(chunks, config.splits)
     splits = cdiv(chunks, per_split)

@@ -110,10 +110,11 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 sig = {"x_addr": "i64", "w_addr": "i64", "f_addr": "i64", "gs_ptr": "*fp32", "offsets_ptr": "*i32", "out_addr": "i64",
        "p_addr": "i64", "c_addr": "i64", "N": "i32", "K": "i32", "P": "i32", "CHUNKS_PER_SPLIT": "i32",
        "SPLITS": "i32", "BLOCKS": "i32", "E": "i32", "NT": "constexpr", "WARPS": "constexpr",
-       "ASM": "constexpr", "SHIFT": "constexpr", "SCHEDULE": "constexpr", "EP": "constexpr"}
+       "ASM": "constexpr", "SHIFT": "constexpr", "SCHEDULE": "constexpr", "EP": "constexpr", "RB": "constexpr"}
 for spec in sys.argv[1:]:  # tiles + w (wgmma) or m (mma.sync) [+ L: a 100M+ weight, whose 8-warp ring is not static]
     nt, wgmma, large = int(spec[0]), spec[1] == "w", "L" in spec  # [+ o: the loop schedule, g: the grid's]
-    consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma)
+    consts = X.variant(nt, 16384 if large else 1536, 8192 if large else 2048, wgmma, 2 if "2" in spec[2:] else 1)
+    # [+ 2: two row blocks per warp]
     consts["SCHEDULE"], consts["EP"] = 1 if "o" in spec else 2 if "g" in spec else 0, 128
     warps = consts.pop("num_warps")
     k = triton.compile(ASTSource(X._expert_gemv_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -134,7 +135,8 @@ def test_every_expert_gemv_variant_assembles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled CUDA tools")
     script = tmp_path / "build.py"
     script.write_text(_SM90_BUILD)
-    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg", "2wo", "1mo"]
+    variants = [f"{nt}{loop}" for nt in (1, 2, 4, 8) for loop in "wm"] + ["8wL", "1wg", "2mg", "2wo", "1mo"] + [
+        f"{nt}w2" for nt in (1, 2, 4, 8)]
     for line in _build_for_sm90(script, variants):
         assert "LOCAL:0" in line and int(line.split("REG:")[1].split()[0]) <= 255, line
         assert line.endswith("MARKS:"), line
