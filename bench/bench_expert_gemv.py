@@ -85,7 +85,7 @@ def variants(rows: int) -> list[X.ExpertGemvConfig]:
     for t in sorted({max(1, tiles // 2), tiles, min(8, tiles * 2)}):
         for wgmma in (True, False):
             for splits in (1, 4) if rows <= 16 else (1,):  # (splitting K lost from 16 rows on)
-                out.append(X.ExpertGemvConfig(t, splits, wgmma))
+                out.append(X.ExpertGemvConfig(t, splits, wgmma, row_blocks=1))
         out.append(X.ExpertGemvConfig(t, 1, True, row_blocks=2))  # two row blocks per warp: 128 rows a program
     return out
 

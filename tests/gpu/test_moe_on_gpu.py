@@ -197,7 +197,9 @@ def test_expert_gemv_equals_float64_and_replays_another_routing_from_a_graph(row
             for config in (X.ExpertGemvConfig(wgmma=wgmma), X.ExpertGemvConfig(splits=3, wgmma=wgmma),
                            X.ExpertGemvConfig(tiles=2, splits=2, wgmma=wgmma),
                            X.ExpertGemvConfig(wgmma=wgmma, schedule="grid"),
-                           X.ExpertGemvConfig(wgmma=wgmma, schedule="loop")):
+                           X.ExpertGemvConfig(wgmma=wgmma, schedule="loop"),
+                           X.ExpertGemvConfig(wgmma=wgmma, row_blocks=1),  # (the default takes 2 from 128 pairs)
+                           X.ExpertGemvConfig(splits=2, wgmma=wgmma, row_blocks=1 + wgmma)):
                 check(X.expert_gemv(xs, offsets, words, factors, gs, rows, config), experts, xs)
         # captured once, replayed on another routing written into the same buffers (offsets read on the device)
         graph = torch.cuda.CUDAGraph()

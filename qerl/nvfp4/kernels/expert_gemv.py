@@ -58,15 +58,15 @@ class ExpertGemvConfig:
             (``expert_blocks``; a step that sends most tokens to a few experts spreads their blocks over programs),
             ``loop`` every block of one expert in turn, ``grid`` one block of the worst case (``rows`` pairs per
             expert; most programs exit at once).
-        row_blocks: 16-row weight blocks per warp (the warpgroup-MMA loop): 2 halves the programs and doubles each
-            one's stream of weight bytes, one activation tile per 128 weight rows.
+        row_blocks: 16-row weight blocks per warp: 2 (the warpgroup-MMA loop) halves the programs and doubles
+            each one's stream of weight bytes, one activation tile per 128 weight rows; 0: :func:`default_row_blocks`.
     """
 
     tiles: int = 0
     splits: int = 1
     wgmma: bool | None = None
     schedule: str = "list"
-    row_blocks: int = 1
+    row_blocks: int = 0
 
 
 def repack_stack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +100,17 @@ def default_tiles(pairs: int, num_experts: int) -> int:
     the expert's weights), at most :data:`gemv_plan.MAX_M` rows."""
     mean = pairs / max(1.0, expected_experts(pairs, num_experts))
     return tiles_for(min(MAX_M, math.ceil(1.5 * mean + 2)))
+
+
+ROW_BLOCK_PAIR_MIN_PAIRS = 128
+"""From this many pairs (16 rows at top-8) the warpgroup-MMA loop gives each warp two row blocks: on the H200 at 16 and
+128 rows of Qwen3-30B-A3B, gate/up 1.05-1.09x and down 1.11x the one-block launch, the same sums bit for bit
+(``bench_expert_gemv.py``, ``expert_gemv_h200_row_blocks.json``); below it half the programs would leave SMs idle."""
+
+
+def default_row_blocks(pairs: int, wgmma: bool) -> int:
+    """Row blocks per warp of a launch over ``pairs`` pairs (see :data:`ROW_BLOCK_PAIR_MIN_PAIRS`)."""
+    return 2 if wgmma and pairs >= ROW_BLOCK_PAIR_MIN_PAIRS else 1
 
 
 SCHEDULES = ("list", "loop", "grid")
@@ -313,8 +324,9 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
         return out
     tiles = config.tiles or default_tiles(p_rows, num)
     wgmma = wgmma_supported(x_sorted.device) if config.wgmma is None else config.wgmma
-    constants = variant(tiles, n, k, wgmma, config.row_blocks)
-    groups = cdiv(nb, constants["WARPS"] * config.row_blocks)
+    row_blocks = config.row_blocks or default_row_blocks(p_rows, wgmma)
+    constants = variant(tiles, n, k, wgmma, row_blocks)
+    groups = cdiv(nb, constants["WARPS"] * row_blocks)
     chunks = k // 64
     per_split = cdiv(chunks, config.splits)
     splits = cdiv(chunks, per_split)
@@ -333,6 +345,6 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     return out
 
 
-__all__ = ["SCHEDULES", "ExpertGemvConfig", "default_tiles", "expert_gemv", "expert_gemv_reference",
+__all__ = ["ROW_BLOCK_PAIR_MIN_PAIRS", "SCHEDULES", "ExpertGemvConfig", "default_row_blocks", "default_tiles", "expert_gemv", "expert_gemv_reference",
            "expert_gemv_torch", "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks",
            "unrepack_stack", "variant"]

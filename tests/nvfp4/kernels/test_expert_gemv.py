@@ -99,6 +99,13 @@ def test_default_tiles_follow_the_expected_pairs_per_expert():
     assert X.ExpertGemvConfig().splits == 1
 
 
+def test_two_row_blocks_per_warp_from_16_rows_on_the_warpgroup_loop_only():
+    assert [X.default_row_blocks(8 * rows, True) for rows in (1, 2, 15, 16, 128)] == [1, 1, 1, 2, 2]
+    assert X.default_row_blocks(1024, False) == 1
+    with pytest.raises(ValueError, match="row_blocks=2"):
+        X.variant(2, 1536, 2048, False, 2)
+
+
 _SM90_BUILD = """
 import subprocess, sys
 from pathlib import Path
