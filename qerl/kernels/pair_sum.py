@@ -10,12 +10,13 @@ Row ``s`` of ``y [P, H]`` is sorted pair ``order[s] = t k + j`` (token t's j-th 
                dw[s] = round(sum_h round(dout[t, h] * y[s, h]))   (fp32 sum)
     pair_sum   out[t] = round(sum_j x[s_j])                       (fp32 sum: a gather's backward)
 
-Compiled without mul+add fusion: an FMA (of the products narrowed to bf16, which LLVM may do exactly) would skip
-the product's rounding. The forward and backward round where autograd through ``(y * w.to(y.dtype))`` gathered by ``inverse`` and added one
-product at a time rounds (the loop over experts' ``index_add_`` order); torch keeps three ``[P, H]`` passes in the
-forward (the product, the gather, the adds) and four in the backward (the gather of dout, two products, the sum),
-these kernels read y once each way. Left out: an fp32 ``y`` in the forward is summed as autograd does, but the
-kernels take any float dtype.
+The forward and backward round where autograd rounds ``y * w.to(y.dtype)`` gathered by ``inverse`` and added one
+product at a time (the loop over experts' ``index_add_`` order), so the grouped path keeps the loop's values; autograd
+makes three ``[P, H]`` passes of it forward (the product, the gather, the adds) and four backward (the gather of dout,
+two products, the sum), these kernels read y once each way. They compile without mul+add fusion (``OPTIONS``): LLVM
+narrows the fp32 product of two bf16 values to an exact bf16 multiply, and an FMA of it with the next add would skip
+the product's rounding. Left out: the router weight's gradient sums its products in another order than torch's
+reduction (the last bit can differ).
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ def _backward_kernel(dout_ptr, y_ptr, w_ptr, token_ptr, dy_ptr, dw_ptr, H, NEED_
         tl.store(dw_ptr + s, tl.sum(dw, 0).to(DT))
 
 
-def supported(x: torch.Tensor) -> bool:
-    """Whether the kernels take rows of this dtype (else the torch expression is the path)."""
-    return x.dtype in _DTYPES
-
-
 def _summed(x: torch.Tensor, w: torch.Tensor | None, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     P, H = x.shape
     out = torch.empty(P // top_k, H, dtype=x.dtype, device=x.device)
@@ -116,4 +112,4 @@ class WeightedPairSum(torch.autograd.Function):
         return dy, dw.to(w.dtype) if need_w else None, None, None, None
 
 
-__all__ = ["OPTIONS", "WeightedPairSum", "pair_sum", "supported"]
+__all__ = ["OPTIONS", "WeightedPairSum", "pair_sum"]
