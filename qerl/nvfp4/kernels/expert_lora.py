@@ -20,11 +20,15 @@ Roundings are the grouped kernel's (``grouped_experts``): the base products arri
 ``silu`` rounded before the product with up; the router weight's product rounded at the store; the A products
 (the next projection's: of the rounded stored rows) summed in fp32 and rounded once. :func:`expert_lora_a` is the A
 products at pair index for the grouped kernel's own path (the 16-bit experts, the prefill): there a program per
-block walks K (one sum), as the grouped kernel has many programs per block that would each add partial sums. The torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. Left out: a
-launch configuration table (one tile size each).
+block walks K (one sum), as the grouped kernel has many programs per block that would each add partial sums. The
+torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. :class:`ExpertLoraConfig` pins a launch's tiles and warps (the
+defaults: one tile size each; ``bench/sweep_expert_lora.py`` times the others in the step's launches). Left out: a
+launch configuration table per row count.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -38,6 +42,29 @@ from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, _dot, _lora_a_r
 BLOCK_K = 256  # the gathered A products' K slice per program
 WALK_BLOCK_K = 128  # the A products' K step where a program walks K (expert_lora_a)
 BLOCK_N = 128  # the epilogue's columns per program
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLoraConfig:
+    """One launch of the gathered A products or an epilogue; a field left at 0 takes this module's rule.
+
+    Attributes:
+        block_m: sorted pairs per program, a power of two >= 16 (0: ``grouped_experts.block_rows``).
+        block_n: the epilogue's columns per program (0: :data:`BLOCK_N`).
+        block_k: the gathered A products' K slice per program (0: :data:`BLOCK_K`).
+        warps: warps per program.
+    """
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v and (v < 16 or v & (v - 1)):
+                raise ValueError(f"ExpertLoraConfig.{name}={v}: 0 (the default) or a power of two >= 16")
 
 
 @triton.jit
@@ -117,22 +144,22 @@ def _epilogue_kernel(base_ptr, sb, order_ptr, offsets_ptr, u_ptr, su, ss, b_ptr,
             tl.store(part + slot[:, None].to(tl.int64) * rn + jn[None, :], un, mask=ok[:, None] & (jn[None, :] < rn))
 
 
-def _lora_a(x, order, offsets, a, top_k, gather, split):
+def _lora_a(x, order, offsets, a, top_k, gather, split, config=ExpertLoraConfig()):
     P, K = order.numel(), x.shape[1]
     E, R = a.shape[:2]
     # split: a program per K slice of BLOCK_K (the gather's partial sums); else each program walks K in steps of
     # WALK_BLOCK_K (one sum: the grouped kernel, whose many programs per block would each add the partial sums)
-    block_k = min(BLOCK_K if split else WALK_BLOCK_K, max(16, next_power_of_2(K)))
+    block_k = min((config.block_k or BLOCK_K) if split else WALK_BLOCK_K, max(16, next_power_of_2(K)))
     slice_ = block_k if split else K
     u = torch.empty(cdiv(K, slice_), P, R, dtype=torch.float32, device=x.device)
     xs = torch.empty(P, K, dtype=x.dtype, device=x.device) if gather else None
     if P == 0:
         return xs, u
-    block_m = block_rows(P, E)
+    block_m = config.block_m or block_rows(P, E)
     _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
         x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E, slice_,
         BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
-        DT=_TL[x.dtype], num_warps=4, num_stages=1 if _INTERPRET or split else 3)
+        DT=_TL[x.dtype], num_warps=config.warps, num_stages=1 if _INTERPRET or split else 3)
     return xs, u
 
 
@@ -148,20 +175,20 @@ def expert_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a
 
 
 def gathered_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, *,
-                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    top_k: int, config: ExpertLoraConfig = ExpertLoraConfig()) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xs [P, K], u)`` in expert order: row ``s`` the token row of pair ``order[s]`` and its product with its
     expert's ``a [E, R, K]`` (the expert GEMV's input and the first projection's LoRA-A, one read of x); on CUDA u
     as the fp32 partial sums ``[S, P, R]`` of its K slices (:func:`expert_epilogue` reads them), elsewhere
-    ``[P, R]`` in x's dtype."""
+    ``[P, R]`` in x's dtype (``config``: :class:`ExpertLoraConfig`)."""
     if not x.is_cuda and not _INTERPRET:
         xs = x.index_select(0, order // top_k)
         return xs, grouped_torch(xs, torch.arange(order.numel(), device=x.device), offsets, a, top_k=1)
-    return _lora_a(x.contiguous(), order, offsets, a, top_k, True, True)
+    return _lora_a(x.contiguous(), order, offsets, a, top_k, True, True, config)
 
 
 def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: torch.Tensor, *, gated: bool = False,
-                    lora=None, route: torch.Tensor | None = None,
-                    next_a: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    lora=None, route: torch.Tensor | None = None, next_a: torch.Tensor | None = None,
+                    config: ExpertLoraConfig = ExpertLoraConfig()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The grouped kernel's epilogue on base products computed elsewhere: ``base [P, N']`` rounded, row ``s`` the pair
     in slot ``s`` of the expert order (``order[s]``; ``N' = 2N`` when ``gated``: ``[gate | up]``); LoRA-B, gating and
     router weight applied, written at the pair's index ``order[s]`` as ``[P, N]`` (``order`` None: at slot s).
@@ -172,6 +199,7 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
         route: the router weight per pair ``[P]`` at pair index, or None.
         next_a: the next projection's LoRA-A ``[E, r_n, N]``: its products with the written rows are returned
             beside them in expert order (as :func:`gathered_lora_a` gives its u); None: ``(out, None)``.
+        config: the launch's tiles and warps (:class:`ExpertLoraConfig`).
     """
     P, n_cols = base.shape
     E = offsets.numel() - 1
@@ -184,7 +212,7 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
             return out, None
         return out, grouped_torch(out[order], slots, offsets, next_a, top_k=1)
     out = torch.empty(P, N, dtype=base.dtype, device=base.device)
-    block_n = min(BLOCK_N, max(16, next_power_of_2(N)))
+    block_n = min(config.block_n or BLOCK_N, max(16, next_power_of_2(N)))
     rn = next_a.shape[1] if next_a is not None else 0
     u_next = torch.empty(cdiv(N, block_n), P, rn, dtype=torch.float32, device=base.device) \
         if next_a is not None else None
@@ -193,15 +221,16 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     u, b = lora if lora is not None else (base, base)
     r = b.shape[2] if lora is not None else 0
     splits, ss, su = lora_a_layout(u)
-    block_m = block_rows(P, E)
+    block_m = config.block_m or block_rows(P, E)
     _epilogue_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         base, base.stride(0), order if order is not None else offsets, offsets, u, su, ss, b, r,
         route if route is not None else base, out, next_a if next_a is not None else base,
         u_next if u_next is not None else base, rn, P, N, E,
         BLOCK_M=block_m, BLOCK_N=block_n, RP=max(16, next_power_of_2(r)), RNP=max(16, next_power_of_2(rn)),
         SPLITS=splits, EP=next_power_of_2(E), IN_ORDER=order is None, GATED=gated, HAS_LORA=lora is not None,
-        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=4, num_stages=1)
+        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=config.warps, num_stages=1)
     return out, u_next
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "WALK_BLOCK_K", "expert_epilogue", "expert_lora_a", "gathered_lora_a"]
+__all__ = ["BLOCK_K", "BLOCK_N", "WALK_BLOCK_K", "ExpertLoraConfig", "expert_epilogue", "expert_lora_a",
+           "gathered_lora_a"]

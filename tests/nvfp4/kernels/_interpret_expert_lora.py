@@ -10,7 +10,7 @@ import torch
 
 from qerl.kernels.pair_sort import sort_pairs
 from qerl.nvfp4.kernels.expert_gemv import rows_in_expert_order
-from qerl.nvfp4.kernels.expert_lora import expert_epilogue, expert_lora_a, gathered_lora_a
+from qerl.nvfp4.kernels.expert_lora import ExpertLoraConfig, expert_epilogue, expert_lora_a, gathered_lora_a
 from qerl.nvfp4.kernels.grouped_experts import grouped, grouped_torch, lora_a_rows
 
 g = torch.Generator().manual_seed(0)
@@ -73,4 +73,12 @@ for dtype, T, idle_every in ((torch.float32, 9, 0), (torch.float16, 9, 0), (torc
     fused_parts = grouped(x, order, offsets, w_gu, top_k=k, gated=True,
                           lora=(expert_lora_a(x, order, offsets, a_gu, top_k=k), b_gu))
     res[f"grouped_parts-{name}"] = {"vs_grouped": rel(fused_parts[s], fused[s]), "vs_twin": rel(fused_parts[s], fused[s])}
+    # other tiles and warps (ExpertLoraConfig): the same products, the reductions split elsewhere
+    other = ExpertLoraConfig(block_m=32, block_n=64, block_k=128, warps=2)
+    xs_o, ug_o = gathered_lora_a(x, order, offsets, a_gu, top_k=k, config=other)
+    h_o, ud_o = expert_epilogue(base, None, offsets, gated=True, lora=(ug_o, b_gu), next_a=a_d, config=other)
+    y_o, _ = expert_epilogue(base_d, order, offsets, lora=(ud_o, b_d), route=route, config=other)
+    res[f"config-{name}"] = {"vs_grouped": max(rel(h_o[:live], fused[s]), rel(xs_o[:live], x[s // k])),
+                             "vs_twin": max(rel(h_o[:live], h[:live]), rel(y_o[s], y[s])),
+                             "splits": [ug_o.shape[0], ud_o.shape[0]]}
 print(json.dumps(res))

@@ -16,7 +16,7 @@ def test_the_lora_launches_equal_the_grouped_kernel_and_their_twins(run_interpre
     # the gathered rows and A products, the epilogues (LoRA-B, gating, router weight, the next A products): the
     # grouped kernel's own results on the same rounded products (same roundings), in expert or pair order as asked
     res = run_interpreted(Path(__file__).with_name("_interpret_expert_lora.py"))
-    kinds = ("lora_a", "gathered", "gate_up", "next_a", "down", "grouped_parts")
+    kinds = ("lora_a", "gathered", "gate_up", "next_a", "down", "grouped_parts", "config")
     assert sorted(res) == sorted(f"{kind}-{case}" for kind in kinds
                                  for case in ("float32-9", "float16-9", "float16-40-idle")), sorted(res)
     for key, v in res.items():
@@ -26,6 +26,17 @@ def test_the_lora_launches_equal_the_grouped_kernel_and_their_twins(run_interpre
         assert v.get("no_next", True), key
         if key.startswith("down"):  # H 320 and I 176 in slices of 256 and tiles of 128: reductions really split
             assert v["splits"] == [2, 2], (key, v)
+        if key.startswith("config"):  # slices of 128, tiles of 64: other splits than the defaults'
+            assert v["splits"] == [3, 3], (key, v)
+
+
+def test_a_launch_configuration_takes_powers_of_two_from_16():
+    from qerl.nvfp4.kernels.expert_lora import ExpertLoraConfig
+
+    assert ExpertLoraConfig(block_m=32, block_n=64).block_n == 64
+    for bad in (dict(block_m=8), dict(block_n=96)):
+        with pytest.raises(ValueError, match="power of two >= 16"):
+            ExpertLoraConfig(**bad)
 
 
 _SM90_BUILD = """
