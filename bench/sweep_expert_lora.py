@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nvfp4_kernel import graph_ms  # noqa: E402
-from bench_rollout import copy_bandwidth  # noqa: E402
+from bench_nvfp4_kernel import device_header, graph_ms  # noqa: E402
 
 from qerl.kernels.pair_sort import sort_pairs  # noqa: E402
 from qerl.nvfp4.kernels.expert_lora import ExpertLoraConfig, expert_epilogue, gathered_lora_a  # noqa: E402
@@ -124,8 +123,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 16])
     args = parser.parse_args()
     device = torch.device("cuda")
-    copy = copy_bandwidth() / 1e9
-    print(f"{torch.cuda.get_device_name(device)}: copy {copy:.0f} GB/s", flush=True)
+    name, _, copy = device_header(device)  # (prints the GPU and its copy GB/s)
     out_rows, winners = [], {}
     for rows in args.rows:
         step = Step(rows, device)
@@ -145,11 +143,11 @@ def main() -> None:
                     best[launch] = (config, ms)
         default = {launch: ExpertLoraConfig() for launch in LAUNCHES}
         chosen = {launch: best[launch][0] for launch in LAUNCHES}
-        for name, configs in (("default", default), ("best", chosen)):
+        for label, configs in (("default", default), ("best", chosen)):
             ms = graph_ms(lambda i, c=configs: step.chain(c, i), step.calls)
-            out_rows.append(dict(rows=rows, launch="chain", config=name, ms=ms,
+            out_rows.append(dict(rows=rows, launch="chain", config=label, ms=ms,
                                  configs={k: dataclass_dict(v) for k, v in configs.items()}))
-            print(f"rows {rows:4d} the three launches, {name:7s}: {ms * 1e3:7.1f} us", flush=True)
+            print(f"rows {rows:4d} the three launches, {label:7s}: {ms * 1e3:7.1f} us", flush=True)
         winners[rows] = {k: dataclass_dict(v) for k, v in chosen.items()}
         del step
         torch.cuda.empty_cache()
@@ -159,7 +157,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+        "device": name, "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", *sys.argv]), "copy_gb_s": copy, "rows": out_rows,
         "winners": {str(k): v for k, v in winners.items()}}, indent=2) + "\n")
     print(f"wrote {out}")
