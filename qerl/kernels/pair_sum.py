@@ -93,7 +93,7 @@ class WeightedPairSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, inverse: torch.Tensor, token: torch.Tensor,
                 top_k: int) -> torch.Tensor:
-        y = y.contiguous()
+        y, w = y.contiguous(), w.contiguous()  # (the kernels index rows and weights as dense arrays)
         ctx.save_for_backward(y, w, token)
         return _summed(y, w, inverse, top_k)
 

@@ -197,7 +197,7 @@ def expert_gemv_torch(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torc
 def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr, N, K, P, CHUNKS_PER_SPLIT, SPLITS,
            NT: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr, RB: tl.constexpr):
     """The asm on one token block: sorted rows ``t0 .. min(end, t0 + 8 NT)`` of expert ``e``, this program's row group
-    (axis 0) and K split (axis 1)."""
+    (axis 0: ``WARPS x RB`` blocks of 16 weight rows) and K split (axis 1)."""
     pid_s = tl.program_id(1)
     warp, lane, g, q = _lanes(WARPS)
     m = tl.minimum(end - t0, 8 * NT)
@@ -233,7 +233,7 @@ def _block(t0, end, e, x_addr, w_addr, f_addr, gs_ptr, out_addr, p_addr, c_addr,
     fac = tl.zeros([32 * WARPS], dtype=tl.float32) + SHIFT / tl.load(gs_ptr + e)
     xs_base = zero64 + (x_addr + (row0 * K + c0 * 64) * 2)
     k2 = zero64 + K.to(tl.int64) * 2
-    return tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (one row block per warp)
+    return tl.inline_asm_elementwise(  # inputs in the order of gemv_ptx._FUSED_INPUTS (RB row blocks per warp)
         ASM, "=r,l,l,r,l,l,r,l,l,l,l,l,r,r,r,l,l,r,r,f,r,l,l",
         [w_ptr, f_ptr, n, x0, x_step, m - g, w_step, f_step, p_mine, p_base, mn4, n4, mm, tok, o_ptr, cnt, ns,
          valid.to(tl.int32), fac, valid2.to(tl.int32), xs_base, k2],
