@@ -24,8 +24,11 @@ stack over the layers' storage, each layer's rows with its own global scale, ``d
 gradient; the stack is the layer's transient dequantized copy). The k products' sum goes back by one gather
 (``_SumPairs``). Which layers take part (``expert_stacks``) is worked out once per adapter state (``Experts`` keeps
 it): the per-call host work is what the GPU waits on in a layer of 128 experts.
-LoRA A and B of the hit experts are stacked by ``torch.stack`` inside autograd, so an expert no token chose keeps grad
-None, as the loop leaves it (AdamW skips None; zeros would decay its moments and apply weight decay). Ranks are padded
+LoRA A and B of the hit experts are stacked inside autograd (``_StackedParameters``), so an expert no token chose keeps
+grad None, as the loop leaves it (AdamW skips None; zeros would decay its moments and apply weight decay); their
+gradients come back as slices of one contiguous tensor per stack, which autograd keeps as the parameters' gradients
+without a copy (gate and up's LoRA-B gradients leave the block-diagonal stack as strided slices: each expert's would be
+copied, 256 copies a layer at 128 experts). Ranks are padded
 with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one LoRA-B GEMM through a block-diagonal
 stack (its zero blocks cost a K = 2r GEMM).
 
@@ -258,6 +261,19 @@ class _SumPairs(torch.autograd.Function):
         return dout.index_select(0, token), None, None, None
 
 
+class _StackedParameters(torch.autograd.Function):
+    """``torch.stack(params)``; backward: the gradient made contiguous once, each parameter's its slice (a layout
+    autograd accumulates without copying it)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return torch.stack(params)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous().unbind(0)
+
+
 def _padded_rank(rank: int, dtype: torch.dtype) -> int:
     align = max(1, STRIDE_BYTES // torch.empty((), dtype=dtype).element_size())
     return -(-rank // align) * align
@@ -268,8 +284,9 @@ def _lora_stacks(stack: _Stack, hit: list[int], dtype: torch.dtype) -> tuple[tor
     the padded rank)."""
     rank = stack.lora_a[0][0].shape[0]
     pad = _padded_rank(rank, dtype) - rank
-    a = torch.cat([F.pad(torch.stack([kind[e] for e in hit]), (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
-    b_t = [F.pad(torch.stack([kind[e] for e in hit]), (0, pad)).transpose(1, 2).to(dtype)
+    a = torch.cat([F.pad(_StackedParameters.apply(*[kind[e] for e in hit]), (0, 0, 0, pad))
+                   for kind in stack.lora_a], 1).to(dtype)
+    b_t = [F.pad(_StackedParameters.apply(*[kind[e] for e in hit]), (0, pad)).transpose(1, 2).to(dtype)
            for kind in stack.lora_b]  # [G, r', out]
     if len(b_t) == 1:
         return a, b_t[0]

@@ -75,6 +75,11 @@ def test_grouped_experts_equal_the_loop_with_gradients_to_input_router_and_lora(
         else:
             out = Experts(list(experts), grouped=False)(x, index, weight)
         out.backward(dy)
+        if grouped:  # each stack's gradients are slices of one tensor: kept as they come, not copied per expert
+            for kind in ("gate_proj.lora_A", "gate_proj.lora_B", "up_proj.lora_B", "down_proj.lora_A"):
+                grads = [p.grad for n, p in experts.named_parameters() if kind in n and p.grad is not None]
+                assert len(grads) == len(hit) and all(g.is_contiguous() for g in grads)
+                assert len({g.untyped_storage().data_ptr() for g in grads}) == 1, kind
         runs[grouped] = out.detach(), x.grad, router.grad, lora_grads(policy)
         policy.zero_grad(set_to_none=True)
     (out, dx, drouter, dlora), (ref, dx_ref, drouter_ref, dlora_ref) = runs[True], runs[False]

@@ -21,9 +21,11 @@ Roundings are the grouped kernel's (``grouped_experts``): the base products arri
 (the next projection's: of the rounded stored rows) summed in fp32 and rounded once. :func:`expert_lora_a` is the A
 products at pair index for the grouped kernel's own path (the 16-bit experts, the prefill): there a program per
 block walks K (one sum), as the grouped kernel has many programs per block that would each add partial sums. The
-torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. :class:`ExpertLoraConfig` pins a launch's tiles and warps (the
-defaults: one tile size each; ``bench/sweep_expert_lora.py`` times the others in the step's launches). Left out: a
-launch configuration table per row count.
+torch twins (the CPU path) are ``grouped_experts.grouped_torch``'s arithmetic. :class:`ExpertLoraConfig` pins a
+launch's tiles and warps; the defaults are one rule for the decode step's 16-pair blocks (epilogues on 2 warps, the
+routed one's tiles 256 columns wide) and one for the prefill's 64-pair blocks, from ``bench/sweep_expert_lora.py``,
+which times the others in the step's launches. Left out: a configuration per row count (at 16 and 128 rows the
+sweep's winners differ from the rule by a few per cent, and only where they split the fp32 partial sums elsewhere).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, _dot, _lora_a_r
 BLOCK_K = 256  # the gathered A products' K slice per program
 WALK_BLOCK_K = 128  # the A products' K step where a program walks K (expert_lora_a)
 BLOCK_N = 128  # the epilogue's columns per program
+ROUTED_BLOCK_N = 256  # the routed (down) epilogue's columns per program in a decode step's 16-pair blocks
+DECODE_EPILOGUE_WARPS = 2  # an epilogue's warps in a decode step's 16-pair blocks (4 elsewhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,21 +54,24 @@ class ExpertLoraConfig:
 
     Attributes:
         block_m: sorted pairs per program, a power of two >= 16 (0: ``grouped_experts.block_rows``).
-        block_n: the epilogue's columns per program (0: :data:`BLOCK_N`).
+        block_n: the epilogue's columns per program (0: :data:`BLOCK_N`; in 16-pair blocks the routed epilogue's
+            :data:`ROUTED_BLOCK_N`).
         block_k: the gathered A products' K slice per program (0: :data:`BLOCK_K`).
-        warps: warps per program.
+        warps: warps per program (0: 4; an epilogue in 16-pair blocks :data:`DECODE_EPILOGUE_WARPS`).
     """
 
     block_m: int = 0
     block_n: int = 0
     block_k: int = 0
-    warps: int = 4
+    warps: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v and (v < 16 or v & (v - 1)):
                 raise ValueError(f"ExpertLoraConfig.{name}={v}: 0 (the default) or a power of two >= 16")
+        if self.warps < 0 or self.warps & (self.warps - 1):
+            raise ValueError(f"ExpertLoraConfig.warps={self.warps}: 0 (the default) or a power of two")
 
 
 @triton.jit
@@ -159,7 +166,7 @@ def _lora_a(x, order, offsets, a, top_k, gather, split, config=ExpertLoraConfig(
     _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
         x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E, slice_,
         BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
-        DT=_TL[x.dtype], num_warps=config.warps, num_stages=1 if _INTERPRET or split else 3)
+        DT=_TL[x.dtype], num_warps=config.warps or 4, num_stages=1 if _INTERPRET or split else 3)
     return xs, u
 
 
@@ -212,7 +219,12 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
             return out, None
         return out, grouped_torch(out[order], slots, offsets, next_a, top_k=1)
     out = torch.empty(P, N, dtype=base.dtype, device=base.device)
-    block_n = min(config.block_n or BLOCK_N, max(16, next_power_of_2(N)))
+    block_m = config.block_m or block_rows(P, E)
+    # a decode step's 16-pair blocks: fewer warps, and wider tiles where no gate|up pair doubles the loads (the
+    # tiles and warps of the step's launches as bench/sweep_expert_lora.py measured them; the same roundings)
+    decode = block_m == 16
+    block_n = min(config.block_n or (ROUTED_BLOCK_N if decode and not gated else BLOCK_N),
+                  max(16, next_power_of_2(N)))
     rn = next_a.shape[1] if next_a is not None else 0
     u_next = torch.empty(cdiv(N, block_n), P, rn, dtype=torch.float32, device=base.device) \
         if next_a is not None else None
@@ -221,16 +233,16 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     u, b = lora if lora is not None else (base, base)
     r = b.shape[2] if lora is not None else 0
     splits, ss, su = lora_a_layout(u)
-    block_m = config.block_m or block_rows(P, E)
+    warps = config.warps or (DECODE_EPILOGUE_WARPS if decode else 4)
     _epilogue_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         base, base.stride(0), order if order is not None else offsets, offsets, u, su, ss, b, r,
         route if route is not None else base, out, next_a if next_a is not None else base,
         u_next if u_next is not None else base, rn, P, N, E,
         BLOCK_M=block_m, BLOCK_N=block_n, RP=max(16, next_power_of_2(r)), RNP=max(16, next_power_of_2(rn)),
         SPLITS=splits, EP=next_power_of_2(E), IN_ORDER=order is None, GATED=gated, HAS_LORA=lora is not None,
-        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=config.warps, num_stages=1)
+        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=warps, num_stages=1)
     return out, u_next
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "WALK_BLOCK_K", "ExpertLoraConfig", "expert_epilogue", "expert_lora_a",
+__all__ = ["BLOCK_K", "BLOCK_N", "DECODE_EPILOGUE_WARPS", "ROUTED_BLOCK_N", "WALK_BLOCK_K", "ExpertLoraConfig", "expert_epilogue", "expert_lora_a",
            "gathered_lora_a"]

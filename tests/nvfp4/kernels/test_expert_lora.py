@@ -37,6 +37,8 @@ def test_a_launch_configuration_takes_powers_of_two_from_16():
     for bad in (dict(block_m=8), dict(block_n=96)):
         with pytest.raises(ValueError, match="power of two >= 16"):
             ExpertLoraConfig(**bad)
+    with pytest.raises(ValueError, match="warps=3: 0 .* or a power of two"):
+        ExpertLoraConfig(warps=3)
 
 
 _SM90_BUILD = """
