@@ -284,10 +284,13 @@ def _lora_stacks(stack: _Stack, hit: list[int], dtype: torch.dtype) -> tuple[tor
     the padded rank)."""
     rank = stack.lora_a[0][0].shape[0]
     pad = _padded_rank(rank, dtype) - rank
-    a = torch.cat([F.pad(_StackedParameters.apply(*[kind[e] for e in hit]), (0, 0, 0, pad))
-                   for kind in stack.lora_a], 1).to(dtype)
-    b_t = [F.pad(_StackedParameters.apply(*[kind[e] for e in hit]), (0, pad)).transpose(1, 2).to(dtype)
-           for kind in stack.lora_b]  # [G, r', out]
+
+    def stacked(kind: list[torch.Tensor], pads: tuple[int, ...]) -> torch.Tensor:
+        params = _StackedParameters.apply(*[kind[e] for e in hit])
+        return F.pad(params, pads) if pad else params  # (F.pad copies even when it pads nothing)
+
+    a = torch.cat([stacked(kind, (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
+    b_t = [stacked(kind, (0, pad)).transpose(1, 2).to(dtype) for kind in stack.lora_b]  # [G, r', out]
     if len(b_t) == 1:
         return a, b_t[0]
     outs = [t.shape[2] for t in b_t]
