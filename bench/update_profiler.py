@@ -4,9 +4,10 @@ step calls it).
     --trainer.callbacks+=update_profiler.UpdateProfiler --trainer.callbacks.out=DIR --trainer.callbacks.name=nvfp4
     (bench/ on the Python path)
 
-Writes ``DIR/update_phase_<device>_<name>.txt`` (kernels by total CUDA time, then operators by host time) and
-``DIR/update_phase_<device>_<name>.json``: the phase's wall time, the GPU's busy time (the union of its kernels'
-intervals: below the wall time the GPU waits on the host), and the top kernels and operators.
+Writes ``DIR/update_phase_<device>_<name>.txt`` (kernels by total CUDA time, then operators by host time, then the
+GPU's idle time by host operator) and ``DIR/update_phase_<device>_<name>.json``: the phase's wall time, the GPU's busy
+time (the union of its kernels' intervals: below the wall time the GPU waits on the host), the top kernels and
+operators, and ``gpu_idle``: the instants no kernel runs, charged to the host op running then (``gpu_idle.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+from gpu_idle import HostOp, idle_by_host_op, top
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -76,8 +79,12 @@ class UpdateProfiler(L.Callback):
     def _write(self, prof, wall: float) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = busy_seconds([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in kernels])
+        idle = idle_by_host_op([(e.time_range.start, e.time_range.end) for e in kernels],
+                               [HostOp(e.time_range.start, e.time_range.end, e.name, e.thread) for e in events
+                                if e.device_type == torch.autograd.DeviceType.CPU]) if kernels else None
         by_cuda = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[: self.rows]
         by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: self.rows]
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -87,11 +94,25 @@ class UpdateProfiler(L.Callback):
             "top_cuda": [{"name": e.key, "count": e.count, "self_cuda_s": e.self_device_time_total / 1e6}
                          for e in by_cuda],
             "top_cpu": [{"name": e.key, "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in by_cpu],
+            "gpu_idle": None if idle is None else {
+                "idle_s": idle["idle"] / 1e6, "gaps": idle["gaps"], "no_host_op_s": idle["no_host_op"] / 1e6,
+                "innermost": top(idle["innermost"], self.rows), "outermost": top(idle["outermost"], self.rows)},
         }
         stem = f"update_phase_{device.split()[1].lower() if len(device.split()) > 1 else device}_{self.name}"
         (self.out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
         (self.out / f"{stem}.txt").write_text(
             f"update phase: wall {wall:.3f} s, GPU busy {busy:.3f} s, {len(kernels)} kernels\n\n"
             + averages.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=90) + "\n\n"
-            + averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90))
+            + averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90)
+            + ("" if idle is None else idle_table(summary["gpu_idle"])))
         print(f"update profile ({self.name}): wall {wall:.3f} s, GPU busy {busy:.3f} s", flush=True)
+
+
+def idle_table(idle: dict) -> str:
+    """The ``gpu_idle`` summary as text: the idle time, then its charges by innermost and by outermost host op."""
+    lines = [f"\n\nGPU idle {idle['idle_s']:.3f} s in {idle['gaps']} gaps ({idle['no_host_op_s']:.3f} s with no host op "
+             "running), charged to the host op running then:"]
+    for part in ("innermost", "outermost"):
+        lines.append(f"\n  by {part} op:")
+        lines += [f"    {row['idle_s']:9.3f} s  {row['name'][:100]}" for row in idle[part]]
+    return "\n".join(lines) + "\n"
