@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import itertools
 import json
 import hashlib
 import importlib.util
@@ -358,7 +359,17 @@ def update_phase_section(result: dict) -> list[str]:
     lines = [f"{result['name']}: wall {num(result['wall_s'])} s, GPU busy {num(result['gpu_busy_s'])} s "
              f"({busy:.0%}), {result['kernels']} kernels", ""]
     rows = [[kernel_name(k["name"]), str(k["count"]), num(k["self_cuda_s"])] for k in result["top_cuda"][:10]]
-    return lines + table(["kernel or operator (self CUDA time)", "calls", "s"], rows)
+    lines += table(["kernel or operator (self CUDA time)", "calls", "s"], rows)
+    idle = result.get("gpu_idle")  # (files from before bench/gpu_idle.py have none)
+    if idle:
+        lines += ["", f"GPU idle {num(idle['idle_s'])} s in {idle['gaps']} gaps, charged to the host op running then "
+                  "(innermost op of the thread feeding the GPU, and its outermost):", ""]
+        blank = {"name": "-", "idle_s": None}
+        rows = [[kernel_name(a["name"]), num(a["idle_s"]) if a["idle_s"] is not None else "-", kernel_name(b["name"]),
+                 num(b["idle_s"]) if b["idle_s"] is not None else "-"]
+                for a, b in itertools.zip_longest(idle["innermost"][:10], idle["outermost"][:10], fillvalue=blank)]
+        lines += table(["innermost host op", "idle s", "outermost host op", "idle s"], rows)
+    return lines
 
 
 def wide_section(result: dict) -> list[str]:
