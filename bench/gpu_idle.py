@@ -1,5 +1,6 @@
 """Where a GPU waits: the gaps between a profiled phase's kernels, each instant of them charged to what the host was
-doing then (``update_profiler.py`` writes it beside the phase's kernel and operator tables).
+doing then (``update_profiler.py`` writes it beside the phase's kernel and operator tables); and which host ops
+launch a phase's device activities (``launchers``: e.g. the thousands of small copies or adds of a step).
 
 A phase whose kernels sum to less than its wall time waits on the host somewhere (launches, Python, a sync that
 drained the queue). The tables by operator say where the host spends its time, not which of that time the GPU waits
@@ -92,3 +93,16 @@ def idle_by_host_op(kernels: list[tuple[float, float]], ops: list[HostOp], windo
 def top(charges: dict[str, float], rows: int) -> list[dict]:
     """The ``rows`` largest charges as ``[{"name", "idle_s"}]`` (microseconds in, seconds out)."""
     return [{"name": name, "idle_s": s / 1e6} for name, s in sorted(charges.items(), key=lambda kv: -kv[1])[:rows]]
+
+
+def launchers(launches: list[tuple[str, tuple[str, ...], float]], rows: int) -> list[dict]:
+    """``launches``: ``(device activity name, host op chain innermost first, duration)`` per device activity; the
+    ``rows`` most frequent (activity, chain) pairs as ``[{"device", "launched_by", "count", "device_s"}]``
+    (microseconds in, seconds out), the chain written ``inner < parent < ...``."""
+    counts: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    for name, chain, duration in launches:
+        entry = counts[(name, " < ".join(chain))]
+        entry[0] += 1
+        entry[1] += duration
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:rows]
+    return [{"device": name, "launched_by": chain, "count": n, "device_s": d / 1e6} for (name, chain), (n, d) in ranked]

@@ -7,7 +7,8 @@ step calls it).
 Writes ``DIR/update_phase_<device>_<name>.txt`` (kernels by total CUDA time, then operators by host time, then the
 GPU's idle time by host operator) and ``DIR/update_phase_<device>_<name>.json``: the phase's wall time, the GPU's busy
 time (the union of its kernels' intervals: below the wall time the GPU waits on the host), the top kernels and
-operators, and ``gpu_idle``: the instants no kernel runs, charged to the host op running then (``gpu_idle.py``).
+operators, ``gpu_idle``: the instants no kernel runs, charged to the host op running then (``gpu_idle.py``), and
+``launchers``: the most frequent device activities by the host ops (and their parents) that launched them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from gpu_idle import HostOp, idle_by_host_op, top
+from gpu_idle import HostOp, idle_by_host_op, launchers, top
+
+LAUNCH_CHAIN = 3  # host ops named per launch: the launching op and its parents
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -85,6 +88,8 @@ class UpdateProfiler(L.Callback):
         idle = idle_by_host_op([(e.time_range.start, e.time_range.end) for e in kernels],
                                [HostOp(e.time_range.start, e.time_range.end, e.name, e.thread) for e in events
                                 if e.device_type == torch.autograd.DeviceType.CPU]) if kernels else None
+        launches = [(k.name, op_chain(e), k.duration) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels]
         by_cuda = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[: self.rows]
         by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: self.rows]
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -97,6 +102,7 @@ class UpdateProfiler(L.Callback):
             "gpu_idle": None if idle is None else {
                 "idle_s": idle["idle"] / 1e6, "gaps": idle["gaps"], "no_host_op_s": idle["no_host_op"] / 1e6,
                 "innermost": top(idle["innermost"], self.rows), "outermost": top(idle["outermost"], self.rows)},
+            "launchers": launchers(launches, self.rows),
         }
         stem = f"update_phase_{device.split()[1].lower() if len(device.split()) > 1 else device}_{self.name}"
         (self.out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
@@ -104,7 +110,8 @@ class UpdateProfiler(L.Callback):
             f"update phase: wall {wall:.3f} s, GPU busy {busy:.3f} s, {len(kernels)} kernels\n\n"
             + averages.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=90) + "\n\n"
             + averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90)
-            + ("" if idle is None else idle_table(summary["gpu_idle"])))
+            + ("" if idle is None else idle_table(summary["gpu_idle"]))
+            + launcher_table(summary["launchers"]))
         print(f"update profile ({self.name}): wall {wall:.3f} s, GPU busy {busy:.3f} s", flush=True)
 
 
@@ -115,4 +122,23 @@ def idle_table(idle: dict) -> str:
     for part in ("innermost", "outermost"):
         lines.append(f"\n  by {part} op:")
         lines += [f"    {row['idle_s']:9.3f} s  {row['name'][:100]}" for row in idle[part]]
+    return "\n".join(lines) + "\n"
+
+
+def op_chain(event) -> tuple[str, ...]:
+    """A host op's name and its parents', innermost first (:data:`LAUNCH_CHAIN` of them)."""
+    chain = []
+    while event is not None and len(chain) < LAUNCH_CHAIN:
+        chain.append(event.name)
+        event = event.cpu_parent
+    return tuple(chain)
+
+
+def launcher_table(rows: list[dict]) -> str:
+    """The ``launchers`` rows as text: the most frequent device activities and the host ops that launched them."""
+    if not rows:
+        return ""
+    lines = ["\n\nDevice activities by the host ops that launched them (most frequent first):"]
+    lines += [f"  {row['count']:8d}  {row['device_s']:8.3f} s  {row['device'][:60]}  <-  {row['launched_by'][:140]}"
+              for row in rows]
     return "\n".join(lines) + "\n"

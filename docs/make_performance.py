@@ -369,6 +369,11 @@ def update_phase_section(result: dict) -> list[str]:
                  num(b["idle_s"]) if b["idle_s"] is not None else "-"]
                 for a, b in itertools.zip_longest(idle["innermost"][:10], idle["outermost"][:10], fillvalue=blank)]
         lines += table(["innermost host op", "idle s", "outermost host op", "idle s"], rows)
+    if result.get("launchers"):
+        lines += ["", "Device activities by the host ops that launched them (most frequent first):", ""]
+        lines += table(["device activity", "launched by (op < parents)", "count", "device s"],
+                       [[kernel_name(r["device"]), r["launched_by"], str(r["count"]), num(r["device_s"])]
+                        for r in result["launchers"][:10]])
     return lines
 
 

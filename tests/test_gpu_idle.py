@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from gpu_idle import HostOp, idle_by_host_op, idle_intervals, top  # noqa: E402
+from gpu_idle import HostOp, idle_by_host_op, idle_intervals, launchers, top  # noqa: E402
 
 
 def test_a_hand_worked_timeline():
@@ -84,3 +84,13 @@ def test_random_timelines_against_a_brute_force(seed):
     got = idle_by_host_op(kernels, ops, window)
     assert got["idle"] == idle and got["no_host_op"] == none
     assert got["innermost"] == pytest.approx(inner) and got["outermost"] == pytest.approx(outer)
+
+
+def test_launchers_count_each_activity_by_its_launching_chain():
+    launches = [("Memcpy DtoD", ("aten::copy_", "aten::clone", "AccumulateGrad"), 3.0)] * 5 + [
+        ("add_kernel", ("aten::add_", "AccumulateGrad"), 2.0)] * 7 + [
+        ("Memcpy DtoD", ("aten::copy_", "aten::pad"), 10.0)] * 5
+    rows = launchers(launches, 2)
+    assert rows == [{"device": "add_kernel", "launched_by": "aten::add_ < AccumulateGrad", "count": 7,
+                     "device_s": 14e-6},
+                    {"device": "Memcpy DtoD", "launched_by": "aten::copy_ < aten::pad", "count": 5, "device_s": 50e-6}]
