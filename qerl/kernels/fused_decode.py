@@ -34,8 +34,8 @@ from qerl.kernels import pdl as _pdl
 from qerl.kernels.grid import cdiv, next_power_of_2, sm_count
 from qerl.kernels.kv_cache_element import FP8_KV, cache_bytes, to_cache_element
 from qerl.kernels.split_k import counters
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -241,7 +241,7 @@ def qkv_epilogue(yq, yk, yv, biases, u, lora_b, pos, inv_freq, attn_scaling: flo
         pos, inv_freq, float(attn_scaling), column, q, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, seq_len, qn, kn, float(eps),
         HALF=D // 2, HAS_BIAS=biases is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
-        DT=_TL[yq.dtype], KV_FP8=k_cache.dtype == FP8_KV, QK_NORM=qk_norms is not None, PDL=pdl, num_warps=1,
+        DT=TL_DTYPES[yq.dtype], KV_FP8=k_cache.dtype == FP8_KV, QK_NORM=qk_norms is not None, PDL=pdl, num_warps=1,
         **_pdl.options(pdl))
     return q
 
@@ -469,7 +469,7 @@ def residual_rms_norm(h, weight, eps: float, y=None, bias=None, u=None, lora_b=N
         u_ptr, s_us, s_ub, S, lora_b if lora_b is not None else dummy, r, h, weight, x, part,
         counters(h.device, b), H, eps, chunks,
         ADD=y is not None, HAS_BIAS=bias is not None, HAS_LORA=lora_b is not None, RP=_pow2(r), SP=SP,
-        DT=_TL[h.dtype], BLOCK=block, CP=_pow2(chunks), OUT_BLOCK=min(8192, _pow2(H)), PDL=pdl, num_warps=4,
+        DT=TL_DTYPES[h.dtype], BLOCK=block, CP=_pow2(chunks), OUT_BLOCK=min(8192, _pow2(H)), PDL=pdl, num_warps=4,
         **_pdl.options(pdl))
     return x
 
@@ -560,7 +560,7 @@ def silu_mul_epilogue(yg, yu, u=None, lora_b=None, rows_per_program: int = 0, pd
     u_ptr, s_us, s_ub, S, SP = _u_args(u, yg)
     _silu_mul_kernel[(cdiv(b, rows), cdiv(N, block))](
         yg, yu, yg.stride(0), yu.stride(0), u_ptr, s_us, s_ub, S, lg, lu, r, out, b, N,
-        HAS_LORA=lora_b is not None, RP=_pow2(r, 1 if rows == 1 else 16), SP=SP, DT=_TL[yg.dtype], BLOCK=block,
+        HAS_LORA=lora_b is not None, RP=_pow2(r, 1 if rows == 1 else 16), SP=SP, DT=TL_DTYPES[yg.dtype], BLOCK=block,
         ROWS=rows, PDL=pdl, num_warps=4, **_pdl.options(pdl))
     return out
 

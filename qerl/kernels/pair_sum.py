@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _BLOCK = 1024
 OPTIONS = {"enable_fp_fusion": False}  # the launches' compile options (see the module docstring)
 
@@ -75,7 +75,7 @@ def _summed(x: torch.Tensor, w: torch.Tensor | None, inverse: torch.Tensor, top_
     if out.numel():
         block = min(_BLOCK, next_power_of_2(H))
         _sum_kernel[(P // top_k, cdiv(H, block))](x, w if w is not None else x, inverse, out, H, TOP_K=top_k,
-                                                   WEIGHTED=w is not None, DT=_DTYPES[x.dtype], BLOCK=block,
+                                                   WEIGHTED=w is not None, DT=TL_DTYPES[x.dtype], BLOCK=block,
                                                    num_warps=4, **OPTIONS)
     return out
 
@@ -107,7 +107,7 @@ class WeightedPairSum(torch.autograd.Function):
         dw = torch.empty(P, dtype=y.dtype, device=y.device) if need_w else None
         if P:
             _backward_kernel[(P,)](dout, y, w, token, dy, dw if need_w else dy, H, NEED_W=need_w,
-                                   DT=_DTYPES[y.dtype], BLOCK=min(2048, next_power_of_2(H)), num_warps=4,
+                                   DT=TL_DTYPES[y.dtype], BLOCK=min(2048, next_power_of_2(H)), num_warps=4,
                                    **OPTIONS)
         return dy, dw.to(w.dtype) if need_w else None, None, None, None
 

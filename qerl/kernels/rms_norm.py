@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.grid import cdiv, next_power_of_2, sm_count
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_WIDTH = 16384
 """Rows up to this many channels are normalized by one program in registers."""
 
@@ -65,7 +65,7 @@ def _backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, H, ROWS_
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernels take this input and weight (else transformers' torch expression is the path)."""
-    return (x.dtype in _DTYPES and weight.dtype in _DTYPES and x.shape[-1] <= MAX_WIDTH
+    return (x.dtype in TL_DTYPES and weight.dtype in TL_DTYPES and x.shape[-1] <= MAX_WIDTH
             and weight.shape == (x.shape[-1],) and x.device == weight.device)
 
 
@@ -80,8 +80,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = next_power_of_2(width)
-        _forward_kernel[(rows,)](x, weight.contiguous(), y, rstd, width, eps, BLOCK=block, XT=_DTYPES[x.dtype],
-                                 YT=_DTYPES[y.dtype], num_warps=_warps(block))
+        _forward_kernel[(rows,)](x, weight.contiguous(), y, rstd, width, eps, BLOCK=block, XT=TL_DTYPES[x.dtype],
+                                 YT=TL_DTYPES[y.dtype], num_warps=_warps(block))
     return y, rstd
 
 
@@ -99,7 +99,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     block = next_power_of_2(width)
     product = torch.promote_types(weight.dtype, x.dtype)
     _backward_kernel[(programs,)](dy.contiguous(), x, weight.contiguous(), rstd, dx, partial, rows, width,
-                                  per_program, BLOCK=block, XT=_DTYPES[x.dtype], YT=_DTYPES[product],
+                                  per_program, BLOCK=block, XT=TL_DTYPES[x.dtype], YT=TL_DTYPES[product],
                                   num_warps=_warps(block))
     return dx, partial.sum(0).to(weight.dtype)
 

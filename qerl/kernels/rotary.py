@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.grid import next_power_of_2
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernels take ``x [B, H, T, D]`` with ``cos``, ``sin`` ``[B or 1, T, D]`` (else the torch
     expression)."""
     B, H, T, D = x.shape
-    return (x.dtype in _DTYPES and cos.dtype == x.dtype and sin.dtype == x.dtype and D % 2 == 0
+    return (x.dtype in TL_DTYPES and cos.dtype == x.dtype and sin.dtype == x.dtype and D % 2 == 0
             and D == next_power_of_2(D) and x.stride(-1) == 1 and cos.shape == sin.shape
             and cos.shape in ((B, T, D), (1, T, D)) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
 
@@ -77,7 +77,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
         batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)  # one table for every row
         _rotate_kernel[(B * T,)](x, x.stride(0), x.stride(1), x.stride(2), cos, sin, batch_stride, cos.stride(1),
                                  y, y.stride(0), y.stride(1), y.stride(2), H, T, HALF=D // 2,
-                                 HEADS=next_power_of_2(H), BACKWARD=backward, DT=_DTYPES[x.dtype], num_warps=4)
+                                 HEADS=next_power_of_2(H), BACKWARD=backward, DT=TL_DTYPES[x.dtype], num_warps=4)
     return y
 
 

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.grid import cdiv
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _BLOCK = 2048
 
 
@@ -64,7 +64,7 @@ def _backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, DT: tl.constexpr, 
 
 def supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether the kernels take these factors (else the torch expression is the path)."""
-    return gate.dtype in _DTYPES and gate.dtype == up.dtype and gate.shape == up.shape and gate.device == up.device
+    return gate.dtype in TL_DTYPES and gate.dtype == up.dtype and gate.shape == up.shape and gate.device == up.device
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _forward_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, DT=_DTYPES[gate.dtype], BLOCK=_BLOCK, C=1, STRIDE=0,
+        _forward_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, DT=TL_DTYPES[gate.dtype], BLOCK=_BLOCK, C=1, STRIDE=0,
                                             num_warps=8)
     return out
 
@@ -82,7 +82,7 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     if n:
-        _backward_kernel[(cdiv(n, _BLOCK),)](dh.contiguous(), gate, up, dg, du, n, DT=_DTYPES[gate.dtype],
+        _backward_kernel[(cdiv(n, _BLOCK),)](dh.contiguous(), gate, up, dg, du, n, DT=TL_DTYPES[gate.dtype],
                                              BLOCK=_BLOCK, C=1, STRIDE=0, num_warps=8)
     return dg, du
 
@@ -116,7 +116,7 @@ class SiluMulOfHalves(torch.autograd.Function):
         out = torch.empty(rows, c, dtype=gate_up.dtype, device=gate_up.device)
         if out.numel():
             _forward_kernel[(cdiv(out.numel(), _BLOCK),)](gate_up, gate_up[:, c:], out, out.numel(),
-                                                          DT=_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c, STRIDE=2 * c,
+                                                          DT=TL_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c, STRIDE=2 * c,
                                                           num_warps=8)
         return out
 
@@ -127,6 +127,6 @@ class SiluMulOfHalves(torch.autograd.Function):
         grad = torch.empty_like(gate_up)
         if dh.numel():
             _backward_kernel[(cdiv(dh.numel(), _BLOCK),)](dh.contiguous(), gate_up, gate_up[:, c:], grad, grad[:, c:],
-                                                          dh.numel(), DT=_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c,
+                                                          dh.numel(), DT=TL_DTYPES[gate_up.dtype], BLOCK=_BLOCK, C=c,
                                                           STRIDE=2 * c, num_warps=8)
         return grad

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from qerl.kernels.grid import cdiv
 from qerl.kernels.online_softmax import merge, online_update
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FORWARD_BLOCK = 1024
 _BACKWARD_BLOCK = 4096
 
@@ -83,5 +83,5 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
     if n:
         _backward_kernel[(n, cdiv(vocab, _BACKWARD_BLOCK))](
             logits, logits.stride(0), targets.contiguous(), lse, grad_logp.contiguous().float(), out, out.stride(0),
-            vocab, float(temperature), DT=_DTYPES[dtype], BLOCK=_BACKWARD_BLOCK, num_warps=8)
+            vocab, float(temperature), DT=TL_DTYPES[dtype], BLOCK=_BACKWARD_BLOCK, num_warps=8)
     return out

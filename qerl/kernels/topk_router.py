@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.grid import next_power_of_2
+from qerl.kernels.triton_dtypes import TL_DTYPES
 
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def topk_route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.T
     index = torch.empty(T, k, dtype=torch.long, device=logits.device)
     if T:
         _topk_route_kernel[(T,)](logits, weight, index, E, K=k, EP=next_power_of_2(E), KP=next_power_of_2(k),
-                                 RENORMALIZE=renormalize, DT=_TL[logits.dtype], num_warps=1 if E <= 128 else 4)
+                                 RENORMALIZE=renormalize, DT=TL_DTYPES[logits.dtype], num_warps=1 if E <= 128 else 4)
     return weight, index
 
 

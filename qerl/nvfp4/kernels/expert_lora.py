@@ -38,7 +38,8 @@ import triton.language as tl
 
 from qerl.kernels.expert_blocks import expert_block, list_programs
 from qerl.kernels.grid import cdiv, next_power_of_2
-from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _TL, _dot, _lora_a_rows, _plus_lora_b, block_rows,
+from qerl.kernels.triton_dtypes import TL_DTYPES
+from qerl.nvfp4.kernels.grouped_experts import (_INTERPRET, _dot, _lora_a_rows, _plus_lora_b, block_rows,
                                                grouped_torch, lora_a_layout)
 
 BLOCK_K = 256  # the gathered A products' K slice per program
@@ -166,7 +167,7 @@ def _lora_a(x, order, offsets, a, top_k, gather, split, config=ExpertLoraConfig(
     _lora_a_kernel[(list_programs(P, E, block_m), u.shape[0])](
         x, x.stride(0), order, offsets, a, u, xs if gather else u, P, K, R, top_k, E, slice_,
         BLOCK_M=block_m, BLOCK_K=block_k, RP=max(16, next_power_of_2(R)), EP=next_power_of_2(E), GATHER=gather,
-        DT=_TL[x.dtype], num_warps=config.warps or 4, num_stages=1 if _INTERPRET or split else 3)
+        DT=TL_DTYPES[x.dtype], num_warps=config.warps or 4, num_stages=1 if _INTERPRET or split else 3)
     return xs, u
 
 
@@ -240,7 +241,7 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
         u_next if u_next is not None else base, rn, P, N, E,
         BLOCK_M=block_m, BLOCK_N=block_n, RP=max(16, next_power_of_2(r)), RNP=max(16, next_power_of_2(rn)),
         SPLITS=splits, EP=next_power_of_2(E), IN_ORDER=order is None, GATED=gated, HAS_LORA=lora is not None,
-        ROUTED=route is not None, NEXT=next_a is not None, DT=_TL[base.dtype], num_warps=warps, num_stages=1)
+        ROUTED=route is not None, NEXT=next_a is not None, DT=TL_DTYPES[base.dtype], num_warps=warps, num_stages=1)
     return out, u_next
 
 

@@ -39,9 +39,9 @@ import triton.language as tl
 from qerl.nvfp4.format import dequantize
 from qerl.kernels.expert_blocks import expert_block, list_programs
 from qerl.kernels.grid import cdiv, next_power_of_2
+from qerl.kernels.triton_dtypes import TL_DTYPES
 from qerl.nvfp4.kernels.weight_tile import _pair_order_tile, _unpacked_weight_tile
 
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}  # what the unpacked tile is scaled by
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # pairs per tile (the smallest tl.dot operand); 64 where experts get many pairs (a prefill)
@@ -315,7 +315,7 @@ def grouped(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight,
         SPLITS=splits,
         NVFP4=nvfp4,
         PAIR_ORDER=pair_order, USE_ASM=pair_order and unpack == "asm", GATED=gated,
-        HAS_LORA=lora is not None, ROUTED=route is not None, DT=_TL[x.dtype], SHIFT=_SHIFT[x.dtype],
+        HAS_LORA=lora is not None, ROUTED=route is not None, DT=TL_DTYPES[x.dtype], SHIFT=_SHIFT[x.dtype],
         num_warps=cfg.num_warps, num_stages=1 if _INTERPRET else cfg.num_stages)
     return out
 

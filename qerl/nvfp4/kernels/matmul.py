@@ -42,6 +42,7 @@ from qerl.nvfp4.kernels import gemv, gemv_layout, gemv_plan
 from qerl.nvfp4.kernels.gemv_plan import GemvConfig
 from qerl.kernels.grid import cdiv, next_power_of_2
 from qerl.kernels.split_k import counters, sum_splits
+from qerl.kernels.triton_dtypes import TL_DTYPES
 from qerl.nvfp4.kernels.weight_tile import _from_pair_order, _pair_order_tile, _to_pair_order, _unpacked_weight_tile
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +180,6 @@ GemvWeight = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
 """``gemv_weight(build: bool)``: a layer's repacked (words, factors) for the GEMV; None when absent and not built."""
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # acc * SHIFT / gs undoes the power of two the in-register unpack leaves on the weight (see _unpacked_weight_tile).
 _SHIFT = {torch.bfloat16: 256.0, torch.float16: 128.0, torch.float32: 256.0}
 
@@ -246,7 +246,7 @@ def dequantize_dense(
     if _INTERPRET:
         _dequantize_kernel[grid](*args, **_dequant_constants(dtype))
     else:  # the compiled kernel takes every parameter in order, the constexprs included
-        _dequant_compiled(args, dtype)[grid](*args, *_DEQUANT_BLOCK, _COMPUTE[dtype], _SHIFT[dtype])
+        _dequant_compiled(args, dtype)[grid](*args, *_DEQUANT_BLOCK, TL_DTYPES[dtype], _SHIFT[dtype])
     return out
 
 
@@ -294,7 +294,7 @@ _DEQUANT_COMPILED: dict[tuple, object] = {}
 
 
 def _dequant_constants(dtype: torch.dtype) -> dict:
-    return {"BLOCK_R": _DEQUANT_BLOCK[0], "BLOCK_C": _DEQUANT_BLOCK[1], "COMPUTE": _COMPUTE[dtype],
+    return {"BLOCK_R": _DEQUANT_BLOCK[0], "BLOCK_C": _DEQUANT_BLOCK[1], "COMPUTE": TL_DTYPES[dtype],
             "SHIFT": _SHIFT[dtype], "num_warps": 4}
 
 
@@ -321,7 +321,7 @@ def _launch(
     config: TileConfig | None = None,
     gemv_weight: GemvWeight | None = None,
 ) -> torch.Tensor:
-    if a.dtype not in _COMPUTE:
+    if a.dtype not in TL_DTYPES:
         raise TypeError(f"NVFP4 triton kernels take bf16, fp16 or fp32 activations, got {a.dtype}.")
     a = a.contiguous()
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
@@ -365,7 +365,7 @@ def _launch(
         BLOCK_M=cfg.block_m,
         BLOCK_OUT=cfg.block_out,
         BLOCK_RED=cfg.block_red,
-        COMPUTE=_COMPUTE[a.dtype],
+        COMPUTE=TL_DTYPES[a.dtype],
         SHIFT=_SHIFT[a.dtype],
         USE_ASM=a.dtype == torch.bfloat16 and not _INTERPRET,
         num_warps=cfg.num_warps,
