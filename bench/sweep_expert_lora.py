@@ -102,7 +102,8 @@ class Step:
 def grid(launch: str) -> list[ExpertLoraConfig]:
     tiles = (dict(block_k=k) for k in (128, 256, 512)) if launch == "gather" else (
         dict(block_n=n) for n in (64, 128, 256))
-    return [ExpertLoraConfig(block_m=m, warps=w, **t) for t, m, w in itertools.product(list(tiles), (16, 32), (2, 4, 8))]
+    return [ExpertLoraConfig(block_m=m, warps=w, **t)
+            for t, m, w in itertools.product(list(tiles), (16, 32), (2, 4, 8))]
 
 
 def rel(out: tuple, ref: tuple) -> float:

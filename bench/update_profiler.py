@@ -117,8 +117,8 @@ class UpdateProfiler(L.Callback):
 
 def idle_table(idle: dict) -> str:
     """The ``gpu_idle`` summary as text: the idle time, then its charges by innermost and by outermost host op."""
-    lines = [f"\n\nGPU idle {idle['idle_s']:.3f} s in {idle['gaps']} gaps ({idle['no_host_op_s']:.3f} s with no host op "
-             "running), charged to the host op running then:"]
+    lines = [f"\n\nGPU idle {idle['idle_s']:.3f} s in {idle['gaps']} gaps ({idle['no_host_op_s']:.3f} s with no "
+             "host op running), charged to the host op running then:"]
     for part in ("innermost", "outermost"):
         lines.append(f"\n  by {part} op:")
         lines += [f"    {row['idle_s']:9.3f} s  {row['name'][:100]}" for row in idle[part]]

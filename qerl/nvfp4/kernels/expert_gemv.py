@@ -345,6 +345,6 @@ def expert_gemv(x_sorted: torch.Tensor, offsets: torch.Tensor, words: torch.Tens
     return out
 
 
-__all__ = ["ROW_BLOCK_PAIR_MIN_PAIRS", "SCHEDULES", "ExpertGemvConfig", "default_row_blocks", "default_tiles", "expert_gemv", "expert_gemv_reference",
-           "expert_gemv_torch", "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks",
+__all__ = ["ROW_BLOCK_PAIR_MIN_PAIRS", "SCHEDULES", "ExpertGemvConfig", "default_row_blocks", "default_tiles",
+           "expert_gemv", "expert_gemv_reference", "expert_gemv_torch", "program_blocks", "programs", "repack_stack", "rows_in_expert_order", "token_blocks",
            "unrepack_stack", "variant"]

@@ -5,10 +5,10 @@ Program ``(i, j)`` takes token block i of 16 sorted pairs (64 in a prefill) in t
 (``expert_blocks``) and one K slice (the A products) or column tile (the epilogue) j of it: a decode step has few
 blocks (1,024 pairs over 128 experts: ~190) and every program's time is mostly a chain of dependent loads (offsets,
 order, rows), so the work is spread over many short programs, not walked by few (a program per block walking its
-row was no faster on the H200 than the grouped kernel's launches it replaced at 128 rows, and slower at 16). A reduction over the split axis
-(the A products over K; the next projection's A products over the epilogue's columns) is written as fp32 partial
-sums ``[S, P, r]``, which their reader (a few programs per block) sums in split order and rounds once
-(``grouped_experts.lora_a_rows``): deterministic, no atomics, no extra launch.
+row was no faster on the H200 than the grouped kernel's launches it replaced at 128 rows, and slower at 16). A
+reduction over the split axis (the A products over K; the next projection's A products over the epilogue's columns)
+is written as fp32 partial sums ``[S, P, r]``, which their reader (a few programs per block) sums in split order and
+rounds once (``grouped_experts.lora_a_rows``): deterministic, no atomics, no extra launch.
 
     xs, u_gu = gathered_lora_a(x, order, offsets, A_gu)       the input rows in expert order and their A products
     gu       = expert_gemv(xs, W_gu)                           (elsewhere)
@@ -194,6 +194,19 @@ def gathered_lora_a(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
     return _lora_a(x.contiguous(), order, offsets, a, top_k, True, True, config)
 
 
+def epilogue_launch(config: ExpertLoraConfig, pairs: int, num_experts: int, columns: int, gated: bool
+                    ) -> tuple[int, int, int]:
+    """``(block_m, block_n, warps)`` of an epilogue over ``pairs`` pairs and ``columns`` output columns: ``config``'s
+    fields where set, else the rule: in a decode step's 16-pair blocks 2 warps, and the routed (ungated) epilogue's
+    tiles :data:`ROUTED_BLOCK_N` wide (the step's launches as ``bench/sweep_expert_lora.py`` measured them; the
+    roundings of any tile), elsewhere 4 warps and :data:`BLOCK_N`."""
+    block_m = config.block_m or block_rows(pairs, num_experts)
+    decode = block_m == 16
+    block_n = min(config.block_n or (ROUTED_BLOCK_N if decode and not gated else BLOCK_N),
+                  max(16, next_power_of_2(columns)))
+    return block_m, block_n, config.warps or (DECODE_EPILOGUE_WARPS if decode else 4)
+
+
 def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: torch.Tensor, *, gated: bool = False,
                     lora=None, route: torch.Tensor | None = None, next_a: torch.Tensor | None = None,
                     config: ExpertLoraConfig = ExpertLoraConfig()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,12 +233,7 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
             return out, None
         return out, grouped_torch(out[order], slots, offsets, next_a, top_k=1)
     out = torch.empty(P, N, dtype=base.dtype, device=base.device)
-    block_m = config.block_m or block_rows(P, E)
-    # a decode step's 16-pair blocks: fewer warps, and wider tiles where no gate|up pair doubles the loads (the
-    # tiles and warps of the step's launches as bench/sweep_expert_lora.py measured them; the same roundings)
-    decode = block_m == 16
-    block_n = min(config.block_n or (ROUTED_BLOCK_N if decode and not gated else BLOCK_N),
-                  max(16, next_power_of_2(N)))
+    block_m, block_n, warps = epilogue_launch(config, P, E, N, gated)
     rn = next_a.shape[1] if next_a is not None else 0
     u_next = torch.empty(cdiv(N, block_n), P, rn, dtype=torch.float32, device=base.device) \
         if next_a is not None else None
@@ -234,7 +242,6 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     u, b = lora if lora is not None else (base, base)
     r = b.shape[2] if lora is not None else 0
     splits, ss, su = lora_a_layout(u)
-    warps = config.warps or (DECODE_EPILOGUE_WARPS if decode else 4)
     _epilogue_kernel[(list_programs(P, E, block_m), cdiv(N, block_n))](
         base, base.stride(0), order if order is not None else offsets, offsets, u, su, ss, b, r,
         route if route is not None else base, out, next_a if next_a is not None else base,
@@ -245,5 +252,5 @@ def expert_epilogue(base: torch.Tensor, order: torch.Tensor | None, offsets: tor
     return out, u_next
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "DECODE_EPILOGUE_WARPS", "ROUTED_BLOCK_N", "WALK_BLOCK_K", "ExpertLoraConfig", "expert_epilogue", "expert_lora_a",
-           "gathered_lora_a"]
+__all__ = ["BLOCK_K", "BLOCK_N", "DECODE_EPILOGUE_WARPS", "ROUTED_BLOCK_N", "WALK_BLOCK_K", "ExpertLoraConfig",
+           "epilogue_launch", "expert_epilogue", "expert_lora_a", "gathered_lora_a"]

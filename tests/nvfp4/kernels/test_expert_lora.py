@@ -41,6 +41,22 @@ def test_a_launch_configuration_takes_powers_of_two_from_16():
         ExpertLoraConfig(warps=3)
 
 
+def test_the_epilogue_launch_rule_and_a_configuration_over_it():
+    from qerl.nvfp4.kernels.expert_lora import (BLOCK_N, DECODE_EPILOGUE_WARPS, ROUTED_BLOCK_N, ExpertLoraConfig,
+                                                epilogue_launch)
+
+    default = ExpertLoraConfig()
+    # a decode step (1,024 pairs over 128 experts: 16-pair blocks): fewer warps; the routed epilogue wider tiles
+    assert epilogue_launch(default, 1024, 128, 768, gated=True) == (16, BLOCK_N, DECODE_EPILOGUE_WARPS)
+    assert epilogue_launch(default, 1024, 128, 2048, gated=False) == (16, ROUTED_BLOCK_N, DECODE_EPILOGUE_WARPS)
+    # a prefill's 64-pair blocks keep 4 warps and the default tiles; a narrow output caps the tile
+    assert epilogue_launch(default, 64 * 128, 128, 2048, gated=False) == (64, BLOCK_N, 4)
+    assert epilogue_launch(default, 1024, 128, 40, gated=False) == (16, 64, DECODE_EPILOGUE_WARPS)
+    # set fields win over the rule
+    assert epilogue_launch(ExpertLoraConfig(block_m=32, block_n=64, warps=8), 1024, 128, 2048, False) == (32, 64, 8)
+    assert epilogue_launch(ExpertLoraConfig(warps=4), 1024, 128, 2048, gated=False) == (16, ROUTED_BLOCK_N, 4)
+
+
 _SM90_BUILD = """
 import subprocess, sys
 from pathlib import Path
