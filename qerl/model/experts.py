@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl.model.grouped_experts import adapter_state, expert_stacks, grouped_experts
+from qerl.model.lora_linear import LoraLinear
 from qerl.model.replace import replace_modules
 
 GROUPED_DEVICES = ("cuda",)
@@ -150,6 +151,36 @@ def replace_fused_experts(model: nn.Module, grouped: bool = False) -> int:
     """Put an ``Experts`` (per-expert ``nn.Linear``; ``grouped``: see ``Experts``) in the place of every fused experts
     module; returns how many."""
     return replace_modules(model, is_fused_experts, lambda module: unfused_experts(module, grouped))
+
+
+@torch.no_grad()
+def lay_out_adapters(model: nn.Module) -> int:
+    """Lay the LoRA matrices of every grouped ``Experts`` in ``model`` out in one buffer per layer, projection group
+    (gate|up, down) and matrix (A, B), expert-major as ``qerl.model.grouped_experts`` stacks them: each parameter stays
+    its own (a view of the buffer: no extra memory, the same values, peft's names), and the grouped GEMMs read every
+    expert's stack as a view instead of copying each expert's tensors every call. Returns how many buffers. For the
+    policy being built, after its last move to a device and before an optimizer or engine holds its parameters (a
+    move gives each parameter storage of its own again: the stacks are then copies, as before, not wrong)."""
+    laid = 0
+    for experts in model.modules():
+        if not (isinstance(experts, Experts) and experts.grouped):
+            continue
+        for names in (("gate_proj", "up_proj"), ("down_proj",)):
+            layers = [getattr(e, name) for e in experts for name in names]
+            if not all(isinstance(layer, LoraLinear) for layer in layers):
+                continue
+            for adapter in layers[0].lora_A:
+                for kind in ("lora_A", "lora_B"):
+                    if not all(adapter in getattr(layer, kind) for layer in layers):
+                        continue
+                    params = [getattr(layer, kind)[adapter].weight for layer in layers]
+                    if len({(p.shape, p.dtype, p.device) for p in params}) > 1 or params[0].is_meta:
+                        continue
+                    buffer = torch.stack([p.detach() for p in params])
+                    for param, row in zip(params, buffer):
+                        param.data = row  # (the same Parameter: what already refers to it reads the buffer)
+                    laid += 1
+    return laid
 
 
 def expert_count(model: nn.Module) -> int:

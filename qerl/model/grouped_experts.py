@@ -28,9 +28,11 @@ LoRA A and B of the hit experts are stacked inside autograd (``_StackedParameter
 grad None, as the loop leaves it (AdamW skips None; zeros would decay its moments and apply weight decay); their
 gradients come back as slices of one contiguous tensor per stack, which autograd keeps as the parameters' gradients
 without a copy (gate and up's LoRA-B gradients leave the block-diagonal stack as strided slices: each expert's would be
-copied, 256 copies a layer at 128 experts). Ranks are padded
-with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one LoRA-B GEMM through a block-diagonal
-stack (its zero blocks cost a K = 2r GEMM).
+copied, 256 copies a layer at 128 experts). Where a layer's adapters are laid out in one buffer per matrix kind
+(``lay_out_adapters``: expert-major, gate's then up's A of expert 0, then expert 1's, ...) the stack of every expert is
+a view of that buffer, not a stack of 256 tensors each call (one batched copy on the GPU, but host work per tensor
+in a phase whose GPU waits on the host). Ranks are padded with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one
+LoRA-B GEMM through a block-diagonal stack (its zero blocks cost a K = 2r GEMM).
 
 Roundings as the loop's (each projection's base product rounded to the compute dtype, LoRA added and rounded, silu
 rounded, the product with up rounded, the router-weight product rounded, the k products added one at a time in expert
@@ -67,10 +69,12 @@ class _Stack(NamedTuple):
     """One grouped projection over the E experts: per expert, the layers stacked along the output dim."""
 
     bases: list[list[nn.Module]]  # [E][n] the frozen layers
-    lora_a: list[list[torch.Tensor]] | None  # [n][E] A [r, in] (by layer kind: one torch.stack each)
-    lora_b: list[list[torch.Tensor]] | None  # [n][E] B [out, r]
+    lora_a: list[torch.Tensor] | None  # [E n] A [r, in], expert-major (expert 0's n layers, then expert 1's, ...)
+    lora_b: list[torch.Tensor] | None  # [E n] B [out, r]
     scaling: float
     joins: dict  # the NVFP4 bases' storage joined for the stacked dequantize (``_Join`` by part), kept across calls
+    laid: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)  # A's and B's data pointers where
+    #                                                                           they lie in one buffer in this order
 
 
 def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
@@ -99,7 +103,22 @@ def _stack_of(layers: list[list[nn.Module]]) -> _Stack | None:
         return _Stack(bases, None, None, 1.0, {})
     if adapted != len(layers) * len(layers[0]) or len(scalings) != 1 or len(ranks) != 1:
         return None
-    return _Stack(bases, a, b, scalings.pop(), {})
+    a, b = [t for e in range(len(layers)) for t in (kind[e] for kind in a)], [t for e in range(len(layers))
+                                                                                for t in (kind[e] for kind in b)]
+    if len({t.shape for t in a}) > 1 or len({t.shape for t in b}) > 1:  # (one stack of every layer's matrices)
+        return None
+    return _Stack(bases, a, b, scalings.pop(), {}, (_laid_pointers(a), _laid_pointers(b)))
+
+
+def _laid_pointers(params: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """The data pointers of ``params`` where they are consecutive slices of one buffer in this order (their stack is
+    then a view of it), else None."""
+    first = params[0]
+    storage, step = first.untyped_storage().data_ptr(), first.nbytes
+    if not all(p.is_contiguous() and p.dtype == first.dtype and p.untyped_storage().data_ptr() == storage
+               and p.data_ptr() == first.data_ptr() + i * step for i, p in enumerate(params)):
+        return None
+    return tuple(p.data_ptr() for p in params)
 
 
 def _write_dense(layer: nn.Module, out: torch.Tensor) -> None:
@@ -262,16 +281,22 @@ class _SumPairs(torch.autograd.Function):
 
 
 class _StackedParameters(torch.autograd.Function):
-    """``torch.stack(params)``; backward: the gradient made contiguous once, each parameter's its slice (a layout
-    autograd accumulates without copying it)."""
+    """``torch.stack(params)``: a view of their buffer where they still lie at ``laid`` (their data pointers when
+    ``expert_stacks`` looked: one buffer, in order), else a copy; backward: the gradient made contiguous once, each
+    parameter's its slice (a layout autograd accumulates without copying it)."""
 
     @staticmethod
-    def forward(ctx, *params):
+    def forward(ctx, laid, *params):
+        first, last = params[0], params[-1]
+        if (laid is not None and len(laid) == len(params) and all(p.data_ptr() == q for p, q in zip(params, laid))
+                and last.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return first.as_strided((len(params), *first.shape), (first.numel(), *first.stride()),
+                                    first.storage_offset())
         return torch.stack(params)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous().unbind(0)
+        return None, *grad.contiguous().unbind(0)
 
 
 def _padded_rank(rank: int, dtype: torch.dtype) -> int:
@@ -280,25 +305,26 @@ def _padded_rank(rank: int, dtype: torch.dtype) -> int:
 
 
 def _lora_stacks(stack: _Stack, hit: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A [G, n r', in]`` and block-diagonal ``B^T [G, n r', sum of out]`` of the ``hit`` experts in ``dtype`` (r'
-    the padded rank)."""
-    rank = stack.lora_a[0][0].shape[0]
-    pad = _padded_rank(rank, dtype) - rank
+    """``A [G, n r', in]`` and block-diagonal ``B^T [G, n r', n out]`` of the ``hit`` experts in ``dtype`` (r' the
+    padded rank; views of the adapters' buffers where they are laid out, no padding is needed and all were hit)."""
+    n = len(stack.bases[0])
+    rank = stack.lora_a[0].shape[0]
+    padded = _padded_rank(rank, dtype)
+    every = len(hit) == len(stack.bases)
 
-    def stacked(kind: list[torch.Tensor], pads: tuple[int, ...]) -> torch.Tensor:
-        params = _StackedParameters.apply(*[kind[e] for e in hit])
-        return F.pad(params, pads) if pad else params  # (F.pad copies even when it pads nothing)
+    def stacked(params: list[torch.Tensor], laid: tuple[int, ...] | None, pads: tuple[int, ...]) -> torch.Tensor:
+        chosen = params if every else [params[e * n + j] for e in hit for j in range(n)]
+        matrices = _StackedParameters.apply(laid if every else None, *chosen)  # [G n, ...]
+        return F.pad(matrices, pads) if padded != rank else matrices  # (F.pad copies even when it pads nothing)
 
-    a = torch.cat([stacked(kind, (0, 0, 0, pad)) for kind in stack.lora_a], 1).to(dtype)
-    b_t = [stacked(kind, (0, pad)).transpose(1, 2).to(dtype) for kind in stack.lora_b]  # [G, r', out]
-    if len(b_t) == 1:
-        return a, b_t[0]
-    outs = [t.shape[2] for t in b_t]
-    rows = []
-    for j, t in enumerate(b_t):  # layer j's B^T in its own rows and columns, zeros elsewhere
-        left, right = sum(outs[:j]), sum(outs[j + 1:])
-        rows.append(F.pad(t, (left, right)))
-    return a, torch.cat(rows, 1)
+    a = stacked(stack.lora_a, stack.laid[0], (0, 0, 0, padded - rank))  # [G n, r', in]
+    a = a.view(len(hit), n * padded, a.shape[-1]).to(dtype)
+    b = stacked(stack.lora_b, stack.laid[1], (0, padded - rank))  # [G n, out, r']
+    b_t = b.view(len(hit), n, b.shape[1], padded).transpose(2, 3).to(dtype)  # [G, n, r', out]
+    if n == 1:
+        return a, b_t[:, 0]
+    out = b_t.shape[-1]  # layer j's B^T in its own rows and columns, zeros elsewhere
+    return a, torch.cat([F.pad(b_t[:, j], (j * out, (n - 1 - j) * out)) for j in range(n)], 1)
 
 
 def _with_lora(base: torch.Tensor, xs: torch.Tensor, stack: _Stack, hit: list[int], offsets: torch.Tensor,

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, check_targets, load_model, resolve_model
+from qerl.model.experts import lay_out_adapters
 from qerl.model.lora_linear import LoraLinear
 from qerl.nvfp4.linear import NVFP4Linear
 
@@ -128,6 +129,7 @@ def build_policy(
         else:
             policy = get_peft_model(base, lora_config(lora_rank, lora_alpha, lora_dropout, lora_targets, norms))
     policy.to(device)
+    lay_out_adapters(policy)  # the experts' LoRA in one buffer per layer: the grouped GEMMs stack it as a view
     policy.train()  # dropout is 0 for RL; train mode only keeps Lightning's mode checks quiet
     if gradient_checkpointing:
         policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

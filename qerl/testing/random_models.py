@@ -181,12 +181,14 @@ def build_random_policy(config, quantization: str = "nvfp4", lora_rank: int = 16
     outputs."""
     from peft import get_peft_model
 
+    from qerl.model.experts import lay_out_adapters
     from qerl.model.policy import lora_config, quiet_custom_layers
 
     base = build_random_model(config, quantization, device=device, kernel=kernel, seed=seed)
     with quiet_custom_layers(base):
         policy = get_peft_model(base, lora_config(lora_rank, float(lora_rank), 0.0, DEFAULT_TARGETS, None))
     policy.to(device)
+    lay_out_adapters(policy)  # as build_policy does
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from qerl.model.checkpoint_io import load_model
-from qerl.model.experts import Experts, grouped_on
-from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, _Join, expert_stacks, grouped_experts, joined
-from qerl.model.policy import build_policy
+from qerl.model.experts import Experts, grouped_on, lay_out_adapters
+from qerl.model.grouped_experts import EVERY_EXPERT_PAIRS, _Join, _lora_stacks, expert_stacks, grouped_experts, joined
+from qerl.model.policy import build_policy, save_adapter
 from qerl.model.replace import replace_modules
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="needs torch >= 2.10")
@@ -173,6 +173,78 @@ def test_experts_without_adapters_and_the_choice_by_device(tiny_model_dirs):
     with torch.no_grad():
         out, _ = grouped_experts(expert_stacks(experts), x, index, weight)
         close(out, experts(x, index, weight), TOLERANCE[torch.bfloat16][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # rank 4: 16 bytes in fp32, padded to 8 in bf16
+def test_expert_adapters_laid_out_in_one_buffer_stack_as_views_and_train_as_before(tiny_model_dirs, dtype, tmp_path):
+    def grouped_policy(laid: bool):
+        torch.manual_seed(0)  # (peft draws LoRA A from the global generator)
+        built = random_adapters(build_policy(str(tiny_model_dirs["qwen3_moe"]), "nvfp4", lora_rank=4,
+                                             dtype=str(dtype).removeprefix("torch.")))
+        assert lay_out_adapters(built) == 0  # the CPU's experts run the loop: nothing laid out
+        assert replace_modules(built, lambda m: isinstance(m, Experts), lambda m: Experts(list(m), grouped=True)) == 2
+        if laid:
+            assert lay_out_adapters(built) == 8  # 2 layers x (gate|up, down) x (A, B)
+        return built
+
+    plain, laid = grouped_policy(False), grouped_policy(True)
+    for (name, p), q in zip(plain.named_parameters(), laid.parameters()):
+        assert torch.equal(p, q), name  # the same values under the same names
+    experts = laid.get_base_model().model.layers[0].mlp.experts
+    gate_a, up_a = ([getattr(e, n).lora_A["default"].weight for e in experts] for n in ("gate_proj", "up_proj"))
+    assert {t.untyped_storage().data_ptr() for t in gate_a + up_a} == {gate_a[0].untyped_storage().data_ptr()}
+    assert up_a[0].data_ptr() == gate_a[0].data_ptr() + gate_a[0].nbytes == gate_a[1].data_ptr() - up_a[0].nbytes
+    padded = dtype == torch.bfloat16
+    for stack, plain_stack in zip(expert_stacks(experts),
+                                  expert_stacks(plain.get_base_model().model.layers[0].mlp.experts)):
+        assert None not in stack.laid and plain_stack.laid == (None, None)  # peft's own tensors: copies, as before
+        (a, b_t), (a_ref, b_t_ref) = (_lora_stacks(s, list(range(8)), dtype) for s in (stack, plain_stack))
+        assert torch.equal(a, a_ref) and torch.equal(b_t, b_t_ref)
+        assert (a.data_ptr() == stack.lora_a[0].data_ptr()) is not padded  # a view of the buffer: no copy
+        for x, y in zip(_lora_stacks(stack, [1, 5], dtype), _lora_stacks(plain_stack, [1, 5], dtype)):
+            assert torch.equal(x, y)  # some experts: a copy of theirs
+
+    # two steps of training on each: the same gradients (None for experts no token chose), the same AdamW steps
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (plain, laid)]
+    for _ in range(2):
+        grads = []
+        for model, optimizer in zip((plain, laid), optimizers):
+            model(IDS).logits.float().log_softmax(-1).square().mean().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert {n for n, g in grads[0].items() if g is None} == {n for n, g in grads[1].items() if g is None}
+        for name, grad in grads[0].items():
+            if grad is not None:
+                torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
+    for (name, p), q in zip(plain.named_parameters(), laid.parameters()):
+        assert torch.equal(p, q), name
+    stack = expert_stacks(experts)[0]
+    assert None not in stack.laid  # the optimizer wrote into the buffers
+
+    # a checkpoint loads into the buffers (copies in place); an adapter saves (peft un-shares what it writes)
+    torch.save(laid.state_dict(), tmp_path / "state.pt")
+    with torch.no_grad():
+        for p in laid.parameters():
+            p.zero_()
+    laid.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert expert_stacks(experts)[0].laid == stack.laid
+    for (name, p), q in zip(plain.named_parameters(), laid.parameters()):
+        assert torch.equal(p, q), name
+    save_adapter(laid, tmp_path / "adapter")
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    key = next(k for k in saved if "layers.0.mlp.experts.3.up_proj.lora_A" in k)
+    assert torch.equal(saved[key], experts[3].up_proj.lora_A["default"].weight)
+
+    # a parameter given storage of its own after the stacks were made (a move, an assignment): a copy of the values
+    moved = experts[2].up_proj.lora_A["default"].weight
+    moved.data = moved.data + 1.0
+    a, _ = _lora_stacks(stack, list(range(8)), dtype)
+    assert a.data_ptr() != stack.lora_a[0].data_ptr()
+    rank = 8 if padded else 4
+    assert torch.equal(a[2, rank:rank + 4], moved.to(dtype)) and torch.equal(a[1, :4], gate_a[1].to(dtype))
 
 
 def test_joined_parts_of_one_storage_are_a_view_and_others_a_copy():
