@@ -260,6 +260,8 @@ def main() -> None:
     if (args.profile_update or args.profile_rollout_steps) and args.steps < 3:
         parser.error(f"--steps {args.steps}: a profiled run profiles its second step and times the steps after it; "
                      "use --steps 3 or more (4 for two timed steps).")
+    if args.compare and not Path(args.compare).is_file():  # before hours of runs, not after them
+        parser.error(f"--compare {args.compare}: no such file; give an earlier run's JSON of this benchmark.")
     quantizations = args.quantizations.split(",")
     if args.parallel and torch.cuda.device_count() < len(quantizations):
         parser.error(f"--parallel: {len(quantizations)} formats need as many GPUs, this machine has "
