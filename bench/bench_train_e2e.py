@@ -164,8 +164,9 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     events = EventAccumulator(sorted(glob.glob(str(log_root / name / "*" / "events*")))[-1])
     events.Reload()
     series = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    # the first step warms up; a profiled second step (either profiler) is slowed by the profiler: both left out
-    first = 2 if profile else 1
+    # the first step warms up; a profiled second step (either profiler) is slowed by the profiler: both left out, in
+    # every format's run (the update profiler runs in NVFP4's only): the formats' medians are of the same steps
+    first = 2 if args.profile_update or args.profile_rollout_steps else 1
     steady = lambda tag: statistics.median(series[tag][first:] or series[tag])  # noqa: E731
     return {
         "rollout_s": steady("perf/rollout_s"),

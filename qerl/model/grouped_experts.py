@@ -31,8 +31,8 @@ without a copy (gate and up's LoRA-B gradients leave the block-diagonal stack as
 copied, 256 copies a layer at 128 experts). Where a layer's adapters are laid out in one buffer per matrix kind
 (``lay_out_adapters``: expert-major, gate's then up's A of expert 0, then expert 1's, ...) the stack of every expert is
 a view of that buffer, not a stack of 256 tensors each call (one batched copy on the GPU, but host work per tensor
-in a phase whose GPU waits on the host). Ranks are padded with zeros to 16 bytes (the grouped GEMM's stride rule); gate and up share one
-LoRA-B GEMM through a block-diagonal stack (its zero blocks cost a K = 2r GEMM).
+in a phase whose GPU waits on the host). Ranks are padded with zeros to 16 bytes (the grouped GEMM's stride rule);
+gate and up share one LoRA-B GEMM through a block-diagonal stack (its zero blocks cost a K = 2r GEMM).
 
 Roundings as the loop's (each projection's base product rounded to the compute dtype, LoRA added and rounded, silu
 rounded, the product with up rounded, the router-weight product rounded, the k products added one at a time in expert
