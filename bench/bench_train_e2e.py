@@ -113,7 +113,7 @@ def run_format(quantization: str, args, work: Path, vocab: int, gpu: int | None 
     result = pinned(fit, target, quantization, args, work / "runs")
     print(quantization, {k: v for k, v in result.items() if k != "rollout_phases"}, flush=True)
     if args.drop_checkpoints:  # a 30B-A3B's bf16 checkpoint alone is 61 GB: both do not fit a 64 GiB disk
-        shutil.rmtree(target)
+        shutil.rmtree(target, ignore_errors=True)  # (another run beside this one may share the model: gone already)
     return result
 
 

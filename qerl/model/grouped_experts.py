@@ -48,6 +48,7 @@ forward does), adapters on some experts only, or scalings that differ within a s
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 from itertools import accumulate
@@ -154,7 +155,14 @@ def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor, joins: dict) 
     """The dense weights of NVFP4 ``layers`` (equal shapes, on the Triton kernels) written into ``out`` (their rows
     stacked) by one dequantize launch over their storage joined (kept in ``joins`` while it is the same tensors),
     each layer's rows with its own global scale (the values of each layer's own dequantize); False (nothing written)
-    where the layers do not allow it."""
+    where the layers do not allow it. From the repacked copies, what was joined last is reused while its
+    ``_Sources`` are unchanged (the checks below, per layer, cost more host time than the launch)."""
+    sources = joins.get("sources")
+    if sources is not None and sources[0] == out.device and sources[1].unchanged(layers):
+        from qerl.nvfp4.kernels.matmul import dequantize_repacked
+
+        dequantize_repacked(*sources[2:], out.dtype, out=out)
+        return True
     if not all(isinstance(layer, NVFP4Linear) and kernel_name(layer.kernel, out.device) == "triton"
                and layer.weight_packed.shape == layers[0].weight_packed.shape for layer in layers) or (
             layers[0].out_features % 16):  # (the kernels' row tile reads one global scale)
@@ -169,8 +177,15 @@ def dequantize_stacked(layers: list[nn.Module], out: torch.Tensor, joins: dict) 
                          lambda parts: torch.cat([t.reshape(1) for t in parts]))
     repacked = [layer.gemv_weight(build=False) for layer in layers]
     if all(r is not None for r in repacked):  # the decode GEMV's copies (the compressed tensors may be in host memory)
-        dequantize_repacked(join("words", [w for w, _ in repacked]), join("factors", [f for _, f in repacked]),
-                            global_scales, out.dtype, out=out)
+        words, factors = join("words", [w for w, _ in repacked]), join("factors", [f for _, f in repacked])
+        dequantize_repacked(words, factors, global_scales, out.dtype, out=out)
+        joins.pop("sources", None)
+        if all(joins[name].value is kept for name, kept in (("words", words), ("factors", factors),
+                                                           ("global_scales", global_scales))):
+            try:
+                joins["sources"] = (out.device, _Sources(layers), words, factors, global_scales)
+            except RuntimeError:  # an inference tensor: no write count to watch
+                pass
     elif all(layer.weight_packed.device == out.device for layer in layers):
         scale = join("scales", [layer.weight_scale for layer in layers],
                      lambda parts: joined([t.view(torch.uint8) for t in parts]).view(torch.float8_e4m3fn))
@@ -194,6 +209,41 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
         end += part.nbytes
     rows = sum(part.shape[0] for part in parts)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+_PARAMETERS, _GEMV_CACHE, _KERNEL, _VERSION = (operator.attrgetter(name) for name in (
+    "_parameters", "_gemv_cache", "kernel", "_version"))
+_COMPRESSED = tuple(operator.itemgetter(name) for name in ("weight_packed", "weight_scale", "weight_global_scale"))
+
+
+class _Sources:
+    """What a stacked dequantize joined its tensors from: the layers, their kernels, their repacked copies
+    (``_gemv_cache``: the words and factors) and compressed-tensors parameters, each tensor by object, data pointer and
+    in-place write count (``storage_version``'s facts), read in C loops (``map``): ``_Join``'s checks of the same facts
+    cost some 10 us of Python a layer (3 ms a 256-layer stack, three stacks a layer in a checkpointed update). While
+    :meth:`unchanged`, the joins would give back what they gave (the repacked copies were current when they were read,
+    and their sources have not changed since)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers, self.kernels, self.caches = layers, list(map(_KERNEL, layers)), list(map(_GEMV_CACHE, layers))
+        self.tensors, self.facts = self._read(layers, self.caches)
+
+    @staticmethod
+    def _read(layers: list[nn.Module], caches: list) -> tuple[list[torch.Tensor], tuple[list, list]]:
+        parameters = list(map(_PARAMETERS, layers))
+        tensors = [t for get in _COMPRESSED for t in map(get, parameters)]
+        tensors += [t for cache in caches for t in cache[1]]
+        # (an inference tensor counts no writes: reading its count raises, and dequantize_stacked keeps no sources)
+        return tensors, (list(map(torch.Tensor.data_ptr, tensors)), list(map(_VERSION, tensors)))
+
+    def unchanged(self, layers: list[nn.Module]) -> bool:
+        if len(layers) != len(self.layers) or not all(map(operator.is_, layers, self.layers)):
+            return False
+        caches = list(map(_GEMV_CACHE, layers))
+        if not all(map(operator.is_, caches, self.caches)) or list(map(_KERNEL, layers)) != self.kernels:
+            return False
+        tensors, facts = self._read(layers, caches)
+        return all(map(operator.is_, tensors, self.tensors)) and facts == self.facts
 
 
 class _Join:

@@ -69,6 +69,23 @@ def main() -> None:
     NVFP4Linear.stacked_gemv_weight([e.down_proj for e in experts])
     for dtype in (torch.float32, torch.float16):
         results[f"stacked-{str(dtype).removeprefix('torch.')}"] = stack_errors(experts, dtype)
+    # the joins kept between calls, as a stack keeps them: reused while their sources are unchanged, made again after
+    # an in-place write of a global scale and after a restack
+    bases, joins, cpu = [[e.gate_proj, e.up_proj] for e in experts], {}, torch.device("cpu")
+    first = dense_stack(bases, torch.float32, cpu, joins)
+    sources = joins["sources"]
+    results["kept-reused"] = torch.equal(dense_stack(bases, torch.float32, cpu, joins), first) and \
+        joins["sources"] is sources
+    experts[1].up_proj.weight_global_scale.mul_(2.0)
+    own = torch.stack([torch.cat([b.dequantize(torch.float32) for b in layers]) for layers in bases])
+    results["kept-after-write"] = float((dense_stack(bases, torch.float32, cpu, joins) - own).abs().max()
+                                        / own.abs().max())
+    results["kept-made-again"] = joins["sources"] is not sources
+    NVFP4Linear.stacked_gemv_weight([p for e in experts for p in (e.gate_proj, e.up_proj)])
+    sources = joins["sources"]
+    results["kept-after-restack"] = float((dense_stack(bases, torch.float32, cpu, joins) - own).abs().max()
+                                          / own.abs().max())
+    results["kept-restacked"] = joins["sources"] is not sources
     print(json.dumps(results))
 
 

@@ -268,11 +268,47 @@ def test_joined_parts_of_one_storage_are_a_view_and_others_a_copy():
     assert kept.of(views, joined) is kept.of(views, joined)  # a large view of the parts' own storage: kept
 
 
+def test_stacked_dequantize_sources_see_every_change_the_joins_see():
+    """``_Sources`` (the stacked dequantize's reuse of its joins) against each change that makes ``_Join`` join again,
+    and the ones around it: another layer, kernel, repacked copy, parameter storage, an in-place write of a
+    compressed parameter or of a repacked copy."""
+    from qerl.model.grouped_experts import _Sources
+    from qerl.nvfp4.linear import NVFP4Linear
+
+    layers = [NVFP4Linear(64, 16) for _ in range(4)]
+    for layer in layers:
+        layer.gemv_weight()
+    sources = _Sources(layers)
+    assert sources.unchanged(list(layers))  # a new list of the same layers
+    changes = [
+        lambda ls: ls.__setitem__(2, NVFP4Linear(64, 16)),
+        lambda ls: setattr(ls[1], "kernel", "torch"),
+        lambda ls: setattr(ls[3], "_gemv_cache", (ls[3]._gemv_cache[0],
+                                                  tuple(t.clone() for t in ls[3]._gemv_cache[1]))),
+        lambda ls: setattr(ls[0].weight_packed, "data", ls[0].weight_packed.data.clone()),
+        lambda ls: ls[2].weight_global_scale.mul_(2.0),  # (frozen parameters: written as load_state_dict writes)
+        lambda ls: ls[1].weight_scale.zero_(),
+        lambda ls: ls[0].gemv_weight()[1].zero_(),
+        lambda ls: NVFP4Linear.stacked_gemv_weight(ls),
+    ]
+    for i, change in enumerate(changes):
+        changed = [NVFP4Linear(64, 16) for _ in range(4)]
+        for layer in changed:
+            layer.gemv_weight()
+        watched = _Sources(changed)
+        assert watched.unchanged(changed)
+        with torch.no_grad():
+            change(changed)
+        assert not watched.unchanged(changed), i
+
+
 def test_stacked_dequantize_and_grouped_experts_on_the_triton_kernels_interpreted(run_interpreted):
     pytest.importorskip("triton")
     results = run_interpreted(Path(__file__).with_name("_interpret_dense_stack.py"))
     for storage in ("compressed", "repacked", "stacked"):  # one rounding apart at most (the kernel's order against the reference's)
         assert results[f"{storage}-float32"] <= 2**-22 and results[f"{storage}-float16"] <= 2**-10, results
     assert results["hit-float32"] == results["hit-float16"] == [0, 2]
+    assert results["kept-reused"] and results["kept-made-again"] and results["kept-restacked"], results
+    assert results["kept-after-write"] <= 2**-22 and results["kept-after-restack"] <= 2**-22, results
     assert results["grouped-out-float32"] < 1e-5 and results["grouped-dx-float32"] < 1e-5, results
     assert results["grouped-out-float16"] < 5e-3 and results["grouped-dx-float16"] < 5e-3, results
