@@ -47,6 +47,8 @@ SHAPES = {
             ("gate", 27648, 5120), ("up", 27648, 5120), ("down", 5120, 27648)],
     "72b": [("q", 8192, 8192), ("k", 1024, 8192), ("v", 1024, 8192), ("o", 8192, 8192),
             ("gate", 29568, 8192), ("up", 29568, 8192), ("down", 8192, 29568)],
+    # Qwen3-30B-A3B's attention as the fused decoder launches it (q|k|v stacked, o); its experts: bench_expert_gemv.py
+    "30b-a3b": [("qkv", 5120, 2048), ("o", 2048, 4096)],
 }
 ROTATE_BYTES = 2.5 * 50e6  # cycle through more than 2x the H100's 50 MB L2
 CHECK_ROWS = 96  # rows of the output compared with fp64 (the last row always included)
