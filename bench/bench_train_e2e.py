@@ -136,8 +136,10 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         dtype = kv_cache_dtype(args, quantization)
         kv = [] if dtype == "auto" else ["--model.rollout.init_args.engine_kwargs", json.dumps({"kv_cache_dtype": dtype})]
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # (shared/DESIGN.md: as seen on the H100)
+    # the update profiler in NVFP4's run; recording the kernels alone (its overhead small), in every format's
     profile = ["--trainer.callbacks+=update_profiler.UpdateProfiler", f"--trainer.callbacks.out={args.profile_update}",
-               f"--trainer.callbacks.name={quantization}"] if args.profile_update and quantization == "nvfp4" else []
+               f"--trainer.callbacks.name={quantization}", f"--trainer.callbacks.host={args.profile_update_host}"] \
+        if args.profile_update and (quantization == "nvfp4" or not args.profile_update_host) else []
     if args.profile_rollout_steps and args.engine == "cuda_graph":  # (rollout_phases.StepWindow)
         profile += ["--model.rollout.init_args.profile_steps", str(args.profile_rollout_steps)]
     cli = cli_main([  # (a fresh process: no CUDA call before it, so that the CLI's allocator settings apply)
@@ -240,6 +242,9 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/qerl_e2e")
     parser.add_argument("--profile-update", default=None, help="a directory: profile the NVFP4 run's second update "
                         "there (bench/update_profiler.py; that step is left out of the medians)")
+    parser.add_argument("--profile-update-host", type=lambda v: v.lower() == "true", default=True,
+                        help="false: the update profiler records kernels alone, in every format's run (the wall time "
+                        "against the GPU's busy time without the host operators' recording slowing the host)")
     parser.add_argument("--profile-rollout-steps", type=int, default=0,
                         help="torch.profiler over this many decode steps of the second rollout's widest batch bucket "
                         "(rollout_phases.StepWindow; that step is left out of the medians and the phase summary)")

@@ -9,6 +9,10 @@ GPU's idle time by host operator) and ``DIR/update_phase_<device>_<name>.json``:
 time (the union of its kernels' intervals: below the wall time the GPU waits on the host), the top kernels and
 operators, ``gpu_idle``: the instants no kernel runs, charged to the host op running then (``gpu_idle.py``), and
 ``launchers``: the most frequent device activities by the host ops (and their parents) that launched them.
+
+``host=False`` records the kernels alone (no host operators: no operator table, idle charges or launchers): recording
+every host operator makes each one slower (tens of thousands of them in a MoE update: the host-bound parts grow), so
+the wall time against the GPU's busy time is the phase's own only without them.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ class UpdateProfiler(L.Callback):
         name: file-name tag (e.g. the quantization).
         step: which batch's update to profile (not the first: compilation, autotuning, allocator warm-up).
         rows: rows per table.
+        host: also record the host operators (False: the kernels alone, see the module docstring).
     """
 
-    def __init__(self, out: str, name: str = "update", step: int = 1, rows: int = 40):
-        self.out, self.name, self.step, self.rows = Path(out), name, step, rows
+    def __init__(self, out: str, name: str = "update", step: int = 1, rows: int = 40, host: bool = True):
+        self.out, self.name, self.step, self.rows, self.host = Path(out), name, step, rows, host
         self.original = None  # the module file's own update, while this callback swaps it
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -64,13 +69,15 @@ class UpdateProfiler(L.Callback):
 
         def profiled(*args, **kwargs):
             sync()
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            host = self.host or not cuda  # (on the CPU the operators are all there is: recorded either way)
+            activities = ([torch.profiler.ProfilerActivity.CPU] if host else []) + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with torch.profiler.profile(activities=activities) as prof:
                 start = time.perf_counter()
                 result = original(*args, **kwargs)
                 sync()
                 wall = time.perf_counter() - start
-            self._write(prof, wall)
+            self._write(prof, wall, host)
             return result
 
         home.policy_update = profiled
@@ -79,7 +86,7 @@ class UpdateProfiler(L.Callback):
         if self.original is not None:  # (the profiled step was the last: the process keeps the module's own update)
             sys.modules[type(pl_module).__module__].policy_update = self.original
 
-    def _write(self, prof, wall: float) -> None:
+    def _write(self, prof, wall: float, host: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
         events = prof.events()
@@ -91,11 +98,12 @@ class UpdateProfiler(L.Callback):
         launches = [(k.name, op_chain(e), k.duration) for e in events
                     if e.device_type == torch.autograd.DeviceType.CPU for k in e.kernels]
         by_cuda = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[: self.rows]
-        by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: self.rows]
+        by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: self.rows] if host else []
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         summary = {
             "device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv), "name": self.name, "wall_s": wall, "gpu_busy_s": busy, "kernels": len(kernels),
+            "command": " ".join(sys.argv), "name": self.name, "host_ops": host, "wall_s": wall,
+            "gpu_busy_s": busy, "kernels": len(kernels),
             "top_cuda": [{"name": e.key, "count": e.count, "self_cuda_s": e.self_device_time_total / 1e6}
                          for e in by_cuda],
             "top_cpu": [{"name": e.key, "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in by_cpu],
@@ -109,7 +117,8 @@ class UpdateProfiler(L.Callback):
         (self.out / f"{stem}.txt").write_text(
             f"update phase: wall {wall:.3f} s, GPU busy {busy:.3f} s, {len(kernels)} kernels\n\n"
             + averages.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=90) + "\n\n"
-            + averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90)
+            + (averages.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=90) if host
+               else "(host operators not recorded)")
             + ("" if idle is None else idle_table(summary["gpu_idle"]))
             + launcher_table(summary["launchers"]))
         print(f"update profile ({self.name}): wall {wall:.3f} s, GPU busy {busy:.3f} s", flush=True)
