@@ -220,9 +220,9 @@ class _Sources:
     """What a stacked dequantize joined its tensors from: the layers, their kernels, their repacked copies
     (``_gemv_cache``: the words and factors) and compressed-tensors parameters, each tensor by object, data pointer and
     in-place write count (``storage_version``'s facts), read in C loops (``map``): ``_Join``'s checks of the same facts
-    cost some 10 us of Python a layer (3 ms a 256-layer stack, three stacks a layer in a checkpointed update). While
-    :meth:`unchanged`, the joins would give back what they gave (the repacked copies were current when they were read,
-    and their sources have not changed since)."""
+    are Python per layer, which a 128-expert stack repeats for every layer three times a checkpointed update
+    (forward, recompute, backward) while the GPU waits. While :meth:`unchanged`, the joins would give back what they
+    gave (the repacked copies were current when they were read, and their sources have not changed since)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers, self.kernels, self.caches = layers, list(map(_KERNEL, layers)), list(map(_GEMV_CACHE, layers))
