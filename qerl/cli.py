@@ -236,7 +236,8 @@ class QeRLCLI(LightningCLI):
             except ValueError as error:
                 parser.error(str(error))
         rollout = config.model.get("rollout") if trains else None
-        refusal = unsupported_policy(str(config.model.policy.model)) if engine_kind(rollout) == "vllm" else None
+        refusal = unsupported_policy(str(config.model.policy.model), tuple(config.model.policy.lora_targets),
+                                     planning_device(config.trainer).type) if engine_kind(rollout) == "vllm" else None
         if trains and refusal:
             parser.error(refusal)
         if trains and engine_kind(rollout) is None:

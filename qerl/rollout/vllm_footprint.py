@@ -68,22 +68,24 @@ def row_kv_bytes(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def weight_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """vLLM's copy of the weights: NVFP4 projections where the policy's are (the checkpoint it loads), else bf16
-    (NVFP4 global scales, a few bytes per tensor, are left out)."""
-    linear = sum(math.prod(shape.projection(p)) for layer in layer_projections(shape, settings.lora_targets)
-                 for p, _ in layer)
+    """vLLM's copy of the weights: NVFP4 projections where the policy's are (the checkpoint it loads), else bf16, every
+    expert's of a MoE and its routers (NVFP4 global scales, a few bytes per tensor, are left out)."""
+    linear = sum(math.prod(shape.projection(p)) * shape.copies(p)
+                 for layer in layer_projections(shape, settings.lora_targets) for p, _ in layer)
     quantized = nvfp4_weights(shape, settings)
     embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
     bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.layers if shape.qkv_bias else 0
     return int(quantized * NVFP4_BYTES_PER_WEIGHT
-               + (linear - quantized + embeddings + norm_channels(shape) + bias) * DENSE_BYTES)
+               + (linear - quantized + embeddings + norm_channels(shape) + bias + shape.router_weights())
+               * DENSE_BYTES)
 
 
 def lora_slot_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """vLLM's LoRA slots: slot rank x (in + out) per targeted projection, bf16, ``VLLM_MAX_LORAS`` slots."""
+    """vLLM's LoRA slots: slot rank x (in + out) per targeted projection (each expert's of a MoE: vLLM's fused-MoE
+    LoRA keeps every expert's A and B), bf16, ``VLLM_MAX_LORAS`` slots."""
     rank = settings.lora_slot_rank or settings.lora_rank
     return VLLM_MAX_LORAS * DENSE_BYTES * sum(
-        rank * sum(shape.projection(p)) for layer in layer_projections(shape, settings.lora_targets)
+        rank * sum(shape.projection(p)) * shape.copies(p) for layer in layer_projections(shape, settings.lora_targets)
         for p, targeted in layer if targeted)
 
 

@@ -124,6 +124,19 @@ def test_save_nvfp4_loads_in_transformers_and_back(tiny_model_dirs, tokenizer, t
         load_model(str(tmp_path), "bf16")
 
 
+def test_save_nvfp4_names_the_architecture_of_a_model_built_from_a_config(tmp_path):
+    """A model made from a config (no ``architectures`` until save_pretrained writes them) is written with its class:
+    vLLM picks the causal-LM head by it (without it, a Qwen3-MoE loaded as a pooling model)."""
+    from qerl.testing.random_models import build_random_model, model_config
+
+    config = model_config("qwen3-30b-a3b", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
+                          num_experts_per_tok=2, vocab_size=128)
+    assert not config.architectures
+    save_nvfp4(build_random_model(config, "nvfp4", device="cpu"), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
 def test_load_model_errors(tiny_model_dirs, tmp_path):
     with pytest.raises(ValueError, match="quantization must be"):
         load_model(str(tiny_model_dirs["llama"]), "int4")

@@ -42,6 +42,21 @@ def test_lora_rank_maps_to_a_rank_vllm_accepts():
         vllm_lora_rank(1024)
 
 
+def test_a_moe_policy_is_taken_on_cuda_with_all_or_none_of_each_experts_projections(tiny_model_dirs):
+    from qerl.rollout.vllm import unsupported_policy
+
+    moe, dense = str(tiny_model_dirs["qwen3_moe"]), str(tiny_model_dirs["qwen2"])
+    assert unsupported_policy(moe) is None and unsupported_policy(moe, ["q_proj", "v_proj"]) is None
+    assert unsupported_policy(dense, ["gate_proj"], "cpu") is None
+    assert unsupported_policy(moe, ["q_proj", r".*\.experts\.\d+\.(gate|up|down)_proj"]) is None
+    assert unsupported_policy(moe, [r".*layers\.0\.mlp\.experts\.\d+\.\w+_proj"]) is None  # (layer 1: none)
+    assert "on CUDA only" in unsupported_policy(moe, device="cpu")
+    for targets in (["q_proj", "gate_proj", "up_proj"], [r".*experts\.[0-3]\.\w+_proj"],
+                    ["down_proj", r".*experts\.0\.(gate|up)_proj"]):
+        refusal = unsupported_policy(moe, targets)
+        assert refusal.startswith("model.policy.lora_targets") and "every expert of a layer or none" in refusal
+
+
 def test_missing_vllm_names_the_extra_to_install(monkeypatch):
     real = importlib.util.find_spec
     fake = lambda name, *a: None if name == "vllm" else real(name, *a)  # noqa: E731

@@ -47,7 +47,7 @@ def checkpoint_bytes(directory) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
-@pytest.mark.parametrize("architecture", ["qwen2", "llama3"])
+@pytest.mark.parametrize("architecture", ["qwen2", "llama3", "qwen3_moe"])  # (a MoE: every expert and the routers)
 def test_vllms_weights_are_the_bytes_of_the_checkpoint_it_loads(quantization, architecture, tmp_path):
     from qerl.nvfp4.checkpoint import save_nvfp4
     from qerl.testing.random_models import build_random_model
@@ -71,6 +71,15 @@ def test_the_kv_cache_and_lora_slot_by_hand():
     per_layer = 16 * ((3584 + 3584) * 2 + (512 + 3584) * 2 + (18944 + 3584) * 3)
     assert lora_slot_bytes(shape, settings) == 28 * per_layer * 2
     assert lora_slot_bytes(shape, replace(settings, lora_rank=4, lora_slot_rank=8)) * 2 == 28 * per_layer * 2
+
+
+def test_a_moe_lora_slot_holds_every_experts_a_and_b():
+    from qerl.testing.tiny_models import tiny_config
+
+    shape = ModelShape.from_config(tiny_config("qwen3_moe"))  # 2 layers, hidden 64, 4 x 32 heads, 2 KV, 8 experts of 32
+    settings = RunSettings(prompts=1, group_size=2, max_prompt_tokens=8, max_new_tokens=8, lora_rank=8)
+    per_layer = 8 * ((64 + 128) * 2 + (64 + 64) * 2 + 8 * (64 + 32) * 3)  # q, o; k, v; each expert's gate, up, down
+    assert lora_slot_bytes(shape, settings) == 2 * per_layer * 2
 
 
 def test_the_7b_recipe_gets_a_share_that_holds_every_row_on_an_80gb_gpu():
