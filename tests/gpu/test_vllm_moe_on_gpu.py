@@ -17,62 +17,31 @@ import importlib.util
 
 import pytest
 import torch
-
-from qerl.rollout.sampling_spec import SamplingSpec
+from vllm_cases import G, PROMPTS, VOCAB, colocated_engine, nvfp4_policy, randomize_lora_b, sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
 
-VOCAB, MAX_NEW, G = 1024, 24, 4
-PROMPTS = [[int(t) for t in torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
-           for n in (7, 30, 12, 64)]
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from qerl.nvfp4.checkpoint import save_nvfp4
-    from qerl.testing.random_models import build_random_model, model_config
+def policy(tmp_path_factory):
+    from qerl.testing.random_models import model_config
 
     config = model_config("qwen3-30b-a3b", hidden_size=512, moe_intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
-    directory = tmp_path_factory.mktemp("nvfp4_moe")
-    save_nvfp4(build_random_model(config, "nvfp4", device="cuda"), directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def policy(checkpoint):
-    from qerl.model.policy import build_policy
-
-    policy = build_policy(str(checkpoint), "nvfp4", lora_rank=16, dtype="bfloat16", device="cuda")
-    randomize_expert_adapter(policy, 0)
-    return policy
+    return nvfp4_policy(config, tmp_path_factory.mktemp("nvfp4_moe"), randomize_expert_adapter)
 
 
 @pytest.fixture(scope="module")
 def engine(policy):
-    from qerl.rollout.vllm import VLLMRollout
-
-    # tokens in and out only: the random checkpoint has no tokenizer
-    engine = VLLMRollout(max_model_len=128, gpu_memory_utilization=0.3, engine_kwargs={"skip_tokenizer_init": True})
-    engine.sync(policy)
-    return engine
+    return colocated_engine(policy)
 
 
-@torch.no_grad()
 def randomize_expert_adapter(policy, seed: int) -> None:
     """The experts' LoRA B random, attention's zero: what the adapter changes, only the expert LoRA carries."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            scale = 0.3 if ".experts." in name else 0.0
-            p.copy_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.float32).to(p.dtype) * scale)
-
-
-def sample(engine, policy, seed: int = 123, sigma: float = 0.0, noise_seed: int = 0):
-    spec = SamplingSpec(max_new_tokens=MAX_NEW, seed=seed, stream="separate", noise_sigma=sigma,
-                        noise_generator=torch.Generator().manual_seed(noise_seed))
-    return engine.generate(policy, PROMPTS, G, 0, [], spec)
+    randomize_lora_b(policy, seed, lambda name: 0.3 if ".experts." in name else 0.0)
 
 
 @torch.no_grad()
@@ -88,7 +57,7 @@ def gaps(policy, rollout) -> tuple[float, float]:
 
 
 def test_vllm_samples_the_nvfp4_moe_with_its_expert_lora(engine, policy):
-    first = sample(engine, policy)
+    first = sample(engine, policy, MAX_NEW)
     assert first.completion_ids.shape == (len(PROMPTS) * G, MAX_NEW)
     near, without = gaps(policy, first)
     print(f"mean |vLLM log-prob - policy log-prob| (NVFP4 MoE + expert LoRA r16): {near:.3e}; "
@@ -96,13 +65,13 @@ def test_vllm_samples_the_nvfp4_moe_with_its_expert_lora(engine, policy):
     assert near < 0.1 and near < without / 4  # (H200: 0.044 against 0.45; 2e-3-3e-3 for a dense model's adapter)
     randomize_expert_adapter(policy, 1)  # an optimizer step's new adapter, synced as RolloutSync does
     engine.sync(policy)
-    second = sample(engine, policy)
+    second = sample(engine, policy, MAX_NEW)
     assert not torch.equal(first.logprobs, second.logprobs)
     near, without = gaps(policy, second)
     assert near < 0.1 and near < without / 4  # the new adapter, not the old one
-    clean = sample(engine, policy)
-    noisy = sample(engine, policy, sigma=1e-1, noise_seed=3)
+    clean = sample(engine, policy, MAX_NEW)
+    noisy = sample(engine, policy, MAX_NEW, sigma=1e-1, noise_seed=3)
     mask = clean.completion_mask.bool() & noisy.completion_mask.bool()
     assert float((noisy.logprobs - clean.logprobs)[mask].abs().mean()) > 5e-3  # AQN reaches vLLM's norms
-    again = sample(engine, policy)
+    again = sample(engine, policy, MAX_NEW)
     assert torch.equal(again.completion_ids, clean.completion_ids)  # and is removed

@@ -16,63 +16,35 @@ import importlib.util
 
 import pytest
 import torch
-
-from qerl.rollout.sampling_spec import SamplingSpec
+from vllm_cases import G, PROMPTS, VOCAB, colocated_engine, nvfp4_policy, randomize_lora_b
+from vllm_cases import sample as sample_from
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
 
-VOCAB, MAX_NEW, G = 1024, 32, 4
+MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from qerl.nvfp4.checkpoint import save_nvfp4
-    from qerl.testing.random_models import build_random_model, qwen25_config
+def policy(tmp_path_factory):
+    from qerl.testing.random_models import qwen25_config
 
     config = qwen25_config("qwen2.5-7b", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
-    directory = tmp_path_factory.mktemp("nvfp4")
-    save_nvfp4(build_random_model(config, "nvfp4", device="cuda"), directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def policy(checkpoint):
-    from qerl.model.policy import build_policy
-
-    policy = build_policy(str(checkpoint), "nvfp4", lora_rank=16, dtype="bfloat16", device="cuda")
-    randomize_adapter(policy, 0)
-    return policy
+    return nvfp4_policy(config, tmp_path_factory.mktemp("nvfp4"), randomize_adapter)
 
 
 @pytest.fixture(scope="module")
 def engine(policy):
-    from qerl.rollout.vllm import VLLMRollout
-
-    # tokens in and out only: the random checkpoint has no tokenizer
-    engine = VLLMRollout(max_model_len=128, gpu_memory_utilization=0.3, engine_kwargs={"skip_tokenizer_init": True})
-    engine.sync(policy)
-    return engine
+    return colocated_engine(policy)
 
 
-@torch.no_grad()
 def randomize_adapter(policy, seed: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            p.copy_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.float32).to(p.dtype) * 0.05)
-
-
-PROMPTS = [[int(t) for t in torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
-           for n in (7, 30, 12, 64)]
+    randomize_lora_b(policy, seed, lambda name: 0.05)
 
 
 def sample(engine, policy, seed: int = 123, sigma: float = 0.0, noise_seed: int = 0):
-    """The same request seeds for the same ``seed`` (a separate stream): the same draws."""
-    spec = SamplingSpec(max_new_tokens=MAX_NEW, seed=seed, stream="separate", noise_sigma=sigma,
-                        noise_generator=torch.Generator().manual_seed(noise_seed))
-    return engine.generate(policy, PROMPTS, G, 0, [], spec)
+    return sample_from(engine, policy, MAX_NEW, seed, sigma, noise_seed)
 
 
 def gap(policy, rollout) -> float:
