@@ -236,8 +236,9 @@ class QeRLCLI(LightningCLI):
             except ValueError as error:
                 parser.error(str(error))
         rollout = config.model.get("rollout") if trains else None
+        device_type = "cuda" if device_gb is not None else planning_device(config.trainer).type  # (planned for one)
         refusal = unsupported_policy(str(config.model.policy.model), tuple(config.model.policy.lora_targets),
-                                     planning_device(config.trainer).type) if engine_kind(rollout) == "vllm" else None
+                                     device_type) if engine_kind(rollout) == "vllm" else None
         if trains and refusal:
             parser.error(refusal)
         if trains and engine_kind(rollout) is None:

@@ -297,6 +297,27 @@ def test_the_vllm_engines_share_is_planned_and_a_share_too_large_refused_before_
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_moe_policy_on_vllm_is_planned_for_a_gpu_from_here_with_every_expert(capsys, no_model_loads, tmp_path,
+                                                                               monkeypatch):
+    from qerl.testing.random_models import model_config
+
+    monkeypatch.chdir(tmp_path)
+    config = model_config("qwen3-30b-a3b")
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path / "qwen3-30b-a3b")  # (config.json alone)
+    with pytest.raises(SystemExit) as exit_info:  # planned for a GPU (the refusal off CUDA is for running here)
+        cli_main(["fit", "--config", GPU, "--config", str(Path(DEBUG).parent / "recipes" / "qwen3-30b-a3b_gsm8k.yaml"),
+                  "--model.policy.model", str(tmp_path / "qwen3-30b-a3b"), "--trainer.accelerator", "cpu",
+                  "--memory_plan_device_gb", "139", "--model.rollout.class_path", "qerl.rollout.vllm.VLLMRollout",
+                  "--print_memory_plan", "true"])
+    assert exit_info.value.code in (None, 0)
+    gib = {line[:75].split(None, 1)[1].strip(): float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+           if line.startswith("rollout   vLLM")}
+    experts = 48 * 128 * 3 * 2048 * 768  # 48 layers of 128 experts, gate / up / down of 2048 x 768
+    assert experts * 0.5625 / 2**30 < gib["vLLM weights (NVFP4 checkpoint)"] < (experts * 0.5625 + 3e9) / 2**30
+    assert gib["vLLM LoRA slot (rank 16, bf16)"] > 48 * 128 * 3 * 16 * (2048 + 768) * 2 / 2**30  # every expert's A, B
+
+
 def test_a_mixture_of_experts_policy_is_refused_by_vllm_and_by_plain_ddp_naming_the_fix(capsys, no_model_loads,
                                                                                      tiny_model_dirs, tmp_path,
                                                                                      monkeypatch):
