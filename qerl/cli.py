@@ -241,6 +241,10 @@ class QeRLCLI(LightningCLI):
                                      device_type) if engine_kind(rollout) == "vllm" else None
         if trains and refusal:
             parser.error(refusal)
+        if trains and engine_kind(rollout) == "vllm" and replays_routing(config.model.get("expert_routing")):
+            parser.error("model.expert_routing.replay=true: router replay needs the rollout's expert choices, which "
+                         "VLLMRollout does not record; use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout, or "
+                         "replay false.")
         if trains and engine_kind(rollout) is None:
             if print_only:
                 name = str(rollout.get("class_path") if hasattr(rollout, "get") else rollout).rpartition(".")[2]
@@ -368,6 +372,13 @@ def default_allocator_settings(rollout_class_path: str) -> None:
         return
     name = "PYTORCH_CUDA_ALLOC_CONF" if "vllm" in rollout_class_path.lower() else "PYTORCH_ALLOC_CONF"
     os.environ[name] = "expandable_segments:True"
+
+
+def replays_routing(expert_routing) -> bool:
+    """Whether the parsed ``model.expert_routing`` asks for router replay (its ``init_args``, or the values alone)."""
+    if not hasattr(expert_routing, "get"):
+        return bool(getattr(expert_routing, "replay", False))
+    return bool((expert_routing.get("init_args") or expert_routing).get("replay"))
 
 
 def reward_format(answer_format: str) -> str:

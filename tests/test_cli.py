@@ -327,6 +327,11 @@ def test_a_mixture_of_experts_policy_is_refused_by_vllm_and_by_plain_ddp_naming_
     # (this machine's device: vLLM's fused-MoE LoRA runs Triton kernels, CUDA only)
     assert line.startswith("error: model.rollout: VLLMRollout samples mixture-of-experts policies (")
     assert "on CUDA only" in line and line.endswith("use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout.")
+    # router replay needs the rollout's expert choices, which vLLM does not give (planned for a GPU: taken otherwise)
+    line = fails(["--model.policy.model", str(tiny_model_dirs["qwen3_moe"]), "--model.rollout.class_path",
+                  "qerl.rollout.vllm.VLLMRollout", "--memory_plan_device_gb", "79", "--model.expert_routing.replay",
+                  "true"], capsys)
+    assert line.startswith("error: model.expert_routing.replay=true: router replay needs the rollout's expert choices")
     # under DDP an expert that none of a rank's tokens chose leaves its LoRA without a gradient on that rank
     line = fails(["--model.policy.model", str(tiny_model_dirs["qwen3_moe"]), "--trainer.strategy", "ddp",
                   "--trainer.devices", "2"], capsys)
