@@ -84,7 +84,9 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     halves = [cores[: len(cores) // 2], cores[len(cores) // 2:]]
     work, out = Path(args.work), Path(args.out)
-    size = e2e[e2e.index("--size") + 1] if "--size" in e2e else "qwen2.5-7b"
+    sizes = argparse.ArgumentParser(add_help=False)
+    sizes.add_argument("--size", default="qwen2.5-7b")  # (bench_train_e2e.py's default)
+    size = sizes.parse_known_args(e2e)[0].size
     write = (f"import bench_train_e2e as b; from pathlib import Path; from transformers import AutoTokenizer; "
              f"b.write_models({size!r}, {args.tokenizer!r}, Path({str(work)!r}), "
              f"len(AutoTokenizer.from_pretrained({args.tokenizer!r})), ({args.quantization!r},))")

@@ -236,11 +236,11 @@ class QeRLCLI(LightningCLI):
             except ValueError as error:
                 parser.error(str(error))
         rollout = config.model.get("rollout") if trains else None
-        device_type = "cuda" if device_gb is not None else planning_device(config.trainer).type  # (planned for one)
-        refusal = unsupported_policy(str(config.model.policy.model), tuple(config.model.policy.lora_targets),
-                                     device_type) if engine_kind(rollout) == "vllm" else None
-        if trains and refusal:
-            parser.error(refusal)
+        if trains and engine_kind(rollout) == "vllm":
+            device_type = "cuda" if device_gb is not None else planning_device(config.trainer).type  # (planned for)
+            if refusal := unsupported_policy(str(config.model.policy.model), tuple(config.model.policy.lora_targets),
+                                             device_type):
+                parser.error(refusal)
         if trains and engine_kind(rollout) == "vllm" and replays_routing(config.model.get("expert_routing")):
             parser.error("model.expert_routing.replay=true: router replay needs the rollout's expert choices, which "
                          "VLLMRollout does not record; use class_path: qerl.rollout.cuda_graph.CUDAGraphRollout, or "

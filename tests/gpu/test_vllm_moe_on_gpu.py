@@ -17,7 +17,8 @@ import importlib.util
 
 import pytest
 import torch
-from vllm_cases import G, PROMPTS, VOCAB, colocated_engine, nvfp4_policy, randomize_lora_b, sample
+from vllm_cases import engine  # noqa: F401 (a fixture)
+from vllm_cases import G, PROMPTS, VOCAB, nvfp4_policy, randomize_lora_b, sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -32,11 +33,6 @@ def policy(tmp_path_factory):
     config = model_config("qwen3-30b-a3b", hidden_size=512, moe_intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
     return nvfp4_policy(config, tmp_path_factory.mktemp("nvfp4_moe"), randomize_expert_adapter)
-
-
-@pytest.fixture(scope="module")
-def engine(policy):
-    return colocated_engine(policy)
 
 
 def randomize_expert_adapter(policy, seed: int) -> None:

@@ -16,7 +16,8 @@ import importlib.util
 
 import pytest
 import torch
-from vllm_cases import G, PROMPTS, VOCAB, colocated_engine, nvfp4_policy, randomize_lora_b
+from vllm_cases import engine  # noqa: F401 (a fixture)
+from vllm_cases import G, PROMPTS, VOCAB, nvfp4_policy, randomize_lora_b
 from vllm_cases import sample as sample_from
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -32,11 +33,6 @@ def policy(tmp_path_factory):
     config = qwen25_config("qwen2.5-7b", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
     return nvfp4_policy(config, tmp_path_factory.mktemp("nvfp4"), randomize_adapter)
-
-
-@pytest.fixture(scope="module")
-def engine(policy):
-    return colocated_engine(policy)
 
 
 def randomize_adapter(policy, seed: int) -> None:

@@ -1,12 +1,13 @@
 """What the vLLM engine's GPU tests share (``test_vllm_on_gpu.py``, ``test_vllm_moe_on_gpu.py``; one vLLM engine per
-test module): a random-init NVFP4 checkpoint written by qerl, its policy with LoRA r16, the colocated engine, a
-random adapter, and the sampling call with its fixed prompts."""
+test module): a random-init NVFP4 checkpoint written by qerl, its policy with LoRA r16, the colocated engine (a
+fixture over the module's ``policy`` fixture), a random adapter, and the sampling call with its fixed prompts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from qerl.rollout.sampling_spec import SamplingSpec
@@ -29,9 +30,10 @@ def nvfp4_policy(config, directory: Path, randomize: Callable[[object, int], Non
     return policy
 
 
-def colocated_engine(policy):
-    """``VLLMRollout`` on the policy's checkpoint, synced once: tokens in and out only (the checkpoint has no
-    tokenizer)."""
+@pytest.fixture(scope="module")
+def engine(policy):
+    """``VLLMRollout`` on the module's ``policy`` fixture's checkpoint, synced once: tokens in and out only (the
+    checkpoint has no tokenizer)."""
     from qerl.rollout.vllm import VLLMRollout
 
     engine = VLLMRollout(max_model_len=128, gpu_memory_utilization=0.3, engine_kwargs={"skip_tokenizer_init": True})
