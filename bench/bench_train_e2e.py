@@ -31,8 +31,9 @@ tokenizer drives it) are written once as checkpoints (NVFP4: compressed-tensors;
 through the real CLI: DataModule, rollout engine, rewards, GRPOModule, callbacks, TensorBoard. Generation length is
 set by the random weights (EOS is rare) or drawn (``--lengths lognormal``), so the timings are those of real weights
 at those lengths. Reads ``perf/rollout_s``, ``perf/train_s``, ``perf/peak_memory_gb`` back from the event files,
-drops the first step (graph capture, autotuning) and prints the medians side by side; writes
-``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``: setup,
+drops the first step (graph capture, autotuning) and prints the medians side by side, with each step's wall time
+between the logs (``wall s``: also the rewards and the vLLM engine's adapter sync, which the step's ``rollout s +
+train s`` leave out); writes ``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``: setup,
 prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each timed
 call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
 (``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so
@@ -173,6 +174,8 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
     return {
         "rollout_s": steady("perf/rollout_s"),
         "train_s": steady("perf/train_s"),
+        "reward_s": steady("perf/reward_s") if "perf/reward_s" in series else None,
+        "wall_s": step_wall_s([e.wall_time for e in events.Scalars("perf/rollout_s")], first),
         "rollout_tok_s": steady("perf/rollout_tokens_per_s"),
         "peak_gb": max(series.get("perf/peak_memory_gb", [0.0])),
         "completion_length": steady("train/completion_length"),
@@ -188,7 +191,19 @@ def fit(model_dir: Path, quantization: str, args, log_root: Path) -> dict:
         "gpu_memory_utilization": getattr(cli.model.rollout, "gpu_memory_utilization", None),  # the plan's (vLLM)
         # each generate call's breakdown (rollout_phases.py), the first step's dropped as above
         "rollout_phases": phases[1:] or phases,
+        # the vLLM engine's adapter syncs and loads (forced_lengths.ForcedLengthVLLMRollout), all of them
+        "adapter_sync_s": getattr(cli.model.rollout, "sync_seconds", None),
+        "adapter_load_s": getattr(cli.model.rollout, "load_seconds", None),
     }
+
+
+def step_wall_s(wall_times: list[float], first: int) -> float | None:
+    """Median wall-clock seconds of the steps from ``first`` on, from the times their scalars were logged: step i's
+    is the time from step i - 1's log to its own, so it holds what ``perf/rollout_s`` and ``perf/train_s`` leave out
+    (the rewards, the engine's adapter sync after the step before, logging). None with one step logged."""
+    gaps = [b - a for a, b in zip(wall_times, wall_times[1:])]
+    steady = gaps[max(first - 1, 0):] or gaps
+    return statistics.median(steady) if steady else None
 
 
 ENGINES = {  # --engine -> --lengths -> the rollout class
@@ -294,6 +309,7 @@ def main() -> None:
     for q, r in results.items():
         row[f"rollout_s_{q}"], row[f"train_s_{q}"] = r["rollout_s"], r["train_s"]
         row[f"step_s_{q}"], row[f"peak_gb_{q}"] = r["rollout_s"] + r["train_s"], r["peak_gb"]
+        row[f"wall_s_{q}"] = r.get("wall_s")
         row[f"completion_length_{q}"] = r["completion_length"]
         row[f"kv_cache_dtype_{q}"] = kv_cache_dtype(args, q)
         if r["update_tokens"]:
@@ -316,13 +332,19 @@ def main() -> None:
     print(f"\n{args.size}, {args.prompts} prompts x G={args.group_size}, {args.new_tokens} new tokens ({args.lengths}, "
           f"{args.engine} engine),"
           f" {args.label}, {device}")
-    print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'peak GB':>10}{'len':>8}{'upd/floor':>10}")
+    print(f"{'':10}{'rollout s':>12}{'train s':>12}{'step s':>12}{'wall s':>10}{'peak GB':>10}{'len':>8}"
+          f"{'upd/floor':>10}")
     for q, r in results.items():
-        print(f"{q:10}{r['rollout_s']:12.2f}{r['train_s']:12.2f}{r['rollout_s'] + r['train_s']:12.2f}"
+        wall = r.get("wall_s") or float("nan")
+        print(f"{q:10}{r['rollout_s']:12.2f}{r['train_s']:12.2f}{r['rollout_s'] + r['train_s']:12.2f}{wall:10.2f}"
               f"{r['peak_gb']:10.1f}{r['completion_length']:8.0f}{row.get(f'update_over_floor_{q}', float('nan')):10.2f}")
     for key, value in row.items():
         if "_over_" in key or key.startswith("speedup") or "_main" in key:
             print(f"  {key}: {value:.3f}")
+    for q, r in results.items():
+        if r.get("adapter_sync_s"):
+            print(f"  {q}: adapter sync s {', '.join(f'{v:.2f}' for v in r['adapter_sync_s'])}; load into vLLM s "
+                  f"{', '.join(f'{v:.2f}' for v in r['adapter_load_s'] or [])}")
     try:  # the runs' own figures are written whatever happens to their breakdown
         phases = rollout_phases_summaries(results, args.short_context_ms, args.size, device)
         if phases:

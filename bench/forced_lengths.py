@@ -20,6 +20,7 @@ loss: the update sees the same tokens as with the CUDA-graph engine).
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -142,11 +143,27 @@ class _DrawnTurns:
 
 
 class ForcedLengthVLLMRollout(DrawnLengths, VLLMRollout):
-    """``VLLMRollout`` whose completions end at drawn lengths (see the module docstring)."""
+    """``VLLMRollout`` whose completions end at drawn lengths (see the module docstring); it also times each adapter
+    sync (``sync_seconds``: the snapshot to RAM after every step) and each load of it into vLLM (``load_seconds``:
+    inside the next rollout)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._row_lengths = iter(())
+        self.sync_seconds: list[float] = []
+        self.load_seconds: list[float] = []
+
+    def sync(self, policy) -> None:
+        start = time.perf_counter()
+        super().sync(policy)
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def _push_pending(self) -> None:
+        start = time.perf_counter()
+        loads = self._pending_lora
+        super()._push_pending()
+        if loads:
+            self.load_seconds.append(time.perf_counter() - start)
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids, group_size, pad_id, eos_ids, spec):

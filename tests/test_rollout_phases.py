@@ -214,6 +214,14 @@ def test_the_e2e_command_builds_the_timed_engine_through_the_cli(no_model_loads,
     assert isinstance(cli.model.rollout, TimedForcedLengthRollout) and cli.model.rollout.length_median == 400.0
 
 
+def test_the_e2e_wall_time_of_a_step_is_the_gap_before_its_log_from_the_first_timed_step():
+    import bench_train_e2e
+
+    assert bench_train_e2e.step_wall_s([0.0, 10.0, 13.0, 20.0], 1) == 7.0  # steps 1-3: 10, 3, 7
+    assert bench_train_e2e.step_wall_s([0.0, 10.0, 13.0, 20.0], 2) == 5.0  # steps 2-3
+    assert bench_train_e2e.step_wall_s([5.0], 1) is None
+
+
 def test_a_fit_with_the_timed_engine_records_each_steps_rollout_inside_its_logged_time(tiny_model_dirs, tmp_path,
                                                                                        monkeypatch):
     """Through ``train.py fit`` as the e2e benchmark runs it (the tiny MoE's fused step, its expert choices recorded):
@@ -238,6 +246,12 @@ def test_a_fit_with_the_timed_engine_records_each_steps_rollout_inside_its_logge
     for record, logged in zip(records, rollout_s):
         assert 0 < record["total_s"] <= logged
         assert record["decode_steps"] >= 1 and record["prefills"] == 1
+    # the e2e's wall time of the second step: from the first step's log to its own, so past its rollout and update
+    import bench_train_e2e
+
+    wall = bench_train_e2e.step_wall_s([e.wall_time for e in events.Scalars("perf/rollout_s")], 1)
+    train_s = events.Scalars("perf/train_s")[1].value
+    assert wall >= rollout_s[1] + train_s
 
 
 def test_the_record_says_when_the_decode_state_was_rebuilt_and_what_of_its_key_changed(policy):
