@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from qerl.hub import resolve_model
+from qerl.kernels.host_copy import to_host
 from qerl.model.aqn import aqn_noise, takes_noise
 from qerl.model.checkpoint_io import DEFAULT_TARGETS, matches_target
 from qerl.model.experts import routed_experts_of
@@ -116,15 +117,34 @@ def environment_defaults(values: dict[str, str]):
             os.environ.pop(key, None)
 
 
-def save_lora(policy, directory: Path) -> int:
-    """Write the active adapter's LoRA matrices (no ``modules_to_save``: vLLM refuses full modules) in PEFT format;
-    returns its largest rank."""
+def lora_parameters(policy) -> dict[str, torch.nn.Parameter]:
+    """The active adapter's LoRA matrices under the keys PEFT writes them with (``get_peft_model_state_dict``), each
+    the parameter itself rather than a detached copy: a caller may keep the map across steps and read the current
+    values from it, where peft's state dict walks the whole model each time (seconds for a 128-expert MoE's ~212K
+    modules). Raises ``LookupError`` where a matrix is not one of the policy's parameters."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(policy, adapter_name=getattr(policy, "active_adapter", "default"))
+    params = {(p.data_ptr(), p.dtype, tuple(p.shape)): p for n, p in policy.named_parameters() if ".lora_" in n}
+    found = {k: params.get((v.data_ptr(), v.dtype, tuple(v.shape))) for k, v in state.items() if ".lora_" in k}
+    if missing := [k for k, v in found.items() if v is None]:
+        raise LookupError(f"{missing[:3]}: not parameters of the policy")
+    return found
+
+
+def save_lora(policy, directory: Path, dtype: torch.dtype | None = None,
+              matrices: dict[str, torch.Tensor] | None = None) -> int:
+    """Write the active adapter's LoRA matrices (``matrices``, e.g. a kept :func:`lora_parameters`; None: peft's state
+    dict now; no ``modules_to_save``: vLLM refuses full modules) in PEFT format, cast to ``dtype`` on the device where
+    given (the dtype vLLM holds them in: the bytes it would cast on load need not cross over); returns its largest
+    rank."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     name = getattr(policy, "active_adapter", "default")
-    state = get_peft_model_state_dict(policy, adapter_name=name)
-    lora = {k: v.detach().to("cpu").contiguous() for k, v in state.items() if ".lora_" in k}
+    if matrices is None:
+        matrices = {k: v for k, v in get_peft_model_state_dict(policy, adapter_name=name).items() if ".lora_" in k}
+    lora = to_host(matrices, dtype)  # (a MoE's: ~37K matrices, GBs)
     config = copy.copy(policy.peft_config[name])
     config.modules_to_save = None
     config.save_pretrained(str(directory))
@@ -224,6 +244,7 @@ class VLLMRollout(RolloutEngine):
         self._sleeping_bytes = 0  # what the last sleep handed back to the GPU (PyTorch still counts it)
         self._adapter_dir: Path | None = None
         self._lora_rank: int | None = None
+        self._lora_matrices: tuple[tuple, dict] | None = None  # (policy and adapter, lora_parameters of them)
         self._pending_lora = False  # a new adapter file waits to be loaded into vLLM
         self._clean_norms: dict[str, torch.Tensor] = {}  # trained norm weights, keyed by vLLM parameter name
         self._pending_norms = False
@@ -263,13 +284,27 @@ class VLLMRollout(RolloutEngine):
         (it may be asleep now, with no weights on the GPU to write into)."""
         if self._adapter_dir is None:
             self._adapter_dir = ram_directory("qerl-vllm-lora-")
-        rank = save_lora(policy, self._adapter_dir)
+        adapter = (id(policy), getattr(policy, "active_adapter", "default"))
+        if self._lora_matrices is None or self._lora_matrices[0] != adapter:
+            try:  # the parameters themselves: read anew at each sync
+                self._lora_matrices = (adapter, lora_parameters(policy))
+            except LookupError:  # (a matrix peft derives: its state dict at every sync)
+                self._lora_matrices = (adapter, None)
+        rank = save_lora(policy, self._adapter_dir, self._lora_dtype(policy), self._lora_matrices[1])
         if self._lora_rank is not None and rank > self._lora_rank:
             raise ValueError(f"The adapter's rank grew to {rank}; vLLM runs with max_lora_rank={self._lora_rank}.")
         self._clean_norms = {name: w.clone() for name, w in policy_norms(policy).items()}
         self._pending_lora = self._pending_norms = True
         if self.llm is None:
             self._start(policy, rank)
+
+    def _lora_dtype(self, policy) -> torch.dtype | None:
+        """The dtype vLLM holds the LoRA matrices in: its ``lora_dtype`` (``engine_kwargs``), by default the dtype it
+        serves; None where that is not one of :data:`DTYPES` (the adapter is written as it is)."""
+        lora = self.engine_kwargs.get("lora_dtype", "auto")
+        if lora in (None, "auto"):
+            return DTYPES[self.dtype] if self.dtype != "auto" else policy.get_base_model().dtype
+        return lora if isinstance(lora, torch.dtype) else DTYPES.get(lora)
 
     @torch.no_grad()
     def generate(self, policy, prompt_ids: list[list[int]], group_size: int, pad_id: int, eos_ids: list[int],

@@ -468,3 +468,30 @@ def test_rotary_kernels_are_transformers_rotation_within_one_step_in_the_project
         (dxref,) = torch.autograd.grad(yref, theirs, dy, retain_graph=True)
         torch.testing.assert_close(dx.float(), dxref.float(), rtol=0, atol=2.0**-7 * dy.abs().max().item())
         assert dx.stride() == x.stride()
+
+
+def test_host_copies_of_many_device_tensors_join_per_dtype_and_equal_each_tensors_own(tmp_path, monkeypatch):
+    """``host_copy.to_host`` (the vLLM engine's adapter snapshot): device tensors of two dtypes, one not contiguous,
+    joined in several runs, beside a host one; each copy equals the tensor's own ``.cpu()``, the views write and read
+    back as safetensors, and cast to bf16 they equal the CPU's rounding."""
+    from safetensors.torch import load_file, save_file
+
+    from qerl.kernels import host_copy
+
+    monkeypatch.setattr(host_copy, "JOIN_BYTES", 4096)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    source = {}
+    for i in range(40):
+        dtype = torch.bfloat16 if i % 3 else torch.float32
+        source[f"t{i}"] = torch.randn(16, 8 + i, device="cuda", generator=gen).to(dtype)
+    source["t5"] = source["t5"].t()
+    source["host"] = torch.arange(6.0).view(2, 3)
+    copies = host_copy.to_host(source)
+    assert list(copies) == list(source)
+    for key, t in source.items():
+        assert copies[key].device.type == "cpu" and copies[key].is_contiguous()
+        assert copies[key].dtype == t.dtype and torch.equal(copies[key], t.cpu())
+    save_file(copies, str(tmp_path / "adapter.safetensors"))
+    assert all(torch.equal(v, source[k].cpu()) for k, v in load_file(str(tmp_path / "adapter.safetensors")).items())
+    cast = host_copy.to_host(source, torch.bfloat16)  # the fp32 ones rounded on the GPU as the CPU rounds them
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, source[k].cpu().to(torch.bfloat16)) for k, v in cast.items())

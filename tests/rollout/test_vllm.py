@@ -132,6 +132,35 @@ def test_vllm_outputs_become_a_builtin_layout_rollout():
     assert r.truncated.tolist() == [False, True, False, True]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_the_kept_lora_map_is_peft_s_state_dict_and_writes_each_syncs_values(tiny_model_dirs, tmp_path, arch):
+    """``lora_parameters``: peft's keys, each the policy's parameter (the MoE's per-expert matrices too); ``save_lora``
+    from the kept map writes what peft's state dict holds after a step's in-place update and after a parameter's
+    data moved, cast to the dtype asked for."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from qerl.model.policy import build_policy
+    from qerl.rollout.vllm import lora_parameters, save_lora
+
+    policy = build_policy(str(tiny_model_dirs[arch]), quantization="bf16", lora_rank=4, dtype="float32")
+    kept = lora_parameters(policy)
+    state = {k: v for k, v in get_peft_model_state_dict(policy).items() if ".lora_" in k}
+    assert list(kept) == list(state) and all(isinstance(p, torch.nn.Parameter) for p in kept.values())
+    if arch == "qwen3_moe":
+        assert any(".mlp.experts.1.down_proj.lora_B." in k for k in kept)
+    with torch.no_grad():
+        for p in kept.values():
+            p.add_(0.5)  # an optimizer step
+        moved = next(iter(kept.values()))
+        moved.data = moved.data.clone() * 3  # (weights moved out and back)
+    save_lora(policy, tmp_path, torch.bfloat16, kept)
+    written = load_file(str(tmp_path / "adapter_model.safetensors"))
+    now = {k: v for k, v in get_peft_model_state_dict(policy).items() if ".lora_" in k}
+    assert written.keys() == now.keys()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, now[k].to(torch.bfloat16)) for k, v in written.items())
+
+
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy():
