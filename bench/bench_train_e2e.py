@@ -30,12 +30,12 @@ Random-init weights with the real Qwen2.5 shapes (vocabulary cut to the tokenize
 tokenizer drives it) are written once as checkpoints (NVFP4: compressed-tensors; bf16: safetensors) and trained
 through the real CLI: DataModule, rollout engine, rewards, GRPOModule, callbacks, TensorBoard. Generation length is
 set by the random weights (EOS is rare) or drawn (``--lengths lognormal``), so the timings are those of real weights
-at those lengths. Reads ``perf/rollout_s``, ``perf/train_s``, ``perf/peak_memory_gb`` back from the event files,
-drops the first step (graph capture, autotuning) and prints the medians side by side, with each step's wall time
-between the logs (``wall s``: also the rewards and the vLLM engine's adapter sync, which the step's ``rollout s +
-train s`` leave out); writes ``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``: setup,
-prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each timed
-call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
+at those lengths. Reads ``perf/rollout_s``, ``perf/train_s``, ``perf/peak_memory_gb`` back from the event files, drops
+the first step (graph capture, autotuning) and prints the medians side by side, with each step's wall time between the
+logs (``wall s``: also the rewards and the vLLM engine's adapter sync, which the step's ``rollout s + train s`` leave
+out); writes ``train_e2e_<device>.json``. The CUDA-graph engine's calls are split into phases (``rollout_phases.py``:
+setup, prefill, decode per batch bucket, captures, checks, ...): the JSON's ``runs.<format>.rollout_phases`` has each
+timed call's, ``rollout_phases_summary`` their mean against a model of steps x short-context ms per step
 (``--short-context-ms``), and a table sets the formats side by side. Each format trains in a process of its own, so
 the second finds the GPU as free as the first (``--micro-batch-tokens auto`` plans from it); ``--parallel``
 (a machine with a GPU per format): each format's checkpoint write and run pinned to a GPU of its own, the formats at
@@ -337,7 +337,8 @@ def main() -> None:
     for q, r in results.items():
         wall = r.get("wall_s") or float("nan")
         print(f"{q:10}{r['rollout_s']:12.2f}{r['train_s']:12.2f}{r['rollout_s'] + r['train_s']:12.2f}{wall:10.2f}"
-              f"{r['peak_gb']:10.1f}{r['completion_length']:8.0f}{row.get(f'update_over_floor_{q}', float('nan')):10.2f}")
+              f"{r['peak_gb']:10.1f}{r['completion_length']:8.0f}"
+              f"{row.get(f'update_over_floor_{q}', float('nan')):10.2f}")
     for key, value in row.items():
         if "_over_" in key or key.startswith("speedup") or "_main" in key:
             print(f"  {key}: {value:.3f}")

@@ -494,4 +494,5 @@ def test_host_copies_of_many_device_tensors_join_per_dtype_and_equal_each_tensor
     save_file(copies, str(tmp_path / "adapter.safetensors"))
     assert all(torch.equal(v, source[k].cpu()) for k, v in load_file(str(tmp_path / "adapter.safetensors")).items())
     cast = host_copy.to_host(source, torch.bfloat16)  # the fp32 ones rounded on the GPU as the CPU rounds them
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, source[k].cpu().to(torch.bfloat16)) for k, v in cast.items())
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, source[k].cpu().to(torch.bfloat16))
+               for k, v in cast.items())
