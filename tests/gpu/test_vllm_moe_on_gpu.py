@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 import torch
 from vllm_cases import engine  # noqa: F401 (a fixture)
-from vllm_cases import G, PROMPTS, VOCAB, nvfp4_policy, randomize_lora_b, sample
+from vllm_cases import G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b, sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -40,16 +40,11 @@ def randomize_expert_adapter(policy, seed: int) -> None:
     randomize_lora_b(policy, seed, lambda name: 0.3 if ".experts." in name else 0.0)
 
 
-@torch.no_grad()
 def gaps(policy, rollout) -> tuple[float, float]:
-    """Mean |vLLM log-prob - recomputed| over the completion tokens, with the policy's adapter and without it."""
-    from qerl.testing.rollouts import recompute
-
-    mask = rollout.completion_mask.bool()
-    with_adapter = float((rollout.logprobs - recompute(policy, rollout)[0])[mask].abs().mean())
+    """vLLM's log-prob gap to the policy's recomputation, with the policy's adapter and without it."""
     with policy.disable_adapter():
-        without = float((rollout.logprobs - recompute(policy, rollout)[0])[mask].abs().mean())
-    return with_adapter, without
+        without = gap(policy, rollout)
+    return gap(policy, rollout), without
 
 
 def test_vllm_samples_the_nvfp4_moe_with_its_expert_lora(engine, policy):

@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 from vllm_cases import engine  # noqa: F401 (a fixture)
-from vllm_cases import G, PROMPTS, VOCAB, nvfp4_policy, randomize_lora_b
+from vllm_cases import G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b
 from vllm_cases import sample as sample_from
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -41,14 +41,6 @@ def randomize_adapter(policy, seed: int) -> None:
 
 def sample(engine, policy, seed: int = 123, sigma: float = 0.0, noise_seed: int = 0):
     return sample_from(engine, policy, MAX_NEW, seed, sigma, noise_seed)
-
-
-def gap(policy, rollout) -> float:
-    from qerl.testing.rollouts import recompute
-
-    expected = recompute(policy, rollout, 1.0)[0]
-    mask = rollout.completion_mask.bool()
-    return float((rollout.logprobs - expected)[mask].abs().mean())
 
 
 def mean_change(a, b) -> float:

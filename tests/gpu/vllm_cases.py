@@ -1,6 +1,7 @@
 """What the vLLM engine's GPU tests share (``test_vllm_on_gpu.py``, ``test_vllm_moe_on_gpu.py``; one vLLM engine per
 test module): a random-init NVFP4 checkpoint written by qerl, its policy with LoRA r16, the colocated engine (a
-fixture over the module's ``policy`` fixture), a random adapter, and the sampling call with its fixed prompts."""
+fixture over the module's ``policy`` fixture), a random adapter, the sampling call with its fixed prompts, and the
+gap of vLLM's log-probs to the policy's recomputation."""
 
 from __future__ import annotations
 
@@ -56,3 +57,12 @@ def sample(engine, policy, max_new: int, seed: int = 123, sigma: float = 0.0, no
     spec = SamplingSpec(max_new_tokens=max_new, seed=seed, stream="separate", noise_sigma=sigma,
                         noise_generator=torch.Generator().manual_seed(noise_seed))
     return engine.generate(policy, PROMPTS, G, 0, [], spec)
+
+
+@torch.no_grad()
+def gap(policy, rollout) -> float:
+    """Mean |vLLM log-prob - the policy's recomputation| over the completion tokens (the policy as it is now)."""
+    from qerl.testing.rollouts import recompute
+
+    mask = rollout.completion_mask.bool()
+    return float((rollout.logprobs - recompute(policy, rollout, 1.0)[0])[mask].abs().mean())
