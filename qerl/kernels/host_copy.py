@@ -14,33 +14,35 @@ import torch
 
 
 JOIN_BYTES = 256 * 2**20
-"""The most bytes :func:`to_host` joins on the device for one copy (its transient device memory)."""
+"""The most bytes (in the target dtype) :func:`to_host` joins on the device for one copy: its transient device memory
+is this, and as much again per byte a source has over the target (fp32 joined before its cast to bf16)."""
 
 
 def to_host(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Contiguous host copies of ``tensors`` (same keys, order and shapes; floating ones cast to ``dtype`` on the
-    device where given): the device ones of each device and dtype joined there, up to :data:`JOIN_BYTES` at a time,
-    each join copied over in one transfer (into pinned memory on CUDA, all queued before one wait); every host tensor
-    is a view of its join's host buffer (non-overlapping). Host tensors are copied as they are."""
+    """Contiguous host copies of ``tensors`` (same keys, order and shapes; floating ones cast to ``dtype`` where given):
+    those of each device and dtype joined on their device, up to :data:`JOIN_BYTES` at a time, each join cast once and
+    copied over in one transfer (into pinned memory from CUDA, all queued before one wait); every host tensor is a view
+    of its join's host buffer (non-overlapping)."""
     target = {k: dtype if dtype is not None and t.is_floating_point() else t.dtype for k, t in tensors.items()}
-    out = {k: t.detach().to("cpu", target[k], copy=True).contiguous() for k, t in tensors.items()
-           if t.device.type == "cpu"}
     groups: dict[tuple, list[str]] = {}
     for key, t in tensors.items():
-        if t.device.type != "cpu":
-            groups.setdefault((t.device, target[key]), []).append(key)
+        groups.setdefault((t.device, target[key]), []).append(key)
+    out = {}
     for (device, dt), keys in groups.items():
         sizes = [tensors[k].numel() for k in keys]
+        cuda = device.type == "cuda"
         for start, end in join_runs([n * dt.itemsize for n in sizes], JOIN_BYTES):
             part = keys[start:end]
-            joined = torch.cat([tensors[k].detach().reshape(-1).to(dt) for k in part])
+            # one cast per join, not per tensor (a MoE adapter's are ~37K small ones); the cat promotes mixed dtypes
+            joined = torch.cat([tensors[k].detach().reshape(-1) for k in part]).to(dt)
             # pinned: the copy runs at the link's speed, not a pageable buffer's (several times slower), queued on the
             # stream after the join; the caching host allocator keeps the block for the next call
-            host = torch.empty(joined.shape, dtype=dt, pin_memory=device.type == "cuda")
-            host.copy_(joined, non_blocking=device.type == "cuda")
+            host = joined if device.type == "cpu" else torch.empty(joined.shape, dtype=dt, pin_memory=cuda)
+            if host is not joined:
+                host.copy_(joined, non_blocking=cuda)
             for key, piece in zip(part, host.split(sizes[start:end])):
                 out[key] = piece.view(tensors[key].shape)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.current_stream(device).synchronize()
     return {k: out[k] for k in tensors}
 
