@@ -13,15 +13,12 @@ Its own module (and process): one vLLM engine per process. Random-init, Qwen3-30
 experts, top-8, head_dim 128).
 """
 
-import importlib.util
-
 import pytest
 import torch
 from vllm_cases import engine  # noqa: F401 (a fixture)
-from vllm_cases import G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b, sample
+from vllm_cases import MARKS, G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b, sample
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
+pytestmark = MARKS
 
 MAX_NEW = 24
 

@@ -12,16 +12,13 @@ The model is random-init and Qwen2.5-shaped, small enough for seconds per step (
 a minute once). Run on an H100 with vLLM 0.26.0 (docs/vllm.md, "Versions").
 """
 
-import importlib.util
-
 import pytest
 import torch
 from vllm_cases import engine  # noqa: F401 (a fixture)
-from vllm_cases import G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b
+from vllm_cases import MARKS, G, PROMPTS, VOCAB, gap, nvfp4_policy, randomize_lora_b
 from vllm_cases import sample as sample_from
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
+pytestmark = MARKS
 
 MAX_NEW = 32
 

@@ -5,6 +5,7 @@ gap of vLLM's log-probs to the policy's recomputation."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,10 @@ import pytest
 import torch
 
 from qerl.rollout.sampling_spec import SamplingSpec
+
+MARKS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+         pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
+"""The modules' ``pytestmark``: the GPU tier, with CUDA and vLLM."""
 
 VOCAB, G = 1024, 4
 PROMPTS = [[int(t) for t in torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
